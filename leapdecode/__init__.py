@@ -1,0 +1,8 @@
+"""leapdecode: a readable Python LLM inference engine for fast, lossless decoding."""
+from leapdecode.config import EngineConfig, SpeculativeConfig
+from leapdecode.llm import LLM
+from leapdecode.outputs import CompletionOutput, RequestOutput
+from leapdecode.sampling_params import SamplingParams
+
+__all__ = ["LLM", "SamplingParams", "SpeculativeConfig", "EngineConfig", "RequestOutput", "CompletionOutput"]
+__version__ = "0.1.0"

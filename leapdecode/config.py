@@ -1,0 +1,95 @@
+"""Engine and speculation configs, validated once at start-up."""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+_DTYPES = {"float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
+           "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+           "float16": torch.float16, "half": torch.float16, "fp16": torch.float16}
+
+SPEC_METHODS = ("ngram", "suffix", "recycling", "auto")
+
+
+def parse_dtype(dtype: str | torch.dtype, model_dtype: str | None, device: torch.device) -> torch.dtype:
+    """"auto" means the checkpoint's dtype, except half precision on CPU, where float32 is faster and exact."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        d = _DTYPES.get(str(model_dtype or "float32").replace("torch.", ""), torch.float32)
+        return torch.float32 if device.type == "cpu" and d == torch.float16 else d
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {dtype!r}")
+    return _DTYPES[dtype]
+
+
+def parse_memory(value: int | float | str) -> int:
+    """Bytes from an int or a string such as '512MiB', '2GB', '1.5G'."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return int(value)
+    m = re.fullmatch(r"\s*([0-9.]+)\s*([kKmMgGtT]?)(i?[bB])?\s*", str(value))
+    if not m:
+        raise ValueError(f"kv_cache_memory must be bytes or a size like '2GiB', got {value!r}")
+    scale = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}[m.group(2).lower()]
+    return int(float(m.group(1)) * scale)
+
+
+@dataclass
+class SpeculativeConfig:
+    """How to speculate. ``num_speculative_tokens`` is the most draft tokens per request per step."""
+    method: str = "suffix"
+    num_speculative_tokens: int = 4
+    adaptive: bool = True            # per-request draft length from acceptance history + load-aware cap
+    options: dict[str, Any] = field(default_factory=dict)   # passed to the drafter
+
+    def __post_init__(self) -> None:
+        if self.method not in SPEC_METHODS:
+            raise ValueError(f"speculative_config.method must be one of {SPEC_METHODS}, got {self.method!r}")
+        if not isinstance(self.num_speculative_tokens, int) or not 0 <= self.num_speculative_tokens <= 64:
+            raise ValueError("speculative_config.num_speculative_tokens must be an integer in [0, 64], "
+                             f"got {self.num_speculative_tokens!r}")
+
+    @classmethod
+    def from_any(cls, value: "SpeculativeConfig | dict | None") -> "SpeculativeConfig | None":
+        if value is None or isinstance(value, cls):
+            return value
+        if isinstance(value, dict):
+            known = {"method", "num_speculative_tokens", "adaptive", "options"}
+            options = {k: v for k, v in value.items() if k not in known}
+            base = {k: v for k, v in value.items() if k in known}
+            return cls(**base, options={**base.pop("options", {}), **options})
+        raise ValueError(f"speculative_config must be a SpeculativeConfig or a dict, got {type(value).__name__}")
+
+
+@dataclass
+class EngineConfig:
+    model: str
+    tokenizer: str | None = None
+    dtype: str | torch.dtype = "auto"
+    device: str | None = None                 # None: cuda if available else cpu
+    max_model_len: int | None = None          # None: the checkpoint's max_position_embeddings (capped at 8192)
+    kv_cache_memory: int | str | None = None  # bytes for the KV pool; None: see EngineConfig.resolve
+    num_kv_blocks: int | None = None          # overrides kv_cache_memory when set
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 256
+    seed: int = 0
+    speculative_config: SpeculativeConfig | dict | None = None
+
+    def __post_init__(self) -> None:
+        self.speculative_config = SpeculativeConfig.from_any(self.speculative_config)
+        for name in ("block_size", "max_num_batched_tokens", "max_num_seqs"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 2):
+            raise ValueError(f"max_model_len must be an integer >= 2, got {self.max_model_len!r}")
+        if self.num_kv_blocks is not None and (not isinstance(self.num_kv_blocks, int) or self.num_kv_blocks < 1):
+            raise ValueError(f"num_kv_blocks must be a positive integer, got {self.num_kv_blocks!r}")
+        if self.kv_cache_memory is not None:
+            self.kv_cache_memory = parse_memory(self.kv_cache_memory)
+        self.torch_device = torch.device(self.device or ("cuda" if torch.cuda.is_available() else "cpu"))

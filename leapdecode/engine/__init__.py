@@ -1,0 +1,1 @@
+"""Engine internals: step loop, scheduler, block manager, sequences, model runner."""

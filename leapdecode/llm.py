@@ -1,0 +1,119 @@
+"""The offline API, in the shape vLLM users know: LLM(...).generate / chat / stream."""
+from __future__ import annotations
+
+import itertools
+from typing import Any, Iterable, Iterator, Sequence
+
+from tqdm.auto import tqdm
+
+from leapdecode.config import EngineConfig, SpeculativeConfig
+from leapdecode.engine.engine import Engine
+from leapdecode.outputs import RequestOutput
+from leapdecode.sampling_params import SamplingParams
+
+Prompt = str | list[int]
+
+
+def resolve_model(model: str | None) -> str:
+    if model is not None:
+        return model
+    from leapdecode.assets import default_model_path
+    return default_model_path()
+
+
+class LLM:
+    def __init__(self, model: str | None = None, *, tokenizer: str | None = None, dtype: str = "auto",
+                 device: str | None = None, max_model_len: int | None = None,
+                 kv_cache_memory: int | str | None = None, num_kv_blocks: int | None = None, block_size: int = 16,
+                 enable_prefix_caching: bool = True, max_num_batched_tokens: int = 2048, max_num_seqs: int = 256,
+                 seed: int = 0, speculative_config: SpeculativeConfig | dict | None = None) -> None:
+        cfg = EngineConfig(
+            model=resolve_model(model), tokenizer=tokenizer, dtype=dtype, device=device, max_model_len=max_model_len,
+            kv_cache_memory=kv_cache_memory, num_kv_blocks=num_kv_blocks, block_size=block_size,
+            enable_prefix_caching=enable_prefix_caching, max_num_batched_tokens=max_num_batched_tokens,
+            max_num_seqs=max_num_seqs, seed=seed, speculative_config=speculative_config)
+        self.engine = Engine(cfg)
+        self._ids = itertools.count()
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def default_sampling_params(self) -> SamplingParams:
+        """The checkpoint's generation_config.json defaults (temperature, top_p, ...) when the caller gives none."""
+        return SamplingParams(**self.engine.generation_defaults.sampling)
+
+    # -- generation --------------------------------------------------------------------------------------------
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Run every prompt to completion; results come back in input order."""
+        prompts = _as_prompt_list(prompts)
+        if sampling_params is None:
+            sampling_params = self.default_sampling_params()
+        params = ([sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams)
+                  else list(sampling_params))
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
+        ids = self._add_all(prompts, params)
+        results: dict[str, RequestOutput] = {}
+        with tqdm(total=len(ids), desc="Generating", disable=not use_tqdm, unit="req") as bar:
+            while self.engine.has_unfinished():
+                for out in self.engine.step():
+                    if out.finished:
+                        results[out.request_id] = out
+                        bar.update(1)
+        return [results[i] for i in ids]
+
+    def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> Iterator[RequestOutput]:
+        """Yield the request's output after every step that changed it (text and token_ids are cumulative).
+        Closing the generator early aborts the request and frees its KV blocks."""
+        (request_id,) = self._add_all([prompt], [sampling_params or self.default_sampling_params()])
+        try:
+            while True:
+                for out in self.engine.step():
+                    if out.request_id == request_id:
+                        yield out
+                        if out.finished:
+                            return
+        finally:
+            self.engine.abort(request_id)
+
+    def chat(self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, use_tqdm: bool = True,
+             add_generation_prompt: bool = True, chat_template: str | None = None) -> list[RequestOutput]:
+        """Apply the tokenizer's own chat template to one conversation (or a list of them), then generate."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [self.apply_chat_template(c, add_generation_prompt, chat_template) for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                            chat_template: str | None = None) -> list[int]:
+        tok = self.engine.tokenizer
+        if chat_template is None and not getattr(tok, "chat_template", None):
+            raise ValueError("this model's tokenizer has no chat template; pass chat_template=...")
+        text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                       chat_template=chat_template)
+        return tok.encode(text, add_special_tokens=False)
+
+    def _add_all(self, prompts: list[Prompt], params: list[SamplingParams]) -> list[str]:
+        """Submit all or nothing: if one request is invalid, those already added are withdrawn."""
+        added: list[str] = []
+        try:
+            for prompt, p in zip(prompts, params):
+                request_id = str(next(self._ids))
+                self.engine.add_request(request_id, prompt, p)
+                added.append(request_id)
+        except Exception:
+            for request_id in added:
+                self.engine.abort(request_id)
+            raise
+        return added
+
+
+def _as_prompt_list(prompts: Prompt | Iterable[Prompt]) -> list[Prompt]:
+    if isinstance(prompts, str):
+        return [prompts]
+    prompts = list(prompts)
+    if prompts and all(isinstance(t, int) for t in prompts):
+        return [prompts]                      # one prompt given as token ids
+    return prompts

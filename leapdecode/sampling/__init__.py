@@ -1,0 +1,1 @@
+"""Sampling and speculative verification."""

@@ -1,0 +1,85 @@
+"""SamplingParams: what a request asks of the sampler, validated at submission so errors name the field."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class SamplingParams:
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1                      # -1 or 0: off
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0      # HF semantics: over prompt + output tokens
+    presence_penalty: float = 0.0        # OpenAI semantics: over output tokens
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    max_tokens: int | None = 16          # None: up to max_model_len
+    min_tokens: int = 0
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    logprobs: int | None = None          # top-N logprobs per sampled token (the sampled one always included)
+    prompt_logprobs: int | None = None   # top-N logprobs per prompt token
+    skip_special_tokens: bool = True
+    structured: dict[str, Any] | None = None   # OpenAI response_format shape, plus regex / grammar / choice
+    stop_strings: list[str] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.stop_strings = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        self._validate()
+
+    def _validate(self) -> None:
+        def bad(name: str, why: str) -> ValueError:
+            return ValueError(f"SamplingParams.{name} {why}, got {getattr(self, name)!r}")
+
+        def is_int(x: Any) -> bool:
+            return isinstance(x, int) and not isinstance(x, bool)
+
+        if not is_int(self.n) or self.n < 1:
+            raise bad("n", "must be an integer >= 1")
+        if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
+            raise bad("temperature", "must be >= 0")
+        if not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
+            raise bad("top_p", "must be in (0, 1]")
+        if not is_int(self.top_k) or self.top_k < -1:
+            raise bad("top_k", "must be -1 (off), 0 (off) or a positive integer")
+        if not isinstance(self.min_p, (int, float)) or not 0.0 <= self.min_p <= 1.0:
+            raise bad("min_p", "must be in [0, 1]")
+        if not isinstance(self.repetition_penalty, (int, float)) or self.repetition_penalty <= 0:
+            raise bad("repetition_penalty", "must be > 0")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not isinstance(v, (int, float)) or not -2.0 <= v <= 2.0:
+                raise bad(name, "must be in [-2, 2]")
+        if self.seed is not None and not is_int(self.seed):
+            raise bad("seed", "must be an integer or None")
+        if self.max_tokens is not None and (not is_int(self.max_tokens) or self.max_tokens < 1):
+            raise bad("max_tokens", "must be an integer >= 1 or None")
+        if not is_int(self.min_tokens) or self.min_tokens < 0:
+            raise bad("min_tokens", "must be an integer >= 0")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise bad("min_tokens", f"must be <= max_tokens ({self.max_tokens})")
+        if any(not isinstance(s, str) or s == "" for s in self.stop_strings):
+            raise bad("stop", "must be a non-empty string or a list of non-empty strings")
+        if any(not is_int(t) or t < 0 for t in self.stop_token_ids):
+            raise bad("stop_token_ids", "must be a list of non-negative integers")
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            if v is not None and (not is_int(v) or v < 0):
+                raise bad(name, "must be an integer >= 0 or None")
+        if self.structured is not None and not isinstance(self.structured, dict):
+            raise bad("structured", "must be a dict like OpenAI's response_format")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < 1e-5 or self.top_k == 1
+
+    @property
+    def has_penalties(self) -> bool:
+        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
+                or self.frequency_penalty != 0.0)

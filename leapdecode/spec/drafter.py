@@ -1,0 +1,49 @@
+"""The one protocol every drafter implements, and the draft it returns.
+
+A draft is either a chain (``parents is None``: token i follows token i-1, the first follows the request's last
+committed token) or a tree given in topological order: ``parents[i]`` is the index of node i's parent in
+``tokens``, or -1 when its parent is the request's last committed token. A draft without ``probs`` is a point mass;
+verification stays lossless either way.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol, Sequence
+
+
+@dataclass
+class Draft:
+    tokens: list[int] = field(default_factory=list)
+    parents: list[int] | None = None  # None: a chain
+    score: float = 0.0                # drafter's confidence in [0, 1] that its first token is accepted
+    probs: object | None = None       # optional draft distributions q (one row per token), for draft models
+
+    @property
+    def is_tree(self) -> bool:
+        return self.parents is not None and any(p != i - 1 for i, p in enumerate(self.parents))
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+
+@dataclass
+class DraftRequest:
+    """What a drafter may look at: the committed tokens of one running sequence."""
+    seq_id: int
+    token_ids: Sequence[int]     # prompt + output, committed (no drafts)
+    num_prompt_tokens: int
+    max_draft: int               # at most this many draft tokens (tree nodes) for this request
+
+
+class Drafter(Protocol):
+    def propose(self, requests: list[DraftRequest]) -> list[Draft]:
+        """One draft per request, each with at most ``max_draft`` tokens (may be empty)."""
+
+    def observe(self, seq_id: int, token_ids: Sequence[int], num_accepted: int,
+                topk: Sequence[Sequence[int]] | None = None) -> None:
+        """After a step: the sequence's committed tokens now, how many drafts were accepted, and optionally the
+        target model's top-k candidates at each verified position (rows in order: last committed token, then
+        each accepted draft position)."""
+
+    def finish(self, seq_id: int, token_ids: Sequence[int], num_prompt_tokens: int) -> None:
+        """The sequence ended; drop per-request state (and learn from its output, for global drafters)."""
