@@ -21,7 +21,7 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
-def build_tokenizer(path: str, vocab_size: int = 320):
+def build_tokenizer(path: str, vocab_size: int = 384):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 

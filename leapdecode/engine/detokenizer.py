@@ -21,12 +21,17 @@ class Detokenizer:
         self.stop, self.include_stop = stop, include_stop
         self.holdback = max((len(s) for s in stop), default=1) - 1   # chars a stop string could still claim
         self.text = ""
+        self._ids: list[int] = list(prompt_token_ids[-_CONTEXT_TOKENS:])
+        self._emitted = len(self._ids)       # tokens whose text is already in self.text
+        self._skip = skip_special_tokens
 
     def add(self, token_id: int) -> str | None:
         """Append one token's text; return the stop string if it completed one (text is then cut)."""
         chunk = self._stream.step(self._tok, token_id)
+        self._ids.append(token_id)
         if not chunk:
             return None
+        self._emitted = len(self._ids)
         search_from = max(0, len(self.text) - self.holdback)
         self.text += chunk
         hits = [(i, s) for s in self.stop if (i := self.text.find(s, search_from)) >= 0]
@@ -35,6 +40,16 @@ class Detokenizer:
         i, s = min(hits)                       # the earliest stop string wins
         self.text = self.text[:i + len(s) if self.include_stop else i]
         return s
+
+    def flush(self) -> None:
+        """At the end, decode tokens still held back (an unfinished UTF-8 sequence) the way a full decode would."""
+        if self._emitted == len(self._ids):
+            return
+        ctx = self._ids[max(0, self._emitted - _CONTEXT_TOKENS):self._emitted]
+        head = self._tok.decode(ctx, skip_special_tokens=self._skip)
+        full = self._tok.decode(ctx + self._ids[self._emitted:], skip_special_tokens=self._skip)
+        self.text += full[len(head):] if full.startswith(head) else full
+        self._emitted = len(self._ids)
 
     def visible_text(self, finished: bool) -> str:
         """What may be streamed now: all of it when finished, else minus a possible stop-string prefix."""

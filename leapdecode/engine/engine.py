@@ -230,6 +230,8 @@ class Engine:
         seq.num_computed_tokens = min(seq.num_computed_tokens, seq.num_tokens)
         self.block_manager.commit(seq)
         if seq.finish_reason is not None:
+            if not isinstance(seq.stop_reason, str):
+                detok.flush()
             self._finish(seq)
 
     def _fork(self, req: Request, parent: Sequence) -> None:

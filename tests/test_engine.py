@@ -1,0 +1,270 @@
+"""End-to-end engine behaviour against independent references (transformers generate and logits)."""
+import random
+
+import pytest
+import torch
+
+from leapdecode import LLM, SamplingParams
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+
+
+def make_llm(path, **kw):
+    kw.setdefault("dtype", "float32")
+    kw.setdefault("max_model_len", 256)
+    return LLM(path, **kw)
+
+
+def random_prompts(n, lo=3, hi=60, seed=0, vocab=384):
+    rng = random.Random(seed)
+    return [[rng.randrange(2, vocab) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+
+
+def tokens(outs):
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def assert_pool_free(llm):
+    bm = llm.engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks
+    assert not llm.engine.scheduler.running and not llm.engine.scheduler.waiting
+
+
+def hf_model(path):
+    import transformers
+    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+
+
+@pytest.fixture(scope="module")
+def llm(llama_dir):
+    return make_llm(llama_dir)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_greedy_matches_transformers_generate(tiny_dir, arch):
+    path = tiny_dir(arch)
+    llm = make_llm(path)
+    prompts = random_prompts(4, seed=1) + ["Once upon a time", "def add(a, b):"]
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True), use_tqdm=False)
+    model = hf_model(path)
+    for out in outs:
+        ids = torch.tensor([out.prompt_token_ids])
+        ref = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, do_sample=False,
+                             eos_token_id=None, pad_token_id=1)
+        assert out.outputs[0].token_ids == ref[0, ids.shape[1]:].tolist()
+        assert out.outputs[0].finish_reason == "length"
+    assert_pool_free(llm)
+
+
+def test_batch_invariance_32_mixed_requests(llm):
+    prompts = random_prompts(32, seed=2)
+    batched = tokens(llm.generate(prompts, GREEDY, use_tqdm=False))
+    alone = [tokens(llm.generate([p], GREEDY, use_tqdm=False))[0] for p in prompts]
+    assert batched == alone
+    assert_pool_free(llm)
+
+
+def test_chunked_prefill_equals_unchunked(llama_dir):
+    prompts = random_prompts(8, lo=20, hi=90, seed=3)
+    ref = tokens(make_llm(llama_dir).generate(prompts, GREEDY, use_tqdm=False))
+    chunked = make_llm(llama_dir, max_num_batched_tokens=7)
+    assert tokens(chunked.generate(prompts, GREEDY, use_tqdm=False)) == ref
+    assert_pool_free(chunked)
+
+
+def test_decodes_are_not_stalled_by_long_prefill(llama_dir):
+    """Sarathi-Serve: with a small budget, a running decode gets a token every step while a long prompt prefills."""
+    llm = make_llm(llama_dir, max_num_batched_tokens=16)
+    eng = llm.engine
+    eng.add_request("short", [5, 6, 7], SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True))
+    eng.step()                                               # prefill the short one
+    eng.add_request("long", list(range(2, 200)), GREEDY)
+    produced = []
+    for _ in range(10):
+        for out in eng.step():
+            if out.request_id == "short":
+                produced.append(len(out.outputs[0].token_ids))
+    assert produced == list(range(2, 12))                   # one new token every single step
+    while eng.has_unfinished():
+        eng.step()
+    assert_pool_free(llm)
+
+
+def test_prefix_cache_hits_equal_cold_runs(llama_dir):
+    rng = random.Random(4)
+    shared = [rng.randrange(2, 384) for _ in range(70)]
+    prompts = [shared + [rng.randrange(2, 384) for _ in range(rng.randint(1, 20))] for _ in range(6)]
+    cold = tokens(make_llm(llama_dir, enable_prefix_caching=False).generate(prompts, GREEDY, use_tqdm=False))
+    warm_llm = make_llm(llama_dir, enable_prefix_caching=True)
+    first = tokens(warm_llm.generate(prompts[:1], GREEDY, use_tqdm=False))
+    rest = tokens(warm_llm.generate(prompts[1:], GREEDY, use_tqdm=False))
+    assert first + rest == cold
+    bm = warm_llm.engine.block_manager
+    assert bm.hits >= 5 * 64                                 # 4 full blocks of the shared prefix, 5 requests
+    # an identical prompt again: everything but the last block comes from the cache
+    again = tokens(warm_llm.generate(prompts[:1], GREEDY, use_tqdm=False))
+    assert again == cold[:1]
+    assert_pool_free(warm_llm)
+
+
+def test_preemption_keeps_every_request_complete_and_identical(llama_dir):
+    prompts = random_prompts(12, lo=10, hi=40, seed=5)
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    ref = tokens(make_llm(llama_dir).generate(prompts, params, use_tqdm=False))
+    small = make_llm(llama_dir, num_kv_blocks=16, block_size=8, max_model_len=128)   # 128 tokens of KV in all
+    outs = small.generate(prompts, params, use_tqdm=False)
+    assert small.engine.scheduler.num_preemptions > 0
+    assert tokens(outs) == ref
+    assert all(len(t) == 40 for t in tokens(outs))
+    assert_pool_free(small)
+
+
+def test_seeded_sampling_is_reproducible_whatever_the_batch(llm):
+    p = SamplingParams(temperature=0.9, top_p=0.95, seed=1234, max_tokens=20, ignore_eos=True)
+    alone = tokens(llm.generate(["The quick brown fox"], p, use_tqdm=False))[0]
+    others = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True)
+    mixed = llm.generate(["hello"] * 3 + ["The quick brown fox"] + ["x y z"] * 3,
+                         [others] * 3 + [p] + [others] * 3, use_tqdm=False)
+    assert mixed[3].outputs[0].token_ids == alone
+    again = tokens(llm.generate(["The quick brown fox"], p, use_tqdm=False))[0]
+    assert again == alone
+
+
+def test_top_k_1_equals_greedy(llm):
+    prompts = random_prompts(4, seed=6)
+    g = tokens(llm.generate(prompts, GREEDY, use_tqdm=False))
+    k1 = tokens(llm.generate(prompts, SamplingParams(temperature=1.3, top_k=1, max_tokens=16, ignore_eos=True),
+                             use_tqdm=False))
+    assert g == k1
+
+
+def test_stop_strings_across_token_boundaries(llm):
+    tok = llm.get_tokenizer()
+    prompt = "def add(a, b):"
+    ref = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True), use_tqdm=False)[0]
+    ids = ref.outputs[0].token_ids
+    # a stop string made of the tail of token 5 and the head of token 6
+    t5, t6 = tok.decode(ids[:6]), tok.decode(ids[:7])
+    cut = len(tok.decode(ids[:5]))
+    start = max(cut, len(t5) - 2)
+    stop = t6[start:len(t5) + 2]
+    assert len(stop) >= 2 and stop in ref.outputs[0].text
+    out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, stop=[stop]),
+                       use_tqdm=False)[0].outputs[0]
+    expected = ref.outputs[0].text[:ref.outputs[0].text.index(stop)]
+    assert out.text == expected and out.finish_reason == "stop" and out.stop_reason == stop
+    keep = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, stop=stop,
+                                                 include_stop_str_in_output=True), use_tqdm=False)[0].outputs[0]
+    assert keep.text == expected + stop
+
+
+def test_stop_token_ids_and_min_tokens(llm):
+    prompt = [10, 20, 30, 40]
+    ids = tokens(llm.generate([prompt], GREEDY, use_tqdm=False))[0]
+    stop_id = ids[3]
+    first = ids.index(stop_id)
+    out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=16, stop_token_ids=[stop_id]),
+                       use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == ids[:first + 1] and out.finish_reason == "stop" and out.stop_reason == stop_id
+    # min_tokens masks the stop token until enough tokens exist
+    out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=16, stop_token_ids=[stop_id],
+                                                min_tokens=first + 3), use_tqdm=False)[0].outputs[0]
+    assert stop_id not in out.token_ids[:first + 3] and len(out.token_ids) >= first + 3
+
+
+def test_penalties_match_a_reference_loop(llama_dir, llm):
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, repetition_penalty=1.5,
+                            presence_penalty=0.7, frequency_penalty=0.4)
+    prompt = [7, 8, 9, 7, 8, 9]
+    ours = tokens(llm.generate([prompt], params, use_tqdm=False))[0]
+    model, seq = hf_model(llama_dir), list(prompt)
+    for _ in range(12):
+        with torch.no_grad():
+            logits = model(torch.tensor([seq])).logits[0, -1]
+        seen = torch.zeros(384, dtype=torch.bool)
+        seen[seq] = True
+        logits = torch.where(seen, torch.where(logits > 0, logits / 1.5, logits * 1.5), logits)
+        counts = torch.bincount(torch.tensor(seq[len(prompt):] or [0]), minlength=384).float()
+        if len(seq) == len(prompt):
+            counts.zero_()
+        logits = logits - 0.4 * counts - 0.7 * (counts > 0).float()
+        seq.append(int(logits.argmax()))
+    assert ours == seq[len(prompt):]
+
+
+def test_logprobs_match_transformers(llama_dir, llm):
+    prompt = [11, 12, 13, 14, 15]
+    out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=3,
+                                                prompt_logprobs=2), use_tqdm=False)[0]
+    ids = out.outputs[0].token_ids
+    with torch.no_grad():
+        ref = hf_model(llama_dir)(torch.tensor([prompt + ids])).logits[0].log_softmax(-1)
+    for j, (tok, entry) in enumerate(zip(ids, out.outputs[0].logprobs)):
+        row = ref[len(prompt) - 1 + j]
+        assert abs(entry[tok] - row[tok].item()) < 1e-4
+        top = row.topk(3).indices.tolist()
+        assert set(top) <= set(entry) and len(entry) <= 4
+    assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(prompt)
+    for j in range(1, len(prompt)):
+        assert abs(out.prompt_logprobs[j][prompt[j]] - ref[j - 1, prompt[j]].item()) < 1e-4
+    assert abs(out.outputs[0].cumulative_logprob - sum(e[t] for t, e in zip(ids, out.outputs[0].logprobs))) < 1e-4
+
+
+def test_n_samples_share_the_prompt(llm):
+    prompt = random_prompts(1, lo=40, hi=40, seed=7)[0]
+    g = tokens(llm.generate([prompt], GREEDY, use_tqdm=False))[0]
+    out = llm.generate([prompt], SamplingParams(n=3, temperature=0.0, max_tokens=16, ignore_eos=True),
+                       use_tqdm=False)[0]
+    assert [o.token_ids for o in out.outputs] == [g] * 3
+    sampled = llm.generate([prompt], SamplingParams(n=4, temperature=1.0, seed=3, max_tokens=16, ignore_eos=True),
+                           use_tqdm=False)[0]
+    assert len({tuple(o.token_ids) for o in sampled.outputs}) > 1
+    assert [o.index for o in sampled.outputs] == [0, 1, 2, 3]
+    assert_pool_free(llm)
+
+
+def test_incremental_text_equals_full_decode_with_multibyte(llm):
+    tok = llm.get_tokenizer()
+    outs = llm.generate(["Ünïcödé text: 東京"] * 6, SamplingParams(temperature=1.0, seed=9, max_tokens=24, n=2),
+                        use_tqdm=False)
+    for out in outs:
+        for o in out.outputs:
+            assert o.text == tok.decode(o.token_ids, skip_special_tokens=True)
+
+
+def test_stream_yields_growing_outputs_and_aborts_on_close(llm):
+    p = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    full = llm.generate(["stream me"], p, use_tqdm=False)[0].outputs[0]
+    seen = [o.outputs[0].token_ids for o in llm.stream("stream me", p)]
+    assert seen[-1] == full.token_ids and [len(s) for s in seen] == list(range(1, 11))
+    gen = llm.stream("stream me", SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True))
+    next(gen), next(gen)
+    gen.close()
+    assert_pool_free(llm)
+
+
+def test_chat_uses_the_tokenizer_template(llm):
+    messages = [{"role": "user", "content": "hello there"}]
+    tok = llm.get_tokenizer()
+    text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    out = llm.chat(messages, GREEDY, use_tqdm=False)[0]
+    assert out.prompt_token_ids == tok.encode(text, add_special_tokens=False)
+    assert "<|im_start|>assistant" in tok.decode(out.prompt_token_ids)
+
+
+def test_max_model_len_and_eos(llama_dir):
+    llm = make_llm(llama_dir, max_model_len=40)
+    out = llm.generate([list(range(2, 32))], SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True),
+                       use_tqdm=False)[0].outputs[0]
+    assert len(out.token_ids) == 10 and out.finish_reason == "length"
+    # eos ends a request unless ignore_eos: make eos the greedy choice by using it as a stop check reference
+    ids = tokens(llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False))[0]
+    llm.engine.eos_token_ids = {ids[2]}
+    out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0.0, max_tokens=16), use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == ids[:ids.index(ids[2]) + 1] and out.finish_reason == "stop" and out.stop_reason is None
+
+
+def test_metrics_are_filled(llm):
+    out = llm.generate(["metrics"], GREEDY, use_tqdm=False)[0]
+    m = out.metrics
+    assert m.arrival_time <= m.first_scheduled_time <= m.first_token_time <= m.finished_time
