@@ -1,0 +1,164 @@
+"""Parse and validate the `structured=` argument of `SamplingParams` into a normalized `StructuredSpec`.
+
+The accepted shapes are exactly OpenAI's `response_format` plus three extras:
+
+    {"type": "json_object"}
+    {"type": "json_schema", "json_schema": {"name": str, "schema": {...}, "strict": bool, "description": str}}
+    {"type": "regex", "regex": str}
+    {"type": "grammar", "grammar": str}             # Lark (llguidance dialect) or GBNF/EBNF
+    {"type": "choice", "choice": [str, ...]}
+
+Everything that can be checked without a tokenizer is checked here, so bad input fails at submission with a
+ValueError that names the field; what only the grammar library can judge (regex syntax, grammar syntax,
+unsupported schema features) fails in `GrammarBackend.compile`, also as a ValueError.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import jsonschema
+import jsonschema.exceptions
+import jsonschema.validators
+
+SpecKind = Literal["json_object", "json_schema", "regex", "grammar", "choice"]
+
+_KINDS: tuple[str, ...] = ("json_object", "json_schema", "regex", "grammar", "choice")
+_ALLOWED_KEYS: dict[str, set[str]] = {
+    "json_object": {"type"},
+    "json_schema": {"type", "json_schema"},
+    "regex": {"type", "regex"},
+    "grammar": {"type", "grammar"},
+    "choice": {"type", "choice"},
+}
+# OpenAI: "a-z, A-Z, 0-9, or contain underscores and dashes, with a maximum length of 64".
+_NAME_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+
+
+@dataclass(frozen=True)
+class StructuredSpec:
+    """A normalized, hashable structured-output request.
+
+    `text` is canonical (compact JSON for schemas, a sorted JSON list for choices) so that requests asking for
+    the same constraint share one compiled grammar in the backend cache whatever their whitespace. Schema key
+    order is significant (it fixes the order of emitted properties), so it is preserved.
+    """
+
+    kind: SpecKind
+    text: str
+    name: str | None = None
+    strict: bool | None = None
+
+    @property
+    def schema(self) -> dict[str, Any] | bool:
+        """The JSON schema (json_object -> {"type": "object"}); only for the JSON kinds."""
+        if self.kind == "json_object":
+            return {"type": "object"}
+        if self.kind != "json_schema":
+            raise AttributeError(f"a {self.kind!r} spec has no schema")
+        return json.loads(self.text)
+
+    @property
+    def choices(self) -> list[str]:
+        if self.kind != "choice":
+            raise AttributeError(f"a {self.kind!r} spec has no choices")
+        return json.loads(self.text)
+
+    @property
+    def cache_key(self) -> tuple[str, str]:
+        """What determines the compiled grammar (name/strict do not)."""
+        return (self.kind, self.text)
+
+
+def parse_structured(structured: Any) -> StructuredSpec:
+    """Validate `structured` (a dict as above, or an already parsed spec) and normalize it.
+
+    Raises ValueError naming the offending field; never returns a spec that is known to be unusable.
+    """
+    if isinstance(structured, StructuredSpec):
+        return structured
+    if not isinstance(structured, dict):
+        raise ValueError(f"structured must be a dict like {{'type': 'json_schema', ...}}, got {type(structured).__name__}")
+    kind = structured.get("type")
+    if kind not in _KINDS:
+        raise ValueError(f"structured['type'] must be one of {', '.join(_KINDS)}; got {kind!r}")
+    extra = set(structured) - _ALLOWED_KEYS[kind]
+    if extra:
+        raise ValueError(f"structured of type {kind!r} does not take the field(s) {sorted(extra)}")
+
+    if kind == "json_object":
+        return StructuredSpec("json_object", json.dumps({"type": "object"}))
+    if kind == "json_schema":
+        return _parse_json_schema(structured.get("json_schema"))
+    if kind in ("regex", "grammar"):
+        text = structured.get(kind)
+        if not isinstance(text, str) or not text:
+            raise ValueError(f"structured[{kind!r}] must be a non-empty string, got {text!r:.80}")
+        if kind == "regex":
+            _check_python_regex(text)
+        return StructuredSpec(kind, text)
+    return _parse_choice(structured.get("choice"))
+
+
+def _parse_json_schema(block: Any) -> StructuredSpec:
+    if not isinstance(block, dict):
+        raise ValueError("structured['json_schema'] must be an object with 'name' and 'schema'")
+    extra = set(block) - {"name", "schema", "strict", "description"}
+    if extra:
+        raise ValueError(f"structured['json_schema'] does not take the field(s) {sorted(extra)}")
+    name = block.get("name")
+    if not isinstance(name, str) or not _NAME_RE.match(name):
+        raise ValueError(
+            "structured['json_schema']['name'] is required: 1-64 characters of a-z, A-Z, 0-9, '_' or '-'; "
+            f"got {name!r:.80}"
+        )
+    strict = block.get("strict")
+    if strict is not None and not isinstance(strict, bool):
+        raise ValueError(f"structured['json_schema']['strict'] must be a boolean, got {strict!r:.80}")
+    if "schema" not in block:
+        raise ValueError("structured['json_schema']['schema'] is required")
+    schema = block["schema"]
+    if not isinstance(schema, (dict, bool)):
+        raise ValueError(f"structured['json_schema']['schema'] must be an object, got {type(schema).__name__}")
+    check_schema(schema)
+    # Key order is kept: property order in the schema is the order the grammar emits properties in.
+    return StructuredSpec("json_schema", json.dumps(schema, separators=(",", ":")), name=name, strict=strict)
+
+
+def check_schema(schema: dict[str, Any] | bool) -> None:
+    """Check `schema` against its draft's meta-schema (by `$schema`, default 2020-12); ValueError on failure."""
+    cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
+    try:
+        cls.check_schema(schema)  # includes `format: regex` on patterns (Python `re`, which the guard also uses)
+    except jsonschema.exceptions.SchemaError as e:
+        where = "/".join(str(p) for p in e.absolute_path) or "(root)"
+        raise ValueError(f"invalid JSON schema at {where}: {e.message}") from None
+    except (TypeError, RecursionError) as e:  # e.g. non-JSON values smuggled into the dict
+        raise ValueError(f"invalid JSON schema: {e}") from None
+    try:
+        json.dumps(schema)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"JSON schema is not JSON-serializable: {e}") from None
+
+
+def _check_python_regex(regex: str) -> None:
+    """Catch gross syntax errors early; the grammar library (Rust regex syntax) has the final word."""
+    try:
+        re.compile(regex)
+    except re.error as e:
+        # Rust regex accepts a few things Python does not (e.g. \p{...}); only reject what is broken in both.
+        if r"\p" not in regex and r"\P" not in regex:
+            raise ValueError(f"structured['regex'] is not a valid regular expression: {e}") from None
+
+
+def _parse_choice(choice: Any) -> StructuredSpec:
+    if not isinstance(choice, list) or not choice:
+        raise ValueError(f"structured['choice'] must be a non-empty list of strings, got {choice!r:.80}")
+    for i, c in enumerate(choice):
+        if not isinstance(c, str) or not c:
+            raise ValueError(f"structured['choice'][{i}] must be a non-empty string, got {c!r:.80}")
+    # Order does not change the language; dedupe + sort so equal sets share a cache entry.
+    return StructuredSpec("choice", json.dumps(sorted(set(choice))))
