@@ -96,6 +96,7 @@ def main() -> None:
     parser.add_argument("--tokenizer", default=str(ROOT.parent / "shared/models/gpt2-tokenizer"))
     parser.add_argument("--limit", type=int, default=0, help="only the first N schema groups")
     parser.add_argument("--libraries", default="llguidance,xgrammar")
+    parser.add_argument("--guard", default="llguidance", help="libraries to also measure with our jsonschema guard")
     args = parser.parse_args()
     tokenizer = PreTrainedTokenizerFast.from_pretrained(args.tokenizer)
     groups = load_groups(pathlib.Path(args.suite))
@@ -104,6 +105,8 @@ def main() -> None:
     rows = []
     for library in args.libraries.split(","):
         for guard in (False, True):
+            if guard and library not in args.guard.split(","):
+                continue
             rows.append(measure(library, guard, groups, tokenizer))
     print(f"JSON-Schema-Test-Suite draft2020-12 + draft7: {len(groups)} schema groups; tokenizer {args.tokenizer}; CPU")
     headers = list(rows[0])

@@ -13,6 +13,7 @@ Everything that does not conform is listed in UNSUPPORTED with its reason; a sta
 from __future__ import annotations
 
 import json
+import re
 import pathlib
 import random
 from collections import Counter
@@ -250,3 +251,286 @@ def test_json_schema_test_suite(backend: GrammarBackend, tokenizer: Any) -> None
     assert not failures, "\n".join(failures[:40]) + f"\n... {len(failures)} unexpected results"
     stale = set(UNSUPPORTED) - used
     assert not stale, f"UNSUPPORTED entries that now pass (remove them): {sorted(stale)}"
+
+
+# ------------------------------------------------------------------------------------------- each spec type
+def _accepts(backend: GrammarBackend, tokenizer: Any, spec: Any, text: str) -> bool:
+    return _produce(backend, backend.compile(spec), tokenizer, text)
+
+
+def test_json_object(backend: GrammarBackend, tokenizer: Any) -> None:
+    spec = {"type": "json_object"}
+    assert _accepts(backend, tokenizer, spec, '{"a":[1,2,{"b":null}],"c":"x"}')
+    assert not _accepts(backend, tokenizer, spec, "[1,2]")
+    assert not _accepts(backend, tokenizer, spec, '{"a":1')
+
+
+def test_json_schema(backend: GrammarBackend, tokenizer: Any) -> None:
+    schema = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer", "minimum": 0}}, "required": ["name", "age"], "additionalProperties": False}
+    spec = _schema_spec(schema, "person")
+    assert _accepts(backend, tokenizer, spec, '{"name":"Ann","age":31}')
+    assert not _accepts(backend, tokenizer, spec, '{"name":"Ann","age":-1}')
+    assert not _accepts(backend, tokenizer, spec, '{"name":"Ann"}')
+    assert not _accepts(backend, tokenizer, spec, '{"name":"Ann", "age":3}')  # compact JSON only
+    assert backend.compile(spec).exact
+
+
+def test_regex_grammar_choice(backend: GrammarBackend, tokenizer: Any) -> None:
+    regex = {"type": "regex", "regex": r"[0-9]{3}-[a-c]+"}
+    assert _accepts(backend, tokenizer, regex, "123-abca")
+    assert not _accepts(backend, tokenizer, regex, "12-abc")
+    lark = {"type": "grammar", "grammar": 'start: "sum(" NUM ("," NUM)* ")"\nNUM: /[0-9]+/'}
+    assert _accepts(backend, tokenizer, lark, "sum(1,22,333)")
+    assert not _accepts(backend, tokenizer, lark, "sum()")
+    gbnf = {"type": "grammar", "grammar": 'root ::= "yes" | "no"'}
+    assert _accepts(backend, tokenizer, gbnf, "no") and not _accepts(backend, tokenizer, gbnf, "maybe")
+    choice = {"type": "choice", "choice": ["red", "green", "blue"]}
+    assert all(_accepts(backend, tokenizer, choice, c) for c in ("red", "green", "blue"))
+    assert not _accepts(backend, tokenizer, choice, "gre") and not _accepts(backend, tokenizer, choice, "redblue")
+
+
+def test_spec_normalization_and_cache(backend: GrammarBackend) -> None:
+    a = parse_structured({"type": "choice", "choice": ["b", "a", "b"]})
+    assert a == parse_structured({"type": "choice", "choice": ["a", "b"]})
+    first = backend.compile(_schema_spec({"type": "object", "properties": {"x": {"type": "integer"}}}, "one"))
+    again = backend.compile(_schema_spec({"type": "object", "properties": {"x": {"type": "integer"}}}, "two"))
+    assert again is first  # cached by the schema, not the name
+
+
+@pytest.mark.parametrize(
+    "structured, message",
+    [
+        ("json", "must be a dict"),
+        ({"type": "xml"}, "structured['type']"),
+        ({"type": "json_schema"}, "['json_schema'] must be an object"),
+        ({"type": "json_schema", "json_schema": {"schema": {}}}, "['name'] is required"),
+        ({"type": "json_schema", "json_schema": {"name": "x"}}, "['schema'] is required"),
+        ({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "strnig"}}}, "invalid JSON schema at type"),
+        ({"type": "json_schema", "json_schema": {"name": "x", "schema": {"minLength": -1}}}, "invalid JSON schema at minLength"),
+        ({"type": "json_schema", "json_schema": {"name": "x", "schema": {}, "strict": "yes"}}, "['strict'] must be a boolean"),
+        ({"type": "choice", "choice": []}, "non-empty list"),
+        ({"type": "choice", "choice": ["a", 3]}, "structured['choice'][1]"),
+        ({"type": "regex", "regex": "a(b"}, "not a valid regular expression"),
+        ({"type": "regex", "regex": ""}, "non-empty string"),
+        ({"type": "json_object", "schema": {}}, "does not take the field"),
+    ],
+)
+def test_bad_specs_are_value_errors(backend: GrammarBackend, structured: Any, message: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(message)):
+        backend.compile(structured)
+
+
+@pytest.mark.parametrize(
+    "structured, message",
+    [
+        (_schema_spec({"$ref": "http://example.com/s.json"}), "not supported by llguidance"),
+        (_schema_spec({"type": "object", "patternProperties": {"a*": {}, "aa*": {}}}), "not disjoint"),
+        (_schema_spec(False), "no instance is valid"),
+        (_schema_spec({"enum": []}), "Unsatisfiable"),
+        ({"type": "grammar", "grammar": "start: undefined_rule"}, "grammar spec: not supported"),
+    ],
+)
+def test_unsupported_specs_are_value_errors(backend: GrammarBackend, structured: Any, message: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(message)):
+        backend.compile(structured)
+
+
+def test_compile_time_limit(tokenizer: Any) -> None:
+    slow = GrammarBackend(tokenizer, compile_timeout_s=1e-4)
+    big = {"type": "object", "properties": {f"field_{i}": {"type": "string", "pattern": f"^[a-z]{{{i % 7 + 1},40}}[0-9]+$"} for i in range(300)}}
+    with pytest.raises(ValueError, match="exceeded the time limit"):
+        slow.compile(_schema_spec(big))
+    slow.shutdown()
+
+
+# ----------------------------------------------------------------------------------------------- bitmasks
+def test_apply_token_bitmask_matches_reference() -> None:
+    gen = torch.Generator().manual_seed(0)
+    vocab, rows = 77, 5
+    allowed = torch.rand(rows, vocab, generator=gen) < 0.3
+    bitmask = allocate_token_bitmask(rows, vocab)
+    bitmask.zero_()
+    for r in range(rows):
+        for t in torch.nonzero(allowed[r]).flatten().tolist():
+            bitmask[r, t // 32] |= torch.tensor(1 << (t % 32)).to(torch.int32) if t % 32 != 31 else torch.tensor(-(1 << 31), dtype=torch.int32)
+    assert torch.equal(bitmask_to_bool(bitmask, vocab), allowed)
+    logits = torch.randn(rows, vocab, generator=gen)
+    reference = torch.where(allowed, logits, torch.tensor(float("-inf")))
+    assert torch.equal(apply_token_bitmask(logits.clone(), bitmask), reference)
+    # Only some rows constrained (mixed batch), and a model vocab padded beyond the tokenizer's.
+    padded = torch.randn(rows + 2, vocab + 5, generator=gen)
+    out = apply_token_bitmask(padded.clone(), bitmask, rows=[1, 2, 3, 4, 6])
+    assert torch.equal(out[[0, 5]], padded[[0, 5]])
+    assert torch.equal(out[[1, 2, 3, 4, 6], :vocab], torch.where(allowed, padded[[1, 2, 3, 4, 6], :vocab], torch.tensor(float("-inf"))))
+    assert torch.isinf(out[[1, 2, 3, 4, 6], vocab:]).all()
+    if torch.cuda.is_available():
+        assert torch.equal(apply_token_bitmask(logits.cuda(), bitmask).cpu(), reference)
+
+
+# --------------------------------------------------------------------------------------- speculation API
+def test_validate_rollback_and_draft_masks(backend: GrammarBackend, tokenizer: Any) -> None:
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    compiled = backend.compile(_schema_spec(schema))
+    matcher = backend.matcher(compiled)
+    good = _encode(tokenizer, '{"n":12}')
+    bad = _encode(tokenizer, '{"n":"x"}')
+    assert matcher.validate(good) == len(good) and matcher.num_tokens == 0  # validate leaves the state alone
+    cut = matcher.validate(bad)
+    assert 0 < cut < len(bad) and '{"n":'.startswith(tokenizer.decode(bad[:cut]))
+
+    # One row per draft position + the bonus; rows equal what a step-by-step walk produces.
+    bitmask = allocate_token_bitmask(len(good) + 1, backend.vocab_size)
+    n = fill_bitmasks([(matcher, 0, good)], bitmask)[0]
+    assert n == len(good) and matcher.num_tokens == 0
+    step = allocate_token_bitmask(1, backend.vocab_size)
+    for i, token in enumerate(good):
+        matcher.fill_bitmask(step, 0)
+        assert torch.equal(step[0], bitmask[i])
+        assert matcher.accept(token)
+    matcher.fill_bitmask(step, 0)
+    assert torch.equal(step[0], bitmask[len(good)])
+    assert matcher.is_accepting()
+
+    # Accept speculatively, roll back the rejected tail, continue differently.
+    matcher.rollback(3)
+    assert matcher.num_tokens == len(good) - 3 and not matcher.is_accepting()
+    assert matcher.accept_tokens(good[-3:]) == 3
+    assert matcher.accept(tokenizer.eos_token_id) and matcher.is_terminated()
+    matcher.rollback(1)
+    assert not matcher.is_terminated() and matcher.is_accepting()
+    assert not matcher.accept(good[0])  # nothing may follow the closed object
+
+
+def test_forced_tokens_fixed_keys(backend: GrammarBackend, tokenizer: Any) -> None:
+    schema = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}}, "required": ["name", "age"], "additionalProperties": False}
+    matcher = backend.matcher(backend.compile(_schema_spec(schema)))
+    # llguidance forces bytes up to where the tokenization could still differ (e.g. `":` vs `":"`).
+    forced = matcher.forced_tokens()
+    assert '{"name":"'.startswith(tokenizer.decode(forced)) and len(tokenizer.decode(forced)) >= len('{"name')
+    assert matcher.accept_tokens(forced) == len(forced)
+    rest = '{"name":"'[len(tokenizer.decode(forced)) :] + "Bo"
+    assert matcher.accept_tokens(_encode(tokenizer, rest)) == len(_encode(tokenizer, rest))
+    assert matcher.forced_tokens() == []  # inside a free string nothing is forced
+    assert matcher.accept_tokens(_encode(tokenizer, '"')) == 1
+    forced = tokenizer.decode(matcher.forced_tokens())
+    assert ',"age":'.startswith(forced) and len(forced) >= len(',"age')
+
+
+# ------------------------------------------------------------------------------------- validator guard
+def test_guard_nested_unique_items_and_not(backend: GrammarBackend, tokenizer: Any) -> None:
+    schema = {
+        "type": "object",
+        "properties": {
+            "tags": {"type": "array", "items": {"type": "integer"}, "uniqueItems": True},
+            "word": {"type": "string", "not": {"const": "no"}},
+        },
+        "required": ["tags", "word"],
+        "additionalProperties": False,
+    }
+    compiled = backend.compile(_schema_spec(schema))
+    assert set(compiled.dropped) == {"uniqueItems", "not"}
+    assert _produce(backend, compiled, tokenizer, '{"tags":[1,2],"word":"yes"}')
+    assert not _produce(backend, compiled, tokenizer, '{"tags":[1,1],"word":"yes"}')
+    assert not _produce(backend, compiled, tokenizer, '{"tags":[1,2],"word":"no"}')
+    # The duplicate is refused where it happens (the comma after the second 1), not only at the end.
+    matcher = backend.matcher(compiled)
+    prefix = _encode(tokenizer, '{"tags":[1,1')
+    assert matcher.accept_tokens(prefix) == len(prefix)
+    comma, close = _encode(tokenizer, ",")[0], _encode(tokenizer, "]")[0]
+    assert not matcher.accept(comma) and not matcher.accept(close)
+    row = allocate_token_bitmask(1, backend.vocab_size)
+    matcher.fill_bitmask(row, 0)
+    allowed = bitmask_to_bool(row[0], backend.vocab_size)
+    assert not allowed[comma] and not allowed[close] and allowed[_encode(tokenizer, "2")[0]]
+    assert matcher.error is None
+
+
+def test_guard_dead_end_is_reported(backend: GrammarBackend, tokenizer: Any) -> None:
+    # The grammar cannot see `not`; the only grammatical continuation of `{"a":` is an invalid instance.
+    schema = {"type": "object", "properties": {"a": {"const": 1}}, "required": ["a"], "additionalProperties": False, "not": {"required": ["a"]}}
+    compiled = backend.compile(_schema_spec(schema))
+    matcher = backend.matcher(compiled)
+    assert matcher.accept_tokens(_encode(tokenizer, '{"a":1')) > 0
+    row = allocate_token_bitmask(1, backend.vocab_size)
+    matcher.fill_bitmask(row, 0)
+    allowed = torch.nonzero(bitmask_to_bool(row[0], backend.vocab_size)).flatten().tolist()
+    assert allowed == [tokenizer.eos_token_id] and matcher.error is not None
+    assert not matcher.accept(tokenizer.eos_token_id)  # the invalid document can still never be completed
+
+
+# ----------------------------------------------------------------------------------------------- ASAp
+def test_asap_converges_to_grammar_conditioned_distribution(backend: GrammarBackend, tokenizer: Any) -> None:
+    """Strings over {a,b,c} of length 1..3 containing an 'a'; a fixed 'model' over the tokens a, b, c, EOS."""
+    letters = {ch: _encode(tokenizer, ch)[0] for ch in "abc"}
+    assert len(set(letters.values())) == 3
+    eos = tokenizer.eos_token_id
+    compiled = backend.compile({"type": "regex", "regex": "a[abc]{0,2}|[bc]a[abc]?|[bc][bc]a"})
+    vocab = backend.vocab_size
+
+    import functools
+
+    @functools.lru_cache(maxsize=None)
+    def model(prefix: str) -> torch.Tensor:  # a known next-token distribution that ignores the grammar
+        probs = torch.zeros(vocab, dtype=torch.float64)
+        weights = {"a": 0.15, "b": 0.45, "c": 0.2, None: 0.2} if len(prefix) < 3 else {"a": 0.3, "b": 0.3, "c": 0.1, None: 0.3}
+        for ch, w in weights.items():
+            probs[eos if ch is None else letters[ch]] = w
+        return probs
+
+    def prob(s: str) -> float:  # model probability of emitting s then EOS
+        p = 1.0
+        for i, ch in enumerate(s + "$"):
+            dist = model(s[:i])
+            p *= float(dist[eos if ch == "$" else letters[ch]])
+        return p
+
+    import itertools
+    import re as _re
+
+    language = ["".join(w) for n in (1, 2, 3) for w in itertools.product("abc", repeat=n) if "a" in w]
+    assert all(_re.fullmatch("a[abc]{0,2}|[bc]a[abc]?|[bc][bc]a", w) for w in language)
+    z = sum(prob(w) for w in language)
+    exact = {w: prob(w) / z for w in language}
+
+    masks: dict[tuple[int, ...], torch.Tensor] = {}  # the grammar mask only depends on the prefix: memoize
+
+    def sample_many(n: int, trie: AsapTrie | None, seed: int) -> Counter:
+        gen = torch.Generator().manual_seed(seed)
+        matcher = backend.matcher(compiled)
+        row = allocate_token_bitmask(1, vocab)
+        counts: Counter = Counter()
+        back = {v: k for k, v in letters.items()}
+        for _ in range(n):
+            matcher.reset()
+            tokens: list[int] = []
+            while not matcher.is_terminated():
+                allowed = masks.get(tuple(tokens))
+                if allowed is None:
+                    matcher.fill_bitmask(row, 0)
+                    allowed = masks[tuple(tokens)] = bitmask_to_bool(row[0], vocab)
+                probs = model("".join(back[t] for t in tokens))
+                if trie is None:  # plain constrained sampling: mask and renormalize
+                    q = torch.where(allowed, probs, torch.zeros((), dtype=probs.dtype))
+                    q = q / q.sum()
+                else:
+                    q = trie.reweight(tokens, probs, allowed)
+                token = int(torch.multinomial(q, 1, generator=gen))
+                assert matcher.accept(token)
+                tokens.append(token)
+            if trie is not None:
+                trie.update(tokens)
+            counts["".join(back[t] for t in tokens[:-1])] += 1
+        return counts
+
+    def tv(counts: Counter) -> float:
+        total = sum(counts.values())
+        return 0.5 * sum(abs(counts.get(w, 0) / total - p) for w, p in exact.items())
+
+    n = 1500
+    trie = AsapTrie()
+    tv_asap = tv(sample_many(n, trie, seed=1))
+    tv_plain = tv(sample_many(n, None, seed=1))
+    print(f"\nASAp TV {tv_asap:.3f} vs plain constrained sampling TV {tv_plain:.3f} after {n} samples")
+    assert trie.num_samples == n and trie.efg([]) < 1.0  # it learned that some mass is ungrammatical
+    assert tv_asap < 0.08
+    assert tv_plain > 0.15 and tv_asap < tv_plain / 2

@@ -362,7 +362,10 @@ class GrammarBackend:
             raise ValueError(f"{_describe(spec)}: {self.library} failed to compile it: {e!r}") from None
         guard = None
         if self.guard and spec.kind in ("json_object", "json_schema"):
-            guard = SchemaGuard(spec.schema, dropped=dropped)
+            try:
+                guard = SchemaGuard(spec.schema, dropped=dropped)
+            except ValueError as e:
+                raise ValueError(f"{_describe(spec)}: {e}") from None
         return CompiledGrammar(spec, self.library, handle, dropped, guard, time.perf_counter() - start)
 
     # -- matchers ------------------------------------------------------------------------------------------

@@ -265,6 +265,7 @@ class SchemaGuard:
     def __init__(self, schema: dict[str, Any] | bool, dropped: tuple[str, ...] = ()) -> None:
         cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
         self.validator = cls(schema, format_checker=cls.FORMAT_CHECKER)
+        probe_schema(self.validator)
         self.dropped = dropped
         self._doc_cache: dict[bytes, bool] = {}
         self._event_cache: dict[tuple[Any, ...], bool] = {}  # mask fills and accept() see the same events
@@ -276,9 +277,11 @@ class SchemaGuard:
         ok = self._doc_cache.get(text)
         if ok is None:
             try:
-                ok = self.validator.is_valid(json.loads(text))
-            except (ValueError, RecursionError):
+                value = json.loads(text)
+            except ValueError:
                 ok = False
+            else:
+                ok = _is_valid(self.validator, value)
             if len(self._doc_cache) > 4096:
                 self._doc_cache.clear()
             self._doc_cache[text] = ok
@@ -344,8 +347,7 @@ class SchemaGuard:
                         value = json.loads(raw)
                     except ValueError:
                         return True  # not JSON yet (the grammar decides); nothing to check
-                validator = anchor.validator or self.validator
-                if not validator.is_valid(value):
+                if not _is_valid(anchor.validator or self.validator, value):
                     return False
         return True
 
@@ -358,15 +360,33 @@ class SchemaGuard:
                         value = json.loads(raw)
                     except ValueError:
                         return True
-                if not anchor.monotone.is_valid(value):
+                if not _is_valid(anchor.monotone, value):
                     return False
         return True
 
     def key_ok(self, path: tuple[Any, ...], key: str) -> bool:
-        return all(a.names.is_valid(key) for a in self.anchors if a.names is not None and a.matches(path))
+        return all(_is_valid(a.names, key) for a in self.anchors if a.names is not None and a.matches(path))
 
 
 _MISSING = object()
+
+
+def _is_valid(validator: Any, value: Any) -> bool:
+    """jsonschema's verdict; a schema error surfacing only now (e.g. an unresolvable nested $ref) counts as
+    invalid, so the guard errs towards refusing text rather than crashing the engine or passing bad output."""
+    try:
+        return bool(validator.is_valid(value))
+    except Exception:  # noqa: BLE001 - referencing errors, RecursionError, re.error from exotic patterns
+        return False
+
+
+def probe_schema(validator: Any) -> None:
+    """Raise ValueError now for schema problems jsonschema only notices while validating (unresolvable $ref)."""
+    for value in (None, True, 0, 0.5, "", [], {}):
+        try:
+            validator.is_valid(value)
+        except Exception as e:  # noqa: BLE001
+            raise ValueError(f"the schema cannot be checked by jsonschema: {e}") from None
 
 
 def _scan(buf: bytes, cursor: _Cursor, piece: bytes, guard: SchemaGuard) -> _Cursor | None:
