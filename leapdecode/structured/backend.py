@@ -125,6 +125,11 @@ class _LLGuidanceState:
     def forced_tokens(self) -> list[int]:
         return list(self._m.compute_ff_tokens())
 
+    @property
+    def native(self) -> Any:
+        """The LLMatcher, for llguidance's parallel executor."""
+        return self._m
+
 
 class _LLGuidance:
     name = "llguidance"
@@ -136,6 +141,7 @@ class _LLGuidance:
         self._llg = llguidance
         self.tokenizer = llguidance.hf.from_tokenizer(tokenizer)
         self.vocab_size = self.tokenizer.vocab_size
+        self.eos = self.tokenizer.eos_token
 
     def token_bytes(self) -> list[bytes]:
         return [self.tokenizer.decode_bytes([t]) for t in range(self.vocab_size)]
@@ -197,6 +203,9 @@ class _LLGuidance:
 
     def new_state(self, handle: Any) -> _LibState:
         return _LLGuidanceState(handle.deep_copy())
+
+    def executor(self) -> Any:
+        return self._llg.LLExecutor()
 
 
 # ------------------------------------------------------------------------------------------------- xgrammar
@@ -284,6 +293,7 @@ class TokenMarks:
     comma: np.ndarray
     close_count: np.ndarray
     literal_end: np.ndarray
+    length: np.ndarray
 
 
 class GrammarBackend:
@@ -318,6 +328,7 @@ class GrammarBackend:
         if not eos_token_ids:
             raise ValueError("the tokenizer has no eos_token_id; pass eos_token_ids=")
         self.eos_token_ids: tuple[int, ...] = tuple(eos_token_ids)
+        self.native_eos: int | None = getattr(self._lib, "eos", None)  # the EOS the library itself masks
         self.compile_timeout_s = compile_timeout_s
         self.guard = guard
         self._cache: OrderedDict[tuple[str, str], Future[CompiledGrammar]] = OrderedDict()
@@ -326,6 +337,9 @@ class GrammarBackend:
         self._pool = ThreadPoolExecutor(max_workers=compile_workers, thread_name_prefix="grammar-compile")
         self._token_bytes: list[bytes] | None = None
         self._marks: TokenMarks | None = None
+        self._executor: Any = None
+        if guard:
+            self.byte_marks()  # ~0.5 s for a 150k vocab: pay it at startup, not on the first guarded request
 
     # -- compile -------------------------------------------------------------------------------------------
     def compile_async(self, structured: Any) -> Future[CompiledGrammar]:
@@ -375,6 +389,20 @@ class GrammarBackend:
             raise ValueError(f"grammar compiled by {compiled.library}, backend is {self.library}")
         return Matcher(self._lib.new_state(compiled.handle), self, compiled)
 
+    def fill_native(self, jobs: list[tuple[Any, int, list[int]]], bitmask: torch.Tensor) -> None:
+        """Fill rows for unguarded llguidance matchers in parallel in native threads (the GIL is released)."""
+        if self._executor is None:
+            self._executor = self._lib.executor()
+        if not bitmask.is_contiguous() or bitmask.dtype != torch.int32 or bitmask.device.type != "cpu":
+            raise ValueError("bitmask must be a contiguous CPU int32 tensor")
+        row_bytes, rows = bitmask.shape[1] * 4, bitmask.shape[0]
+        plain = [(m, row) for m, row, drafts in jobs if not drafts]
+        with_drafts = [job for job in jobs if job[2]]
+        if plain:
+            self._executor.unsafe_compute_mask_ptr(plain, bitmask.data_ptr(), row_bytes, rows)
+        if with_drafts:
+            self._executor.unsafe_compute_mask_ptr_with_draft_token(with_drafts, bitmask.data_ptr(), row_bytes, rows)
+
     def token_bytes(self) -> list[bytes]:
         """Bytes of every token id (built once; used by the guard)."""
         if self._token_bytes is None:
@@ -390,6 +418,7 @@ class GrammarBackend:
                 comma=np.array([b"," in p for p in pieces], dtype=bool),
                 close_count=np.array([p.count(b"]") + p.count(b"}") for p in pieces], dtype=np.int32),
                 literal_end=np.array([p[-1:] in (b"e", b"l") for p in pieces], dtype=bool),
+                length=np.array([len(p) for p in pieces], dtype=np.int32),
             )
         return self._marks
 
@@ -409,7 +438,22 @@ def fill_bitmasks(jobs: list[tuple[Matcher, int, list[int]]], bitmask: torch.Ten
     of `drafts` the grammar accepts (the draft positions plus the bonus). Returns n per job, so the caller
     can cut each request's drafts to its valid prefix. The matchers end in the state they started in.
     """
-    return [m.fill_bitmasks(bitmask, row, drafts) for m, row, drafts in jobs]
+    counts = [0] * len(jobs)
+    native: dict[int, tuple[GrammarBackend, list[tuple[Any, int, list[int]]], list[Matcher]]] = {}
+    for i, (matcher, row, drafts) in enumerate(jobs):
+        job = matcher.native_job(row, drafts)
+        if job is None:
+            counts[i] = matcher.fill_bitmasks(bitmask, row, drafts)
+        else:
+            counts[i] = len(job[2])
+            entry = native.setdefault(id(matcher.backend), (matcher.backend, [], []))
+            entry[1].append(job)
+            entry[2].append(matcher)
+    for backend, native_jobs, matchers in native.values():
+        backend.fill_native(native_jobs, bitmask)
+        for (_, row, drafts), matcher in zip(native_jobs, matchers):
+            matcher.finish_native(bitmask, row, drafts)
+    return counts
 
 
 def json_text(instance: Any, schema: Any = None) -> str:

@@ -49,11 +49,22 @@ class Matcher:
         self.compiled = compiled
         self._eos = backend.eos_token_ids
         self._guard = compiled.guard
+        # llguidance's native batched fill (parallel, GIL released) is equivalent to ours when EOS is the
+        # tokenizer's single eos token and the guard, if any, only has rule A (fixed up by `finish_native`).
+        self._native_ok = (
+            hasattr(state, "native")
+            and self._eos == (backend.native_eos,)
+            and (self._guard is None or not self._guard.anchors)
+        )
         self._history: list[int] = []  # accepted tokens, EOS included
         self._terminated = False
         self.error: str | None = None  # set when no token can continue to a valid instance (see module doc)
         self._text = bytearray()  # emitted bytes (kept only with a guard)
         self._cursors: list[_Cursor] = [_Cursor.start()]  # cursor after each accepted non-EOS token
+
+    @property
+    def backend(self) -> GrammarBackend:
+        return self._backend
 
     # -- state queries -------------------------------------------------------------------------------------
     def is_terminated(self) -> bool:
@@ -166,6 +177,28 @@ class Matcher:
         self.rollback(n)
         return n
 
+    def native_job(self, row: int, drafts: Sequence[int]) -> tuple[Any, int, list[int]] | None:
+        """(library matcher, row, valid drafts) when the library can fill this matcher's rows natively in
+        parallel with others (see `fill_bitmasks`), else None."""
+        if not self._native_ok or self._terminated or any(t in self._eos for t in drafts):
+            return None
+        drafts = list(drafts)
+        return (self._state.native, row, drafts[: self._state.validate(drafts)])  # type: ignore[attr-defined]
+
+    def finish_native(self, bitmask: torch.Tensor, row: int, drafts: Sequence[int]) -> None:
+        """After a native fill of rows row .. row+len(drafts): apply rule A (EOS only for a valid document)."""
+        if self._guard is None:
+            return
+        pieces = self._backend.token_bytes()
+        text = bytes(self._text)
+        eos = self._eos[0]
+        for i in range(len(drafts) + 1):
+            if i:
+                text += pieces[drafts[i - 1]]
+            word = int(bitmask[row + i, eos >> 5]) & 0xFFFFFFFF
+            if word >> (eos & 31) & 1 and not self._guard.document_ok(text):
+                self._set_eos(bitmask, row + i, False)
+
     def forced_tokens(self) -> list[int]:
         """Tokens the grammar allows as the only continuation (jump-forward), to be proposed as drafts."""
         if self._terminated:
@@ -197,7 +230,7 @@ _OPEN = frozenset(b"[{")
 _CLOSE = frozenset(b"]}")
 _WS = frozenset(b" \t\r\n")
 _LITERALS = (b"true", b"false", b"null")
-# Keywords that can only get worse as a container grows: checked on every element/key as it closes.
+# Keywords the guard knows how to anchor; `dropped` notes name them (see `_guarded_keys`).
 _GUARDED_KEYWORDS = {
     "uniqueItems", "not", "if", "then", "else", "contains", "minContains", "maxContains", "dependentRequired",
     "dependentSchemas", "dependencies", "propertyNames", "unevaluatedProperties", "unevaluatedItems", "oneOf",
@@ -260,7 +293,13 @@ class _Anchor:
 
 
 class SchemaGuard:
-    """Checks, with jsonschema, what the compiled grammar does not enforce (see the module docstring)."""
+    """Checks, with jsonschema, what the compiled grammar does not enforce (see the module docstring).
+
+    max_checks bounds the candidate tokens checked per mask row (each costs a jsonschema validation); beyond
+    it, the longest candidates are masked out, which keeps every row's cost bounded on large vocabularies.
+    """
+
+    max_checks = 64
 
     def __init__(self, schema: dict[str, Any] | bool, dropped: tuple[str, ...] = ()) -> None:
         cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
@@ -320,10 +359,20 @@ class SchemaGuard:
                 interesting = interesting | marks.comma
             if here or any(a.names is not None for a in relevant):
                 interesting = interesting | marks.quote
-        candidates = allowed & interesting
+        if cursor.in_string:
+            interesting = interesting & marks.quote  # nothing counts before the string is closed
+        candidates = np.flatnonzero(allowed & interesting)
+        if len(candidates) > self.max_checks:
+            # Bound the work per row: check the shortest tokens (the bare quote/bracket/comma among them) and
+            # mask out the rest. Only an under-approximation: the model can still close the value with the
+            # short tokens; it never lets an invalid token through.
+            order = np.argsort(marks.length[candidates], kind="stable")
+            for t in candidates[order[self.max_checks :]]:
+                words[t >> 5] &= np.uint32(~(1 << int(t & 31)) & 0xFFFFFFFF)
+            candidates = candidates[order[: self.max_checks]]
         token_bytes = backend.token_bytes()
         buf = bytes(text)
-        for t in np.flatnonzero(candidates):
+        for t in candidates:
             piece = token_bytes[t]
             if _scan(buf + piece, cursor, piece, self) is None:
                 words[t >> 5] &= np.uint32(~(1 << int(t & 31)) & 0xFFFFFFFF)
