@@ -572,3 +572,21 @@ def test_batched_fill_matches_sequential(backend: GrammarBackend, tokenizer: Any
         matcher.rollback(n)
     used = [r for (_, start, _), n in zip(jobs, counts) for r in range(start, start + n + 1)]
     assert torch.equal(bitmask[used], expected[used])
+
+
+def test_xgrammar_adapter(tokenizer: Any) -> None:
+    """The second library behind the same adapter (optional dependency): same API, same guarantees."""
+    pytest.importorskip("xgrammar")
+    xgr = GrammarBackend(tokenizer, library="xgrammar")
+    schema = {"type": "object", "properties": {"tags": {"type": "array", "items": {"type": "integer"}, "uniqueItems": True}}, "required": ["tags"]}
+    compiled = xgr.compile(_schema_spec(schema))
+    assert _produce(xgr, compiled, tokenizer, '{"tags":[1,2]}')
+    assert not _produce(xgr, compiled, tokenizer, '{"tags":[1,1]}')  # xgrammar ignores uniqueItems; the guard does not
+    assert not _produce(xgr, compiled, tokenizer, '{"tags":["a"]}')
+    assert _produce(xgr, xgr.compile({"type": "regex", "regex": "ab+"}), tokenizer, "abbb")
+    matcher = xgr.matcher(compiled)
+    tokens = _encode(tokenizer, '{"tags":[3]}')
+    assert matcher.validate(tokens) == len(tokens) and matcher.accept_tokens(tokens) == len(tokens)
+    matcher.rollback(2)
+    assert matcher.accept_tokens(tokens[-2:]) == 2 and matcher.accept(tokenizer.eos_token_id)
+    xgr.shutdown()
