@@ -1,0 +1,60 @@
+"""Prometheus metrics of one server instance.
+
+Each app gets its own ``CollectorRegistry`` (never the process-global one), so several apps in one process (tests,
+or a server embedded in another program) do not collide or double count. Counters and histograms are updated by
+the engine thread and the HTTP middleware; prometheus-client's metric objects are thread-safe.
+"""
+from __future__ import annotations
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from leapdecode.outputs import RequestOutput
+
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+_TPOT_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5)
+_E2E_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+
+
+class ServerMetrics:
+    content_type = CONTENT_TYPE_LATEST
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        r = self.registry = registry or CollectorRegistry()
+        self.http_requests = Counter("leapdecode_http_requests", "HTTP requests by route and status code",
+                                     ["endpoint", "status"], registry=r)
+        self.finished = Counter("leapdecode_request_finished", "Engine requests ended, by finish reason "
+                                "(per sample: stop, length, abort)", ["finish_reason"], registry=r)
+        self.ttft = Histogram("leapdecode_time_to_first_token_seconds", "Arrival to first generated token",
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.tpot = Histogram("leapdecode_time_per_output_token_seconds",
+                              "Mean time per output token after the first, per request", buckets=_TPOT_BUCKETS,
+                              registry=r)
+        self.e2e = Histogram("leapdecode_e2e_request_latency_seconds", "Arrival to last token",
+                             buckets=_E2E_BUCKETS, registry=r)
+        self.prompt_tokens = Counter("leapdecode_prompt_tokens", "Prompt tokens of scheduled requests", registry=r)
+        self.generation_tokens = Counter("leapdecode_generation_tokens", "Generated tokens", registry=r)
+        self.requests_running = Gauge("leapdecode_num_requests_running",
+                                      "Requests the engine has started (including preempted ones)", registry=r)
+        self.requests_waiting = Gauge("leapdecode_num_requests_waiting",
+                                      "Requests accepted but not yet scheduled", registry=r)
+        self.kv_blocks_used = Gauge("leapdecode_kv_cache_blocks_used", "KV cache blocks in use", registry=r)
+        self.kv_blocks_free = Gauge("leapdecode_kv_cache_blocks_free", "KV cache blocks free", registry=r)
+        self.kv_blocks_total = Gauge("leapdecode_kv_cache_blocks_total", "KV cache blocks in the pool", registry=r)
+        self.spec_draft_tokens = Counter("leapdecode_spec_draft_tokens", "Draft tokens proposed", registry=r)
+        self.spec_accepted_tokens = Counter("leapdecode_spec_accepted_tokens", "Draft tokens accepted", registry=r)
+
+    def observe_finished(self, out: RequestOutput) -> None:
+        """Latency histograms and finish reasons of a request that ran to completion."""
+        m = out.metrics
+        for c in out.outputs:
+            self.finished.labels(finish_reason=c.finish_reason or "unknown").inc()
+        if m.first_token_time is not None:
+            self.ttft.observe(max(0.0, m.first_token_time - m.arrival_time))
+            num_tokens = max((len(c.token_ids) for c in out.outputs), default=0)
+            if m.finished_time is not None:
+                self.e2e.observe(max(0.0, m.finished_time - m.arrival_time))
+                if num_tokens > 1:
+                    self.tpot.observe(max(0.0, m.finished_time - m.first_token_time) / (num_tokens - 1))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
