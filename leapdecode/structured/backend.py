@@ -97,6 +97,9 @@ _LLG_JSON_OPTIONS = {
     "coerce_one_of": True,  # oneOf -> anyOf (over-approximation); the guard enforces "exactly one"
 }
 _DATA_KEYWORDS = ("enum", "const", "default", "examples")  # values, not subschemas
+# (keyword, part of llguidance's error): refusals we lower by dropping the keyword from the grammar. A dropped
+# patternProperties makes its keys fall to additionalProperties: over- or under-approximate, never unchecked.
+_DROPPABLE_ON_ERROR = (("multipleOf", "multipleOf"), ("patternProperties", "are not disjoint"))
 _UNIMPLEMENTED_RE = re.compile(r"Unimplemented keys: \[(.*?)\]")
 
 
@@ -174,17 +177,19 @@ class _LLGuidance:
             if _contains_key(schema, "oneOf"):
                 dropped.append("oneOf (compiled as anyOf)")
         grammar = self._grammar(spec)
-        try:
-            messages = self._validate(grammar)
-        except ValueError as e:
-            if spec.kind != "json_schema" or "multipleOf" not in str(e):
-                raise
-            # multipleOf with a divisor the library cannot represent: leave it to the guard.
-            schema = _drop_keyword(schema, "multipleOf")
-            dropped.append("multipleOf")
-            spec = StructuredSpec("json_schema", json.dumps(schema), spec.name, spec.strict)
-            grammar = self._grammar(spec)
-            messages = self._validate(grammar)
+        messages = None
+        while messages is None:
+            try:
+                messages = self._validate(grammar)
+            except ValueError as e:
+                # A few refusals have a safe fallback: drop the keyword from the grammar, the guard checks it.
+                keyword = next((k for k, why in _DROPPABLE_ON_ERROR if why in str(e)), None)
+                if spec.kind != "json_schema" or keyword is None or keyword in dropped:
+                    raise
+                schema = _drop_keyword(schema, keyword)
+                dropped.append(keyword)
+                spec = StructuredSpec("json_schema", json.dumps(schema), spec.name, spec.strict)
+                grammar = self._grammar(spec)
         for msg in messages:
             found = _UNIMPLEMENTED_RE.search(msg)
             if found:
