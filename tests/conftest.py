@@ -76,7 +76,7 @@ def tiny_dir(tmp_path_factory):
         key = (arch, tuple(sorted(overrides.items())))
         if key not in cache:
             path = str(root / f"{arch}-{len(cache)}")
-            build_model(path, arch, vocab_size=384, **overrides)
+            build_model(path, arch, **{"vocab_size": 384, **overrides})
             tok.save_pretrained(path)
             cache[key] = path
         return cache[key]

@@ -1,9 +1,9 @@
 """Portable attention over the paged cache in plain PyTorch: runs on CPU and CUDA, and is the test oracle.
 
-Sequences with one query token (plain decode) are attended in one padded batch; sequences with several (prefill
-chunks, speculative verification) one by one with an explicit mask built from token positions, so chunked prefill,
-token trees and sliding windows share a single rule: a query at position p sees keys at positions <= p that are
-either earlier context or (for trees) its ancestors.
+All sequences with short query runs (decodes, verification, short prefills) are attended in one padded batch, long
+prefill chunks one by one, all through one function with an explicit mask built from token positions, so chunked
+prefill, token trees and sliding windows share a single rule: a query at position p sees keys at positions <= p
+that are earlier context or (for trees) its ancestors.
 """
 from __future__ import annotations
 
@@ -13,67 +13,63 @@ import torch.nn.functional as F
 from leapdecode.attention.backend import AttentionBackend, AttentionMetadata
 
 
+# Sequences with at most this many query tokens (decodes, verification, short prefills) share one padded batch;
+# longer prefill chunks run alone so padding never multiplies their cost.
+BATCH_MAX_QUERY = 32
+
+
 class TorchAttention(AttentionBackend):
     name = "torch"
 
     def write_kv(self, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> None:
-        slots = meta.slot_mapping
         _, nb, bs, hkv, d = kv_cache.shape
         flat = kv_cache.view(2, nb * bs, hkv, d)
-        flat[0].index_copy_(0, slots, k.to(kv_cache.dtype))
-        flat[1].index_copy_(0, slots, v.to(kv_cache.dtype))
+        flat[0].index_copy_(0, meta.slot_mapping, k.to(kv_cache.dtype))
+        flat[1].index_copy_(0, meta.slot_mapping, v.to(kv_cache.dtype))
 
     def attend(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         out = torch.empty_like(q)
-        decode = [i for i, n in enumerate(meta.query_lens) if n == 1 and i not in meta.tree_masks]
-        if decode:
-            self._decode_batch(q, kv_cache, meta, scale, decode, out)
-        qsl = meta.query_start_loc.tolist() if len(decode) < meta.num_seqs else None
+        short = [i for i, n in enumerate(meta.query_lens) if n <= BATCH_MAX_QUERY]
+        if short:
+            self._attend_padded(q, kv_cache, meta, scale, short, out)
         for i, n in enumerate(meta.query_lens):
-            if n == 1 and i not in meta.tree_masks:
-                continue
-            start, end = qsl[i], qsl[i + 1]
-            out[start:end] = self._one_sequence(q[start:end], kv_cache, meta, i, scale)
+            if n > BATCH_MAX_QUERY:
+                self._attend_padded(q, kv_cache, meta, scale, [i], out)
         return out
 
-    @staticmethod
-    def _gather(kv_cache: torch.Tensor, block_table: torch.Tensor, num_keys: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """[..., nblocks] block ids -> keys and values [..., nblocks * block_size, Hkv, D] (trimmed for 1-D)."""
-        k = kv_cache[0][block_table].flatten(-4, -3)
-        v = kv_cache[1][block_table].flatten(-4, -3)
-        return k[..., :num_keys, :, :], v[..., :num_keys, :, :]
-
-    def _decode_batch(self, q, kv_cache, meta, scale, rows, out) -> None:
-        idx = torch.tensor(rows, device=q.device)
-        max_len = max(meta.seq_lens_host[i] for i in rows)
-        nblocks = -(-max_len // meta.block_size)
-        k, v = self._gather(kv_cache, meta.block_tables[idx, :nblocks], max_len)    # [B, L, Hkv, D]
-        seq_lens = meta.seq_lens[idx].long()
-        key_pos = torch.arange(max_len, device=q.device)
-        mask = key_pos[None, :] < seq_lens[:, None]                                   # [B, L]
+    def _attend_padded(self, q, kv_cache, meta: AttentionMetadata, scale: float, seqs: list[int], out) -> None:
+        """Attend for ``seqs`` in one padded SDPA call: [B, max_q] queries over [B, max_k] gathered keys."""
+        dev = q.device
+        qlens = [meta.query_lens[i] for i in seqs]
+        klens = [meta.seq_lens_host[i] for i in seqs]
+        max_q, max_k = max(qlens), max(klens)
+        idx = torch.tensor(seqs, device=dev)
+        qpos_in_seq = torch.arange(max_q, device=dev)
+        qlen_t = torch.tensor(qlens, device=dev)
+        valid_q = qpos_in_seq[None, :] < qlen_t[:, None]                                  # [B, max_q]
+        q_index = (meta.query_start_loc[idx].long()[:, None] + qpos_in_seq[None, :]).clamp(max=q.shape[0] - 1)
+        q_pos = meta.positions[q_index]                                                    # [B, max_q]
+        nblocks = -(-max_k // meta.block_size)
+        k = kv_cache[0][meta.block_tables[idx, :nblocks]].flatten(1, 2)[:, :max_k]       # [B, max_k, Hkv, D]
+        v = kv_cache[1][meta.block_tables[idx, :nblocks]].flatten(1, 2)[:, :max_k]
+        key_idx = torch.arange(max_k, device=dev)
+        klen_t = torch.tensor(klens, device=dev)
+        # a key's position is its index, except for this step's tokens, which carry their own (token trees)
+        num_ctx = klen_t - qlen_t
+        key_pos = key_idx.expand(len(seqs), max_k).clone()
+        new = (key_idx[None, :] >= num_ctx[:, None]) & (key_idx[None, :] < klen_t[:, None])
+        key_pos[new] = q_pos[valid_q]
+        mask = (key_pos[:, None, :] <= q_pos[:, :, None]) & (key_idx[None, None, :] < klen_t[:, None, None])
+        for b, i in enumerate(seqs):
+            tree = meta.tree_masks.get(i)
+            if tree is not None:
+                c = klens[b] - qlens[b]
+                mask[b, :qlens[b], c:klens[b]] = tree
         if meta.sliding_window is not None:
-            mask &= key_pos[None, :] > (seq_lens[:, None] - 1 - meta.sliding_window)
-        qrows = meta.query_start_loc[idx].long()
+            mask &= key_pos[:, None, :] > (q_pos[:, :, None] - meta.sliding_window)
+        mask &= valid_q[:, :, None]
+        mask[:, :, 0] |= ~valid_q                      # padding rows see one key, so softmax stays finite
         o = F.scaled_dot_product_attention(
-            q[qrows].unsqueeze(2), k.transpose(1, 2), v.transpose(1, 2),             # [B, H, 1, D], [B, Hkv, L, D]
-            attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=True)
-        out[qrows] = o.squeeze(2).to(out.dtype)
-
-    def _one_sequence(self, q, kv_cache, meta, i, scale) -> torch.Tensor:
-        n, num_keys = q.shape[0], meta.seq_lens_host[i]
-        nblocks = -(-num_keys // meta.block_size)
-        k, v = self._gather(kv_cache, meta.block_tables[i, :nblocks], num_keys)       # [L, Hkv, D]
-        start = meta.query_start_loc[i]
-        q_pos = meta.positions[start:start + n]
-        num_ctx = num_keys - n                                                      # keys before this step
-        key_pos = torch.cat([torch.arange(num_ctx, device=q.device), q_pos])
-        mask = key_pos[None, :] <= q_pos[:, None]
-        tree = meta.tree_masks.get(i)
-        if tree is not None:
-            mask[:, num_ctx:] = tree
-        if meta.sliding_window is not None:
-            mask &= key_pos[None, :] > (q_pos[:, None] - meta.sliding_window)
-        o = F.scaled_dot_product_attention(
-            q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),               # [H, n, D], [Hkv, L, D]
-            attn_mask=mask[None], scale=scale, enable_gqa=True)
-        return o.transpose(0, 1).to(q.dtype)
+            q[q_index].transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),            # [B, H, max_q, D]
+            attn_mask=mask[:, None], scale=scale, enable_gqa=True)
+        out[q_index[valid_q]] = o.transpose(1, 2)[valid_q].to(out.dtype)

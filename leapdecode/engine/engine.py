@@ -19,10 +19,22 @@ from leapdecode.engine.scheduler import ScheduledSeq, Scheduler
 from leapdecode.engine.sequence import Sequence, SequenceStatus
 from leapdecode.model.loader import load_generation_defaults, load_model_config, load_tokenizer
 from leapdecode.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from leapdecode.sampling.rejection import node_paths, walk
 from leapdecode.sampling.sampler import Row, SamplingBatch, compute_logprobs
 from leapdecode.sampling_params import SamplingParams
 
 MAX_LOGPROBS = 20
+TOPK_FOR_DRAFTERS = 8   # Token Recycling learns the target's top-k successors at every verified position
+
+
+@dataclass
+class Verified:
+    """One sequence's result of a step: tokens to append (accepted drafts + the bonus token)."""
+    tokens: list[int]
+    num_drafted: int
+    num_accepted: int
+    logprobs: list
+    topk: list[list[int]] | None
 
 
 @dataclass
@@ -105,6 +117,7 @@ class Engine:
                                                  params.skip_special_tokens, params.include_stop_str_in_output)
         req.unforked = seqs[1:]
         self.requests[request_id] = req
+        self.stats["prompt_tokens"] += len(ids)
         self.scheduler.add(seqs[0])
 
     def _generator(self, seed: int | None, index: int) -> torch.Generator | None:
@@ -134,6 +147,7 @@ class Engine:
         if not batch:
             return []
         now = time.time()
+        t0 = time.perf_counter()
         plp = {s.seq.seq_id for s in batch.scheduled
                if s.seq.params.prompt_logprobs is not None and s.start < s.seq.num_prompt_tokens}
         inputs = self.runner.prepare(batch, plp)
@@ -150,11 +164,13 @@ class Engine:
             if seq.seq_id in plp:
                 self._record_prompt_logprobs(seq, s, logits[lo:hi])
             if seq.seq_id in accepted:
-                self._commit(req, seq, *accepted[seq.seq_id])
+                self._commit(req, seq, accepted[seq.seq_id])
             else:
                 seq.num_computed_tokens += s.num_new_tokens
                 self.block_manager.commit(seq)
         self.stats["steps"] += 1
+        if self.speculator is not None:
+            self.speculator.observe_step(batch.num_tokens, time.perf_counter() - t0)
         outputs = [self._output(req) for req in touched.values()]
         for out in outputs:
             if out.finished:
@@ -162,19 +178,39 @@ class Engine:
         return outputs
 
     def _sample(self, sampling: list[tuple[ScheduledSeq, tuple[int, int]]], logits: torch.Tensor
-                ) -> dict[int, tuple[list[int], int, list]]:
-        """-> seq_id: (tokens to append, drafts accepted, per-token (logprob, top) pairs)."""
-        if self.speculator is not None:
-            return self.speculator.verify(sampling, logits)
-        rows = [Row(s.seq, []) for s, _ in sampling]
-        idx = torch.tensor([hi - 1 for _, (lo, hi) in sampling], device=logits.device)
-        raw = logits[idx]
+                ) -> dict[int, "Verified"]:
+        """Sample every verified position, then walk each draft (sample-then-match, see sampling/rejection.py).
+        A sequence without a draft has one row and this is plain decoding."""
+        rows: list[Row] = []
+        row_idx: list[int] = []
+        first_row: list[int] = []
+        for s, (lo, hi) in sampling:
+            seq = s.seq
+            d = len(seq.draft_tokens)
+            first_row.append(len(rows))
+            rows += [Row(seq, [])] + [Row(seq, path) for path in node_paths(seq.draft_tokens, seq.draft_parents)]
+            row_idx += range(hi - 1 - d, hi)
+        raw = logits[torch.tensor(row_idx, device=logits.device)]
         batch = SamplingBatch(rows, self.vocab_size, self.device, self.eos_token_ids)
-        tokens = batch.sample(batch.process(raw), self.generator)
-        lps = self.logprobs_for(batch, raw, tokens)
-        token_list = tokens.tolist()
-        return {s.seq.seq_id: ([token_list[i]], 0, [lps[i]] if lps else [None])
-                for i, (s, _) in enumerate(sampling)}
+        sampled_t = batch.sample(batch.process(raw), self.generator)
+        sampled = sampled_t.tolist()
+        lps = self.logprobs_for(batch, raw, sampled_t)
+        topk = (raw.topk(TOPK_FOR_DRAFTERS, dim=-1).indices.tolist()
+                if self.speculator is not None and self.speculator.wants_topk else None)
+        result: dict[int, Verified] = {}
+        for (s, _), r0 in zip(sampling, first_row):
+            seq = s.seq
+            d = len(seq.draft_tokens)
+            path, bonus = walk(sampled[r0:r0 + d + 1], seq.draft_tokens, seq.draft_parents)
+            used = [r0] + [r0 + 1 + i for i in path]
+            if path != list(range(len(path))):          # tree: move the accepted branch's KV into place
+                self.runner.move_kv(seq.block_table, [seq.num_tokens + i for i in path],
+                                    [seq.num_tokens + j for j in range(len(path))])
+            result[seq.seq_id] = Verified(
+                tokens=[seq.draft_tokens[i] for i in path] + [bonus], num_drafted=d, num_accepted=len(path),
+                logprobs=[lps[r] for r in used] if lps else [None] * len(used),
+                topk=[topk[r] for r in used] if topk else None)
+        return result
 
     def logprobs_for(self, batch: SamplingBatch, raw: torch.Tensor, tokens: torch.Tensor) -> list | None:
         if batch.max_logprobs is None:
@@ -194,10 +230,14 @@ class Engine:
             entry[t] = c
             seq.prompt_logprobs.append(entry)
 
-    def _commit(self, req: Request, seq: Sequence, tokens: list[int], num_accepted: int, lps: list) -> None:
+    def _commit(self, req: Request, seq: Sequence, v: Verified) -> None:
         """Append verified tokens one by one, stopping at the first that ends the sequence."""
-        seq.num_computed_tokens = seq.num_tokens + num_accepted   # KV of the bonus token is not written yet
+        seq.num_computed_tokens = seq.num_tokens + v.num_accepted   # KV of the bonus token is not written yet
         seq.set_draft([])
+        req.metrics.num_draft_tokens += v.num_drafted
+        req.metrics.num_accepted_tokens += v.num_accepted
+        self.stats["draft_tokens"] += v.num_drafted
+        self.stats["accepted_tokens"] += v.num_accepted
         if req.unforked:
             self._fork(req, seq)
         if req.metrics.first_token_time is None:
@@ -205,7 +245,7 @@ class Engine:
         req.metrics.num_steps += 1
         detok = req.detoks[seq.seq_id]
         p = seq.params
-        for token, lp in zip(tokens, lps):
+        for token, lp in zip(v.tokens, v.logprobs):
             seq.token_ids.append(token)
             self.stats["generation_tokens"] += 1
             if lp is not None and seq.logprobs is not None:
@@ -229,6 +269,8 @@ class Engine:
                 break
         seq.num_computed_tokens = min(seq.num_computed_tokens, seq.num_tokens)
         self.block_manager.commit(seq)
+        if self.speculator is not None and seq.finish_reason is None:
+            self.speculator.observe(seq, v.num_drafted, v.num_accepted, v.topk)
         if seq.finish_reason is not None:
             if not isinstance(seq.stop_reason, str):
                 detok.flush()

@@ -83,8 +83,7 @@ class ModelRunner:
             if seq.draft_parents is not None and s.samples:
                 pos, tree_masks[i] = _tree_positions_and_mask(seq, start, n, self.device)
             positions += pos
-            table = seq.block_table
-            slots += [table[j // bs] * bs + j % bs for j in range(start, start + n)]
+            slots += self.slots(seq.block_table, range(start, start + n))
             query_lens.append(n)
             seq_lens.append(start + n)
             first_row = len(logits_idx)
@@ -111,6 +110,19 @@ class ModelRunner:
             sliding_window=self.model_cfg.sliding_window, tree_masks=tree_masks)
         return StepInputs(torch.tensor(input_ids, dtype=torch.long, device=dev), meta,
                           torch.tensor(logits_idx, dtype=torch.long, device=dev), row_ranges)
+
+    def slots(self, block_table: list[int], positions: list[int]) -> list[int]:
+        bs = self.block_size
+        return [block_table[j // bs] * bs + j % bs for j in positions]
+
+    @torch.inference_mode()
+    def move_kv(self, block_table: list[int], src: list[int], dst: list[int]) -> None:
+        """Copy the KV of token indices ``src`` to ``dst`` in every layer (compacting an accepted tree branch)."""
+        L, _, nb, bs, h, d = self.kv_cache.shape
+        flat = self.kv_cache.view(L, 2, nb * bs, h, d)
+        s = torch.tensor(self.slots(block_table, src), device=self.device)
+        t = torch.tensor(self.slots(block_table, dst), device=self.device)
+        flat[:, :, t] = flat[:, :, s].clone()
 
     @torch.inference_mode()
     def execute(self, inputs: StepInputs) -> torch.Tensor:

@@ -1,0 +1,270 @@
+"""Speculative decoding is lossless: identical greedy output, identical sampling distribution, no leaked blocks."""
+import itertools
+import random
+
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from leapdecode import LLM, SamplingParams
+from leapdecode.sampling.rejection import verify_with_draft_probs
+from leapdecode.spec.controller import Controller, StepTimeModel
+from leapdecode.spec.drafter import Draft
+
+METHODS = ["ngram", "suffix", "recycling", "auto"]
+
+
+def spec(method, k=5, adaptive=False, **options):
+    return {"method": method, "num_speculative_tokens": k, "adaptive": adaptive, **options}
+
+
+def make_llm(path, **kw):
+    kw.setdefault("dtype", "float32")
+    kw.setdefault("max_model_len", 256)
+    return LLM(path, **kw)
+
+
+def assert_pool_free(llm):
+    bm = llm.engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks
+    assert not llm.engine.scheduler.running and not llm.engine.scheduler.waiting
+
+
+def mixed_prompts(seed=0, vocab=384):
+    rng = random.Random(seed)
+    passage = [rng.randrange(2, vocab) for _ in range(30)]
+    copy_heavy = [passage + [7] + passage[:6], passage * 2 + passage[:3]]
+    random_ones = [[rng.randrange(2, vocab) for _ in range(rng.randint(3, 40))] for _ in range(6)]
+    return copy_heavy + random_ones
+
+
+class OracleDrafter:
+    """Proposes the true greedy continuation (known from a reference run), corrupted on purpose: every
+    ``wrong_every``-th draft position is wrong, and as a tree the first branch is always a wrong sibling, so the
+    accepted path is not a prefix of the slots and its KV must be compacted."""
+
+    def __init__(self, truth: dict[tuple, list[int]], wrong_every: int = 4, tree: bool = False):
+        self.truth, self.wrong_every, self.tree = truth, wrong_every, tree
+        self.calls = 0
+
+    def propose(self, requests):
+        drafts = []
+        for r in requests:
+            self.calls += 1
+            cont = self.truth[tuple(r.token_ids[:r.num_prompt_tokens])][len(r.token_ids) - r.num_prompt_tokens:]
+            n = r.max_draft - (1 if self.tree else 0)
+            chain = [t if (i + self.calls) % self.wrong_every else (t + 1) % 384 for i, t in enumerate(cont[:n])]
+            if self.tree and chain:
+                tokens = [(chain[0] + 2) % 384] + chain                       # wrong first child, then the chain
+                parents = [-1, -1] + list(range(1, len(chain)))
+                drafts.append(Draft(tokens, parents, score=0.9))
+            else:
+                drafts.append(Draft(chain, None, score=0.9))
+        return drafts
+
+    def observe(self, *args, **kwargs):
+        pass
+
+    def finish(self, *args, **kwargs):
+        pass
+
+
+@pytest.fixture(scope="module")
+def reference(llama_dir):
+    llm = make_llm(llama_dir)
+    prompts = mixed_prompts()
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    return prompts, params, [o.outputs[0].token_ids for o in outs]
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_greedy_identical_for_every_drafter(llama_dir, reference, method):
+    prompts, params, ref = reference
+    llm = make_llm(llama_dir, speculative_config=spec(method))
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == ref
+    assert_pool_free(llm)
+
+
+@pytest.mark.parametrize("tree", [False, True])
+def test_oracle_drafts_are_accepted_and_output_is_identical(llama_dir, reference, tree):
+    prompts, params, ref = reference
+    llm = make_llm(llama_dir, speculative_config=spec("ngram", k=6))
+    llm.engine.speculator.drafter = OracleDrafter({tuple(p): r for p, r in zip(prompts, ref)}, tree=tree)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == ref
+    assert min(o.metrics.mean_accepted_per_step for o in outs) > 1.5
+    assert_pool_free(llm)
+
+
+def test_stops_limits_n_prefix_cache_and_preemption_inside_drafts(llama_dir, reference):
+    """max_tokens, eos, stop strings and stop ids landing inside an accepted draft; n > 1; a tiny KV pool."""
+    prompts, _, ref = reference
+    truth = {tuple(p): r for p, r in zip(prompts, ref)}
+    tok_text = make_llm(llama_dir).get_tokenizer()
+    cases = []
+    for p, r in zip(prompts, ref):
+        text = tok_text.decode(r, skip_special_tokens=True)
+        cases += [
+            SamplingParams(temperature=0.0, max_tokens=13, ignore_eos=True),
+            SamplingParams(temperature=0.0, max_tokens=40, stop_token_ids=[r[9]]),
+            SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, stop=[text[12:15]] if len(text) > 15 else None),
+            SamplingParams(n=2, temperature=0.0, max_tokens=25, ignore_eos=True),
+        ]
+    all_prompts = [p for p in prompts for _ in range(4)]
+    plain = make_llm(llama_dir).generate(all_prompts, cases, use_tqdm=False)
+
+    def run(llm, eos=None):
+        if eos is not None:
+            llm.engine.eos_token_ids = eos
+        return llm.generate(all_prompts, cases, use_tqdm=False)
+
+    for kw in [dict(), dict(num_kv_blocks=24, block_size=8, max_model_len=128)]:
+        llm = make_llm(llama_dir, speculative_config=spec("ngram", k=6), **kw)
+        llm.engine.speculator.drafter = OracleDrafter(truth)
+        outs = run(llm)
+        for a, b in zip(outs, plain):
+            assert [(o.token_ids, o.text, o.finish_reason) for o in a.outputs] == \
+                   [(o.token_ids, o.text, o.finish_reason) for o in b.outputs]
+        assert_pool_free(llm)
+    assert llm.engine.scheduler.num_preemptions > 0
+    # eos inside a draft: make a token that the greedy output contains the eos
+    eos = {ref[0][7]}
+    llm = make_llm(llama_dir, speculative_config=spec("ngram", k=6))
+    llm.engine.speculator.drafter = OracleDrafter(truth)
+    p = SamplingParams(temperature=0.0, max_tokens=40)
+    out = run_one = llm.generate([prompts[0]], p, use_tqdm=False) if False else None
+    llm.engine.eos_token_ids = eos
+    out = llm.generate([prompts[0]], p, use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == ref[0][:ref[0].index(ref[0][7]) + 1] and out.finish_reason == "stop"
+    assert_pool_free(llm)
+
+
+def test_zero_speculative_tokens_is_the_plain_path(llama_dir, reference):
+    prompts, params, ref = reference
+    llm = make_llm(llama_dir, speculative_config=spec("suffix", k=0))
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == ref
+    assert llm.engine.stats["draft_tokens"] == 0
+
+
+def test_adaptive_controller_keeps_output_identical(llama_dir, reference):
+    prompts, params, ref = reference
+    llm = make_llm(llama_dir, speculative_config=spec("suffix", adaptive=True))
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == ref
+
+
+# -- distribution ------------------------------------------------------------------------------------------------
+
+def exact_pair_distribution(path, prompt, transform):
+    """P(t2, t3) of the 2nd and 3rd generated tokens, by enumerating the tiny vocabulary with transformers."""
+    import transformers
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    V = model.config.vocab_size
+
+    def probs(prefixes):
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + p for p in prefixes])).logits[:, -1].double()
+        return transform(logits).softmax(-1)
+
+    p1 = probs([[]])[0]
+    p2 = probs([[a] for a in range(V)])                                    # [t1, t2]
+    p3 = probs([[a, b] for a in range(V) for b in range(V)]).view(V, V, V)  # [t1, t2, t3]
+    return torch.einsum("a,ab,abc->bc", p1, p2, p3)
+
+
+class GreedyModelDrafter:
+    """Drafts the transformers model's own greedy continuation (cached per context): often accepted, sometimes
+    not, so both branches of verification are exercised at temperature > 0."""
+
+    def __init__(self, path):
+        import transformers
+        self.model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        self.cache = {}
+
+    def propose(self, requests):
+        drafts = []
+        for r in requests:
+            key = (tuple(r.token_ids), r.max_draft)
+            if key not in self.cache:
+                ids = torch.tensor([list(r.token_ids)])
+                out = self.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=r.max_draft,
+                                          do_sample=False, eos_token_id=None, pad_token_id=0)
+                self.cache[key] = out[0, ids.shape[1]:].tolist()
+            drafts.append(Draft(self.cache[key], None, score=0.8))
+        return drafts
+
+    def observe(self, *args, **kwargs):
+        pass
+
+    def finish(self, *args, **kwargs):
+        pass
+
+
+def chi2_pvalue(samples, expected):
+    counts = torch.zeros_like(expected).flatten()
+    for t2, t3 in samples:
+        counts[t2 * expected.shape[1] + t3] += 1
+    exp = expected.flatten() * len(samples)
+    big = exp >= 5                                   # pool sparse cells so the test is valid
+    obs = torch.cat([counts[big], counts[~big].sum()[None]])
+    ex = torch.cat([exp[big], exp[~big].sum()[None]])
+    return chisquare(obs.numpy(), ex.numpy() * obs.sum().item() / ex.sum().item()).pvalue
+
+
+@pytest.mark.parametrize("params,transform", [
+    (dict(temperature=1.0), lambda l: l),
+    (dict(temperature=0.7, top_k=3), lambda l: (l / 0.7).masked_fill(l < l.topk(3, -1).values[..., -1:], -1e30)),
+])
+def test_sampled_distribution_is_unchanged(tiny_dir, params, transform):
+    path = tiny_dir("llama", vocab_size=8, initializer_range=0.6)
+    prompt = [3, 4, 5, 3, 4, 5, 3, 4]
+    expected = exact_pair_distribution(path, prompt, transform)
+    n = 2000
+    sp = SamplingParams(max_tokens=4, ignore_eos=True, **params)
+    results = {}
+    for name, cfg in [("plain", None), ("spec", spec("ngram", k=3))]:
+        llm = make_llm(path, speculative_config=cfg, max_num_seqs=1024, seed=11)
+        if cfg is not None:
+            llm.engine.speculator.drafter = GreedyModelDrafter(path)
+        outs = llm.generate([prompt] * n, sp, use_tqdm=False)
+        results[name] = chi2_pvalue([o.outputs[0].token_ids[1:3] for o in outs], expected)
+        if cfg is not None:
+            assert llm.engine.stats["accepted_tokens"] > 0.3 * n      # drafts really were verified and accepted
+            assert llm.engine.stats["draft_tokens"] > llm.engine.stats["accepted_tokens"]   # ... and rejected
+        assert_pool_free(llm)
+    assert results["plain"] > 1e-3 and results["spec"] > 1e-3, results
+
+
+def test_rejection_with_draft_probs_is_exact():
+    """min(1, p/q) acceptance + residual resampling reproduces p exactly (exact enumeration vs samples)."""
+    g = torch.Generator().manual_seed(0)
+    V = 6
+    p = torch.softmax(torch.randn(2, V, generator=g, dtype=torch.float64), -1)
+    q = torch.softmax(torch.randn(1, V, generator=g, dtype=torch.float64), -1)
+    firsts = []
+    for _ in range(6000):
+        x = int(torch.multinomial(q[0], 1, generator=g))
+        n_acc, nxt = verify_with_draft_probs(p, q, [x], g)
+        firsts.append(x if n_acc == 1 else nxt)
+    counts = torch.bincount(torch.tensor(firsts), minlength=V).double()
+    assert chisquare(counts.numpy(), (p[0] * len(firsts)).numpy()).pvalue > 1e-3
+
+
+# -- controller --------------------------------------------------------------------------------------------------
+
+def test_controller_speculates_when_cheap_and_accepted_not_when_costly():
+    cheap = Controller(8, StepTimeModel(c0=10e-3, c1=1e-5))       # memory-bound GPU-like step
+    for _ in range(5):
+        cheap.observe(1, 8, 8)
+    assert cheap.draft_lengths([(1, 8, 0.9)], other_tokens=1) == [8]
+    costly = Controller(8, StepTimeModel(c0=1e-4, c1=1e-3))       # compute-bound: every token costs
+    for _ in range(5):
+        for i in range(64):
+            costly.observe(i, 8, 0)
+    assert costly.draft_lengths([(i, 8, 0.1) for i in range(64)], other_tokens=64) == [0] * 64
+    # under load, the same acceptance buys fewer draft tokens per request
+    light = cheap.draft_lengths([(i, 8, 0.6) for i in range(2)], other_tokens=2)
+    heavy = Controller(8, StepTimeModel(c0=10e-3, c1=1e-4)).draft_lengths([(i, 8, 0.6) for i in range(256)], 256)
+    assert sum(heavy) / 256 < sum(light) / 2
