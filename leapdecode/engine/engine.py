@@ -13,6 +13,7 @@ import torch
 
 from leapdecode.config import EngineConfig, parse_dtype
 from leapdecode.engine.block_manager import BlockManager
+from leapdecode.engine.constraints import Constraints
 from leapdecode.engine.detokenizer import Detokenizer
 from leapdecode.engine.model_runner import ModelRunner
 from leapdecode.engine.scheduler import ScheduledSeq, Scheduler
@@ -72,11 +73,17 @@ class Engine:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = eos
         self.requests: dict[str, Request] = {}
+        self.constraints = Constraints(self.tokenizer, self.eos_token_ids)
         self.speculator = None
         if cfg.speculative_config is not None:
             from leapdecode.spec.speculator import Speculator
             self.speculator = Speculator(cfg.speculative_config, self)
         self.stats = {"steps": 0, "prompt_tokens": 0, "generation_tokens": 0, "draft_tokens": 0, "accepted_tokens": 0}
+
+    @property
+    def structured_backend(self):
+        """The grammar backend for structured output (built on first use)."""
+        return self.constraints.backend
 
     # -- requests ----------------------------------------------------------------------------------------------
     def tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
@@ -110,7 +117,16 @@ class Engine:
             v = getattr(params, name)
             if v is not None and v > MAX_LOGPROBS:
                 raise ValueError(f"SamplingParams.{name} must be <= {MAX_LOGPROBS}, got {v}")
+        compiled = None
+        if params.structured is not None:
+            if params.ignore_eos:
+                raise ValueError("SamplingParams.ignore_eos cannot be combined with structured output "
+                                 "(the grammar ends the output with eos)")
+            compiled = self.constraints.compile(params.structured)
         seqs = [Sequence(request_id, i, ids, params, self._generator(params.seed, i)) for i in range(params.n)]
+        if compiled is not None:
+            for seq in seqs:
+                self.constraints.attach(seq, compiled)
         req = Request(request_id, text, ids, params, seqs, RequestMetrics(arrival_time or time.time()))
         for seq in seqs:
             req.detoks[seq.seq_id] = Detokenizer(self.tokenizer, ids, params.stop_strings,
@@ -124,6 +140,12 @@ class Engine:
         if seed is None:
             return None
         return torch.Generator(self.device).manual_seed(seed if index == 0 else hash((seed, index)) & (2**62 - 1))
+
+    def draft_room(self, seq: Sequence) -> int:
+        """Most draft tokens this sequence may verify now: its remaining output budget less the bonus token,
+        and no position past max_model_len."""
+        remaining = (seq.params.max_tokens or self.max_model_len) - seq.num_output_tokens - 1
+        return max(0, min(remaining, self.max_model_len - seq.num_tokens))
 
     def abort(self, request_id: str) -> bool:
         """Stop a request now and free its KV blocks. False if it is unknown or already done."""
@@ -143,6 +165,9 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         if self.speculator is not None:
             self.speculator.propose(self.scheduler.running)
+        for seq in self.scheduler.running:
+            if seq in self.constraints and not seq.is_prefill:
+                self.constraints.prepare_drafts(seq, self.draft_room(seq))
         batch = self.scheduler.schedule()
         if not batch:
             return []
@@ -151,10 +176,16 @@ class Engine:
         plp = {s.seq.seq_id for s in batch.scheduled
                if s.seq.params.prompt_logprobs is not None and s.start < s.seq.num_prompt_tokens}
         inputs = self.runner.prepare(batch, plp)
+        sampling = [(s, r) for s, r in zip(batch.scheduled, inputs.row_ranges) if s.samples]
+        first_rows, num_rows = [], 0
+        for s, _ in sampling:
+            first_rows.append(num_rows)
+            num_rows += 1 + len(s.seq.draft_tokens)
+        masks = self.constraints.start_fill(
+            [(s.seq, r0) for (s, _), r0 in zip(sampling, first_rows) if s.seq in self.constraints], num_rows)
         logits = self.runner.execute(inputs)
         touched: dict[str, Request] = {}
-        sampling = [(s, r) for s, r in zip(batch.scheduled, inputs.row_ranges) if s.samples]
-        accepted = self._sample(sampling, logits) if sampling else {}
+        accepted = self._sample(sampling, first_rows, logits, masks) if sampling else {}
         for s, (lo, hi) in zip(batch.scheduled, inputs.row_ranges):
             seq = s.seq
             req = self.requests[seq.request_id]
@@ -177,22 +208,20 @@ class Engine:
                 self.requests.pop(out.request_id, None)
         return outputs
 
-    def _sample(self, sampling: list[tuple[ScheduledSeq, tuple[int, int]]], logits: torch.Tensor
-                ) -> dict[int, "Verified"]:
+    def _sample(self, sampling: list[tuple[ScheduledSeq, tuple[int, int]]], first_row: list[int],
+                logits: torch.Tensor, masks) -> dict[int, "Verified"]:
         """Sample every verified position, then walk each draft (sample-then-match, see sampling/rejection.py).
         A sequence without a draft has one row and this is plain decoding."""
         rows: list[Row] = []
         row_idx: list[int] = []
-        first_row: list[int] = []
         for s, (lo, hi) in sampling:
             seq = s.seq
             d = len(seq.draft_tokens)
-            first_row.append(len(rows))
             rows += [Row(seq, [])] + [Row(seq, path) for path in node_paths(seq.draft_tokens, seq.draft_parents)]
             row_idx += range(hi - 1 - d, hi)
         raw = logits[torch.tensor(row_idx, device=logits.device)]
         batch = SamplingBatch(rows, self.vocab_size, self.device, self.eos_token_ids)
-        sampled_t = batch.sample(batch.process(raw), self.generator)
+        sampled_t = batch.sample(batch.process(self.constraints.apply(raw, masks)), self.generator)
         sampled = sampled_t.tolist()
         lps = self.logprobs_for(batch, raw, sampled_t)
         topk = (raw.topk(TOPK_FOR_DRAFTERS, dim=-1).indices.tolist()
@@ -254,9 +283,12 @@ class Engine:
                 entry[token] = chosen
                 seq.logprobs.append(entry)
                 seq.cumulative_logprob += chosen
-            if token in p.stop_token_ids:
+            grammar_end = self.constraints.accept(seq, token) if seq in self.constraints else None
+            if grammar_end == "abort":
+                seq.finish_reason, seq.stop_reason = "abort", "no valid continuation under the structured-output grammar"
+            elif token in p.stop_token_ids:
                 seq.finish_reason, seq.stop_reason = "stop", token
-            elif token in self.eos_token_ids and not p.ignore_eos:
+            elif token in self.eos_token_ids and not p.ignore_eos or grammar_end == "stop":
                 seq.finish_reason = "stop"
             else:
                 stop = detok.add(token)
@@ -286,6 +318,7 @@ class Engine:
 
     def _finish(self, seq: Sequence) -> None:
         self.scheduler.finish(seq)
+        self.constraints.detach(seq)
         req = self.requests.get(seq.request_id)
         if req is not None and req.finished:
             req.metrics.finished_time = time.time()

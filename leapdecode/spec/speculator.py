@@ -39,8 +39,7 @@ class Speculator:
             seq.set_draft([])
             if seq.is_prefill or seq.num_computed_tokens != seq.num_tokens - 1:
                 continue
-            remaining = (seq.params.max_tokens or eng.max_model_len) - seq.num_output_tokens - 1
-            room = min(self.cfg.num_speculative_tokens, remaining, eng.max_model_len - seq.num_tokens)
+            room = min(self.cfg.num_speculative_tokens, eng.draft_room(seq))
             if room > 0:
                 reqs.append(DraftRequest(seq.seq_id, seq.token_ids, seq.num_prompt_tokens, room))
                 seqs.append(seq)

@@ -1,0 +1,111 @@
+"""Structured output inside the step: each constrained sequence's grammar matcher, its drafts, and its masks.
+
+- At submission the spec is compiled (cached, time-limited; a bad spec is a ValueError then, never later).
+- Before scheduling, tokens the grammar forces (``{"name": "``) become the sequence's draft: the mask leaves one
+  token allowed there, so verification accepts them with certainty and boilerplate costs no extra forward pass.
+  Drafts from a drafter are cut at the first token the grammar refuses (trees are reduced to their first chain).
+- During the forward pass a worker thread fills one bitmask row per verified position (each draft position and
+  the bonus); the rows are applied to the logits on the device, for the whole batch at once, before sampling.
+- After verification the matcher accepts exactly the committed tokens.
+"""
+from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+from leapdecode.engine.sequence import Sequence
+
+
+class Constraints:
+    def __init__(self, tokenizer: Any, eos_token_ids: set[int]) -> None:
+        self._tokenizer = tokenizer
+        self._eos = sorted(eos_token_ids)
+        self._backend = None
+        self.matchers: dict[int, Any] = {}      # seq_id -> Matcher
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bitmask-fill")
+        self.num_forced_tokens = 0
+
+    @property
+    def backend(self):
+        if self._backend is None:
+            from leapdecode.structured import GrammarBackend
+            tok_eos = self._tokenizer.eos_token_id
+            eos = [tok_eos] if tok_eos is not None else self._eos[:1]
+            self._backend = GrammarBackend(self._tokenizer, eos_token_ids=eos)
+        return self._backend
+
+    def compile(self, structured: dict[str, Any]):
+        """Validate and compile at submission; every problem is a ValueError naming it."""
+        return self.backend.compile(structured)
+
+    def attach(self, seq: Sequence, compiled) -> None:
+        self.matchers[seq.seq_id] = self.backend.matcher(compiled)
+
+    def detach(self, seq: Sequence) -> None:
+        self.matchers.pop(seq.seq_id, None)
+
+    def __contains__(self, seq: Sequence) -> bool:
+        return seq.seq_id in self.matchers
+
+    # -- before scheduling ---------------------------------------------------------------------------------------
+    def prepare_drafts(self, seq: Sequence, room: int) -> None:
+        """Forced tokens become the draft; otherwise the drafter's draft is cut to what the grammar allows."""
+        m = self.matchers[seq.seq_id]
+        forced = m.forced_tokens()[:room] if room > 0 else []
+        if forced:
+            seq.set_draft(forced)
+            self.num_forced_tokens += len(forced)
+            return
+        chain = _first_chain(seq.draft_tokens, seq.draft_parents)
+        seq.set_draft(chain[:m.validate(chain)] if chain else [])
+
+    # -- around the forward pass ---------------------------------------------------------------------------------
+    def start_fill(self, jobs: list[tuple[Sequence, int]], num_rows: int) -> Future | None:
+        """jobs: (sequence, its first logits row). Rows are filled in a worker thread while the model runs."""
+        if not jobs:
+            return None
+        from leapdecode.structured import allocate_token_bitmask, fill_bitmasks
+        bitmask = allocate_token_bitmask(num_rows, self.backend.vocab_size)
+        work = [(self.matchers[seq.seq_id], row, list(seq.draft_tokens)) for seq, row in jobs]
+        rows = [row + i for seq, row in jobs for i in range(len(seq.draft_tokens) + 1)]
+
+        def fill() -> tuple[torch.Tensor, list[int]]:
+            fill_bitmasks(work, bitmask)
+            return bitmask[rows], rows
+
+        return self._pool.submit(fill)
+
+    @staticmethod
+    def apply(logits: torch.Tensor, pending: Future | None) -> torch.Tensor:
+        if pending is None:
+            return logits
+        from leapdecode.structured import apply_token_bitmask
+        bitmask, rows = pending.result()
+        return apply_token_bitmask(logits.clone(), bitmask, rows=rows)
+
+    # -- after verification --------------------------------------------------------------------------------------
+    def accept(self, seq: Sequence, token: int) -> str | None:
+        """Advance the matcher; returns why the sequence must end ("stop" when the grammar is complete, "abort"
+        when no valid continuation exists), or None to go on."""
+        m = self.matchers[seq.seq_id]
+        if not m.accept(token):
+            return "abort"
+        if m.is_terminated():
+            return "stop"
+        if m.error is not None:
+            return "abort"
+        return None
+
+
+def _first_chain(tokens: list[int], parents: list[int] | None) -> list[int]:
+    """A tree's first root-to-leaf chain (each node's first child), or the chain itself."""
+    if parents is None:
+        return list(tokens)
+    chain, node = [], -1
+    for i, p in enumerate(parents):
+        if p == node:
+            chain.append(tokens[i])
+            node = i
+    return chain

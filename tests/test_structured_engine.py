@@ -1,0 +1,166 @@
+"""Structured output through the engine: outputs that finish validate, speculation keeps greedy output identical,
+invalid drafts never get through, forced tokens save forward passes, bad specs fail at submission."""
+import glob
+import json
+import os
+
+import jsonschema
+import pytest
+
+from leapdecode import LLM, SamplingParams
+from leapdecode.spec.drafter import Draft
+
+SUITE = os.path.join(os.path.dirname(__file__), "data", "json_schema_test_suite", "tests", "draft2020-12")
+
+PERSON = {"type": "object",
+          "properties": {"name": {"type": "string", "maxLength": 8}, "age": {"type": "integer", "minimum": 0},
+                         "tags": {"type": "array", "items": {"enum": ["red", "green"]}, "maxItems": 3}},
+          "required": ["name", "age", "tags"], "additionalProperties": False}
+
+
+def rf(schema):
+    return {"type": "json_schema", "json_schema": {"name": "t", "schema": schema}}
+
+
+def make_llm(path, **kw):
+    kw.setdefault("dtype", "float32")
+    kw.setdefault("max_model_len", 256)
+    return LLM(path, **kw)
+
+
+def assert_pool_free(llm):
+    bm = llm.engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks
+
+
+@pytest.fixture(scope="module")
+def llm(llama_dir):
+    return make_llm(llama_dir, max_num_seqs=256)
+
+
+def suite_schemas(limit):
+    schemas = []
+    for path in sorted(glob.glob(os.path.join(SUITE, "*.json"))):
+        with open(path) as f:
+            for group in json.load(f):
+                if isinstance(group["schema"], dict) and "$ref" not in json.dumps(group["schema"]):
+                    schemas.append((os.path.basename(path), group["description"], group["schema"]))
+    return schemas[:limit]
+
+
+def test_finished_outputs_validate_for_hundreds_of_schemas(llm):
+    backend = llm.engine.structured_backend
+    accepted, refused = [], []
+    for name, desc, schema in suite_schemas(400):
+        try:
+            backend.compile(rf(schema))
+            accepted.append(schema)
+        except ValueError as e:
+            refused.append((name, desc, str(e)[:80]))
+    assert len(accepted) >= 200, refused[:10]
+    params = [SamplingParams(temperature=1.0, seed=i, max_tokens=40, structured=rf(s)) for i, s in enumerate(accepted)]
+    outs = llm.generate(["{"] * len(accepted), params, use_tqdm=False)
+    finished = 0
+    for out, schema in zip(outs, accepted):
+        o = out.outputs[0]
+        assert o.finish_reason in ("stop", "length", "abort")
+        if o.finish_reason == "stop":
+            jsonschema.validate(json.loads(o.text), schema)
+            finished += 1
+    assert finished > len(accepted) // 2
+    print(f"\nschemas compiled {len(accepted)}, refused {len(refused)}, outputs finished and valid {finished}")
+    assert_pool_free(llm)
+
+
+@pytest.mark.parametrize("kind,spec,check", [
+    ("json_object", {"type": "json_object"}, lambda t: isinstance(json.loads(t), dict)),
+    ("regex", {"type": "regex", "regex": r"[a-c]{2,4}-[0-9]{3}"},
+     lambda t: __import__("re").fullmatch(r"[a-c]{2,4}-[0-9]{3}", t)),
+    ("choice", {"type": "choice", "choice": ["sunny", "rainy", "cloudy"]}, lambda t: t in ("sunny", "rainy", "cloudy")),
+    ("grammar", {"type": "grammar", "grammar": 'start: "yes" | "no" | "maybe " NUM\nNUM: /[0-9]{1,2}/'},
+     lambda t: t in ("yes", "no") or t.startswith("maybe ")),
+])
+def test_each_kind_holds(llm, kind, spec, check):
+    outs = llm.generate(["Answer:"] * 6, [SamplingParams(temperature=1.0, seed=i, max_tokens=60, structured=spec)
+                                          for i in range(6)], use_tqdm=False)
+    for out in outs:
+        o = out.outputs[0]
+        if kind == "json_object" and o.finish_reason == "length":
+            continue
+        assert o.finish_reason == "stop" and check(o.text), (kind, o.text)
+
+
+def test_speculation_and_forced_tokens_keep_greedy_identical(llama_dir, llm):
+    prompts = ["a", "person:", "{}", "json please"]
+    p = SamplingParams(temperature=0.0, max_tokens=80, structured=rf(PERSON))
+    ref = [o.outputs[0] for o in llm.generate(prompts, p, use_tqdm=False)]
+    for o in ref:
+        jsonschema.validate(json.loads(o.text), PERSON)
+    for method in ["suffix", "recycling"]:
+        spec_llm = make_llm(llama_dir, speculative_config={"method": method, "num_speculative_tokens": 4,
+                                                            "adaptive": False})
+        outs = [o.outputs[0] for o in spec_llm.generate(prompts, p, use_tqdm=False)]
+        assert [(o.token_ids, o.text) for o in outs] == [(o.token_ids, o.text) for o in ref]
+        assert_pool_free(spec_llm)
+    # jump-forward: the keys and punctuation the schema fixes were drafted and accepted, not decoded one by one
+    eng = make_llm(llama_dir).engine
+    steps_before = eng.stats["steps"]
+    for i, prompt in enumerate(prompts):
+        eng.add_request(str(i), prompt, p)
+    while eng.has_unfinished():
+        eng.step()
+    tokens = sum(len(o.token_ids) for o in ref)
+    assert eng.constraints.num_forced_tokens >= 4 * 10
+    assert eng.stats["accepted_tokens"] >= eng.constraints.num_forced_tokens
+    assert eng.stats["steps"] - steps_before < max(len(o.token_ids) for o in ref) + 1 < tokens
+
+
+class GarbageDrafter:
+    """Proposes tokens that the grammar would mostly refuse."""
+
+    def propose(self, requests):
+        return [Draft([5, 9, 300, 17][:r.max_draft]) for r in requests]
+
+    def observe(self, *a, **k):
+        pass
+
+    def finish(self, *a, **k):
+        pass
+
+
+def test_invalid_drafts_never_get_through(llama_dir):
+    llm = make_llm(llama_dir, speculative_config={"method": "ngram", "num_speculative_tokens": 4, "adaptive": False})
+    llm.engine.speculator.drafter = GarbageDrafter()
+    outs = llm.generate(["x"] * 8, [SamplingParams(temperature=1.0, seed=i, max_tokens=80, structured=rf(PERSON))
+                                    for i in range(8)], use_tqdm=False)
+    for out in outs:
+        o = out.outputs[0]
+        if o.finish_reason == "stop":
+            jsonschema.validate(json.loads(o.text), PERSON)
+        else:
+            assert o.finish_reason == "length"
+    assert_pool_free(llm)
+
+
+@pytest.mark.parametrize("bad,match", [
+    ({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objekt"}}}, "schema"),
+    ({"type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "https://example.com/s.json"}}}, "ref"),
+    ({"type": "choice", "choice": []}, "choice"),
+    ({"type": "regex", "regex": "(unclosed"}, "regex|unclosed|parse|error"),
+    ({"type": "nonsense"}, "type"),
+])
+def test_bad_specs_fail_at_submission_and_engine_keeps_serving(llm, bad, match):
+    eng = llm.engine
+    eng.add_request("good", "hello", SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+    with pytest.raises(ValueError, match=match):
+        eng.add_request("bad", "hello", SamplingParams(max_tokens=8, structured=bad))
+    done = []
+    while eng.has_unfinished():
+        done += [o for o in eng.step() if o.finished]
+    assert [o.request_id for o in done] == ["good"] and len(done[0].outputs[0].token_ids) == 8
+    assert_pool_free(llm)
+
+
+def test_structured_rejects_ignore_eos(llm):
+    with pytest.raises(ValueError, match="ignore_eos"):
+        llm.generate(["x"], SamplingParams(ignore_eos=True, structured={"type": "json_object"}), use_tqdm=False)
