@@ -97,8 +97,6 @@ def parse_structured(structured: Any) -> StructuredSpec:
         text = structured.get(kind)
         if not isinstance(text, str) or not text:
             raise ValueError(f"structured[{kind!r}] must be a non-empty string, got {text!r:.80}")
-        if kind == "regex":
-            _check_python_regex(text)
         return StructuredSpec(kind, text)
     return _parse_choice(structured.get("choice"))
 
@@ -142,16 +140,6 @@ def check_schema(schema: dict[str, Any] | bool) -> None:
         json.dumps(schema)
     except (TypeError, ValueError) as e:
         raise ValueError(f"JSON schema is not JSON-serializable: {e}") from None
-
-
-def _check_python_regex(regex: str) -> None:
-    """Catch gross syntax errors early; the grammar library (Rust regex syntax) has the final word."""
-    try:
-        re.compile(regex)
-    except re.error as e:
-        # Rust regex accepts a few things Python does not (e.g. \p{...}); only reject what is broken in both.
-        if r"\p" not in regex and r"\P" not in regex:
-            raise ValueError(f"structured['regex'] is not a valid regular expression: {e}") from None
 
 
 def _parse_choice(choice: Any) -> StructuredSpec:
