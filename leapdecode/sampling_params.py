@@ -26,6 +26,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None   # top-N logprobs per prompt token
     skip_special_tokens: bool = True
     structured: dict[str, Any] | None = None   # OpenAI response_format shape, plus regex / grammar / choice
+    grammar_aligned: bool = False        # ASAp: repeated samples converge to P(output | output in grammar)
     stop_strings: list[str] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -74,6 +75,8 @@ class SamplingParams:
                 raise bad(name, "must be an integer >= 0 or None")
         if self.structured is not None and not isinstance(self.structured, dict):
             raise bad("structured", "must be a dict like OpenAI's response_format")
+        if self.grammar_aligned and self.structured is None:
+            raise bad("grammar_aligned", "needs structured= (it reweights a grammar's masked distribution)")
 
     @property
     def greedy(self) -> bool:

@@ -7,15 +7,22 @@
 - During the forward pass a worker thread fills one bitmask row per verified position (each draft position and
   the bonus); the rows are applied to the logits on the device, for the whole batch at once, before sampling.
 - After verification the matcher accepts exactly the committed tokens.
+- Grammar-aligned sampling (opt-in, ``SamplingParams(grammar_aligned=True)``): one ASAp trie per (prompt, grammar)
+  learns from finished samples how much probability each prefix keeps under the grammar, and reweights the masked
+  distribution with it, so repeated sampling converges to the model's distribution conditioned on the grammar.
 """
 from __future__ import annotations
 
+import json
+from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
 
 from leapdecode.engine.sequence import Sequence
+
+MAX_ASAP_TRIES = 64
 
 
 class Constraints:
@@ -24,6 +31,8 @@ class Constraints:
         self._eos = sorted(eos_token_ids)
         self._backend = None
         self.matchers: dict[int, Any] = {}      # seq_id -> Matcher
+        self.tries: OrderedDict[tuple, Any] = OrderedDict()   # (prompt, spec) -> AsapTrie, LRU
+        self.aligned: dict[int, Any] = {}       # seq_id -> its AsapTrie
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bitmask-fill")
         self.num_forced_tokens = 0
 
@@ -42,9 +51,21 @@ class Constraints:
 
     def attach(self, seq: Sequence, compiled) -> None:
         self.matchers[seq.seq_id] = self.backend.matcher(compiled)
+        if seq.params.grammar_aligned:
+            from leapdecode.structured import AsapTrie
+            key = (tuple(seq.token_ids[:seq.num_prompt_tokens]), json.dumps(seq.params.structured, sort_keys=True))
+            trie = self.tries.pop(key, None) or AsapTrie()
+            self.tries[key] = trie
+            if len(self.tries) > MAX_ASAP_TRIES:
+                self.tries.popitem(last=False)
+            self.aligned[seq.seq_id] = trie
 
     def detach(self, seq: Sequence) -> None:
+        """The sequence is done: forget its matcher; an aligned sample teaches its trie."""
         self.matchers.pop(seq.seq_id, None)
+        trie = self.aligned.pop(seq.seq_id, None)
+        if trie is not None and seq.finish_reason in ("stop", "length"):
+            trie.update(seq.output_token_ids)
 
     def __contains__(self, seq: Sequence) -> bool:
         return seq.seq_id in self.matchers
@@ -84,6 +105,24 @@ class Constraints:
         from leapdecode.structured import apply_token_bitmask
         bitmask, rows = pending.result()
         return apply_token_bitmask(logits.clone(), bitmask, rows=rows)
+
+    def align(self, rows: list, probs: torch.Tensor, unmasked_probs, pending: Future | None) -> torch.Tensor:
+        """Replace the masked distribution of grammar-aligned rows by ASAp's reweighted one.
+        ``rows[r]`` is a sampler Row (sequence + draft path); ``unmasked_probs()`` computes the unmasked ones."""
+        targets = [r for r, row in enumerate(rows) if row.seq.seq_id in self.aligned]
+        if not targets or pending is None:
+            return probs
+        from leapdecode.structured import bitmask_to_bool
+        bitmask, mask_rows = pending.result()
+        allowed = bitmask_to_bool(bitmask, probs.shape[-1])
+        where = {r: i for i, r in enumerate(mask_rows)}
+        full = unmasked_probs()
+        probs = probs.clone()
+        for r in targets:
+            row = rows[r]
+            prefix = row.seq.output_token_ids + list(row.history)
+            probs[r] = self.aligned[row.seq.seq_id].reweight(prefix, full[r], allowed[where[r]]).to(probs.dtype)
+        return probs
 
     # -- after verification --------------------------------------------------------------------------------------
     def accept(self, seq: Sequence, token: int) -> str | None:

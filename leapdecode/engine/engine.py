@@ -221,7 +221,9 @@ class Engine:
             row_idx += range(hi - 1 - d, hi)
         raw = logits[torch.tensor(row_idx, device=logits.device)]
         batch = SamplingBatch(rows, self.vocab_size, self.device, self.eos_token_ids)
-        sampled_t = batch.sample(batch.process(self.constraints.apply(raw, masks)), self.generator)
+        probs = batch.process(self.constraints.apply(raw, masks))
+        probs = self.constraints.align(rows, probs, lambda: batch.process(raw), masks)
+        sampled_t = batch.sample(probs, self.generator)
         sampled = sampled_t.tolist()
         lps = self.logprobs_for(batch, raw, sampled_t)
         topk = (raw.topk(TOPK_FOR_DRAFTERS, dim=-1).indices.tolist()
