@@ -53,3 +53,19 @@ def test_bfloat16_close_to_transformers(tiny_dir):
     # both sides round differently in bf16 (we rotate and attend in float32), so compare row directions
     cos = torch.nn.functional.cosine_similarity(ours, ref, dim=-1)
     assert cos.min().item() > 0.99
+
+
+def test_sharded_checkpoint_loads_identically(tiny_dir, tmp_path):
+    """model.safetensors.index.json with several shards gives the same logits as one file."""
+    import transformers
+    path = tiny_dir("qwen2")
+    sharded = tmp_path / "sharded"
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    model.save_pretrained(sharded, max_shard_size="100KB")
+    transformers.AutoTokenizer.from_pretrained(path).save_pretrained(sharded)
+    assert (sharded / "model.safetensors.index.json").exists()
+    assert len(list(sharded.glob("*.safetensors"))) > 1
+    tokens = list(range(5, 25))
+    a = engine_logits(Engine(EngineConfig(model=path, dtype="float32", max_model_len=64)), tokens, [20])
+    b = engine_logits(Engine(EngineConfig(model=str(sharded), dtype="float32", max_model_len=64)), tokens, [20])
+    assert torch.equal(a, b)
