@@ -1,0 +1,164 @@
+"""Auto drafting: run several model-free drafters and pick, per request and step, the most promising draft.
+
+No drafter wins everywhere: suffix/prompt lookup is superb when the output copies its input or earlier outputs and
+useless on fresh text, where Token Recycling's learned successors still get a token or two accepted. The auto
+drafter asks every drafter each step (they are cheap) and keeps one draft per request, the one with the highest
+expected accepted length
+
+    E[accepted] ~= P(first token accepted) * E[accepted length | first accepted], capped at the draft's depth,
+
+where P blends the drafter's own ``score`` for this draft with the drafter's recent first-token hit rate on this
+request, and the conditional length is that drafter's recent average on this request. With ``fill=True`` the
+budget the best draft leaves unused goes to the other drafts, in order of their expected value, merged into one
+tree (shared prefixes are stored once), so a short confident suffix match is complemented by Token Recycling's
+guesses instead of leaving verification slots empty. The merged tree contains the chosen draft whole, so filling
+never accepts fewer tokens; it only adds tree nodes to verify. Both histories are
+exponential moving averages fed in :meth:`observe`, for *every* drafter, not only the chosen one: the committed
+tokens tell what each unused draft would have had accepted. That counterfactual is censored at the tokens the step
+committed (accepted + bonus), so it slightly underestimates drafters that were not chosen; fresh requests start from
+per-drafter averages over all requests.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+from leapdecode.spec.drafter import Draft, Drafter, DraftRequest
+from leapdecode.spec.ngram import as_int_list
+
+
+def accepted_length(draft: Draft, truth: Sequence[int]) -> int:
+    """Greedy acceptance of a chain or tree draft against the tokens that really came next: the length of the
+    longest root path whose tokens equal ``truth``'s prefix."""
+    if draft.parents is None:
+        n = 0
+        for d, t in zip(draft.tokens, truth):
+            if d != t:
+                break
+            n += 1
+        return n
+    node, depth = -1, 0
+    while depth < len(truth):
+        nxt = next((i for i, (tok, p) in enumerate(zip(draft.tokens, draft.parents))
+                    if p == node and tok == truth[depth]), None)
+        if nxt is None:
+            break
+        node, depth = nxt, depth + 1
+    return depth
+
+
+def merge_drafts(drafts: Sequence[Draft], max_nodes: int) -> Draft:
+    """One tree holding ``drafts`` in priority order (each node's path is stored once), cut at ``max_nodes``.
+
+    Nodes of later drafts whose parent did not fit are dropped with their subtrees; the result stays topological.
+    The score is the first draft's. A result that is a single path is returned as a chain.
+    """
+    tokens: list[int] = []
+    parents: list[int] = []
+    node_of: dict[tuple[int, int], int] = {}          # (parent index, token) -> node index
+    for draft in drafts:
+        own_parents = draft.parents if draft.parents is not None else range(-1, len(draft.tokens) - 1)
+        mapped: list[int] = []                          # this draft's node -> merged node, -2 when dropped
+        for tok, p in zip(draft.tokens, own_parents):
+            parent = mapped[p] if p >= 0 else -1
+            node = node_of.get((parent, tok), -2) if parent != -2 else -2
+            if node == -2 and parent != -2 and len(tokens) < max_nodes:
+                tokens.append(tok)
+                parents.append(parent)
+                node = node_of[(parent, tok)] = len(tokens) - 1
+            mapped.append(node)
+    score = drafts[0].score if drafts else 0.0
+    if all(p == i - 1 for i, p in enumerate(parents)):
+        return Draft(tokens=tokens, score=score)
+    return Draft(tokens=tokens, parents=parents, score=score)
+
+
+def draft_depth(draft: Draft) -> int:
+    """Number of tokens on the draft's longest root path."""
+    if draft.parents is None:
+        return len(draft.tokens)
+    depth: list[int] = []
+    for p in draft.parents:
+        depth.append(1 if p < 0 else depth[p] + 1)
+    return max(depth, default=0)
+
+
+@dataclass
+class _Stats:
+    """Moving averages of one drafter's results (on one request, or over all requests)."""
+    first_hit: float = 0.5      # P(first token accepted)
+    depth: float = 2.0          # accepted length when the first token was accepted
+
+    def update(self, accepted: int, decay: float) -> None:
+        self.first_hit = decay * self.first_hit + (1.0 - decay) * (accepted > 0)
+        if accepted > 0:
+            self.depth = decay * self.depth + (1.0 - decay) * accepted
+
+
+class AutoDrafter:
+    """Per-request choice among ``drafters`` (name -> drafter) by expected accepted tokens; see the module doc."""
+
+    def __init__(self, drafters: Mapping[str, Drafter], score_weight: float = 0.5, decay: float = 0.7,
+                 prior_decay: float = 0.98, fill: bool = True) -> None:
+        if not drafters:
+            raise ValueError("AutoDrafter needs at least one drafter")
+        for name, value in (("score_weight", score_weight), ("decay", decay), ("prior_decay", prior_decay)):
+            if not 0.0 <= value <= 1.0:
+                raise ValueError(f"{name} must be in [0, 1], got {value!r}")
+        self.drafters = dict(drafters)
+        self.score_weight, self.decay, self.prior_decay = score_weight, decay, prior_decay
+        self.fill = bool(fill)
+        self._prior = {name: _Stats() for name in self.drafters}
+        self._stats: dict[int, dict[str, _Stats]] = {}
+        self._last: dict[int, dict[str, Draft]] = {}     # each drafter's latest draft per request
+        self.chosen: dict[str, int] = {name: 0 for name in self.drafters}   # how often each was picked
+
+    def expected_accepted(self, name: str, seq_id: int, draft: Draft) -> float:
+        if not draft.tokens:
+            return 0.0
+        stats = self._stats.get(seq_id, {}).get(name) or self._prior[name]
+        p_first = self.score_weight * draft.score + (1.0 - self.score_weight) * stats.first_hit
+        return p_first * min(stats.depth, float(draft_depth(draft)))
+
+    # -- Drafter protocol ------------------------------------------------------------------------------------------
+    def propose(self, requests: list[DraftRequest]) -> list[Draft]:
+        proposals = {name: drafter.propose(requests) for name, drafter in self.drafters.items()}
+        out = []
+        for i, req in enumerate(requests):
+            drafts = {name: proposals[name][i] for name in self.drafters}
+            self._last[req.seq_id] = drafts
+            values = {name: self.expected_accepted(name, req.seq_id, draft) for name, draft in drafts.items()}
+            ranked = sorted((name for name in drafts if values[name] > 0.0), key=lambda n: -values[n])
+            if not ranked:
+                out.append(Draft())
+                continue
+            self.chosen[ranked[0]] += 1
+            best = drafts[ranked[0]]
+            if self.fill and len(ranked) > 1 and len(best.tokens) < req.max_draft:
+                best = merge_drafts([drafts[name] for name in ranked], req.max_draft)
+            out.append(best)
+        return out
+
+    def observe(self, seq_id: int, token_ids: Sequence[int], num_accepted: int,
+                topk: Sequence[Sequence[int]] | None = None) -> None:
+        drafts = self._last.pop(seq_id, None)
+        if drafts is not None:
+            committed = as_int_list(token_ids[max(0, len(token_ids) - num_accepted - 1):])
+            per_request = self._stats.setdefault(seq_id, {})
+            for name, draft in drafts.items():
+                if not draft.tokens:
+                    continue
+                accepted = accepted_length(draft, committed)
+                if name not in per_request:
+                    prior = self._prior[name]
+                    per_request[name] = _Stats(prior.first_hit, prior.depth)
+                per_request[name].update(accepted, self.decay)
+                self._prior[name].update(accepted, self.prior_decay)
+        for drafter in self.drafters.values():
+            drafter.observe(seq_id, token_ids, num_accepted, topk)
+
+    def finish(self, seq_id: int, token_ids: Sequence[int], num_prompt_tokens: int) -> None:
+        self._stats.pop(seq_id, None)
+        self._last.pop(seq_id, None)
+        for drafter in self.drafters.values():
+            drafter.finish(seq_id, token_ids, num_prompt_tokens)

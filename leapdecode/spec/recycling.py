@@ -1,0 +1,249 @@
+"""Token Recycling: draft trees from the target model's own discarded top-k candidates.
+
+After Luo et al., "Turning Trash into Treasure: Accelerating Inference of Large Language Models with Token
+Recycling" (2024). Every verification step computes the target's distribution at each verified position; its top-k
+tokens are normally thrown away. Token Recycling keeps them in an adjacency matrix ``A[token] = its k most likely
+successors`` (the latest observation overwrites the row) and drafts by breadth-first search from the last committed
+token over a *static* tree shape: the tree for a budget of N nodes is the N rank-paths with the highest prior value
+(product of per-rank acceptance rates), so it is wide near the root and thins out with depth, as in the paper.
+
+ADED (Liu et al., "Adaptive Draft-Verification for Efficient Large Language Model Decoding", 2024) adds tri-gram
+statistics that adapt during decoding: counts of the next token after each pair of tokens, learned from committed
+tokens. Here they rank a node's successors: tri-gram continuations seen at least ``trigram_min_count`` times
+(default 1: all of them) come first, most counted first, since they condition on one more token than the matrix;
+then the matrix row; then any rarer tri-gram continuations. In the model-free replay (benchmarks/replay.py) the
+tri-grams raised tokens per step from 1.99 to 2.80 on a tiny model's repetitive outputs and from 1.62 to 1.67 on
+reference answers.
+
+Both tables are global (shared by all requests, as in the paper) and have a fixed size:
+  adjacency  ``vocab_size * num_successors * 4`` bytes (int32); e.g. 32,000 x 8 -> 1,024,000 B (0.98 MiB)
+  tri-grams  ``trigram_slots * (8 + trigram_width * 6)`` bytes (int64 key, int32 tokens, uint16 counts);
+             e.g. 65,536 slots x 4 ways -> 2 MiB. A slot is a hash bucket of one token pair; a colliding pair
+             replaces it, and a full bucket replaces its least counted token (space-saving), so memory never grows.
+When the engine passes no top-k rows (``observe(..., topk=None)``), the matrix learns from committed tokens instead:
+the token that actually followed moves to the front of its predecessor's row.
+"""
+from __future__ import annotations
+
+import heapq
+from functools import lru_cache
+from typing import Sequence
+
+import numpy as np
+
+from leapdecode.spec.drafter import Draft, DraftRequest
+from leapdecode.spec.ngram import as_int_list
+
+_COUNT_MAX = int(np.iinfo(np.uint16).max)
+
+DEFAULT_RANK_PROBS = (0.55, 0.16, 0.08, 0.05, 0.04, 0.03, 0.02, 0.02)
+"""Prior acceptance rate of the successor of each rank, used only to shape the static tree."""
+
+
+@lru_cache(maxsize=256)
+def static_tree(max_nodes: int, rank_probs: tuple[float, ...]) -> tuple[tuple[int, int], ...]:
+    """The static draft tree shape: ``(parent, rank)`` per node in breadth-first order (parent -1 = root).
+
+    A node is a path of successor ranks from the root; its prior value is the product of ``rank_probs`` along the
+    path. The ``max_nodes`` most valuable paths form a prefix-closed set (a path is worth less than its prefix),
+    found best-first; sorting them by depth gives the BFS order the drafter fills in.
+    """
+    if max_nodes <= 0:
+        return ()
+    chosen: list[tuple[int, ...]] = []
+    heap = [(-p, (r,)) for r, p in enumerate(rank_probs)]
+    heapq.heapify(heap)
+    while heap and len(chosen) < max_nodes:
+        neg_value, path = heapq.heappop(heap)
+        chosen.append(path)
+        for r, p in enumerate(rank_probs):
+            heapq.heappush(heap, (neg_value * p, path + (r,)))
+    chosen.sort(key=lambda path: (len(path), path))
+    index = {path: i for i, path in enumerate(chosen)}
+    return tuple((index[path[:-1]] if len(path) > 1 else -1, path[-1]) for path in chosen)
+
+
+class RecyclingDrafter:
+    """Token Recycling drafter with ADED-style adaptive tri-gram ranking. See the module docstring."""
+
+    def __init__(self, vocab_size: int = 32000, num_successors: int = 8, tree: bool = True,
+                 rank_probs: Sequence[float] = DEFAULT_RANK_PROBS, trigram_slots: int = 1 << 16,
+                 trigram_width: int = 4, trigram_min_count: int = 1, use_trigrams: bool = True) -> None:
+        if not (isinstance(vocab_size, int) and vocab_size >= 1):
+            raise ValueError(f"vocab_size must be a positive integer, got {vocab_size!r}")
+        if not (isinstance(num_successors, int) and 1 <= num_successors <= 64):
+            raise ValueError(f"num_successors must be an integer in [1, 64], got {num_successors!r}")
+        if not (isinstance(trigram_slots, int) and trigram_slots >= 1 and trigram_slots & (trigram_slots - 1) == 0):
+            raise ValueError(f"trigram_slots must be a power of two, got {trigram_slots!r}")
+        if not (isinstance(trigram_width, int) and trigram_width >= 1):
+            raise ValueError(f"trigram_width must be a positive integer, got {trigram_width!r}")
+        probs = tuple(float(p) for p in rank_probs)[:num_successors]
+        if not probs or not all(0.0 < p < 1.0 for p in probs):
+            raise ValueError(f"rank_probs must be probabilities in (0, 1), got {rank_probs!r}")
+        self.k = num_successors
+        self.tree = bool(tree)
+        self.rank_probs = probs if self.tree else probs[:1]
+        self.adjacency = np.full((vocab_size, num_successors), -1, dtype=np.int32)
+        self.use_trigrams = bool(use_trigrams)
+        self.trigram_min_count = int(trigram_min_count)
+        self._tri_mask = trigram_slots - 1
+        self._tri_key = np.full(trigram_slots, -1, dtype=np.int64)
+        self._tri_next = np.full((trigram_slots, trigram_width), -1, dtype=np.int32)
+        self._tri_count = np.zeros((trigram_slots, trigram_width), dtype=np.uint16)
+        self._learned: dict[int, int] = {}     # seq_id -> committed tokens already learned from
+        self._topk_seen = False                # once the engine sends top-k rows, the matrix learns only from them
+
+    # -- Drafter protocol ------------------------------------------------------------------------------------------
+    def propose(self, requests: list[DraftRequest]) -> list[Draft]:
+        drafts = []
+        for req in requests:
+            if req.max_draft <= 0 or len(req.token_ids) == 0:
+                drafts.append(Draft())
+                continue
+            self._learn(req.seq_id, req.token_ids)
+            last = int(req.token_ids[-1])
+            before = int(req.token_ids[-2]) if len(req.token_ids) >= 2 else -1
+            drafts.append(self._draft(before, last, req.max_draft))
+        return drafts
+
+    def observe(self, seq_id: int, token_ids: Sequence[int], num_accepted: int,
+                topk: Sequence[Sequence[int]] | None = None) -> None:
+        if topk is not None and len(topk):
+            self._topk_seen = True
+            # Row r holds the successors of the token at position (last committed before the step) + r.
+            first = len(token_ids) - num_accepted - 2
+            for r, row in enumerate(topk):
+                pos = first + r
+                if 0 <= pos < len(token_ids):
+                    self._set_row(int(token_ids[pos]), as_int_list(row))
+        self._learn(seq_id, token_ids)
+
+    def finish(self, seq_id: int, token_ids: Sequence[int], num_prompt_tokens: int) -> None:
+        self._learned.pop(seq_id, None)
+
+    # -- learning --------------------------------------------------------------------------------------------------
+    def memory_bytes(self) -> int:
+        """Bytes held by the global tables; constant after construction unless a token id beyond ``vocab_size``
+        arrives and the matrix grows to cover it."""
+        return self.adjacency.nbytes + self._tri_key.nbytes + self._tri_next.nbytes + self._tri_count.nbytes
+
+    def _learn(self, seq_id: int, token_ids: Sequence[int]) -> None:
+        """Learn from the committed tokens not seen before (the prompt on first sight, then each step's output).
+        Only the new tail is converted, so a step costs O(new tokens) whatever the context length."""
+        start = self._learned.get(seq_id, 0)
+        if start > len(token_ids):
+            start = 0                       # the sequence was replaced: relearn
+        offset = max(0, start - 2)
+        tokens = as_int_list(token_ids[offset:])
+        for i in range(max(start, 1) - offset, len(tokens)):
+            prev, tok = tokens[i - 1], tokens[i]
+            if not self._topk_seen:
+                self._move_to_front(prev, tok)
+            if self.use_trigrams and i >= 2:
+                self._count_trigram(tokens[i - 2], prev, tok)
+        self._learned[seq_id] = len(token_ids)
+
+    def _ensure_vocab(self, token: int) -> None:
+        if token >= len(self.adjacency):
+            grown = np.full((max(token + 1, 2 * len(self.adjacency)), self.k), -1, dtype=np.int32)
+            grown[:len(self.adjacency)] = self.adjacency
+            self.adjacency = grown
+
+    def _set_row(self, token: int, successors: list[int]) -> None:
+        self._ensure_vocab(token)
+        row = self.adjacency[token]
+        n = min(self.k, len(successors))
+        row[:n] = successors[:n]
+        row[n:] = -1
+
+    def _move_to_front(self, token: int, successor: int) -> None:
+        self._ensure_vocab(token)
+        row = self.adjacency[token].tolist()          # Python lists: far cheaper than numpy calls per token
+        if row[0] == successor:
+            return
+        if successor in row:
+            row.remove(successor)
+        else:
+            row.pop()                                   # forget the least recent successor
+        self.adjacency[token] = [successor] + row
+
+    def _slot(self, a: int, b: int) -> tuple[int, int]:
+        key = (a << 32) | b
+        return (a * 1_000_003 + b * 7919) & self._tri_mask, key
+
+    def _count_trigram(self, a: int, b: int, c: int) -> None:
+        slot, key = self._slot(a, b)
+        if self._tri_key[slot] != key:
+            self._tri_key[slot] = key
+            self._tri_next[slot] = -1
+            self._tri_count[slot] = 0
+        nxt = self._tri_next[slot].tolist()
+        counts = self._tri_count[slot]
+        if c in nxt:
+            j = nxt.index(c)
+        else:
+            as_list = counts.tolist()
+            j = as_list.index(min(as_list))             # space-saving: replace the least counted token
+            self._tri_next[slot, j] = c
+            counts[j] = 0
+        if counts[j] == _COUNT_MAX:
+            counts >>= 1
+        counts[j] += 1
+
+    def trigram_successors(self, a: int, b: int) -> list[tuple[int, int]]:
+        """``(token, count)`` seen after the pair (a, b), most counted first."""
+        if a < 0:
+            return []
+        slot, key = self._slot(a, b)
+        if self._tri_key[slot] != key:
+            return []
+        pairs = [(t, c) for t, c in zip(self._tri_next[slot].tolist(), self._tri_count[slot].tolist()) if c > 0]
+        pairs.sort(key=lambda tc: -tc[1])
+        return pairs
+
+    # -- drafting --------------------------------------------------------------------------------------------------
+    def successors(self, a: int, b: int) -> list[int]:
+        """Ranked successors of token ``b`` preceded by ``a`` (-1 when unknown): confident tri-grams, the matrix
+        row, then the other tri-grams; no duplicates."""
+        row = self.adjacency[b].tolist() if b < len(self.adjacency) else []
+        if not self.use_trigrams:
+            return [t for t in row if t >= 0]
+        tri = self.trigram_successors(a, b)
+        ranked = [t for t, c in tri if c >= self.trigram_min_count]
+        ranked += [t for t in row if t >= 0] + [t for t, c in tri if c < self.trigram_min_count]
+        return list(dict.fromkeys(ranked))
+
+    def _draft(self, before: int, last: int, max_draft: int) -> Draft:
+        """Fill the static tree breadth-first: a node's token is its parent's successor of the node's rank."""
+        shape = static_tree(max_draft, self.rank_probs)
+        out_tokens: list[int] = []
+        out_parents: list[int] = []
+        node_of_shape: list[int] = []           # shape node -> draft index, or -1 when it could not be filled
+        cache: dict[tuple[int, int], list[int]] = {}
+        score = 0.0
+        for parent_shape, rank in shape:
+            if parent_shape == -1:
+                pair, parent = (before, last), -1
+            else:
+                parent = node_of_shape[parent_shape]
+                if parent < 0:
+                    node_of_shape.append(-1)
+                    continue
+                grand = out_parents[parent]
+                pair = (out_tokens[grand] if grand >= 0 else last, out_tokens[parent])
+            succ = cache.get(pair)
+            if succ is None:
+                succ = cache[pair] = self.successors(*pair)
+            if rank >= len(succ):
+                node_of_shape.append(-1)
+                continue
+            out_tokens.append(succ[rank])
+            out_parents.append(parent)
+            node_of_shape.append(len(out_tokens) - 1)
+            if parent == -1:
+                score += self.rank_probs[rank]
+        if not out_tokens:
+            return Draft()
+        if all(p == i - 1 for i, p in enumerate(out_parents)):
+            return Draft(tokens=out_tokens, score=min(1.0, score))
+        return Draft(tokens=out_tokens, parents=out_parents, score=min(1.0, score))

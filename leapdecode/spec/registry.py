@@ -1,0 +1,50 @@
+"""Drafters by name, so configs and the CLI can say ``method="suffix"`` and pass options through."""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from leapdecode.spec.auto import AutoDrafter
+from leapdecode.spec.drafter import Drafter
+from leapdecode.spec.ngram import NgramDrafter
+from leapdecode.spec.recycling import RecyclingDrafter
+from leapdecode.spec.suffix import SuffixDrafter
+
+_FACTORIES: dict[str, Callable[..., Drafter]] = {
+    "ngram": NgramDrafter,
+    "suffix": SuffixDrafter,
+    "recycling": RecyclingDrafter,
+}
+DEFAULT_AUTO_METHODS = ("suffix", "recycling")
+METHODS = (*_FACTORIES, "auto")
+
+
+def make_drafter(method: str, **options: Any) -> Drafter:
+    """A drafter for ``method`` with its constructor ``options`` (a bad name or option is a ValueError).
+
+    ``"auto"`` builds an :class:`AutoDrafter` over ``methods`` (default: suffix and recycling); per-method options
+    go in a dict under the method's name, e.g. ``make_drafter("auto", recycling={"vocab_size": 128256})``, and a
+    top-level ``vocab_size`` is handed to the recycling drafter. Other keys configure the AutoDrafter itself.
+    """
+    if method == "auto":
+        methods = tuple(options.pop("methods", DEFAULT_AUTO_METHODS))
+        vocab_size = options.pop("vocab_size", None)
+        sub_options = {name: dict(options.pop(name, {}) or {}) for name in _FACTORIES}
+        if vocab_size is not None:
+            sub_options["recycling"].setdefault("vocab_size", vocab_size)
+        unknown = [m for m in methods if m not in _FACTORIES]
+        if unknown or not methods:
+            raise ValueError(f"auto drafter methods must be a non-empty subset of {tuple(_FACTORIES)}, got {methods}")
+        drafters = {name: make_drafter(name, **sub_options[name]) for name in methods}
+        try:
+            return AutoDrafter(drafters, **options)
+        except TypeError as e:
+            raise ValueError(f"bad option for the auto drafter: {e}") from None
+    factory = _FACTORIES.get(method)
+    if factory is None:
+        raise ValueError(f"unknown drafter method {method!r}; choose one of {METHODS}")
+    if method != "recycling":
+        options.pop("vocab_size", None)     # only the recycling drafter is sized by the vocabulary
+    try:
+        return factory(**options)
+    except TypeError as e:
+        raise ValueError(f"bad option for the {method} drafter: {e}") from None

@@ -1,0 +1,434 @@
+"""Model-free drafters checked against brute-force references (CPU, deterministic, fast)."""
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+import numpy as np
+import pytest
+
+from leapdecode.spec.auto import AutoDrafter, accepted_length, draft_depth, merge_drafts
+from leapdecode.spec.drafter import Draft, DraftRequest
+from leapdecode.spec.ngram import SENTINEL, NgramDrafter, NgramIndex
+from leapdecode.spec.recycling import DEFAULT_RANK_PROBS, RecyclingDrafter, static_tree
+from leapdecode.spec.registry import METHODS, make_drafter
+from leapdecode.spec.suffix import SuffixDrafter, expand_continuations
+
+
+def random_tokens(rng: random.Random, n: int, vocab: int) -> list[int]:
+    return [rng.randrange(vocab) for _ in range(n)]
+
+
+def assert_well_formed(draft: Draft, max_draft: int) -> None:
+    assert len(draft.tokens) <= max_draft
+    assert all(isinstance(t, int) and t >= 0 for t in draft.tokens)
+    assert 0.0 <= draft.score <= 1.0
+    assert draft.probs is None            # model-free drafts are point masses
+    if draft.parents is not None:
+        assert len(draft.parents) == len(draft.tokens)
+        assert all(-1 <= p < i for i, p in enumerate(draft.parents)), draft.parents
+        # siblings carry distinct tokens, or the verifier would see two identical paths
+        children = Counter((p, t) for p, t in zip(draft.parents, draft.tokens))
+        assert max(children.values(), default=1) == 1
+
+
+# -- brute-force references ----------------------------------------------------------------------------------------
+def naive_prompt_lookup(tokens: list[int], n_min: int, n_max: int, k: int) -> list[int]:
+    """O(n^2): the longest suffix (n_max..n_min) with an earlier occurrence; copy after the most recent one."""
+    for n in range(min(n_max, len(tokens) - 1), n_min - 1, -1):
+        suffix = tokens[len(tokens) - n:]
+        for s in range(len(tokens) - n - 1, -1, -1):
+            if tokens[s:s + n] == suffix:
+                return tokens[s + n:s + n + k]
+    return []
+
+
+def naive_pattern(tokens: list[int], max_match: int) -> tuple[int, list[int]]:
+    """Longest suffix (<= max_match) that occurred earlier with a follower, and its occurrences' follower positions."""
+    for n in range(min(max_match, len(tokens) - 1), 0, -1):
+        suffix = tokens[len(tokens) - n:]
+        followers = [s + n for s in range(len(tokens) - n) if tokens[s:s + n] == suffix]
+        if followers:
+            return n, followers
+    return 0, []
+
+
+def naive_tree(rows: list[list[int]]) -> dict[tuple[int, ...], float]:
+    """Every distinct continuation prefix with its empirical probability (rows having it / all rows)."""
+    counts = Counter(tuple(row[:d]) for row in rows for d in range(1, len(row) + 1))
+    return {path: c / len(rows) for path, c in counts.items()}
+
+
+def tree_paths(tokens: list[int], parents: list[int] | None) -> list[tuple[int, ...]]:
+    parents = parents if parents is not None else list(range(-1, len(tokens) - 1))
+    paths: list[tuple[int, ...]] = []
+    for tok, p in zip(tokens, parents):
+        paths.append((paths[p] if p >= 0 else ()) + (tok,))
+    return paths
+
+
+def simulate(drafter, prompt: list[int], output: list[int], k: int, seq_id: int = 0) -> float:
+    """Greedy replay: mean tokens emitted per step (accepted path + bonus)."""
+    ctx, t, steps = list(prompt), 0, 0
+    while t < len(output):
+        draft = drafter.propose([DraftRequest(seq_id, ctx, len(prompt), k)])[0]
+        assert_well_formed(draft, k)
+        emitted = min(accepted_length(draft, output[t:]) + 1, len(output) - t)
+        ctx += output[t:t + emitted]
+        t += emitted
+        steps += 1
+        drafter.observe(seq_id, ctx, emitted - 1, None)
+    drafter.finish(seq_id, ctx, len(prompt))
+    return len(output) / steps
+
+
+# -- NgramIndex ----------------------------------------------------------------------------------------------------
+def test_ngram_index_matches_brute_force_under_appends_breaks_and_eviction():
+    rng = random.Random(0)
+    index = NgramIndex((1, 2, 4))
+    for step in range(60):
+        if step % 17 == 16:
+            index.break_sequence()
+        index.extend(random_tokens(rng, rng.randrange(0, 9), 5))
+        if step % 23 == 22:
+            index.evict_before(index.base + len(index) // 2)
+        toks, base = index.tokens, index.base
+        for n in index.sizes:
+            expected: dict[tuple[int, ...], list[int]] = {}
+            for s in range(len(toks) - n):
+                key = tuple(toks[s:s + n])
+                if SENTINEL not in key and toks[s + n] != SENTINEL:
+                    expected.setdefault(key, []).append(base + s + n)
+            got = {key: list(index.occurrences(key)) for key in index._tables[n]}
+            assert got == expected, (step, n)
+        assert list(index.array) == toks
+
+
+# -- NgramDrafter --------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("n_min,n_max", [(1, 4), (2, 3), (1, 1)])
+def test_ngram_equals_naive_search_incrementally(n_min, n_max):
+    rng = random.Random(n_min * 10 + n_max)
+    drafter = NgramDrafter(n_min=n_min, n_max=n_max)
+    tokens = random_tokens(rng, 5, 6)
+    for _ in range(150):
+        k = rng.randrange(0, 7)
+        draft = drafter.propose([DraftRequest(3, list(tokens), 5, k)])[0]
+        assert_well_formed(draft, k)
+        assert draft.tokens == (naive_prompt_lookup(tokens, n_min, n_max, k) if k else [])
+        tokens += random_tokens(rng, rng.randrange(1, 4), 6)
+
+
+def test_ngram_tree_contains_primary_and_alternatives():
+    drafter = NgramDrafter(num_branches=3, branch_len=2)
+    tokens = [1, 2, 3, 4, 5, 9, 1, 2, 3, 7, 7, 8, 1, 2, 3]
+    draft = drafter.propose([DraftRequest(0, tokens, 5, 6)])[0]
+    assert_well_formed(draft, 6)
+    paths = tree_paths(draft.tokens, draft.parents)
+    assert (7, 7, 8, 1) in paths              # most recent copy leads (trimmed to make room)
+    assert (4, 5) in paths                    # older copy as a side branch
+
+
+def test_ngram_rebuilds_when_sequence_changes_and_frees_state():
+    drafter = NgramDrafter()
+    drafter.propose([DraftRequest(1, [1, 2, 3, 1, 2], 2, 4)])
+    assert drafter.propose([DraftRequest(1, [5, 6, 5], 2, 4)])[0].tokens == [6, 5]
+    drafter.finish(1, [5, 6, 5], 2)
+    assert drafter._indexes == {}
+
+
+# -- SuffixDrafter -------------------------------------------------------------------------------------------------
+def test_expand_continuations_equals_brute_force_counts():
+    rng = random.Random(1)
+    for _ in range(30):
+        rows = [random_tokens(rng, rng.randrange(0, 6), 3) for _ in range(rng.randrange(1, 12))]
+        tree = expand_continuations(rows, max_nodes=10_000, min_prob=0.0, tree=True)
+        paths = tree_paths(tree.tokens, tree.parents)
+        assert dict(zip(paths, tree.probs)) == pytest.approx(naive_tree(rows))
+        assert all(-1 <= p < i for i, p in enumerate(tree.parents))
+        # best-first: a node is never more probable than its parent
+        assert all(p < 0 or tree.probs[i] <= tree.probs[p] + 1e-12 for i, p in enumerate(tree.parents))
+        chain = expand_continuations(rows, max_nodes=4, min_prob=0.0, tree=False)
+        assert chain.parents == list(range(-1, len(chain.tokens) - 1)) and len(chain.tokens) <= 4
+
+
+def test_suffix_local_tree_equals_brute_force():
+    rng = random.Random(2)
+    drafter = SuffixDrafter(max_match=6, max_spec_factor=100.0, min_token_prob=0.0, max_patterns=1,
+                            max_occurrences=10_000, global_max_tokens=0)
+    tokens = random_tokens(rng, 3, 4)
+    for _ in range(120):
+        draft = drafter.propose([DraftRequest(7, list(tokens), 3, 10_000)])[0]
+        length, followers = naive_pattern(tokens, max_match=6)
+        limit = int(100.0 * length)                        # max_spec_factor * match length
+        expected = naive_tree([tokens[f:f + limit] for f in followers]) if followers else {}
+        assert_well_formed(draft, 10_000)
+        index = drafter._local[7]
+        tree = drafter.speculate(index, index, 10_000)
+        assert tree.match_length == length
+        got = dict(zip(tree_paths(tree.tokens, tree.parents), tree.probs))
+        assert set(tree_paths(draft.tokens, draft.parents)) == set(got)
+        # the draft is the `limit` most probable continuation prefixes (all of them when they fit)
+        assert len(got) == min(limit, len(expected))
+        assert got == pytest.approx({path: expected[path] for path in got})
+        left_out = [p for path, p in expected.items() if path not in got]
+        assert max(left_out, default=0.0) <= min(got.values(), default=1.0) + 1e-12
+        tokens += random_tokens(rng, rng.randrange(1, 3), 4)
+
+
+def test_suffix_match_lengths_vectorised_equals_loop():
+    rng = random.Random(3)
+    drafter = SuffixDrafter(max_match=9)
+    index = NgramIndex((2,))
+    index.extend(random_tokens(rng, 400, 3))
+    toks = index.tokens
+    followers = list(index.occurrences(tuple(toks[-2:])))
+    assert len(followers) > 8
+    got = drafter.match_lengths(index, followers, 2, index)               # vectorised (many occurrences)
+    assert drafter.match_lengths(index, followers[:5], 2, index) == got[:5]   # loop (few occurrences)
+    for f, m in zip(followers, got):
+        n = 0
+        while n < 9 and f - 1 - n >= 0 and toks[f - 1 - n] == toks[len(toks) - 1 - n]:
+            n += 1
+        assert m == n
+
+
+def test_suffix_adaptive_length_and_threshold():
+    tokens = [1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2]          # pattern "1 2" (length 2) followed by 3 4 5 ...
+    draft = SuffixDrafter(max_spec_factor=1.0).propose([DraftRequest(0, tokens, 0, 8)])[0]
+    assert draft.tokens == [3, 4]                          # at most factor * match length
+    draft = SuffixDrafter(max_spec_factor=4.0).propose([DraftRequest(0, tokens, 0, 8)])[0]
+    assert draft.tokens == [3, 4, 5, 6, 7, 8, 9, 1]
+    # two equally likely continuations: a threshold above 0.5 drafts nothing, below keeps both as a tree
+    tokens = [1, 2, 5, 1, 2, 6, 1, 2]
+    assert SuffixDrafter(min_token_prob=0.6).propose([DraftRequest(0, tokens, 0, 4)])[0].tokens == []
+    draft = SuffixDrafter(min_token_prob=0.4, max_spec_factor=2.0).propose([DraftRequest(0, tokens, 0, 4)])[0]
+    paths = tree_paths(draft.tokens, draft.parents)
+    assert {(5,), (6,)} <= set(paths) and len(paths) == 4 and draft.score == pytest.approx(1.0)
+
+
+def test_suffix_global_cache_learns_outputs_and_evicts_oldest():
+    rng = random.Random(4)
+    drafter = SuffixDrafter(global_max_tokens=200, max_spec_factor=4.0)
+    outputs = []
+    for seq in range(12):
+        prompt = random_tokens(rng, 5, 1000)
+        output = random_tokens(rng, 40, 1000)
+        outputs.append(output)
+        drafter.finish(seq, prompt + output, len(prompt))
+        assert drafter.memory_tokens()["global"] <= 200 + 1
+    assert drafter.memory_tokens()["local"] == 0
+    recent, old = outputs[-1], outputs[0]
+    draft = drafter.propose([DraftRequest(100, [999_999] + recent[:10], 1, 8)])[0]
+    assert draft.tokens == recent[10:18]                   # copied from the cached output of another request
+    assert drafter.propose([DraftRequest(101, [999_999] + old[:10], 1, 8)])[0].tokens == []   # evicted
+    index = drafter._global
+    for n in index.sizes:                                  # no stale positions survive eviction
+        for positions in index._tables[n].values():
+            assert all(index.base <= f < index.end for f in positions)
+
+
+def test_suffix_prefers_longer_context_match():
+    # "a b X" occurred twice with different continuations; the longer context picks the right one
+    tokens = [9, 1, 2, 3, 50, 51, 8, 1, 2, 3, 60, 61, 4, 4, 9, 1, 2, 3]
+    draft = SuffixDrafter(tree=False).propose([DraftRequest(0, tokens, 0, 2)])[0]
+    assert draft.tokens == [50, 51]
+
+
+# -- RecyclingDrafter ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("n", [0, 1, 4, 10, 33, 80])
+def test_static_tree_shape(n):
+    shape = static_tree(n, DEFAULT_RANK_PROBS)
+    assert len(shape) == n
+    depth: list[int] = []
+    paths: list[tuple[int, ...]] = []
+    for i, (parent, rank) in enumerate(shape):
+        assert -1 <= parent < i and 0 <= rank < len(DEFAULT_RANK_PROBS)
+        depth.append(1 if parent < 0 else depth[parent] + 1)
+        paths.append((paths[parent] if parent >= 0 else ()) + (rank,))
+    assert depth == sorted(depth)                          # breadth-first
+    assert len(set(paths)) == n                            # no duplicate nodes
+    for path in paths:                                      # prefix-closed with contiguous sibling ranks
+        assert path[-1] == 0 or path[:-1] + (path[-1] - 1,) in paths
+    if n >= 10:
+        assert depth.count(1) >= depth.count(max(depth))   # wider near the root
+
+
+def test_recycling_topk_rows_overwrite_adjacency():
+    drafter = RecyclingDrafter(vocab_size=50, num_successors=4)
+    tokens = [1, 2, 3, 4, 5, 6]                            # step accepted 2 drafts (4, 5) plus bonus 6
+    drafter.observe(0, tokens, 2, topk=[[4, 9, 8, 7, 6], [5, 1], [6, 10, 11, 12]])
+    assert drafter.adjacency[3].tolist() == [4, 9, 8, 7]   # row 0: successors of the last committed token (3)
+    assert drafter.adjacency[4].tolist() == [5, 1, -1, -1]
+    assert drafter.adjacency[5].tolist() == [6, 10, 11, 12]
+    assert drafter.adjacency[1].tolist() == [-1] * 4       # with top-k rows, committed tokens do not touch the matrix
+
+
+def test_recycling_learns_from_committed_tokens_without_topk():
+    drafter = RecyclingDrafter(vocab_size=20, num_successors=3, use_trigrams=False)
+    drafter.observe(0, [1, 2, 1, 3, 1, 2, 1, 4], 0, None)
+    assert drafter.adjacency[1].tolist() == [4, 2, 3]      # most recent successor first (move to front)
+    draft = drafter.propose([DraftRequest(0, [1, 2, 1, 4, 1], 0, 1)])[0]
+    assert draft.tokens == [4]
+
+
+def test_recycling_trigram_counts_equal_brute_force():
+    rng = random.Random(5)
+    drafter = RecyclingDrafter(vocab_size=8, trigram_slots=1 << 12, trigram_width=8)
+    tokens = random_tokens(rng, 300, 4)
+    drafter.observe(0, tokens, 0, None)
+    counts = Counter(zip(tokens, tokens[1:], tokens[2:]))
+    for a in range(4):
+        for b in range(4):
+            expected = sorted(((c, n) for (x, y, c), n in counts.items() if (x, y) == (a, b)), key=lambda t: -t[1])
+            got = drafter.trigram_successors(a, b)
+            assert sorted(got) == sorted(expected)
+            assert [n for _, n in got] == sorted([n for _, n in got], reverse=True)
+
+
+def test_recycling_draft_follows_successors_and_memory_is_bounded():
+    rng = random.Random(6)
+    drafter = RecyclingDrafter(vocab_size=64, num_successors=8, trigram_slots=1 << 10, trigram_width=4)
+    expected_bytes = 64 * 8 * 4 + (1 << 10) * (8 + 4 * (4 + 2))
+    assert drafter.memory_bytes() == expected_bytes
+    tokens = random_tokens(rng, 5, 64)
+    for _ in range(200):
+        tokens += random_tokens(rng, 2, 64)
+        topk = [random_tokens(rng, 8, 64) for _ in range(2)]
+        drafter.observe(0, tokens, 1, topk)
+        draft = drafter.propose([DraftRequest(0, tokens, 5, 12)])[0]
+        assert_well_formed(draft, 12)
+        parents = draft.parents if draft.parents is not None else list(range(-1, len(draft.tokens) - 1))
+        for tok, p in zip(draft.tokens, parents):
+            prev = draft.tokens[p] if p >= 0 else tokens[-1]
+            before = (draft.tokens[parents[p]] if parents[p] >= 0 else tokens[-1]) if p >= 0 else tokens[-2]
+            assert tok in drafter.successors(before, prev)
+    assert drafter.memory_bytes() == expected_bytes
+    drafter.finish(0, tokens, 5)
+    assert drafter._learned == {}
+
+
+def test_recycling_chain_mode_is_a_chain():
+    drafter = RecyclingDrafter(vocab_size=16, tree=False)
+    drafter.observe(0, [1, 2, 3, 1, 2, 3, 1], 0, None)
+    draft = drafter.propose([DraftRequest(0, [1, 2, 3, 1], 0, 5)])[0]
+    assert draft.parents is None and draft.tokens == [2, 3, 1, 2, 3]
+
+
+# -- all drafters --------------------------------------------------------------------------------------------------
+def all_drafters():
+    return {
+        "ngram": NgramDrafter(),
+        "ngram_tree": NgramDrafter(num_branches=3),
+        "suffix": SuffixDrafter(),
+        "suffix_chain": SuffixDrafter(tree=False),
+        "recycling": RecyclingDrafter(vocab_size=100),
+        "auto": make_drafter("auto", vocab_size=100, methods=("ngram", "suffix", "recycling")),
+    }
+
+
+@pytest.mark.parametrize("name", list(all_drafters()))
+def test_every_drafter_respects_budget_handles_short_contexts_and_frees_state(name):
+    drafter = all_drafters()[name]
+    rng = random.Random(7)
+    assert drafter.propose([]) == []
+    for tokens in ([], [5], [5, 5], [5, 6, 5]):
+        for k in (0, 1, 3):
+            (draft,) = drafter.propose([DraftRequest(1, tokens, len(tokens), k)])
+            assert_well_formed(draft, k)
+            drafter.finish(1, tokens, len(tokens))
+    # a batch of requests with repetitive contexts and varied budgets
+    contexts = {seq: random_tokens(rng, 30, 6) * 3 for seq in range(4)}
+    for step in range(20):
+        reqs = [DraftRequest(seq, ctx, 30, (seq + step) % 6) for seq, ctx in contexts.items()]
+        drafts = drafter.propose(reqs)
+        assert len(drafts) == len(reqs)
+        for req, draft in zip(reqs, drafts):
+            assert_well_formed(draft, req.max_draft)
+            new = random_tokens(rng, 1 + len(draft.tokens) % 3, 6)
+            contexts[req.seq_id] = req.token_ids + new
+            drafter.observe(req.seq_id, contexts[req.seq_id], len(new) - 1, None)
+    for seq, ctx in contexts.items():
+        drafter.finish(seq, ctx, 30)
+    inner = drafter.drafters.values() if isinstance(drafter, AutoDrafter) else [drafter]
+    if isinstance(drafter, AutoDrafter):
+        assert drafter._stats == {} and drafter._last == {}
+    for d in inner:
+        for attr in ("_indexes", "_local", "_learned"):
+            assert getattr(d, attr, {}) == {}, (name, attr)
+
+
+def test_drafters_accept_numpy_and_tuple_contexts():
+    for drafter in all_drafters().values():
+        a = drafter.propose([DraftRequest(0, np.array([1, 2, 3, 1, 2], dtype=np.int64), 2, 3)])[0]
+        b = drafter.propose([DraftRequest(1, (1, 2, 3, 1, 2), 2, 3)])[0]
+        assert a.tokens == b.tokens and all(type(t) is int for t in a.tokens)
+
+
+@pytest.mark.parametrize("name", ["ngram", "ngram_tree", "suffix", "suffix_chain", "auto"])
+def test_copy_heavy_sequences_accept_more_than_two_tokens_per_step(name):
+    """A prompt holds a passage; the output re-copies it with a few edits between fresh text (an edit task)."""
+    rng = random.Random(8)
+    passage = random_tokens(rng, 300, 1000)
+    prompt = random_tokens(rng, 20, 1000) + passage + random_tokens(rng, 10, 1000)
+    edited = list(passage)
+    for i in range(25, len(edited), 60):
+        edited[i] = rng.randrange(1000)                     # a few edits
+    output = random_tokens(rng, 5, 1000) + edited + random_tokens(rng, 5, 1000)
+    tokens_per_step = simulate(all_drafters()[name], prompt, output, k=8)
+    assert tokens_per_step > 2.0, tokens_per_step
+
+
+def test_accepted_length_on_trees_equals_path_search():
+    rng = random.Random(9)
+    for _ in range(50):
+        n = rng.randrange(0, 12)
+        parents = [rng.randrange(-1, i) for i in range(n)]
+        tokens = random_tokens(rng, n, 3)
+        truth = random_tokens(rng, 6, 3)
+        paths = tree_paths(tokens, parents)
+        best = max((len(p) for p in paths if list(p) == truth[:len(p)]), default=0)
+        assert accepted_length(Draft(tokens, parents), truth) == best
+        assert draft_depth(Draft(tokens, parents)) == max((len(p) for p in paths), default=0)
+
+
+def test_merge_drafts_keeps_the_first_whole_and_shares_prefixes():
+    rng = random.Random(11)
+    for _ in range(50):
+        drafts = []
+        for _ in range(3):
+            n = rng.randrange(0, 7)
+            parents = [rng.randrange(-1, i) for i in range(n)] if rng.random() < 0.5 else None
+            drafts.append(Draft(random_tokens(rng, n, 3), parents))
+        budget = rng.randrange(len(drafts[0].tokens), 12)
+        merged = merge_drafts(drafts, budget)
+        assert len(merged.tokens) <= budget
+        paths = tree_paths(merged.tokens, merged.parents)
+        assert len(set(paths)) == len(paths)                                  # each path stored once
+        assert set(tree_paths(drafts[0].tokens, drafts[0].parents)) <= set(paths)
+        everything = set().union(*(tree_paths(d.tokens, d.parents) for d in drafts))
+        assert set(paths) <= everything
+        assert merged.parents is None or all(-1 <= p < i for i, p in enumerate(merged.parents))
+
+
+def test_auto_drafter_prefers_the_drafter_that_gets_accepted():
+    rng = random.Random(10)
+    passage = random_tokens(rng, 200, 500)
+    prompt = passage
+    output = passage[:150]
+    auto = make_drafter("auto", vocab_size=500)
+    simulate(auto, prompt, output, k=8)
+    assert auto.chosen["suffix"] > auto.chosen["recycling"]
+
+
+def test_registry():
+    assert set(METHODS) == {"ngram", "suffix", "recycling", "auto"}
+    assert isinstance(make_drafter("ngram", n_max=3, vocab_size=10), NgramDrafter)
+    assert isinstance(make_drafter("recycling", vocab_size=10), RecyclingDrafter)
+    with pytest.raises(ValueError):
+        make_drafter("medusa")
+    with pytest.raises(ValueError):
+        make_drafter("suffix", no_such_option=1)
+    with pytest.raises(ValueError):
+        make_drafter("ngram", n_min=3, n_max=2)
+    with pytest.raises(ValueError):
+        make_drafter("auto", methods=("suffix", "eagle"))
