@@ -227,6 +227,14 @@ def test_suffix_global_cache_learns_outputs_and_evicts_oldest():
             assert all(index.base <= f < index.end for f in positions)
 
 
+@pytest.mark.parametrize("cap", [1, 2, 7])
+def test_suffix_global_cache_never_exceeds_a_tiny_budget(cap):
+    drafter = SuffixDrafter(global_max_tokens=cap)
+    for seq in range(5):
+        drafter.finish(seq, list(range(seq, seq + 20)), 3)
+        assert drafter.memory_tokens()["global"] <= cap
+
+
 def test_suffix_prefers_longer_context_match():
     # "a b X" occurred twice with different continuations; the longer context picks the right one
     tokens = [9, 1, 2, 3, 50, 51, 8, 1, 2, 3, 60, 61, 4, 4, 9, 1, 2, 3]

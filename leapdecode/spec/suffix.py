@@ -177,7 +177,8 @@ class SuffixDrafter:
         if self.global_max_tokens == 0:
             return
         output = as_int_list(token_ids[num_prompt_tokens:])
-        output = output[-(self.global_max_tokens - 1):] if len(output) >= self.global_max_tokens else output
+        if len(output) >= self.global_max_tokens:       # keep the tail; one slot goes to the separator
+            output = output[len(output) - (self.global_max_tokens - 1):]
         if not output:
             return
         self._global.break_sequence()
