@@ -303,7 +303,7 @@ class SchemaGuard:
 
     def __init__(self, schema: dict[str, Any] | bool, dropped: tuple[str, ...] = ()) -> None:
         cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
-        self.validator = cls(schema, format_checker=cls.FORMAT_CHECKER)
+        self.validator = cls(schema, format_checker=_format_checker(cls))
         probe_schema(self.validator)
         self.dropped = dropped
         self._doc_cache: dict[bytes, bool] = {}
@@ -418,6 +418,16 @@ class SchemaGuard:
 
 
 _MISSING = object()
+# Formats whose jsonschema checker is too slow to run per candidate token (rfc3987-syntax parses IRIs with a
+# general Earley parser: up to ~100 ms a string). They are left to the grammar (which does not know them).
+_SLOW_FORMATS = frozenset({"iri", "iri-reference"})
+
+
+def _format_checker(cls: Any) -> jsonschema.FormatChecker:
+    """The draft's format checker (formats are asserted), without the slow ones."""
+    checker = jsonschema.FormatChecker(formats=())
+    checker.checkers = {k: v for k, v in cls.FORMAT_CHECKER.checkers.items() if k not in _SLOW_FORMATS}
+    return checker
 
 
 def _is_valid(validator: Any, value: Any) -> bool:
