@@ -20,7 +20,7 @@ with an error instead of returning the text as a valid instance.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Sequence
 
 import jsonschema
