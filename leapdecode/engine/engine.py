@@ -219,10 +219,12 @@ class Engine:
             d = len(seq.draft_tokens)
             rows += [Row(seq, [])] + [Row(seq, path) for path in node_paths(seq.draft_tokens, seq.draft_parents)]
             row_idx += range(hi - 1 - d, hi)
-        raw = logits[torch.tensor(row_idx, device=logits.device)]
+        whole = len(row_idx) == logits.shape[0] and row_idx[-1] == len(row_idx) - 1   # rows are exactly 0..R-1
+        raw = logits if whole else logits[torch.tensor(row_idx, device=logits.device)]
         batch = SamplingBatch(rows, self.vocab_size, self.device, self.eos_token_ids)
         probs = batch.process(self.constraints.apply(raw, masks))
-        probs = self.constraints.align(rows, probs, lambda: batch.process(raw), masks)
+        if not batch.all_greedy:
+            probs = self.constraints.align(rows, probs, lambda: batch.process(raw), masks)
         sampled_t = batch.sample(probs, self.generator)
         sampled = sampled_t.tolist()
         lps = self.logprobs_for(batch, raw, sampled_t)

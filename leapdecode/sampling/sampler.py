@@ -72,6 +72,8 @@ class SamplingBatch:
         return logits
 
     def apply_stop_masks(self, logits: torch.Tensor) -> torch.Tensor:
+        if self.stop_masks:
+            logits = logits.clone()          # the raw rows are still needed for logprobs
         for i, tokens in self.stop_masks:
             logits[i, tokens] = float("-inf")
         return logits
@@ -97,8 +99,10 @@ class SamplingBatch:
         return torch.where(self.greedy[:, None], greedy_probs, probs)
 
     def process(self, logits: torch.Tensor) -> torch.Tensor:
-        """Raw logits -> the distribution each row samples from."""
-        return self.to_probs(self.apply_stop_masks(self.apply_penalties(logits)))
+        """Raw logits -> what each row samples from: probabilities, or, when every row is greedy, the processed
+        logits themselves (argmax needs no softmax, which is most of the sampler's cost at large vocabularies)."""
+        logits = self.apply_stop_masks(self.apply_penalties(logits))
+        return logits if self.all_greedy else self.to_probs(logits)
 
     # -- drawing -----------------------------------------------------------------------------------------------
     def exponential(self, num_rows: int | None = None, default: torch.Generator | None = None) -> torch.Tensor:
