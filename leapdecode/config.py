@@ -15,12 +15,12 @@ SPEC_METHODS = ("ngram", "suffix", "recycling", "auto")
 
 
 def parse_dtype(dtype: str | torch.dtype, model_dtype: str | None, device: torch.device) -> torch.dtype:
-    """"auto" means the checkpoint's dtype, except half precision on CPU, where float32 is faster and exact."""
+    """"auto" means the checkpoint's dtype on GPUs; on CPU float32 (most CPUs lack fast half-precision math)."""
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype == "auto":
         d = _DTYPES.get(str(model_dtype or "float32").replace("torch.", ""), torch.float32)
-        return torch.float32 if device.type == "cpu" and d == torch.float16 else d
+        return torch.float32 if device.type == "cpu" else d
     if dtype not in _DTYPES:
         raise ValueError(f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {dtype!r}")
     return _DTYPES[dtype]
