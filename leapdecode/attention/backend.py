@@ -50,8 +50,25 @@ class AttentionBackend(ABC):
 
 
 def get_backend(name: str = "auto", device: torch.device | None = None) -> AttentionBackend:
-    """"auto" picks the portable torch backend; GPU kernels plug in here under their own name."""
+    """"torch": the portable reference backend; "triton": the Triton GPU kernels; "auto": Triton on a CUDA device
+    when triton imports, else torch. The environment variable LEAPDECODE_ATTENTION_BACKEND (torch|triton)
+    overrides "auto" (to compare backends, or to fall back should the kernels misbehave on some GPU)."""
+    import os
+
     from leapdecode.attention.torch_ref import TorchAttention
-    if name in ("auto", "torch"):
+    if name == "auto":
+        name = os.environ.get("LEAPDECODE_ATTENTION_BACKEND", "auto").strip().lower() or "auto"
+    if name == "auto":
+        name = "torch"
+        if device is not None and torch.device(device).type == "cuda":
+            try:
+                import triton  # noqa: F401
+                name = "triton"
+            except ImportError:
+                pass
+    if name == "torch":
         return TorchAttention()
-    raise ValueError(f"unknown attention backend {name!r}")
+    if name == "triton":
+        from leapdecode.attention.triton_backend import TritonAttention
+        return TritonAttention()
+    raise ValueError(f"unknown attention backend {name!r} (choose auto, torch or triton)")
