@@ -387,6 +387,9 @@ class TestOnGPU:
         out = engine_tokens(tiny_dir, monkeypatch, arch, spec)
         assert out["triton"] == out["torch"]
 
-    def test_auto_backend_is_triton_on_cuda(self):
+    def test_triton_backend_on_cuda_by_name_and_opt_in(self, monkeypatch):
         from leapdecode.attention.backend import get_backend
+        assert get_backend("triton", torch.device("cuda")).name == "triton"
+        assert get_backend("auto", torch.device("cuda")).name == "torch"      # until measured on a GPU
+        monkeypatch.setenv("LEAPDECODE_ATTENTION_BACKEND", "triton")
         assert get_backend("auto", torch.device("cuda")).name == "triton"

@@ -50,25 +50,20 @@ class AttentionBackend(ABC):
 
 
 def get_backend(name: str = "auto", device: torch.device | None = None) -> AttentionBackend:
-    """"torch": the portable reference backend; "triton": the Triton GPU kernels; "auto": Triton on a CUDA device
-    when triton imports, else torch. The environment variable LEAPDECODE_ATTENTION_BACKEND (torch|triton)
-    overrides "auto" (to compare backends, or to fall back should the kernels misbehave on some GPU)."""
+    """"torch": the portable reference backend; "triton": the Triton GPU kernels (CUDA only).
+
+    "auto" is the torch backend until the Triton kernels have been verified and measured on a real GPU (so far they
+    are verified under the Triton interpreter only); set LEAPDECODE_ATTENTION_BACKEND=triton to opt in."""
     import os
 
     from leapdecode.attention.torch_ref import TorchAttention
     if name == "auto":
-        name = os.environ.get("LEAPDECODE_ATTENTION_BACKEND", "auto").strip().lower() or "auto"
-    if name == "auto":
-        name = "torch"
-        if device is not None and torch.device(device).type == "cuda":
-            try:
-                import triton  # noqa: F401
-                name = "triton"
-            except ImportError:
-                pass
+        name = os.environ.get("LEAPDECODE_ATTENTION_BACKEND", "torch").strip().lower() or "torch"
     if name == "torch":
         return TorchAttention()
     if name == "triton":
+        if device is not None and torch.device(device).type != "cuda" and not os.environ.get("TRITON_INTERPRET"):
+            raise ValueError("the triton attention backend needs a CUDA device (or TRITON_INTERPRET=1)")
         from leapdecode.attention.triton_backend import TritonAttention
         return TritonAttention()
     raise ValueError(f"unknown attention backend {name!r} (choose auto, torch or triton)")
