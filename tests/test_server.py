@@ -236,7 +236,10 @@ def test_json_schema(srv, client):
     jsonschema.validate(json.loads(r.choices[0].message.content), schema)
     r = client.completions.create(model=MODEL, prompt="{", max_tokens=64, **GREEDY,
                                   extra_body={"response_format": {"type": "json_object"}})
-    json.loads(r.choices[0].text)
+    if r.choices[0].finish_reason == "stop":          # a random model may write one long string until max_tokens
+        assert isinstance(json.loads(r.choices[0].text), dict)
+    else:
+        assert r.choices[0].finish_reason == "length"
     bad = httpx.post(url + "/v1/chat/completions", json={
         "model": MODEL, "messages": [{"role": "user", "content": "x"}],
         "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": 12}}}})
