@@ -21,7 +21,10 @@ node is represented by its occurrence set: the occurrences of the longest indexe
 the left (vectorised over occurrences) to its full match length, up to ``max_match``. Counts in the node's subtree
 are then computed on demand by grouping the continuations of those occurrences, which gives exactly the counts an
 explicit suffix tree would store, as long as the occurrence list is not capped (``max_occurrences`` most recent;
-beyond that the statistics are over the most recent occurrences, which also favours recent text). Appending a
+beyond that the statistics are over the most recent occurrences, which also favours recent text). One deliberate
+difference: an occurrence that overlaps the end of the context (periodic text, a model repeating itself) is
+continued periodically instead of stopping at the end (:func:`~leapdecode.spec.ngram.continuation`); on the
+embedded model's loop-prone outputs it took replay tokens per step at k=10 from 6.04 to 6.33. Appending a
 token costs ``len(sizes)`` dictionary updates; both updates and lookups are independent of the context length.
 """
 from __future__ import annotations
@@ -34,7 +37,7 @@ from typing import Sequence
 import numpy as np
 
 from leapdecode.spec.drafter import Draft, DraftRequest
-from leapdecode.spec.ngram import SENTINEL, NgramIndex, as_int_list, sync_index
+from leapdecode.spec.ngram import SENTINEL, NgramIndex, as_int_list, continuation, sync_index
 
 
 @dataclass
@@ -60,37 +63,53 @@ def expand_continuations(rows: list[list[int]], max_nodes: int, min_prob: float,
     """Best-first draft tree over continuation rows (one per occurrence of the pattern, oldest first).
 
     A node is a prefix shared by some rows; its count is the number of rows that reach it, and the probability of
-    a child is the parent's probability times child count / parent count (rows that end at the parent, because the
-    text ends there, count in the denominator: they are evidence for no particular continuation). ``tree=False``
+    a child is the parent's probability times child count / parent count (rows that end at the parent, because a
+    cached output ends there, count in the denominator: they are evidence for no particular continuation). ``tree=False``
     follows only the most frequent child at each depth (ties: the most recent occurrence), giving a chain.
+    Identical rows are merged first (repetitive text has many), so the work grows with distinct continuations.
     """
-    out = SpeculationTree()
     if max_nodes <= 0 or not rows:
-        return out
-    if len(rows) == 1:                       # one occurrence: its continuation, each token with probability 1
-        chain = rows[0][:max_nodes] if min_prob <= 1.0 else []
+        return SpeculationTree()
+    weight: dict[tuple[int, ...], int] = {}
+    newest: dict[tuple[int, ...], int] = {}
+    for i, row in enumerate(rows):
+        key = tuple(row)
+        weight[key] = weight.get(key, 0) + 1
+        newest[key] = i
+    distinct = list(weight)
+    if len(distinct) == 1:                   # one continuation: each of its tokens has probability 1
+        chain = list(distinct[0][:max_nodes])
         return SpeculationTree(chain, list(range(-1, len(chain) - 1)), [1.0] * len(chain))
+    counts = [weight[key] for key in distinct]
+    recency = [newest[key] for key in distinct]
+    out = SpeculationTree()
     order = 0
     heap: list[tuple[float, int, int, int, int, int, list[int]]] = []
 
     def push_children(group: list[int], depth: int, prob: float, parent: int) -> None:
         nonlocal order
+        if len(group) == 1:                  # a single continuation left: its next token, same probability
+            row = distinct[group[0]]
+            if len(row) > depth and prob >= min_prob:
+                heapq.heappush(heap, (-prob, -recency[group[0]], order, depth, parent, row[depth], group))
+                order += 1
+            return
+        total = sum(counts[r] for r in group)
         children: dict[int, list[int]] = {}
         for r in group:
-            row = rows[r]
+            row = distinct[r]
             if len(row) > depth:
                 children.setdefault(row[depth], []).append(r)
-        if not children:
-            return
-        items = [(prob * len(members) / len(group), members[-1], tok, members) for tok, members in children.items()]
-        if not tree:
+        items = [(prob * sum(counts[r] for r in members) / total, max(recency[r] for r in members), tok, members)
+                 for tok, members in children.items()]
+        if not tree and items:
             items = [max(items, key=lambda item: (item[0], item[1]))]
-        for p, newest, tok, members in items:
+        for p, latest, tok, members in items:
             if p >= min_prob:
-                heapq.heappush(heap, (-p, -newest, order, depth, parent, tok, members))
+                heapq.heappush(heap, (-p, -latest, order, depth, parent, tok, members))
                 order += 1
 
-    push_children(list(range(len(rows))), 0, 1.0, -1)
+    push_children(list(range(len(distinct))), 0, 1.0, -1)
     while heap and len(out.tokens) < max_nodes:
         neg_p, _, _, depth, parent, tok, members = heapq.heappop(heap)
         out.tokens.append(tok)
@@ -119,7 +138,7 @@ class SuffixDrafter:
     """
 
     def __init__(self, max_match: int = 32, max_spec_factor: float = 2.0, max_spec_offset: float = 0.0,
-                 min_token_prob: float = 0.1, tree: bool = True, max_occurrences: int = 64, max_patterns: int = 4,
+                 min_token_prob: float = 0.1, tree: bool = True, max_occurrences: int = 32, max_patterns: int = 4,
                  local_sizes: Sequence[int] = (1, 2, 3, 4), global_sizes: Sequence[int] = (2, 4),
                  global_max_tokens: int = 1 << 18) -> None:
         if not (isinstance(max_match, int) and max_match >= 1):
@@ -217,8 +236,8 @@ class SuffixDrafter:
             if len(chosen) == previous_count:
                 continue                # same occurrences as a longer pattern, with a smaller limit: dominated
             previous_count = len(chosen)
-            candidate = expand_continuations(self._rows(source, chosen, limit), limit, self.min_token_prob,
-                                             self.tree)
+            rows = self._rows(source, chosen, limit, periodic=source is context)
+            candidate = expand_continuations(rows, limit, self.min_token_prob, self.tree)
             candidate.match_length = length
             if candidate.expected_accepted > best.expected_accepted:
                 best = candidate
@@ -247,9 +266,13 @@ class SuffixDrafter:
         return (anchor + np.logical_and.accumulate(equal, axis=1).sum(axis=1)).tolist()
 
     @staticmethod
-    def _rows(source: NgramIndex, followers: list[int], limit: int) -> list[list[int]]:
-        """What followed each occurrence, up to ``limit`` tokens, cut at the end of its sequence."""
+    def _rows(source: NgramIndex, followers: list[int], limit: int, periodic: bool) -> list[list[int]]:
+        """What followed each occurrence, up to ``limit`` tokens, cut at the end of its sequence. In the request's
+        own index (``periodic``) the end of the sequence is the context's end, and an occurrence overlapping it is
+        continued periodically (:func:`~leapdecode.spec.ngram.continuation`)."""
         toks, base = source.tokens, source.base
+        if periodic:
+            return [continuation(toks, f - base, limit) for f in followers]
         rows = []
         for f in followers:
             row = toks[f - base:f - base + limit]
