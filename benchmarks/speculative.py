@@ -62,7 +62,7 @@ import statistics
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -113,10 +113,22 @@ def git_commit() -> str:
         return "?"
 
 
+def git_dirty() -> list[str]:
+    """Engine files that differ from the commit (the run imports the working tree, not the commit)."""
+    try:
+        out = subprocess.run(["git", "-C", REPO, "status", "--porcelain", "--", "leapdecode"], capture_output=True,
+                             text=True, timeout=5).stdout
+        return [line[3:] for line in out.splitlines() if line.strip()]
+    except Exception:
+        return []
+
+
 def hardware() -> dict:
+    dirty = git_dirty()
     info = {"cpu": cpu_model(), "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
             "load_avg_1m": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
-            "torch": torch.__version__, "python": platform.python_version(), "commit": git_commit()}
+            "torch": torch.__version__, "python": platform.python_version(),
+            "commit": git_commit() + (f"+{len(dirty)} modified engine files" if dirty else ""), "dirty": dirty}
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name(0)
     return info
