@@ -4,6 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from leapdecode.errors import InvalidParameter
+
 
 @dataclass
 class SamplingParams:
@@ -35,8 +37,8 @@ class SamplingParams:
         self._validate()
 
     def _validate(self) -> None:
-        def bad(name: str, why: str) -> ValueError:
-            return ValueError(f"SamplingParams.{name} {why}, got {getattr(self, name)!r}")
+        def bad(name: str, why: str) -> InvalidParameter:
+            return InvalidParameter(f"SamplingParams.{name} {why}, got {getattr(self, name)!r}", param=name)
 
         def is_int(x: Any) -> bool:
             return isinstance(x, int) and not isinstance(x, bool)

@@ -27,13 +27,6 @@ MODEL = "tiny"
 MAX_MODEL_LEN = 128
 
 
-def structured_available(engine=None) -> bool:
-    """Structured output is being integrated into the engine in parallel; until the engine has a grammar
-    backend, ``SamplingParams.structured`` is accepted but ignored, and the json_schema tests skip."""
-    from leapdecode.engine.engine import Engine
-    return hasattr(Engine, "structured_backend") or (engine is not None and hasattr(engine, "structured_backend"))
-
-
 @pytest.fixture(scope="module", autouse=True)
 def one_torch_thread():
     """The engine thread, the event loop and the clients share two cores; one intra-op thread for the tiny
@@ -223,9 +216,7 @@ def test_logprobs_and_batch_prompts(srv, client, offline):
 
 
 def test_json_schema(srv, client):
-    url, app = srv
-    if not structured_available(app.state.async_engine.engine):
-        pytest.skip("the engine has no structured-output backend yet")
+    url, _ = srv
     import jsonschema
     schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
                                                "count": {"type": "integer"}},
@@ -484,7 +475,7 @@ def test_api_key(llama_dir):
 
 def test_schemathesis_no_server_errors(llama_dir):
     """Fuzz every operation of the app's own OpenAPI schema, valid and invalid inputs: never a 5xx."""
-    import schemathesis
+    schemathesis = pytest.importorskip("schemathesis")
     from hypothesis import HealthCheck, given, settings
     from hypothesis.errors import Unsatisfiable
     from schemathesis import GenerationMode
@@ -514,3 +505,31 @@ def test_schemathesis_no_server_errors(llama_dir):
                     assert mode == GenerationMode.NEGATIVE, op.label
         wait_idle(app)
         assert_pool_free(app)
+
+
+def test_error_param_from_invalid_parameter():
+    """InvalidParameter's field is used first (mapped to the endpoint's request field); a plain ValueError falls
+    back to reading the message."""
+    from leapdecode.errors import InvalidParameter
+    from leapdecode.server.errors import CHAT_FIELDS, COMPLETION_FIELDS, invalid_value
+
+    with pytest.raises(InvalidParameter) as info:
+        SamplingParams(temperature=-1)
+    assert info.value.param == "temperature" and isinstance(info.value, ValueError)
+    assert invalid_value(info.value, COMPLETION_FIELDS, "prompt").param == "temperature"
+    assert invalid_value(InvalidParameter("bad", param="structured"), CHAT_FIELDS, "messages").param \
+        == "response_format"
+    assert invalid_value(InvalidParameter("too long", param="prompt"), CHAT_FIELDS, "messages").param == "messages"
+    assert invalid_value(ValueError("SamplingParams.logprobs must be <= 20"), CHAT_FIELDS, "messages").param \
+        == "top_logprobs"
+    assert invalid_value(ValueError("prompt is 500 tokens long"), COMPLETION_FIELDS, "prompt").param == "prompt"
+
+
+def test_server_tokenizer_is_its_own(srv):
+    """Formatting on the event loop never shares a tokenizer object with the engine thread (formatting.py)."""
+    _, app = srv
+    fmt, engine = app.state.server.fmt, app.state.async_engine.engine
+    assert fmt.tokenizer is not engine.tokenizer
+    assert fmt.tokenizer.backend_tokenizer is not engine.tokenizer.backend_tokenizer
+    ids = engine.tokenizer.encode("hello world")
+    assert fmt.tokenizer.decode(ids) == engine.tokenizer.decode(ids)

@@ -27,8 +27,8 @@ from leapdecode.server.metrics import ServerMetrics
 
 logger = logging.getLogger(__name__)
 
-# A prompt, or a function run on the engine thread that returns one (chat templates use the tokenizer, which
-# must not be used concurrently with the engine's own detokenization).
+# A prompt, or a function run on the engine thread that returns one (chat templates use the engine's tokenizer,
+# which only the engine thread touches; the HTTP layer formats tokens with its own copy, see formatting.py).
 PromptLike = str | list[int] | Callable[[], str | list[int]]
 
 
