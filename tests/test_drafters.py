@@ -7,9 +7,10 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from leapdecode.spec.auto import AutoDrafter, accepted_length, draft_depth, merge_drafts
+from leapdecode.spec.auto import AutoDrafter
 from leapdecode.spec.drafter import Draft, DraftRequest
-from leapdecode.spec.ngram import SENTINEL, NgramDrafter, NgramIndex, continuation
+from leapdecode.spec.index import SENTINEL, NgramIndex, continuation
+from leapdecode.spec.ngram import NgramDrafter
 from leapdecode.spec.recycling import DEFAULT_RANK_PROBS, RecyclingDrafter, static_tree
 from leapdecode.spec.registry import METHODS, make_drafter
 from leapdecode.spec.suffix import SuffixDrafter, expand_continuations
@@ -81,7 +82,7 @@ def simulate(drafter, prompt: list[int], output: list[int], k: int, seq_id: int 
     while t < len(output):
         draft = drafter.propose([DraftRequest(seq_id, ctx, len(prompt), k)])[0]
         assert_well_formed(draft, k)
-        emitted = min(accepted_length(draft, output[t:]) + 1, len(output) - t)
+        emitted = min(draft.tree.accepted_length(output[t:]) + 1, len(output) - t)
         ctx += output[t:t + emitted]
         t += emitted
         steps += 1
@@ -407,36 +408,7 @@ def test_copy_heavy_sequences_accept_more_than_two_tokens_per_step(name):
     assert tokens_per_step > 2.0, tokens_per_step
 
 
-def test_accepted_length_on_trees_equals_path_search():
-    rng = random.Random(9)
-    for _ in range(50):
-        n = rng.randrange(0, 12)
-        parents = [rng.randrange(-1, i) for i in range(n)]
-        tokens = random_tokens(rng, n, 3)
-        truth = random_tokens(rng, 6, 3)
-        paths = tree_paths(tokens, parents)
-        best = max((len(p) for p in paths if list(p) == truth[:len(p)]), default=0)
-        assert accepted_length(Draft(tokens, parents), truth) == best
-        assert draft_depth(Draft(tokens, parents)) == max((len(p) for p in paths), default=0)
-
-
-def test_merge_drafts_keeps_the_first_whole_and_shares_prefixes():
-    rng = random.Random(11)
-    for _ in range(50):
-        drafts = []
-        for _ in range(3):
-            n = rng.randrange(0, 7)
-            parents = [rng.randrange(-1, i) for i in range(n)] if rng.random() < 0.5 else None
-            drafts.append(Draft(random_tokens(rng, n, 3), parents))
-        budget = rng.randrange(len(drafts[0].tokens), 12)
-        merged = merge_drafts(drafts, budget)
-        assert len(merged.tokens) <= budget
-        paths = tree_paths(merged.tokens, merged.parents)
-        assert len(set(paths)) == len(paths)                                  # each path stored once
-        assert set(tree_paths(drafts[0].tokens, drafts[0].parents)) <= set(paths)
-        everything = set().union(*(tree_paths(d.tokens, d.parents) for d in drafts))
-        assert set(paths) <= everything
-        assert merged.parents is None or all(-1 <= p < i for i, p in enumerate(merged.parents))
+# accepted_length, the draft's depth and merging (the auto drafter's tree operations): tests/test_tree.py
 
 
 def test_auto_drafter_prefers_the_drafter_that_gets_accepted():

@@ -24,63 +24,13 @@ from dataclasses import dataclass
 from typing import Mapping, Sequence
 
 from leapdecode.spec.drafter import Draft, Drafter, DraftRequest
-from leapdecode.spec.ngram import as_int_list
+from leapdecode.spec.index import as_int_list
+from leapdecode.spec.tree import DraftTree
 
 
 def accepted_length(draft: Draft, truth: Sequence[int]) -> int:
-    """Greedy acceptance of a chain or tree draft against the tokens that really came next: the length of the
-    longest root path whose tokens equal ``truth``'s prefix."""
-    if draft.parents is None:
-        n = 0
-        for d, t in zip(draft.tokens, truth):
-            if d != t:
-                break
-            n += 1
-        return n
-    node, depth = -1, 0
-    while depth < len(truth):
-        nxt = next((i for i, (tok, p) in enumerate(zip(draft.tokens, draft.parents))
-                    if p == node and tok == truth[depth]), None)
-        if nxt is None:
-            break
-        node, depth = nxt, depth + 1
-    return depth
-
-
-def merge_drafts(drafts: Sequence[Draft], max_nodes: int) -> Draft:
-    """One tree holding ``drafts`` in priority order (each node's path is stored once), cut at ``max_nodes``.
-
-    Nodes of later drafts whose parent did not fit are dropped with their subtrees; the result stays topological.
-    The score is the first draft's. A result that is a single path is returned as a chain.
-    """
-    tokens: list[int] = []
-    parents: list[int] = []
-    node_of: dict[tuple[int, int], int] = {}          # (parent index, token) -> node index
-    for draft in drafts:
-        own_parents = draft.parents if draft.parents is not None else range(-1, len(draft.tokens) - 1)
-        mapped: list[int] = []                          # this draft's node -> merged node, -2 when dropped
-        for tok, p in zip(draft.tokens, own_parents):
-            parent = mapped[p] if p >= 0 else -1
-            node = node_of.get((parent, tok), -2) if parent != -2 else -2
-            if node == -2 and parent != -2 and len(tokens) < max_nodes:
-                tokens.append(tok)
-                parents.append(parent)
-                node = node_of[(parent, tok)] = len(tokens) - 1
-            mapped.append(node)
-    score = drafts[0].score if drafts else 0.0
-    if all(p == i - 1 for i, p in enumerate(parents)):
-        return Draft(tokens=tokens, score=score)
-    return Draft(tokens=tokens, parents=parents, score=score)
-
-
-def draft_depth(draft: Draft) -> int:
-    """Number of tokens on the draft's longest root path."""
-    if draft.parents is None:
-        return len(draft.tokens)
-    depth: list[int] = []
-    for p in draft.parents:
-        depth.append(1 if p < 0 else depth[p] + 1)
-    return max(depth, default=0)
+    """``draft.tree.accepted_length(truth)``, kept under this name for ``benchmarks/replay.py``."""
+    return draft.tree.accepted_length(truth)
 
 
 @dataclass
@@ -118,7 +68,7 @@ class AutoDrafter:
             return 0.0
         stats = self._stats.get(seq_id, {}).get(name) or self._prior[name]
         p_first = self.score_weight * draft.score + (1.0 - self.score_weight) * stats.first_hit
-        return p_first * min(stats.depth, float(draft_depth(draft)))
+        return p_first * min(stats.depth, float(draft.tree.depth))
 
     # -- Drafter protocol ------------------------------------------------------------------------------------------
     def propose(self, requests: list[DraftRequest]) -> list[Draft]:
@@ -135,7 +85,8 @@ class AutoDrafter:
             self.chosen[ranked[0]] += 1
             best = drafts[ranked[0]]
             if self.fill and len(ranked) > 1 and len(best.tokens) < req.max_draft:
-                best = merge_drafts([drafts[name] for name in ranked], req.max_draft)
+                merged = DraftTree.merge((drafts[name].tree for name in ranked), req.max_draft)
+                best = Draft.from_tree(merged, score=best.score)
             out.append(best)
         return out
 
@@ -148,7 +99,7 @@ class AutoDrafter:
             for name, draft in drafts.items():
                 if not draft.tokens:
                     continue
-                accepted = accepted_length(draft, committed)
+                accepted = draft.tree.accepted_length(committed)
                 if name not in per_request:
                     prior = self._prior[name]
                     per_request[name] = _Stats(prior.first_hit, prior.depth)

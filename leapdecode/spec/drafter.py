@@ -2,13 +2,16 @@
 
 A draft is either a chain (``parents is None``: token i follows token i-1, the first follows the request's last
 committed token) or a tree given in topological order: ``parents[i]`` is the index of node i's parent in
-``tokens``, or -1 when its parent is the request's last committed token. A draft without ``probs`` is a point mass;
-verification stays lossless either way.
+``tokens``, or -1 when its parent is the request's last committed token. ``draft.tree`` is that shape as a
+:class:`~leapdecode.spec.tree.DraftTree`, which answers every question about it. A draft without ``probs`` is a
+point mass; verification stays lossless either way.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Protocol, Sequence
+
+from leapdecode.spec.tree import DraftTree
 
 
 @dataclass
@@ -18,9 +21,19 @@ class Draft:
     score: float = 0.0                # drafter's confidence in [0, 1] that its first token is accepted
     probs: object | None = None       # optional draft distributions q (one row per token), for draft models
 
+    @staticmethod
+    def from_tree(tree: DraftTree, score: float = 0.0, probs: object | None = None) -> "Draft":
+        """A draft holding ``tree`` (lists; ``parents`` None for a chain)."""
+        return Draft(list(tree.tokens), None if tree.parents is None else list(tree.parents), score, probs)
+
+    @property
+    def tree(self) -> DraftTree:
+        """The draft's token tree (normalised: a chain given with explicit parents has ``parents`` None)."""
+        return DraftTree.of(self.tokens, self.parents)
+
     @property
     def is_tree(self) -> bool:
-        return self.parents is not None and any(p != i - 1 for i, p in enumerate(self.parents))
+        return not self.tree.is_chain
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -47,3 +60,23 @@ class Drafter(Protocol):
 
     def finish(self, seq_id: int, token_ids: Sequence[int], num_prompt_tokens: int) -> None:
         """The sequence ended; drop per-request state (and learn from its output, for global drafters)."""
+
+
+class PerRequestDrafter:
+    """Base for drafters that draft each request on its own and catch up with its committed tokens lazily in
+    :meth:`propose`: subclasses implement :meth:`draft_one` (and :meth:`finish`); a request with no budget or
+    fewer than ``min_context`` committed tokens gets an empty draft without asking it."""
+
+    min_context = 1
+
+    def propose(self, requests: list[DraftRequest]) -> list[Draft]:
+        return [self.draft_one(req) if req.max_draft > 0 and len(req.token_ids) >= self.min_context else Draft()
+                for req in requests]
+
+    def draft_one(self, req: DraftRequest) -> Draft:
+        raise NotImplementedError
+
+    def observe(self, seq_id: int, token_ids: Sequence[int], num_accepted: int,
+                topk: Sequence[Sequence[int]] | None = None) -> None:
+        """Nothing to learn from the outcome: the request's state catches up in :meth:`propose`."""
+        del seq_id, token_ids, num_accepted, topk

@@ -11,9 +11,8 @@ ADED (Liu et al., "Adaptive Draft-Verification for Efficient Large Language Mode
 statistics that adapt during decoding: counts of the next token after each pair of tokens, learned from committed
 tokens. Here they rank a node's successors: tri-gram continuations seen at least ``trigram_min_count`` times
 (default 1: all of them) come first, most counted first, since they condition on one more token than the matrix;
-then the matrix row; then any rarer tri-gram continuations. In the model-free replay (benchmarks/replay.py) the
-tri-grams raised tokens per step from 1.99 to 2.80 on a tiny model's repetitive outputs and from 1.62 to 1.67 on
-reference answers.
+then the matrix row; then any rarer tri-gram continuations. Their measured effect: benchmarks/README.md and the
+model-free replay ``benchmarks/replay.py``.
 
 Both tables are global (shared by all requests, as in the paper) and have a fixed size:
   adjacency  ``vocab_size * num_successors * 4`` bytes (int32); e.g. 32,000 x 8 -> 1,024,000 B (0.98 MiB)
@@ -31,8 +30,9 @@ from typing import Sequence
 
 import numpy as np
 
-from leapdecode.spec.drafter import Draft, DraftRequest
-from leapdecode.spec.ngram import as_int_list
+from leapdecode.spec.drafter import Draft, DraftRequest, PerRequestDrafter
+from leapdecode.spec.index import as_int_list
+from leapdecode.spec.tree import DraftTree
 
 _COUNT_MAX = int(np.iinfo(np.uint16).max)
 
@@ -63,7 +63,7 @@ def static_tree(max_nodes: int, rank_probs: tuple[float, ...]) -> tuple[tuple[in
     return tuple((index[path[:-1]] if len(path) > 1 else -1, path[-1]) for path in chosen)
 
 
-class RecyclingDrafter:
+class RecyclingDrafter(PerRequestDrafter):
     """Token Recycling drafter with ADED-style adaptive tri-gram ranking. See the module docstring."""
 
     def __init__(self, vocab_size: int = 32000, num_successors: int = 8, tree: bool = True,
@@ -93,18 +93,12 @@ class RecyclingDrafter:
         self._learned: dict[int, int] = {}     # seq_id -> committed tokens already learned from
         self._topk_seen = False                # once the engine sends top-k rows, the matrix learns only from them
 
-    # -- Drafter protocol ------------------------------------------------------------------------------------------
-    def propose(self, requests: list[DraftRequest]) -> list[Draft]:
-        drafts = []
-        for req in requests:
-            if req.max_draft <= 0 or len(req.token_ids) == 0:
-                drafts.append(Draft())
-                continue
-            self._learn(req.seq_id, req.token_ids)
-            last = int(req.token_ids[-1])
-            before = int(req.token_ids[-2]) if len(req.token_ids) >= 2 else -1
-            drafts.append(self._draft(before, last, req.max_draft))
-        return drafts
+    # -- Drafter protocol (propose: PerRequestDrafter) --------------------------------------------------------------
+    def draft_one(self, req: DraftRequest) -> Draft:
+        self._learn(req.seq_id, req.token_ids)
+        last = int(req.token_ids[-1])
+        before = int(req.token_ids[-2]) if len(req.token_ids) >= 2 else -1
+        return self._draft(before, last, req.max_draft)
 
     def observe(self, seq_id: int, token_ids: Sequence[int], num_accepted: int,
                 topk: Sequence[Sequence[int]] | None = None) -> None:
@@ -244,6 +238,4 @@ class RecyclingDrafter:
                 score += self.rank_probs[rank]
         if not out_tokens:
             return Draft()
-        if all(p == i - 1 for i, p in enumerate(out_parents)):
-            return Draft(tokens=out_tokens, score=min(1.0, score))
-        return Draft(tokens=out_tokens, parents=out_parents, score=min(1.0, score))
+        return Draft.from_tree(DraftTree.of(out_tokens, out_parents), score=min(1.0, score))

@@ -15,17 +15,18 @@ turns that sit in the prompt) and input-guided Aggressive Decoding (Ge et al. 20
 input). The global source covers agentic and templated workloads that repeat earlier answers.
 
 Data structure. An explicit suffix tree of bounded depth D has up to D nodes per token, tens of megabytes per
-request when nodes are Python objects. Instead we use an *implicit* suffix tree: :class:`NgramIndex` lists, for
-each short n-gram, the positions right after its occurrences (a few list entries per token). The pattern's tree
-node is represented by its occurrence set: the occurrences of the longest indexed n-gram suffix, each extended to
-the left (vectorised over occurrences) to its full match length, up to ``max_match``. Counts in the node's subtree
-are then computed on demand by grouping the continuations of those occurrences, which gives exactly the counts an
-explicit suffix tree would store, as long as the occurrence list is not capped (``max_occurrences`` most recent;
-beyond that the statistics are over the most recent occurrences, which also favours recent text). One deliberate
-difference: an occurrence that overlaps the end of the context (periodic text, a model repeating itself) is
-continued periodically instead of stopping at the end (:func:`~leapdecode.spec.ngram.continuation`); on the
-embedded model's loop-prone outputs it took replay tokens per step at k=10 from 6.04 to 6.33. Appending a
-token costs ``len(sizes)`` dictionary updates; both updates and lookups are independent of the context length.
+request when nodes are Python objects. Instead we use an *implicit* suffix tree:
+:class:`~leapdecode.spec.index.NgramIndex` lists, for each short n-gram, the positions right after its occurrences
+(a few list entries per token). The pattern's tree node is represented by its occurrence set: the occurrences of the
+longest indexed n-gram suffix, each extended to the left (vectorised over occurrences) to its full match length, up
+to ``max_match``. Counts in the node's subtree are then computed on demand by grouping the continuations of those
+occurrences, which gives exactly the counts an explicit suffix tree would store, as long as the occurrence list is
+not capped (``max_occurrences`` most recent; beyond that the statistics are over the most recent occurrences, which
+also favours recent text). One deliberate difference: an occurrence that overlaps the end of the context (periodic
+text, a model repeating itself) is continued periodically instead of stopping at the end
+(:func:`~leapdecode.spec.index.continuation`; measured effect: benchmarks/README.md and ``benchmarks/replay.py``).
+Appending a token costs ``len(sizes)`` dictionary updates; both updates and lookups are independent of the context
+length.
 """
 from __future__ import annotations
 
@@ -36,8 +37,9 @@ from typing import Sequence
 
 import numpy as np
 
-from leapdecode.spec.drafter import Draft, DraftRequest
-from leapdecode.spec.ngram import SENTINEL, NgramIndex, as_int_list, continuation, sync_index
+from leapdecode.spec.drafter import Draft, DraftRequest, PerRequestDrafter
+from leapdecode.spec.index import SENTINEL, NgramIndex, as_int_list, continuation, sync_index
+from leapdecode.spec.tree import DraftTree
 
 
 @dataclass
@@ -119,7 +121,7 @@ def expand_continuations(rows: list[list[int]], max_nodes: int, min_prob: float,
     return out
 
 
-class SuffixDrafter:
+class SuffixDrafter(PerRequestDrafter):
     """SuffixDecoding drafter: per-request suffix index over prompt + output, and a global one over past outputs.
 
     Options (all validated):
@@ -163,32 +165,18 @@ class SuffixDrafter:
         self._global = NgramIndex(global_sizes)
         self._global_starts: deque[int] = deque()    # absolute start of each cached output, oldest first
 
-    # -- Drafter protocol ------------------------------------------------------------------------------------------
-    def propose(self, requests: list[DraftRequest]) -> list[Draft]:
-        drafts = []
-        for req in requests:
-            if req.max_draft <= 0 or len(req.token_ids) == 0:
-                drafts.append(Draft())
-                continue
-            local = sync_index(self._local.get(req.seq_id), req.token_ids, self._local_sizes)
-            self._local[req.seq_id] = local
-            best = self.speculate(local, local, req.max_draft)
-            if len(self._global):
-                other = self.speculate(self._global, local, req.max_draft)
-                if other.expected_accepted > best.expected_accepted:
-                    best = other
-            if not best.tokens:
-                drafts.append(Draft())
-            elif any(p != i - 1 for i, p in enumerate(best.parents)):
-                drafts.append(Draft(tokens=best.tokens, parents=best.parents, score=best.first_token_prob))
-            else:
-                drafts.append(Draft(tokens=best.tokens, score=best.first_token_prob))
-        return drafts
-
-    def observe(self, seq_id: int, token_ids: Sequence[int], num_accepted: int,
-                topk: Sequence[Sequence[int]] | None = None) -> None:
-        # The per-request index catches up lazily in propose(); acceptance outcomes are not needed.
-        del seq_id, token_ids, num_accepted, topk
+    # -- Drafter protocol (propose and observe: PerRequestDrafter) --------------------------------------------------
+    def draft_one(self, req: DraftRequest) -> Draft:
+        local = sync_index(self._local.get(req.seq_id), req.token_ids, self._local_sizes)
+        self._local[req.seq_id] = local
+        best = self.speculate(local, local, req.max_draft)
+        if len(self._global):
+            other = self.speculate(self._global, local, req.max_draft)
+            if other.expected_accepted > best.expected_accepted:
+                best = other
+        if not best.tokens:
+            return Draft()
+        return Draft.from_tree(DraftTree.of(best.tokens, best.parents), score=best.first_token_prob)
 
     def finish(self, seq_id: int, token_ids: Sequence[int], num_prompt_tokens: int) -> None:
         """Drop the request's index and add its output to the global cache (evicting the oldest outputs)."""
@@ -269,7 +257,7 @@ class SuffixDrafter:
     def _rows(source: NgramIndex, followers: list[int], limit: int, periodic: bool) -> list[list[int]]:
         """What followed each occurrence, up to ``limit`` tokens, cut at the end of its sequence. In the request's
         own index (``periodic``) the end of the sequence is the context's end, and an occurrence overlapping it is
-        continued periodically (:func:`~leapdecode.spec.ngram.continuation`)."""
+        continued periodically (:func:`~leapdecode.spec.index.continuation`)."""
         toks, base = source.tokens, source.base
         if periodic:
             return [continuation(toks, f - base, limit) for f in followers]

@@ -1,0 +1,175 @@
+"""The n-gram occurrence index shared by prompt lookup (:mod:`leapdecode.spec.ngram`) and SuffixDecoding
+(:mod:`leapdecode.spec.suffix`).
+
+:class:`NgramIndex` keeps, for a growing token stream, a dictionary from every n-gram (for a few small n) to the
+positions right after its occurrences. Appending a token costs ``len(sizes)`` dictionary updates and a lookup one
+probe, independent of the stream's length; :func:`sync_index` keeps a request's index up to date with its
+committed tokens, and :func:`continuation` reads what followed an occurrence.
+"""
+from __future__ import annotations
+
+from bisect import bisect_left
+from typing import Sequence
+
+import numpy as np
+
+SENTINEL = -1
+"""A token value that is never a real token: separates independent sequences inside one :class:`NgramIndex`, so no
+n-gram, match or continuation crosses from one sequence into the next."""
+
+
+def as_int_list(tokens: Sequence[int]) -> list[int]:
+    """Plain Python ints (lists, tuples, numpy arrays and torch tensors all come in): dictionary keys built from numpy
+    scalars hash equal but are slower, and tensors would hash by identity."""
+    if isinstance(tokens, list):
+        return tokens
+    tolist = getattr(tokens, "tolist", None)
+    if tolist is not None:
+        return tolist()
+    return [int(t) for t in tokens]
+
+
+def continuation(tokens: list[int], start: int, length: int) -> list[int]:
+    """``tokens[start:start + length]``, continued periodically where it runs past the end of ``tokens``.
+
+    An occurrence that overlaps the context's own suffix (text repeating with period ``len(tokens) - start``, as in
+    a model stuck in a loop, a ruler of ``#`` lines, a table of similar rows) has fewer than ``length`` known
+    followers; the natural guess, as in an LZ77 overlapping copy, is that the repetition goes on. Its measured
+    effect on the drafters: benchmarks/README.md (and ``benchmarks/replay.py`` for a model-free replay).
+    """
+    out = tokens[start:start + length]
+    period = len(tokens) - start
+    while 0 < period and len(out) < length:
+        out.append(out[len(out) - period])
+    return out
+
+
+class NgramIndex:
+    """Where each n-gram of a growing token stream occurs, for the n-gram lengths in ``sizes``.
+
+    An occurrence of the n-gram ``tokens[s:s+n]`` is recorded as its *follower* position ``f = s + n``, and only
+    once ``tokens[f]`` exists. So the n-gram at the very end of the stream is never its own match, every recorded
+    occurrence has at least one continuation token, and ``occurrences`` lists are in increasing position order
+    (most recent last).
+
+    Positions are absolute: :meth:`evict_before` drops a prefix of the stream (a bounded cache of finished requests)
+    without renumbering, so ``base`` is the absolute position of the first stored token.
+    """
+
+    def __init__(self, sizes: Sequence[int] = (1, 2, 3, 4)) -> None:
+        sizes = sorted(set(int(n) for n in sizes))
+        if not sizes or sizes[0] < 1:
+            raise ValueError(f"n-gram sizes must be positive integers, got {list(sizes)}")
+        self.sizes: tuple[int, ...] = tuple(sizes)
+        self.tokens: list[int] = []            # the stream (from ``base`` on), as Python ints for cheap slicing
+        self.base = 0                          # absolute position of tokens[0]
+        self._floor = 0                        # n-grams start at or after this absolute position (after a sentinel)
+        self._tables: dict[int, dict[tuple[int, ...], list[int]]] = {n: {} for n in self.sizes}
+        self._array = np.empty(64, dtype=np.int64)  # numpy mirror of ``tokens`` for vectorised comparisons
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def end(self) -> int:
+        """Absolute position one past the last token."""
+        return self.base + len(self.tokens)
+
+    @property
+    def array(self) -> np.ndarray:
+        """The stored tokens as an int64 array (a view: valid until the next append); index = position - base."""
+        return self._array[: len(self.tokens)]
+
+    def extend(self, new_tokens: Sequence[int]) -> None:
+        """Append tokens (no sentinels) and index every n-gram that now has a follower."""
+        new = as_int_list(new_tokens)
+        if not new:
+            return
+        old_len = len(self.tokens)
+        self.tokens.extend(new)
+        self._mirror(old_len)
+        toks, base = self.tokens, self.base
+        # The n-grams gaining a follower are those followed by one of the new positions f.
+        for n in self.sizes:
+            table = self._tables[n]
+            first_f = max(base + old_len, self._floor + n)
+            for f in range(first_f, self.end):
+                i = f - base
+                key = tuple(toks[i - n:i])
+                lst = table.get(key)
+                if lst is None:
+                    table[key] = [f]
+                else:
+                    lst.append(f)
+
+    def break_sequence(self) -> None:
+        """Start an independent sequence: nothing before this point will match or continue into what follows."""
+        old_len = len(self.tokens)
+        self.tokens.append(SENTINEL)
+        self._mirror(old_len)
+        self._floor = self.end
+
+    def occurrences(self, key: tuple[int, ...]) -> list[int]:
+        """Follower positions of ``key`` (one of ``sizes`` long), oldest first; empty when it never occurred.
+        The returned list is the index's own: do not modify it."""
+        table = self._tables.get(len(key))
+        if table is None:
+            raise ValueError(f"this index holds n-grams of sizes {self.sizes}, not {len(key)}")
+        return table.get(key, _EMPTY)
+
+    def evict_before(self, position: int) -> None:
+        """Forget every token before absolute ``position`` and every n-gram that starts there."""
+        position = min(position, self.end)
+        cut = position - self.base
+        if cut <= 0:
+            return
+        toks = self.tokens
+        for n in self.sizes:
+            table = self._tables[n]
+            # n-grams starting in [base, position) have followers f in [base + n, position + n).
+            starts = range(0, min(cut, len(toks) - n))
+            seen: set[tuple[int, ...]] = set()
+            for s in starts:
+                key = tuple(toks[s:s + n])
+                if key in seen or SENTINEL in key:
+                    continue
+                seen.add(key)
+                lst = table.get(key)
+                if lst is None:
+                    continue
+                del lst[: bisect_left(lst, position + n)]
+                if not lst:
+                    del table[key]
+        del self.tokens[:cut]
+        self.base = position
+        self._floor = max(self._floor, position)
+        self._array = np.array(self.tokens, dtype=np.int64) if self.tokens else np.empty(64, dtype=np.int64)
+        if len(self._array) < 64:
+            self._array = np.resize(self._array, 64)
+
+    def _mirror(self, old_len: int) -> None:
+        """Copy the tokens appended since ``old_len`` into the numpy mirror, doubling its capacity as needed."""
+        size = len(self.tokens)
+        if size > len(self._array):
+            grown = np.empty(max(size, 2 * len(self._array)), dtype=np.int64)
+            grown[:old_len] = self._array[:old_len]
+            self._array = grown
+        self._array[old_len:size] = self.tokens[old_len:size]
+
+
+_EMPTY: list[int] = []
+
+
+def sync_index(index: NgramIndex | None, token_ids: Sequence[int], sizes: Sequence[int]) -> NgramIndex:
+    """Bring a request's index up to date with its committed tokens, appending only what is new.
+
+    Committed tokens normally only grow; if they ever do not (a caller reusing a sequence id), the index is rebuilt
+    rather than trusted. The check looks at the length and the last indexed token, so it is O(1).
+    """
+    n = len(index.tokens) if index is not None else 0
+    if index is None or len(token_ids) < n or (n and int(token_ids[n - 1]) != index.tokens[-1]):
+        index = NgramIndex(sizes)
+        n = 0
+    if len(token_ids) > n:
+        index.extend(token_ids[n:])
+    return index
