@@ -110,6 +110,10 @@ def test_ngram_index_matches_brute_force_under_appends_breaks_and_eviction():
                     expected.setdefault(key, []).append(base + s + n)
             got = {key: list(index.occurrences(key)) for key in index._tables[n]}
             assert got == expected, (step, n)
+            for key, positions in expected.items():
+                for limit in (0, 1, 3):
+                    assert index.occurrences(key, limit) == positions[max(0, len(positions) - limit):], (step, n, limit)
+            assert index.occurrences((SENTINEL,) * n) == []
         assert list(index.array) == toks
 
 
@@ -245,8 +249,8 @@ def test_suffix_global_cache_learns_outputs_and_evicts_oldest():
     assert drafter.propose([DraftRequest(101, [999_999] + old[:10], 1, 8)])[0].tokens == []   # evicted
     index = drafter._global
     for n in index.sizes:                                  # no stale positions survive eviction
-        for positions in index._tables[n].values():
-            assert all(index.base <= f < index.end for f in positions)
+        for key in index._tables[n]:
+            assert all(index.base <= f < index.end for f in index.occurrences(key))
 
 
 @pytest.mark.parametrize("cap", [1, 2, 7])

@@ -2,13 +2,14 @@
 (:mod:`leapdecode.spec.suffix`).
 
 :class:`NgramIndex` keeps, for a growing token stream, a dictionary from every n-gram (for a few small n) to the
-positions right after its occurrences. Appending a token costs ``len(sizes)`` dictionary updates and a lookup one
-probe, independent of the stream's length; :func:`sync_index` keeps a request's index up to date with its
-committed tokens, and :func:`continuation` reads what followed an occurrence.
+positions right after its occurrences. Appending a token costs ``len(sizes)`` dictionary updates, and reading the k
+most recent occurrences of an n-gram one probe and k steps along a chain, independent of the stream's length;
+:func:`sync_index` keeps a request's index up to date with its committed tokens, and :func:`continuation` reads what
+followed an occurrence.
 """
 from __future__ import annotations
 
-from bisect import bisect_left
+from array import array
 from typing import Sequence
 
 import numpy as np
@@ -49,11 +50,19 @@ class NgramIndex:
 
     An occurrence of the n-gram ``tokens[s:s+n]`` is recorded as its *follower* position ``f = s + n``, and only
     once ``tokens[f]`` exists. So the n-gram at the very end of the stream is never its own match, every recorded
-    occurrence has at least one continuation token, and ``occurrences`` lists are in increasing position order
+    occurrence has at least one continuation token, and :meth:`occurrences` lists them in increasing position order
     (most recent last).
 
     Positions are absolute: :meth:`evict_before` drops a prefix of the stream (a bounded cache of finished requests)
     without renumbering, so ``base`` is the absolute position of the first stored token.
+
+    Layout: per n, a dictionary from each n-gram to its most recent follower position, and an ``array('q')``
+    ``previous`` over the stream: ``previous[f - base]`` is the follower of the same n-gram's occurrence before the
+    one followed by f (-1 for none). The occurrences of an n-gram are that chain, newest first, so a lookup that
+    needs the most recent k (every drafter here) costs O(k). Nothing per position is an object the garbage
+    collector tracks (an earlier layout, a list of positions per n-gram, left ~16,000 tracked lists behind for an
+    8,000-token prompt, growth that makes a later full collection, inside some engine step, expensive), and a
+    position costs 8 bytes per n.
     """
 
     def __init__(self, sizes: Sequence[int] = (1, 2, 3, 4)) -> None:
@@ -64,7 +73,8 @@ class NgramIndex:
         self.tokens: list[int] = []            # the stream (from ``base`` on), as Python ints for cheap slicing
         self.base = 0                          # absolute position of tokens[0]
         self._floor = 0                        # n-grams start at or after this absolute position (after a sentinel)
-        self._tables: dict[int, dict[tuple[int, ...], list[int]]] = {n: {} for n in self.sizes}
+        self._tables: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in self.sizes}   # n-gram -> newest f
+        self._previous: dict[int, array] = {n: array("q") for n in self.sizes}   # see the class doc
         self._array = np.empty(64, dtype=np.int64)  # numpy mirror of ``tokens`` for vectorised comparisons
 
     def __len__(self) -> int:
@@ -88,34 +98,44 @@ class NgramIndex:
         old_len = len(self.tokens)
         self.tokens.extend(new)
         self._mirror(old_len)
-        toks, base = self.tokens, self.base
+        toks, base, start, end = self.tokens, self.base, self.base + old_len, self.end
         # The n-grams gaining a follower are those followed by one of the new positions f.
         for n in self.sizes:
-            table = self._tables[n]
-            first_f = max(base + old_len, self._floor + n)
-            for f in range(first_f, self.end):
+            table, previous = self._tables[n], self._previous[n]
+            first_f = min(max(start, self._floor + n), end)
+            if first_f > start:                 # followers of n-grams that would cross a sentinel: none
+                previous.extend(_NONE * (first_f - start))
+            for f in range(first_f, end):
                 i = f - base
                 key = tuple(toks[i - n:i])
-                lst = table.get(key)
-                if lst is None:
-                    table[key] = [f]
-                else:
-                    lst.append(f)
+                previous.append(table.get(key, -1))
+                table[key] = f
 
     def break_sequence(self) -> None:
         """Start an independent sequence: nothing before this point will match or continue into what follows."""
         old_len = len(self.tokens)
         self.tokens.append(SENTINEL)
         self._mirror(old_len)
+        for previous in self._previous.values():
+            previous.append(-1)
         self._floor = self.end
 
-    def occurrences(self, key: tuple[int, ...]) -> list[int]:
+    def occurrences(self, key: tuple[int, ...], limit: int | None = None) -> list[int]:
         """Follower positions of ``key`` (one of ``sizes`` long), oldest first; empty when it never occurred.
-        The returned list is the index's own: do not modify it."""
+        With ``limit``, only the ``limit`` most recent (O(limit))."""
         table = self._tables.get(len(key))
         if table is None:
             raise ValueError(f"this index holds n-grams of sizes {self.sizes}, not {len(key)}")
-        return table.get(key, _EMPTY)
+        f = table.get(key, -1)
+        previous, base, lowest = self._previous[len(key)], self.base, self.base + len(key)
+        out: list[int] = []
+        remaining = -1 if limit is None else limit
+        while f >= lowest and remaining != 0:      # followers below base + n belong to evicted n-grams
+            out.append(f)
+            f = previous[f - base]
+            remaining -= 1
+        out.reverse()
+        return out
 
     def evict_before(self, position: int) -> None:
         """Forget every token before absolute ``position`` and every n-gram that starts there."""
@@ -126,20 +146,13 @@ class NgramIndex:
         toks = self.tokens
         for n in self.sizes:
             table = self._tables[n]
-            # n-grams starting in [base, position) have followers f in [base + n, position + n).
-            starts = range(0, min(cut, len(toks) - n))
-            seen: set[tuple[int, ...]] = set()
-            for s in starts:
+            # n-grams starting in [base, position) have followers f in [base + n, position + n); an n-gram whose
+            # newest follower is among them has no occurrence left.
+            for s in range(0, min(cut, len(toks) - n)):
                 key = tuple(toks[s:s + n])
-                if key in seen or SENTINEL in key:
-                    continue
-                seen.add(key)
-                lst = table.get(key)
-                if lst is None:
-                    continue
-                del lst[: bisect_left(lst, position + n)]
-                if not lst:
+                if table.get(key, position + n) < position + n:
                     del table[key]
+            del self._previous[n][:cut]
         del self.tokens[:cut]
         self.base = position
         self._floor = max(self._floor, position)
@@ -157,7 +170,7 @@ class NgramIndex:
         self._array[old_len:size] = self.tokens[old_len:size]
 
 
-_EMPTY: list[int] = []
+_NONE = array("q", (-1,))
 
 
 def sync_index(index: NgramIndex | None, token_ids: Sequence[int], sizes: Sequence[int]) -> NgramIndex:

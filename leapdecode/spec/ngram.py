@@ -7,9 +7,9 @@ the context, and propose what followed that earlier occurrence.
 
 The search is incremental. :class:`~leapdecode.spec.index.NgramIndex` keeps, per request, a dictionary from every
 n-gram of the context to the positions right after its occurrences. A step appends the newly committed tokens
-(``len(sizes)`` dictionary updates per token) and a lookup costs ``len(sizes)`` dictionary probes, independent of
-the context length. The index is shared with the suffix drafter (:mod:`leapdecode.spec.suffix`), which builds on the
-same occurrence lists.
+(``len(sizes)`` dictionary updates per token) and a lookup costs ``len(sizes)`` dictionary probes (plus
+``scan_occurrences`` steps), independent of the context length. The index is shared with the suffix drafter
+(:mod:`leapdecode.spec.suffix`), which builds on the same occurrence lists.
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from leapdecode.spec.tree import DraftTree
 @dataclass
 class _Match:
     length: int             # n-gram length of the matched suffix
-    followers: list[int]    # follower positions of its earlier occurrences, oldest first
+    followers: list[int]    # follower positions of its most recent earlier occurrences, oldest first
 
 
 class NgramDrafter(PerRequestDrafter):
@@ -70,10 +70,11 @@ class NgramDrafter(PerRequestDrafter):
 
     # -- drafting --------------------------------------------------------------------------------------------------
     def longest_match(self, index: NgramIndex) -> _Match | None:
-        """The longest suffix (``n_max`` down to ``n_min`` tokens) that has an earlier occurrence."""
+        """The longest suffix (``n_max`` down to ``n_min`` tokens) that has an earlier occurrence, with its
+        ``scan_occurrences`` most recent occurrences."""
         toks = index.tokens
         for n in range(min(self.n_max, len(toks) - 1), self.n_min - 1, -1):
-            followers = index.occurrences(tuple(toks[len(toks) - n:]))
+            followers = index.occurrences(tuple(toks[len(toks) - n:]), self.scan_occurrences)
             if followers:
                 return _Match(n, followers)
         return None
@@ -83,7 +84,7 @@ class NgramDrafter(PerRequestDrafter):
         if match is None:
             return Draft()
         toks = index.tokens
-        recent = match.followers[-1:-self.scan_occurrences - 1:-1]   # newest first
+        recent = match.followers[::-1]   # newest first
         primary = continuation(toks, recent[0], max_draft)
         agree = sum(1 for f in recent if toks[f] == primary[0]) / len(recent)
         score = agree * match.length / (match.length + 1.0)
