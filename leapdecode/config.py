@@ -11,8 +11,6 @@ _DTYPES = {"float32": torch.float32, "float": torch.float32, "fp32": torch.float
            "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
            "float16": torch.float16, "half": torch.float16, "fp16": torch.float16}
 
-SPEC_METHODS = ("ngram", "suffix", "recycling", "auto")
-
 
 def parse_dtype(dtype: str | torch.dtype, model_dtype: str | None, device: torch.device) -> torch.dtype:
     """"auto" means the checkpoint's dtype on GPUs; on CPU float32 (most CPUs lack fast half-precision math)."""
@@ -39,15 +37,20 @@ def parse_memory(value: int | float | str) -> int:
 
 @dataclass
 class SpeculativeConfig:
-    """How to speculate. ``num_speculative_tokens`` is the most draft tokens per request per step."""
+    """How to speculate. ``num_speculative_tokens`` is the most draft tokens per request per step. ``drafter``
+    takes any object implementing the ``Drafter`` protocol (spec/drafter.py) instead of a built-in method."""
     method: str = "suffix"
     num_speculative_tokens: int = 4
     adaptive: bool = True            # per-request draft length from acceptance history + load-aware cap
     options: dict[str, Any] = field(default_factory=dict)   # passed to the drafter
+    drafter: Any = None
 
     def __post_init__(self) -> None:
-        if self.method not in SPEC_METHODS:
-            raise ValueError(f"speculative_config.method must be one of {SPEC_METHODS}, got {self.method!r}")
+        from leapdecode.spec.registry import METHODS
+        if self.drafter is None and self.method not in METHODS:
+            raise ValueError(f"speculative_config.method must be one of {METHODS}, got {self.method!r}")
+        if self.drafter is not None and not callable(getattr(self.drafter, "propose", None)):
+            raise ValueError("speculative_config.drafter must implement the Drafter protocol (a propose method)")
         if not isinstance(self.num_speculative_tokens, int) or not 0 <= self.num_speculative_tokens <= 64:
             raise ValueError("speculative_config.num_speculative_tokens must be an integer in [0, 64], "
                              f"got {self.num_speculative_tokens!r}")
@@ -57,7 +60,7 @@ class SpeculativeConfig:
         if value is None or isinstance(value, cls):
             return value
         if isinstance(value, dict):
-            known = {"method", "num_speculative_tokens", "adaptive", "options"}
+            known = {"method", "num_speculative_tokens", "adaptive", "options", "drafter"}
             options = {k: v for k, v in value.items() if k not in known}
             base = {k: v for k, v in value.items() if k in known}
             return cls(**base, options={**base.pop("options", {}), **options})
@@ -79,9 +82,15 @@ class EngineConfig:
     max_num_seqs: int = 256
     seed: int = 0
     speculative_config: SpeculativeConfig | dict | None = None
+    attention_backend: str = "auto"           # auto | torch | triton (see attention/backend.py)
+    async_scheduling: bool = False            # overlap the host work of step N+1 with step N's forward
+    pad_to_buckets: bool | None = None        # pad token counts to capacity buckets; None: on CUDA only
 
     def __post_init__(self) -> None:
+        from leapdecode.attention.backend import BACKENDS
         self.speculative_config = SpeculativeConfig.from_any(self.speculative_config)
+        if self.attention_backend not in BACKENDS:
+            raise ValueError(f"attention_backend must be one of {BACKENDS}, got {self.attention_backend!r}")
         for name in ("block_size", "max_num_batched_tokens", "max_num_seqs"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:

@@ -91,3 +91,22 @@ def llama_dir(tiny_dir):
 
 def pytest_configure(config):
     torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+
+# -- engine helpers shared by the test files ---------------------------------------------------------------------
+
+def make_llm(path, **kw):
+    """An LLM on a test checkpoint, in float32 with a short context unless told otherwise."""
+    from leapdecode import LLM
+    kw.setdefault("dtype", "float32")
+    kw.setdefault("max_model_len", 256)
+    return LLM(path, **kw)
+
+
+def assert_pool_free(llm):
+    """Nothing left behind: every KV block free, no sequence queued or running, no step in flight."""
+    engine = llm.engine
+    bm = engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks
+    assert not engine.scheduler.running and not engine.scheduler.waiting
+    assert not engine.seqs and not engine.requests

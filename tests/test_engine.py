@@ -4,15 +4,10 @@ import random
 import pytest
 import torch
 
+from conftest import assert_pool_free, make_llm
 from leapdecode import LLM, SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
-
-
-def make_llm(path, **kw):
-    kw.setdefault("dtype", "float32")
-    kw.setdefault("max_model_len", 256)
-    return LLM(path, **kw)
 
 
 def random_prompts(n, lo=3, hi=60, seed=0, vocab=384):
@@ -22,12 +17,6 @@ def random_prompts(n, lo=3, hi=60, seed=0, vocab=384):
 
 def tokens(outs):
     return [o.outputs[0].token_ids for o in outs]
-
-
-def assert_pool_free(llm):
-    bm = llm.engine.block_manager
-    assert bm.num_free_blocks == bm.num_blocks
-    assert not llm.engine.scheduler.running and not llm.engine.scheduler.waiting
 
 
 def hf_model(path):
@@ -252,16 +241,18 @@ def test_chat_uses_the_tokenizer_template(llm):
     assert "<|im_start|>assistant" in tok.decode(out.prompt_token_ids)
 
 
-def test_max_model_len_and_eos(llama_dir):
+def test_max_model_len_and_eos(llama_dir, tiny_dir):
     llm = make_llm(llama_dir, max_model_len=40)
     out = llm.generate([list(range(2, 32))], SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True),
                        use_tqdm=False)[0].outputs[0]
     assert len(out.token_ids) == 10 and out.finish_reason == "length"
-    # eos ends a request unless ignore_eos: make eos the greedy choice by using it as a stop check reference
+    # eos ends a request unless ignore_eos: the same weights with the third greedy token declared eos
     ids = tokens(llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False))[0]
-    llm.engine.eos_token_ids = {ids[2]}
-    out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0.0, max_tokens=16), use_tqdm=False)[0].outputs[0]
+    eos_llm = make_llm(tiny_dir("llama", eos_token_id=ids[2]), max_model_len=40)
+    out = eos_llm.generate([[5, 6, 7]], SamplingParams(temperature=0.0, max_tokens=16), use_tqdm=False)[0].outputs[0]
     assert out.token_ids == ids[:ids.index(ids[2]) + 1] and out.finish_reason == "stop" and out.stop_reason is None
+    out = eos_llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == ids
 
 
 def test_metrics_are_filled(llm):

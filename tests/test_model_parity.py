@@ -5,20 +5,21 @@ import torch
 
 from leapdecode.config import EngineConfig
 from leapdecode.engine.engine import Engine
-from leapdecode.engine.scheduler import ScheduledSeq, SchedulerOutput
 from leapdecode.engine.sequence import Sequence
+from leapdecode.engine.step import ScheduledSeq, lay_out
 from leapdecode.sampling_params import SamplingParams
 
 
 def engine_logits(engine: Engine, tokens: list[int], chunks: list[int]) -> torch.Tensor:
-    """Feed ``tokens`` through the runner in the given chunk sizes; logits for every position."""
+    """Feed ``tokens`` through the executor in the given chunk sizes (hand-made plans, every row's logits)."""
     seq = Sequence("parity", 0, tokens, SamplingParams())
     assert engine.block_manager.allocate(seq, len(tokens))
-    out = []
+    out, start = [], 0
     for n in chunks:
-        inputs = engine.runner.prepare(SchedulerOutput([ScheduledSeq(seq, n)], []), {seq.seq_id})
-        out.append(engine.runner.execute(inputs))
-        seq.num_computed_tokens += n
+        chunk = ScheduledSeq(seq.seq_id, start, tuple(tokens[start:start + n]), tuple(seq.block_table),
+                             prompt_logprobs=True)
+        out.append(engine.runner.execute(lay_out(0, engine.cfg.block_size, [chunk])).logits)
+        start += n
     engine.block_manager.free_seq(seq)
     return torch.cat(out)
 

@@ -6,6 +6,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
+from conftest import assert_pool_free, make_llm
 from leapdecode import LLM, SamplingParams
 from leapdecode.sampling.rejection import verify_with_draft_probs
 from leapdecode.spec.controller import Controller, StepTimeModel
@@ -18,16 +19,10 @@ def spec(method, k=5, adaptive=False, **options):
     return {"method": method, "num_speculative_tokens": k, "adaptive": adaptive, **options}
 
 
-def make_llm(path, **kw):
-    kw.setdefault("dtype", "float32")
-    kw.setdefault("max_model_len", 256)
-    return LLM(path, **kw)
-
-
-def assert_pool_free(llm):
-    bm = llm.engine.block_manager
-    assert bm.num_free_blocks == bm.num_blocks
-    assert not llm.engine.scheduler.running and not llm.engine.scheduler.waiting
+def assert_drafts_accepted(llm):
+    """The speculation tests are only meaningful if drafts were really verified and some accepted."""
+    stats = llm.engine.stats
+    assert stats["draft_tokens"] > 0 and stats["accepted_tokens"] > 0, stats
 
 
 def mixed_prompts(seed=0, vocab=384):
@@ -84,21 +79,22 @@ def test_greedy_identical_for_every_drafter(llama_dir, reference, method):
     llm = make_llm(llama_dir, speculative_config=spec(method))
     outs = llm.generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == ref
+    assert_drafts_accepted(llm)
     assert_pool_free(llm)
 
 
 @pytest.mark.parametrize("tree", [False, True])
 def test_oracle_drafts_are_accepted_and_output_is_identical(llama_dir, reference, tree):
     prompts, params, ref = reference
-    llm = make_llm(llama_dir, speculative_config=spec("ngram", k=6))
-    llm.engine.speculator.drafter = OracleDrafter({tuple(p): r for p, r in zip(prompts, ref)}, tree=tree)
+    drafter = OracleDrafter({tuple(p): r for p, r in zip(prompts, ref)}, tree=tree)
+    llm = make_llm(llama_dir, speculative_config=spec("ngram", k=6, drafter=drafter))
     outs = llm.generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == ref
     assert min(o.metrics.mean_accepted_per_step for o in outs) > 1.5
     assert_pool_free(llm)
 
 
-def test_stops_limits_n_prefix_cache_and_preemption_inside_drafts(llama_dir, reference):
+def test_stops_limits_n_prefix_cache_and_preemption_inside_drafts(llama_dir, tiny_dir, reference):
     """max_tokens, eos, stop strings and stop ids landing inside an accepted draft; n > 1; a tiny KV pool."""
     prompts, _, ref = reference
     truth = {tuple(p): r for p, r in zip(prompts, ref)}
@@ -115,29 +111,26 @@ def test_stops_limits_n_prefix_cache_and_preemption_inside_drafts(llama_dir, ref
     all_prompts = [p for p in prompts for _ in range(4)]
     plain = make_llm(llama_dir).generate(all_prompts, cases, use_tqdm=False)
 
-    def run(llm, eos=None):
-        if eos is not None:
-            llm.engine.eos_token_ids = eos
-        return llm.generate(all_prompts, cases, use_tqdm=False)
-
     for kw in [dict(), dict(num_kv_blocks=24, block_size=8, max_model_len=128)]:
-        llm = make_llm(llama_dir, speculative_config=spec("ngram", k=6), **kw)
-        llm.engine.speculator.drafter = OracleDrafter(truth)
-        outs = run(llm)
+        llm = make_llm(llama_dir, speculative_config=spec("ngram", k=6, drafter=OracleDrafter(truth)), **kw)
+        outs = llm.generate(all_prompts, cases, use_tqdm=False)
         for a, b in zip(outs, plain):
             assert [(o.token_ids, o.text, o.finish_reason) for o in a.outputs] == \
                    [(o.token_ids, o.text, o.finish_reason) for o in b.outputs]
+        assert_drafts_accepted(llm)
+        # the stops really landed inside drafts: a request ended at a token that was an accepted draft token
+        ends_in_draft = [o for o, c in zip(outs, cases) if c.max_tokens == 13 or c.stop_token_ids]
+        assert any(o.metrics.num_accepted_tokens and o.metrics.num_steps < len(o.outputs[0].token_ids)
+                   for o in ends_in_draft)
         assert_pool_free(llm)
     assert llm.engine.scheduler.num_preemptions > 0
-    # eos inside a draft: make a token that the greedy output contains the eos
-    eos = {ref[0][7]}
-    llm = make_llm(llama_dir, speculative_config=spec("ngram", k=6))
-    llm.engine.speculator.drafter = OracleDrafter(truth)
-    p = SamplingParams(temperature=0.0, max_tokens=40)
-    out = run_one = llm.generate([prompts[0]], p, use_tqdm=False) if False else None
-    llm.engine.eos_token_ids = eos
-    out = llm.generate([prompts[0]], p, use_tqdm=False)[0].outputs[0]
-    assert out.token_ids == ref[0][:ref[0].index(ref[0][7]) + 1] and out.finish_reason == "stop"
+    # eos inside a draft: the same weights with a token of the greedy output declared eos
+    eos = ref[0][7]
+    llm = make_llm(tiny_dir("llama", eos_token_id=eos),
+                   speculative_config=spec("ngram", k=6, drafter=OracleDrafter(truth, wrong_every=100)))
+    out = llm.generate([prompts[0]], SamplingParams(temperature=0.0, max_tokens=40), use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == ref[0][:ref[0].index(eos) + 1] and out.outputs[0].finish_reason == "stop"
+    assert out.metrics.num_steps < len(out.outputs[0].token_ids)      # eos arrived as an accepted draft token
     assert_pool_free(llm)
 
 
@@ -153,6 +146,7 @@ def test_adaptive_controller_keeps_output_identical(llama_dir, reference):
     prompts, params, ref = reference
     llm = make_llm(llama_dir, speculative_config=spec("suffix", adaptive=True))
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == ref
+    assert_drafts_accepted(llm)
 
 
 # -- distribution ------------------------------------------------------------------------------------------------
@@ -224,10 +218,8 @@ def test_sampled_distribution_is_unchanged(tiny_dir, params, transform):
     n = 2000
     sp = SamplingParams(max_tokens=4, ignore_eos=True, **params)
     results = {}
-    for name, cfg in [("plain", None), ("spec", spec("ngram", k=3))]:
+    for name, cfg in [("plain", None), ("spec", spec("ngram", k=3, drafter=GreedyModelDrafter(path)))]:
         llm = make_llm(path, speculative_config=cfg, max_num_seqs=1024, seed=11)
-        if cfg is not None:
-            llm.engine.speculator.drafter = GreedyModelDrafter(path)
         outs = llm.generate([prompt] * n, sp, use_tqdm=False)
         results[name] = chi2_pvalue([o.outputs[0].token_ids[1:3] for o in outs], expected)
         if cfg is not None:

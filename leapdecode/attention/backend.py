@@ -3,67 +3,85 @@
 One step's tokens are a flat ragged batch. Sequence i owns query rows ``query_start_loc[i]:query_start_loc[i+1]``
 and, after this step's keys are written, has ``seq_lens[i]`` keys in the paged cache, reachable through
 ``block_tables[i]``. ``positions`` are the tokens' positions (also used for causality, so token-tree drafts work:
-a tree node sits at position base + depth). ``tree_mask`` is for token-tree verification: where set for sequence i,
-it is a [q_len, q_len] bool matrix saying which of this step's tokens a query may see (its ancestors and itself);
-all earlier keys are always visible.
+a tree node sits at position base + depth). A sequence whose chunk ends in a token tree has a ``[q_len, q_len]``
+visibility matrix over this step's tokens (committed tokens causal, a draft node sees its ancestors and itself),
+stored flat in ``tree_mask`` from ``tree_offsets[i]`` (-1: no tree); all earlier keys are always visible.
+Tokens past ``num_actual_tokens`` are padding (a capacity bucket): they belong to no sequence and write nowhere.
+
+Per step the runner calls ``backend.plan(meta)`` once; the backend derives whatever it needs (index tensors, masks,
+kernel splits) and keeps it in ``meta.plan``, which every layer's ``write_kv``/``attend`` then reuses. Nothing is
+rebuilt per layer, and nothing lives in a global context: the metadata is passed to every layer explicitly.
 """
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import Any
 
 import torch
-
-# KV cache of one layer: [2, num_blocks, block_size, num_kv_heads, head_dim] (keys, then values).
 
 
 @dataclass
 class AttentionMetadata:
     positions: torch.Tensor           # [T] int64
     slot_mapping: torch.Tensor        # [T] int64, flat slot index in the cache (block * block_size + offset)
-    block_tables: torch.Tensor        # [B, max_blocks] int32 (unused entries are 0)
-    seq_lens: torch.Tensor            # [B] int32, keys per sequence after this step
-    query_start_loc: torch.Tensor     # [B + 1] int32
+    block_tables: torch.Tensor        # [B, max_blocks] (unused entries are 0)
+    seq_lens: torch.Tensor            # [B], keys per sequence after this step
+    query_start_loc: torch.Tensor     # [B + 1]
     query_lens: list[int]             # host copies, to plan without device syncs
     seq_lens_host: list[int]
     block_size: int
+    num_actual_tokens: int
     sliding_window: int | None = None
-    tree_masks: dict[int, torch.Tensor] = field(default_factory=dict)
+    tree_mask: torch.Tensor | None = None      # flat bool, see the module docstring
+    tree_offsets: torch.Tensor | None = None   # [B] int64, -1: no tree
+    tree_offsets_host: list[int] | None = None
+    plan: Any = None                  # the backend's per-step plan, set by ``AttentionBackend.plan``
 
     @property
     def num_seqs(self) -> int:
         return len(self.query_lens)
 
+    def tree(self, i: int) -> torch.Tensor | None:
+        """Sequence i's [q_len, q_len] tree visibility, or None."""
+        if self.tree_offsets_host is None or self.tree_offsets_host[i] < 0:
+            return None
+        o, q = self.tree_offsets_host[i], self.query_lens[i]
+        return self.tree_mask[o:o + q * q].view(q, q)
+
 
 class AttentionBackend(ABC):
-    """Writes this step's keys/values into the paged cache, then attends over it."""
-
+    """Plans a step once, then for each layer writes the step's keys/values into the paged cache and attends."""
     name = "base"
+
+    def plan(self, meta: AttentionMetadata) -> None:
+        """Derive per-step data shared by every layer and store it in ``meta.plan`` (called once per step)."""
 
     @abstractmethod
     def write_kv(self, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> None:
-        """k, v: [T, Hkv, D] -> stored at ``meta.slot_mapping`` (negative slots write nowhere)."""
+        """k, v: [T, Hkv, D] -> stored at ``meta.slot_mapping`` (padding tokens write nowhere)."""
 
     @abstractmethod
     def attend(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        """q: [T, H, D] -> [T, H, D]."""
+        """q: [T, H, D] -> [T, H, D] (rows of padding tokens are left undefined)."""
+
+
+BACKENDS = ("auto", "torch", "triton")
 
 
 def get_backend(name: str = "auto", device: torch.device | None = None) -> AttentionBackend:
     """"torch": the portable reference backend; "triton": the Triton GPU kernels (CUDA only).
-
     "auto" is the torch backend until the Triton kernels have been verified and measured on a real GPU (so far they
-    are verified under the Triton interpreter only); set LEAPDECODE_ATTENTION_BACKEND=triton to opt in."""
+    are verified under the Triton interpreter only); LEAPDECODE_ATTENTION_BACKEND=triton opts in for "auto"."""
     import os
-
-    from leapdecode.attention.torch_ref import TorchAttention
     if name == "auto":
         name = os.environ.get("LEAPDECODE_ATTENTION_BACKEND", "torch").strip().lower() or "torch"
     if name == "torch":
+        from leapdecode.attention.torch_ref import TorchAttention
         return TorchAttention()
     if name == "triton":
         if device is not None and torch.device(device).type != "cuda" and not os.environ.get("TRITON_INTERPRET"):
             raise ValueError("the triton attention backend needs a CUDA device (or TRITON_INTERPRET=1)")
         from leapdecode.attention.triton_backend import TritonAttention
         return TritonAttention()
-    raise ValueError(f"unknown attention backend {name!r} (choose auto, torch or triton)")
+    raise ValueError(f"attention_backend must be one of {BACKENDS}, got {name!r}")

@@ -75,31 +75,25 @@ class BlockManager:
             if self.block_keys[block] is None:    # nothing worth keeping: hand it out first
                 self.free.move_to_end(block, last=False)
 
-    def truncate(self, seq: Sequence, num_tokens: int) -> None:
-        """Drop blocks past the first ``num_tokens`` tokens (speculation rollback). Keyed blocks are committed
-        KV and are never truncated away."""
-        keep = -(-num_tokens // self.block_size)
-        assert keep >= len(seq.block_hashes), "cannot truncate committed, cached blocks"
-        while len(seq.block_table) > keep:
-            self._release(seq.block_table.pop())
-
-    def share_prefix(self, parent: Sequence, child: Sequence, num_blocks: int) -> None:
-        """Let ``child`` (a sibling sample of the same prompt) reuse the parent's first full blocks."""
+    def share_prefix(self, parent: Sequence, child: Sequence, num_blocks: int) -> int:
+        """Let ``child`` (a sibling sample of the same prompt) reuse the parent's first full blocks; returns the
+        number of tokens they hold (the caller owns the computed counter)."""
         assert not child.block_table
         for block in parent.block_table[:num_blocks]:
             self._take(block)
         child.block_table = list(parent.block_table[:num_blocks])
         child.block_hashes = list(parent.block_hashes[:num_blocks])
-        child.num_computed_tokens = num_blocks * self.block_size
+        return num_blocks * self.block_size
 
     # -- prefix cache ----------------------------------------------------------------------------------------
-    def match_prefix(self, seq: Sequence) -> None:
-        """On first scheduling: adopt cached blocks for the longest cached prefix, leaving >= 1 token to compute."""
+    def match_prefix(self, seq: Sequence) -> int:
+        """On first scheduling: adopt cached blocks for the longest cached prefix, leaving >= 1 token to compute.
+        Returns the number of tokens adopted (the caller owns the computed counter)."""
         assert not seq.block_table and seq.num_computed_tokens == 0
         max_blocks = (seq.num_tokens - 1) // self.block_size
         self.queries += seq.num_tokens
         if not self.enable_prefix_caching:
-            return
+            return 0
         key = None
         for i in range(max_blocks):
             key = block_hash(key, seq.token_ids[i * self.block_size:(i + 1) * self.block_size])
@@ -109,13 +103,14 @@ class BlockManager:
             self._take(block)
             seq.block_table.append(block)
             seq.block_hashes.append(key)
-        seq.num_computed_tokens = seq.num_cached_tokens = len(seq.block_table) * self.block_size
-        self.hits += seq.num_cached_tokens
+        cached = len(seq.block_table) * self.block_size
+        self.hits += cached
+        return cached
 
-    def commit(self, seq: Sequence) -> None:
-        """Key every block that has become full of computed, committed tokens."""
+    def commit(self, seq: Sequence, num_computed: int) -> None:
+        """Key every block that has become full of computed (the first ``num_computed``), committed tokens."""
         bs = self.block_size
-        limit = min(seq.num_computed_tokens, seq.num_tokens) // bs
+        limit = min(num_computed, seq.num_tokens) // bs
         while len(seq.block_hashes) < limit:
             i = len(seq.block_hashes)
             key = block_hash(seq.block_hashes[-1] if seq.block_hashes else None, seq.token_ids[i * bs:(i + 1) * bs])

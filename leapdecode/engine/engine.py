@@ -1,41 +1,45 @@
 """The engine: requests in, one step at a time, incremental outputs out.
 
-    step():  drafts -> schedule -> one forward -> sample / verify -> commit tokens, stop checks, free finished
+    step():  propose drafts -> Scheduler.schedule -> StepPlan -> Executor.execute -> logits
+             -> Verifier.verify -> StepResult -> Scheduler.update -> outputs
 
-Everything is synchronous and single-threaded; the server drives ``step()`` from its own loop thread.
+The engine orchestrates and owns the per-request things that are not scheduling: detokenizers, metrics, the
+grammar driver and the speculator. It never edits a sequence: the scheduler does (see engine/scheduler.py).
+
+With ``async_scheduling`` the step is overlapped (as in mini-sglang's overlap loop and vLLM's async scheduling):
+step N+1 is planned and its inputs prepared while step N runs on the executor's worker thread, and step N's
+tokens are committed (detokenized, stop-checked) while step N+1 runs. A sequence whose token is still in flight
+has a placeholder that the next forward reads on the device. This is done only where it is safe, when no request
+needs host-side tokens before the next step (no drafts, no grammar, no penalties or min_tokens); otherwise the
+engine drains and runs the plain synchronous step. Either way the tokens are identical.
 """
 from __future__ import annotations
 
+import atexit
+import gc
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
 
 from leapdecode.config import EngineConfig, parse_dtype
 from leapdecode.engine.block_manager import BlockManager
-from leapdecode.engine.constraints import Constraints
 from leapdecode.engine.detokenizer import Detokenizer
 from leapdecode.engine.model_runner import ModelRunner
-from leapdecode.engine.scheduler import ScheduledSeq, Scheduler
-from leapdecode.engine.sequence import Sequence, SequenceStatus
+from leapdecode.engine.scheduler import Scheduler
+from leapdecode.engine.sequence import Sequence
+from leapdecode.engine.step import ScheduledSeq, StepPlan, StepResult, lay_out
+from leapdecode.engine.stop import StopChecker
+from leapdecode.engine.structured_output import StructuredOutput
 from leapdecode.model.loader import load_generation_defaults, load_model_config, load_tokenizer
 from leapdecode.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from leapdecode.sampling.rejection import node_paths, walk
-from leapdecode.sampling.sampler import Row, SamplingBatch, compute_logprobs
+from leapdecode.sampling.verifier import Verifier
 from leapdecode.sampling_params import SamplingParams
+from leapdecode.spec.tree import EMPTY
 
 MAX_LOGPROBS = 20
 TOPK_FOR_DRAFTERS = 8   # Token Recycling learns the target's top-k successors at every verified position
-
-
-@dataclass
-class Verified:
-    """One sequence's result of a step: tokens to append (accepted drafts + the bonus token)."""
-    tokens: list[int]
-    num_drafted: int
-    num_accepted: int
-    logprobs: list
-    topk: list[list[int]] | None
 
 
 @dataclass
@@ -47,11 +51,19 @@ class Request:
     seqs: list[Sequence]
     metrics: RequestMetrics
     detoks: dict[int, Detokenizer] = field(default_factory=dict)
-    unforked: list[Sequence] = field(default_factory=list)   # n > 1: siblings waiting for the shared prompt
+    overlap_safe: bool = True       # needs no host-side token before its next step (see the module docstring)
 
     @property
     def finished(self) -> bool:
         return all(s.is_finished for s in self.seqs)
+
+
+@dataclass
+class _InFlight:
+    """A step launched on the worker thread, not yet committed."""
+    plan: StepPlan
+    future: Future                  # -> (StepResult, sampled tokens tensor)
+    started: float
 
 
 class Engine:
@@ -64,26 +76,35 @@ class Engine:
         self.max_model_len = cfg.max_model_len or min(self.model_cfg.max_position_embeddings, 8192)
         self.dtype = parse_dtype(cfg.dtype, self.model_cfg.dtype, self.device)
         self.runner = ModelRunner(cfg, self.model_cfg, self.dtype, self.max_model_len)
-        self.block_manager = BlockManager(self.runner.num_blocks, cfg.block_size, cfg.enable_prefix_caching)
-        self.scheduler = Scheduler(self.block_manager, cfg.max_num_batched_tokens, cfg.max_num_seqs)
-        self.generator = torch.Generator(self.device).manual_seed(cfg.seed)
         self.vocab_size = self.model_cfg.vocab_size
         eos = set(self.model_cfg.eos_token_id) | set(self.generation_defaults.eos_token_id)
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = eos
+        self.block_manager = BlockManager(self.runner.num_blocks, cfg.block_size, cfg.enable_prefix_caching)
+        self.structured = StructuredOutput(self.tokenizer, eos)
+        self.stops = StopChecker(eos, self.max_model_len, grammar=self._grammar_verdict, text=self._stop_string)
+        self.scheduler = Scheduler(self.block_manager, cfg.max_num_batched_tokens, cfg.max_num_seqs, self.stops)
         self.requests: dict[str, Request] = {}
-        self.constraints = Constraints(self.tokenizer, self.eos_token_ids)
+        self.seqs: dict[int, Sequence] = {}          # every unfinished sequence, by id
         self.speculator = None
         if cfg.speculative_config is not None:
+            from leapdecode.spec.controller import StepTimeModel
             from leapdecode.spec.speculator import Speculator
-            self.speculator = Speculator(cfg.speculative_config, self)
-        self.stats = {"steps": 0, "prompt_tokens": 0, "generation_tokens": 0, "draft_tokens": 0, "accepted_tokens": 0}
+            probe = self._probe_step_time() if cfg.speculative_config.adaptive else StepTimeModel()
+            self.speculator = Speculator(cfg.speculative_config, self.vocab_size, probe)
+        self.verifier = Verifier(self.vocab_size, self.device, eos, cfg.seed, self.structured,
+                                 TOPK_FOR_DRAFTERS if self.speculator and self.speculator.wants_topk else 0)
+        self._worker = ThreadPoolExecutor(1, thread_name_prefix="leapdecode-step") if cfg.async_scheduling else None
+        self._inflight: _InFlight | None = None
+        self.stats = {"steps": 0, "prompt_tokens": 0, "generation_tokens": 0, "draft_tokens": 0,
+                      "accepted_tokens": 0, "overlapped_steps": 0}
+        _freeze_startup_objects()
 
     @property
     def structured_backend(self):
         """The grammar backend for structured output (built on first use)."""
-        return self.constraints.backend
+        return self.structured.backend
 
     # -- requests ----------------------------------------------------------------------------------------------
     def tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
@@ -117,35 +138,33 @@ class Engine:
             v = getattr(params, name)
             if v is not None and v > MAX_LOGPROBS:
                 raise ValueError(f"SamplingParams.{name} must be <= {MAX_LOGPROBS}, got {v}")
+        bad = [t for t in params.stop_token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"SamplingParams.stop_token_ids must be in [0, {self.vocab_size}), got {bad[:5]}")
         compiled = None
         if params.structured is not None:
             if params.ignore_eos:
                 raise ValueError("SamplingParams.ignore_eos cannot be combined with structured output "
                                  "(the grammar ends the output with eos)")
-            compiled = self.constraints.compile(params.structured)
+            compiled = self.structured.compile(params.structured)
         seqs = [Sequence(request_id, i, ids, params, self._generator(params.seed, i)) for i in range(params.n)]
         if compiled is not None:
             for seq in seqs:
-                self.constraints.attach(seq, compiled)
-        req = Request(request_id, text, ids, params, seqs, RequestMetrics(arrival_time or time.time()))
+                self.structured.attach(seq, compiled)
+        req = Request(request_id, text, ids, params, seqs, RequestMetrics(arrival_time or time.time()),
+                      overlap_safe=compiled is None and not params.has_penalties and params.min_tokens == 0)
         for seq in seqs:
             req.detoks[seq.seq_id] = Detokenizer(self.tokenizer, ids, params.stop_strings,
                                                  params.skip_special_tokens, params.include_stop_str_in_output)
-        req.unforked = seqs[1:]
+            self.seqs[seq.seq_id] = seq
         self.requests[request_id] = req
         self.stats["prompt_tokens"] += len(ids)
-        self.scheduler.add(seqs[0])
+        self.scheduler.add(seqs[0], seqs[1:])
 
     def _generator(self, seed: int | None, index: int) -> torch.Generator | None:
         if seed is None:
             return None
         return torch.Generator(self.device).manual_seed(seed if index == 0 else hash((seed, index)) & (2**62 - 1))
-
-    def draft_room(self, seq: Sequence) -> int:
-        """Most draft tokens this sequence may verify now: its remaining output budget less the bonus token,
-        and no position past max_model_len."""
-        remaining = (seq.params.max_tokens or self.max_model_len) - seq.num_output_tokens - 1
-        return max(0, min(remaining, self.max_model_len - seq.num_tokens))
 
     def abort(self, request_id: str) -> bool:
         """Stop a request now and free its KV blocks. False if it is unknown or already done."""
@@ -155,7 +174,8 @@ class Engine:
         for seq in req.seqs:
             if not seq.is_finished:
                 seq.finish_reason = "abort"
-                self._finish(seq)
+                self.scheduler.finish(seq)
+                self._finished(seq)
         return True
 
     def has_unfinished(self) -> bool:
@@ -163,174 +183,129 @@ class Engine:
 
     # -- the step ----------------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        if self.speculator is not None:
-            self.speculator.propose(self.scheduler.running)
-        for seq in self.scheduler.running:
-            if seq in self.constraints and not seq.is_prefill:
-                self.constraints.prepare_drafts(seq, self.draft_room(seq))
-        batch = self.scheduler.schedule()
-        if not batch:
-            return []
-        now = time.time()
+        if self._worker is not None and self._overlap_safe():
+            return self._step_overlapped()
+        outputs = self._drain()
+        plan = self.scheduler.schedule(self._propose())
+        if not plan:
+            return outputs
         t0 = time.perf_counter()
-        plp = {s.seq.seq_id for s in batch.scheduled
-               if s.seq.params.prompt_logprobs is not None and s.start < s.seq.num_prompt_tokens}
-        inputs = self.runner.prepare(batch, plp)
-        sampling = [(s, r) for s, r in zip(batch.scheduled, inputs.row_ranges) if s.samples]
-        first_rows, num_rows = [], 0
-        for s, _ in sampling:
-            first_rows.append(num_rows)
-            num_rows += 1 + len(s.seq.draft_tokens)
-        masks = self.constraints.start_fill(
-            [(s.seq, r0) for (s, _), r0 in zip(sampling, first_rows) if s.seq in self.constraints], num_rows)
-        logits = self.runner.execute(inputs)
-        touched: dict[str, Request] = {}
-        accepted = self._sample(sampling, first_rows, logits, masks) if sampling else {}
-        for s, (lo, hi) in zip(batch.scheduled, inputs.row_ranges):
-            seq = s.seq
-            req = self.requests[seq.request_id]
-            touched[req.request_id] = req
-            if req.metrics.first_scheduled_time is None:
+        masks = self.structured.start_fill(plan)
+        batch = self.verifier.batch(plan, self.seqs)
+        logits = self.runner.execute(plan).logits
+        result, _ = self.verifier.verify(plan, logits, batch, masks, self.seqs)
+        return outputs + self._commit(plan, result, t0)
+
+    def _propose(self) -> dict:
+        """Draft proposals for this step: the drafter's, then the grammar's (forced tokens, or cut drafts)."""
+        decoding = self.scheduler.decoding()
+        if not decoding:
+            return {}
+        drafts = {}
+        if self.speculator is not None:
+            prefill = sum(s.num_tokens - s.num_computed_tokens for s in self.scheduler.running if s.is_prefill)
+            drafts = self.speculator.propose(decoding, [self.scheduler.draft_room(s) for s in decoding], prefill)
+        for seq in decoding:
+            if seq in self.structured:
+                drafts[seq.seq_id] = self.structured.draft(seq, drafts.get(seq.seq_id, EMPTY),
+                                                           self.scheduler.draft_room(seq))
+        return drafts
+
+    def _overlap_safe(self) -> bool:
+        return self.speculator is None and all(r.overlap_safe for r in self.requests.values())
+
+    def _step_overlapped(self) -> list[RequestOutput]:
+        """Launch step N+1 on the worker, then commit step N while N+1 runs."""
+        prev = self._inflight
+        plan = self.scheduler.schedule()
+        self._inflight = None
+        if plan:
+            batch = self.runner.prepare(plan)
+            sampling = self.verifier.batch(plan, self.seqs)
+            fut = self._worker.submit(self._device_step, plan, batch, sampling, prev.future if prev else None)
+            self._inflight = _InFlight(plan, fut, time.perf_counter())
+            self.stats["overlapped_steps"] += 1
+        if prev is None:
+            return []
+        result, _ = prev.future.result()
+        return self._commit(prev.plan, result, prev.started)
+
+    def _device_step(self, plan: StepPlan, batch, sampling, prev: Future | None):
+        """Worker thread: forward (reading the previous step's samples for placeholders) and sampling."""
+        last = prev.result()[1] if prev is not None else None
+        logits = self.runner.execute(plan, batch, last_sampled=last).logits
+        return self.verifier.verify(plan, logits, sampling, None, self.seqs)
+
+    def _drain(self) -> list[RequestOutput]:
+        """Commit the step in flight, if any (before a synchronous step)."""
+        if self._inflight is None:
+            return []
+        prev, self._inflight = self._inflight, None
+        result, _ = prev.future.result()
+        return self._commit(prev.plan, result, prev.started)
+
+    def _commit(self, plan: StepPlan, result: StepResult, started: float) -> list[RequestOutput]:
+        """Hand the result to the scheduler, then do the per-request bookkeeping it does not own."""
+        now = time.time()
+        drafted = {c.seq_id: len(c.draft) for c in plan.seqs}
+        for c in plan.seqs:
+            seq = self.seqs.get(c.seq_id)
+            req = self.requests.get(seq.request_id) if seq is not None else None
+            if req is not None and req.metrics.first_scheduled_time is None:
                 req.metrics.first_scheduled_time = now
-            if seq.seq_id in plp:
-                self._record_prompt_logprobs(seq, s, logits[lo:hi])
-            if seq.seq_id in accepted:
-                self._commit(req, seq, accepted[seq.seq_id])
-            else:
-                seq.num_computed_tokens += s.num_new_tokens
-                self.block_manager.commit(seq)
+        upd = self.scheduler.update(plan, result, self.seqs)
+        touched: dict[str, Request] = {}
+        for seq in upd.touched:
+            req = self.requests.get(seq.request_id)
+            if req is None:
+                continue
+            touched[req.request_id] = req
+            r = result.seqs.get(seq.seq_id)
+            if r is None:
+                continue
+            k, accepted = drafted[seq.seq_id], len(r.accepted)
+            m = req.metrics
+            m.num_draft_tokens += k
+            m.num_accepted_tokens += accepted
+            m.num_steps += 1
+            if m.first_token_time is None:
+                m.first_token_time = now
+            self.stats["draft_tokens"] += k
+            self.stats["accepted_tokens"] += accepted
+            self.stats["generation_tokens"] += len(r.tokens)
+            if self.speculator is not None and not seq.is_finished:
+                self.speculator.observe(seq, k, accepted, r.topk)
+        for seq in upd.finished:
+            self._finished(seq)
         self.stats["steps"] += 1
         if self.speculator is not None:
-            self.speculator.observe_step(batch.num_tokens, time.perf_counter() - t0)
+            self.speculator.observe_step(plan.num_tokens, time.perf_counter() - started)
         outputs = [self._output(req) for req in touched.values()]
         for out in outputs:
             if out.finished:
                 self.requests.pop(out.request_id, None)
         return outputs
 
-    def _sample(self, sampling: list[tuple[ScheduledSeq, tuple[int, int]]], first_row: list[int],
-                logits: torch.Tensor, masks) -> dict[int, "Verified"]:
-        """Sample every verified position, then walk each draft (sample-then-match, see sampling/rejection.py).
-        A sequence without a draft has one row and this is plain decoding."""
-        rows: list[Row] = []
-        row_idx: list[int] = []
-        for s, (lo, hi) in sampling:
-            seq = s.seq
-            d = len(seq.draft_tokens)
-            rows += [Row(seq, [])] + [Row(seq, path) for path in node_paths(seq.draft_tokens, seq.draft_parents)]
-            row_idx += range(hi - 1 - d, hi)
-        whole = len(row_idx) == logits.shape[0] and row_idx[-1] == len(row_idx) - 1   # rows are exactly 0..R-1
-        raw = logits if whole else logits[torch.tensor(row_idx, device=logits.device)]
-        batch = SamplingBatch(rows, self.vocab_size, self.device, self.eos_token_ids)
-        probs = batch.process(self.constraints.apply(raw, masks))
-        if not batch.all_greedy:
-            probs = self.constraints.align(rows, probs, lambda: batch.process(raw), masks)
-        sampled_t = batch.sample(probs, self.generator)
-        sampled = sampled_t.tolist()
-        lps = self.logprobs_for(batch, raw, sampled_t)
-        topk = (raw.topk(TOPK_FOR_DRAFTERS, dim=-1).indices.tolist()
-                if self.speculator is not None and self.speculator.wants_topk else None)
-        result: dict[int, Verified] = {}
-        for (s, _), r0 in zip(sampling, first_row):
-            seq = s.seq
-            d = len(seq.draft_tokens)
-            path, bonus = walk(sampled[r0:r0 + d + 1], seq.draft_tokens, seq.draft_parents)
-            used = [r0] + [r0 + 1 + i for i in path]
-            if path != list(range(len(path))):          # tree: move the accepted branch's KV into place
-                self.runner.move_kv(seq.block_table, [seq.num_tokens + i for i in path],
-                                    [seq.num_tokens + j for j in range(len(path))])
-            result[seq.seq_id] = Verified(
-                tokens=[seq.draft_tokens[i] for i in path] + [bonus], num_drafted=d, num_accepted=len(path),
-                logprobs=[lps[r] for r in used] if lps else [None] * len(used),
-                topk=[topk[r] for r in used] if topk else None)
-        return result
+    # -- hooks the scheduler's stop checker calls, and what finishing means outside the scheduler -----------------
+    def _grammar_verdict(self, seq: Sequence, token: int) -> str | None:
+        return self.structured.accept(seq, token) if seq in self.structured else None
 
-    def logprobs_for(self, batch: SamplingBatch, raw: torch.Tensor, tokens: torch.Tensor) -> list | None:
-        if batch.max_logprobs is None:
-            return None
-        chosen, top = compute_logprobs(raw, tokens, batch.max_logprobs)
-        return list(zip(chosen, top))
-
-    def _record_prompt_logprobs(self, seq: Sequence, s: ScheduledSeq, rows: torch.Tensor) -> None:
-        """Row j predicts the token at position start + j + 1; keep those that are prompt tokens."""
-        n = min(s.num_new_tokens, seq.num_prompt_tokens - 1 - s.start)
-        if n <= 0:
-            return
-        targets = torch.tensor(seq.token_ids[s.start + 1:s.start + 1 + n], device=rows.device)
-        chosen, top = compute_logprobs(rows[:n], targets, seq.params.prompt_logprobs)
-        for t, c, tp in zip(targets.tolist(), chosen, top):
-            entry = dict(tp)
-            entry[t] = c
-            seq.prompt_logprobs.append(entry)
-
-    def _commit(self, req: Request, seq: Sequence, v: Verified) -> None:
-        """Append verified tokens one by one, stopping at the first that ends the sequence."""
-        seq.num_computed_tokens = seq.num_tokens + v.num_accepted   # KV of the bonus token is not written yet
-        seq.set_draft([])
-        req.metrics.num_draft_tokens += v.num_drafted
-        req.metrics.num_accepted_tokens += v.num_accepted
-        self.stats["draft_tokens"] += v.num_drafted
-        self.stats["accepted_tokens"] += v.num_accepted
-        if req.unforked:
-            self._fork(req, seq)
-        if req.metrics.first_token_time is None:
-            req.metrics.first_token_time = time.time()
-        req.metrics.num_steps += 1
-        detok = req.detoks[seq.seq_id]
-        p = seq.params
-        for token, lp in zip(v.tokens, v.logprobs):
-            seq.token_ids.append(token)
-            self.stats["generation_tokens"] += 1
-            if lp is not None and seq.logprobs is not None:
-                chosen, top = lp
-                entry = dict(top[:p.logprobs])
-                entry[token] = chosen
-                seq.logprobs.append(entry)
-                seq.cumulative_logprob += chosen
-            grammar_end = self.constraints.accept(seq, token) if seq in self.constraints else None
-            if grammar_end == "abort":
-                seq.finish_reason, seq.stop_reason = "abort", "no valid continuation under the structured-output grammar"
-            elif token in p.stop_token_ids:
-                seq.finish_reason, seq.stop_reason = "stop", token
-            elif token in self.eos_token_ids and not p.ignore_eos or grammar_end == "stop":
-                seq.finish_reason = "stop"
-            else:
-                stop = detok.add(token)
-                if stop is not None:
-                    seq.finish_reason, seq.stop_reason = "stop", stop
-                elif seq.num_output_tokens >= (p.max_tokens or self.max_model_len) \
-                        or seq.num_tokens >= self.max_model_len:
-                    seq.finish_reason = "length"
-            if seq.finish_reason is not None:
-                break
-        seq.num_computed_tokens = min(seq.num_computed_tokens, seq.num_tokens)
-        self.block_manager.commit(seq)
-        if self.speculator is not None and seq.finish_reason is None:
-            self.speculator.observe(seq, v.num_drafted, v.num_accepted, v.topk)
-        if seq.finish_reason is not None:
-            if not isinstance(seq.stop_reason, str):
-                detok.flush()
-            self._finish(seq)
-
-    def _fork(self, req: Request, parent: Sequence) -> None:
-        """n > 1: siblings adopt the parent's full prompt blocks and compute only the prompt's tail."""
-        shared = (parent.num_prompt_tokens - 1) // self.cfg.block_size
-        for child in req.unforked:
-            self.block_manager.share_prefix(parent, child, shared)
-            self.scheduler.waiting.appendleft(child)
-        req.unforked = []
-
-    def _finish(self, seq: Sequence) -> None:
-        self.scheduler.finish(seq)
-        self.constraints.detach(seq)
+    def _stop_string(self, seq: Sequence, token: int) -> str | None:
         req = self.requests.get(seq.request_id)
+        return req.detoks[seq.seq_id].add(token) if req is not None else None
+
+    def _finished(self, seq: Sequence) -> None:
+        self.seqs.pop(seq.seq_id, None)
+        req = self.requests.get(seq.request_id)
+        if req is not None and not isinstance(seq.stop_reason, str):
+            req.detoks[seq.seq_id].flush()
+        self.structured.detach(seq)
         if req is not None and req.finished:
             req.metrics.finished_time = time.time()
         if self.speculator is not None:
             self.speculator.finish(seq)
 
     def _output(self, req: Request) -> RequestOutput:
-        finished = req.finished
         outs = []
         for seq in req.seqs:
             detok = req.detoks[seq.seq_id]
@@ -339,7 +314,37 @@ class Engine:
                 finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
                 logprobs=list(seq.logprobs) if seq.logprobs is not None else None,
                 cumulative_logprob=seq.cumulative_logprob if seq.logprobs is not None else None))
+        finished = req.finished
         if finished and req.metrics.finished_time is None:
             req.metrics.finished_time = time.time()
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outs, finished,
                              req.seqs[0].prompt_logprobs, req.metrics)
+
+    # -- start-up ----------------------------------------------------------------------------------------------
+    def _probe_step_time(self):
+        """Time a 1-token and a larger forward on scratch blocks before any request exists, to seed the
+        speculation controller's step-time model."""
+        from leapdecode.spec.controller import StepTimeModel
+        model = StepTimeModel()
+        bs = self.cfg.block_size
+        n_big = min(64, self.cfg.max_num_batched_tokens, self.max_model_len - 1)
+        blocks = tuple(range(-(-n_big // bs)))          # the pool is empty: any blocks are scratch
+        for n in (1, n_big, 1, n_big):
+            plan = lay_out(-1, bs, [ScheduledSeq(-1, 0, (0,) * n, blocks, samples=True)])
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            t0 = time.perf_counter()
+            self.runner.execute(plan).logits.cpu()
+            model.observe(n, time.perf_counter() - t0)
+        return model
+
+
+def _freeze_startup_objects() -> None:
+    """Move everything alive after start-up (modules, weights' wrappers, tokenizer) out of the garbage collector's
+    reach, so a full collection inside a decode step scans only what requests allocate; unfrozen again at exit so
+    extension modules are torn down normally."""
+    gc.collect()
+    gc.freeze()
+    if not getattr(_freeze_startup_objects, "registered", False):
+        atexit.register(gc.unfreeze)
+        _freeze_startup_objects.registered = True

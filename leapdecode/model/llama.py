@@ -67,12 +67,27 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 
-    def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """Flat batch of token ids -> final hidden states [T, hidden]."""
-        x = self.embed_tokens(input_ids)
-        for layer in self.layers:
-            x = layer(x, meta)
-        return self.norm(x)
+    def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, *, start_layer: int = 0,
+                end_layer: int | None = None, hidden: torch.Tensor | None = None, capture: tuple[int, ...] = (),
+                captured: dict[int, torch.Tensor] | None = None) -> torch.Tensor:
+        """Run layers [start_layer, end_layer) over a flat batch, from the token embeddings or from ``hidden`` (the
+        residual stream entering ``start_layer``). Returns the final normed hidden states when the range reaches
+        the last layer, else the residual stream. ``capture`` lists hidden states to store in ``captured``, in
+        Hugging Face's numbering: i = the stream after i layers (0: embeddings), num_layers = after the final norm."""
+        end = len(self.layers) if end_layer is None else end_layer
+        x = self.embed_tokens(input_ids) if hidden is None else hidden
+        for i in range(start_layer, end):
+            if i in capture:
+                captured[i] = x
+            x = self.layers[i](x, meta)
+        if end < len(self.layers):
+            if end in capture:
+                captured[end] = x
+            return x
+        x = self.norm(x)
+        if end in capture:
+            captured[end] = x
+        return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight

@@ -6,6 +6,7 @@ children there, that child is accepted and we descend, otherwise y itself is the
 child x this accepts with probability p(x) and, on rejection, y is distributed as p with x removed and
 renormalised: the standard speculative-sampling rule, and it stays exact with several children (a tree), since y
 is always a true sample from p. Greedy is the special case y = argmax p. With no draft it is plain decoding.
+The walk itself is ``DraftTree.walk`` (spec/tree.py); the batched driver is ``sampling/verifier.py``.
 
 Drafts that carry their own distributions q (draft models) use the classic rule instead: accept x with
 probability min(1, p(x)/q(x)); on rejection sample from normalize(max(p - q, 0)) (Leviathan et al. 2023).
@@ -13,39 +14,6 @@ probability min(1, p(x)/q(x)); on rejection sample from normalize(max(p - q, 0))
 from __future__ import annotations
 
 import torch
-
-
-def draft_children(tokens: list[int], parents: list[int] | None) -> dict[int, dict[int, int]]:
-    """node -> {token: child node}; node -1 is the last committed token. A chain when ``parents`` is None."""
-    children: dict[int, dict[int, int]] = {}
-    for i, tok in enumerate(tokens):
-        parent = i - 1 if parents is None else parents[i]
-        children.setdefault(parent, {}).setdefault(tok, i)   # duplicate siblings: the first one wins
-    return children
-
-
-def node_paths(tokens: list[int], parents: list[int] | None) -> list[list[int]]:
-    """For each draft node, the draft tokens from the root down to it (inclusive)."""
-    paths: list[list[int]] = []
-    for i, tok in enumerate(tokens):
-        parent = i - 1 if parents is None else parents[i]
-        paths.append((paths[parent] if parent >= 0 else []) + [tok])
-    return paths
-
-
-def walk(sampled: list[int], tokens: list[int], parents: list[int] | None) -> tuple[list[int], int]:
-    """Sample-then-match. ``sampled[r]`` is the target's draw at row r (row 0: after the last committed token,
-    row 1 + i: after draft node i). Returns (accepted node indices in order, the bonus token)."""
-    children = draft_children(tokens, parents)
-    path: list[int] = []
-    node = -1
-    while True:
-        y = sampled[node + 1]
-        child = children.get(node, {}).get(y)
-        if child is None:
-            return path, y
-        path.append(child)
-        node = child
 
 
 def verify_with_draft_probs(p: torch.Tensor, q: torch.Tensor, draft: list[int], generator: torch.Generator | None

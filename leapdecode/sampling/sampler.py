@@ -9,16 +9,18 @@ sync, and a seeded request draws its noise from its own generator, so its sample
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Sequence as Seq
 
 import torch
 
-from leapdecode.engine.sequence import Sequence
+if TYPE_CHECKING:
+    from leapdecode.engine.sequence import Sequence
 
 
 @dataclass
 class Row:
-    seq: Sequence
-    history: list[int]          # draft tokens between the sequence's committed tokens and this row
+    seq: "Sequence"
+    history: Seq[int]           # draft tokens between the sequence's committed tokens and this row
 
     @property
     def num_output(self) -> int:
@@ -31,13 +33,17 @@ class SamplingBatch:
     def __init__(self, rows: list[Row], vocab_size: int, device: torch.device, eos_ids: set[int]) -> None:
         self.rows, self.vocab_size, self.device = rows, vocab_size, device
         params = [r.seq.params for r in rows]
-        f32 = dict(dtype=torch.float32, device=device)
-        self.greedy = torch.tensor([p.greedy for p in params], dtype=torch.bool, device=device)
         self.all_greedy = all(p.greedy for p in params)
-        self.temperature = torch.tensor([1.0 if p.greedy else p.temperature for p in params], **f32)
-        self.top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab_size for p in params], device=device)
-        self.top_p = torch.tensor([p.top_p for p in params], **f32)
-        self.min_p = torch.tensor([p.min_p for p in params], **f32)
+        if not self.all_greedy:     # one host-to-device copy for every per-row parameter
+            packed = torch.tensor([[float(p.greedy) for p in params],
+                                   [1.0 if p.greedy else p.temperature for p in params],
+                                   [float(p.top_k if p.top_k > 0 else vocab_size) for p in params],
+                                   [p.top_p for p in params], [p.min_p for p in params]],
+                                  dtype=torch.float64).to(device)
+            self.greedy = packed[0] != 0
+            self.temperature = packed[1].float()
+            self.top_k = packed[2].long()
+            self.top_p, self.min_p = packed[3].float(), packed[4].float()
         self.use_top_k = any(0 < p.top_k < vocab_size for p in params)
         self.use_top_p = any(p.top_p < 1.0 for p in params)
         self.use_min_p = any(p.min_p > 0.0 for p in params)
@@ -56,8 +62,8 @@ class SamplingBatch:
         idx = [i for i, r in enumerate(self.rows) if r.seq.params.has_penalties]
         rows = [self.rows[i] for i in idx]
         V, dev = self.vocab_size, self.device
-        out_tok = _padded([r.seq.output_token_ids + r.history for r in rows], V, dev)
-        all_tok = _padded([r.seq.token_ids + r.history for r in rows], V, dev)
+        out_tok = _padded([r.seq.output_token_ids + list(r.history) for r in rows], V, dev)
+        all_tok = _padded([r.seq.token_ids + list(r.history) for r in rows], V, dev)
         counts = torch.zeros(len(rows), V + 1, device=dev).scatter_add_(
             1, out_tok, torch.ones_like(out_tok, dtype=torch.float32))[:, :V]
         seen = torch.zeros(len(rows), V + 1, dtype=torch.bool, device=dev).scatter_(1, all_tok, True)[:, :V]

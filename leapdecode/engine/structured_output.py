@@ -1,10 +1,11 @@
 """Structured output inside the step: each constrained sequence's grammar matcher, its drafts, and its masks.
 
 - At submission the spec is compiled (cached, time-limited; a bad spec is a ValueError then, never later).
-- Before scheduling, tokens the grammar forces (``{"name": "``) become the sequence's draft: the mask leaves one
-  token allowed there, so verification accepts them with certainty and boilerplate costs no extra forward pass.
-  Drafts from a drafter are cut at the first token the grammar refuses (trees are reduced to their first chain).
-- During the forward pass a worker thread fills one bitmask row per verified position (each draft position and
+- Before scheduling, tokens the grammar forces (``{"name": "``) become the sequence's draft proposal: the mask
+  leaves one token allowed there, so verification accepts them with certainty and boilerplate costs no extra
+  forward pass. Drafts from a drafter are cut at the first token the grammar refuses (trees are reduced to their
+  first chain).
+- During the forward pass a worker thread fills one bitmask row per sample row of the plan (each draft node and
   the bonus); the rows are applied to the logits on the device, for the whole batch at once, before sampling.
 - After verification the matcher accepts exactly the committed tokens.
 - Grammar-aligned sampling (opt-in, ``SamplingParams(grammar_aligned=True)``): one ASAp trie per (prompt, grammar)
@@ -21,11 +22,13 @@ from typing import Any
 import torch
 
 from leapdecode.engine.sequence import Sequence
+from leapdecode.engine.step import StepPlan
+from leapdecode.spec.tree import DraftTree
 
 MAX_ASAP_TRIES = 64
 
 
-class Constraints:
+class StructuredOutput:
     def __init__(self, tokenizer: Any, eos_token_ids: set[int]) -> None:
         self._tokenizer = tokenizer
         self._eos = sorted(eos_token_ids)
@@ -71,29 +74,29 @@ class Constraints:
         return seq.seq_id in self.matchers
 
     # -- before scheduling ---------------------------------------------------------------------------------------
-    def prepare_drafts(self, seq: Sequence, room: int) -> None:
-        """Forced tokens become the draft; otherwise the drafter's draft is cut to what the grammar allows."""
+    def draft(self, seq: Sequence, proposal: DraftTree, room: int) -> DraftTree:
+        """Forced tokens become the draft; otherwise the drafter's proposal is cut to what the grammar allows."""
         m = self.matchers[seq.seq_id]
         forced = m.forced_tokens()[:room] if room > 0 else []
         if forced:
-            seq.set_draft(forced)
             self.num_forced_tokens += len(forced)
-            return
-        chain = _first_chain(seq.draft_tokens, seq.draft_parents)
-        seq.set_draft(chain[:m.validate(chain)] if chain else [])
+            return DraftTree.of(forced)
+        chain = proposal.first_chain()
+        return chain.prefix(m.validate(list(chain.tokens))) if chain else chain
 
     # -- around the forward pass ---------------------------------------------------------------------------------
-    def start_fill(self, jobs: list[tuple[Sequence, int]], num_rows: int) -> Future | None:
-        """jobs: (sequence, its first logits row). Rows are filled in a worker thread while the model runs."""
+    def start_fill(self, plan: StepPlan) -> Future | None:
+        """One bitmask row per sample row of the plan, filled in a worker thread while the model runs."""
+        jobs = [(self.matchers[c.seq_id], c.sample_start, list(c.draft.tokens))
+                for c in plan.seqs if c.samples and c.seq_id in self.matchers]
         if not jobs:
             return None
         from leapdecode.structured import allocate_token_bitmask, fill_bitmasks
-        bitmask = allocate_token_bitmask(num_rows, self.backend.vocab_size)
-        work = [(self.matchers[seq.seq_id], row, list(seq.draft_tokens)) for seq, row in jobs]
-        rows = [row + i for seq, row in jobs for i in range(len(seq.draft_tokens) + 1)]
+        bitmask = allocate_token_bitmask(plan.num_samples, self.backend.vocab_size)
+        rows = [row + i for _, row, draft in jobs for i in range(len(draft) + 1)]
 
         def fill() -> tuple[torch.Tensor, list[int]]:
-            fill_bitmasks(work, bitmask)
+            fill_bitmasks(jobs, bitmask)
             return bitmask[rows], rows
 
         return self._pool.submit(fill)
@@ -137,14 +140,3 @@ class Constraints:
             return "abort"
         return None
 
-
-def _first_chain(tokens: list[int], parents: list[int] | None) -> list[int]:
-    """A tree's first root-to-leaf chain (each node's first child), or the chain itself."""
-    if parents is None:
-        return list(tokens)
-    chain, node = [], -1
-    for i, p in enumerate(parents):
-        if p == node:
-            chain.append(tokens[i])
-            node = i
-    return chain
