@@ -17,7 +17,7 @@ import sys
 import time
 from typing import Any, Sequence
 
-from leapdecode.config import SPEC_METHODS
+from leapdecode.spec.registry import METHODS as SPEC_METHODS
 
 
 class CLIError(Exception):

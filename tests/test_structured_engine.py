@@ -7,6 +7,7 @@ import os
 import jsonschema
 import pytest
 
+from conftest import assert_pool_free, make_llm
 from leapdecode import LLM, SamplingParams
 from leapdecode.spec.drafter import Draft
 
@@ -20,17 +21,6 @@ PERSON = {"type": "object",
 
 def rf(schema):
     return {"type": "json_schema", "json_schema": {"name": "t", "schema": schema}}
-
-
-def make_llm(path, **kw):
-    kw.setdefault("dtype", "float32")
-    kw.setdefault("max_model_len", 256)
-    return LLM(path, **kw)
-
-
-def assert_pool_free(llm):
-    bm = llm.engine.block_manager
-    assert bm.num_free_blocks == bm.num_blocks
 
 
 @pytest.fixture(scope="module")
@@ -101,6 +91,8 @@ def test_speculation_and_forced_tokens_keep_greedy_identical(llama_dir, llm):
                                                             "adaptive": False})
         outs = [o.outputs[0] for o in spec_llm.generate(prompts, p, use_tqdm=False)]
         assert [(o.token_ids, o.text) for o in outs] == [(o.token_ids, o.text) for o in ref]
+        eng = spec_llm.engine       # the drafter's own tokens (not only the grammar's forced ones) were accepted
+        assert eng.stats["accepted_tokens"] > eng.structured.num_forced_tokens, method
         assert_pool_free(spec_llm)
     # jump-forward: the keys and punctuation the schema fixes were drafted and accepted, not decoded one by one
     eng = make_llm(llama_dir).engine
@@ -110,15 +102,18 @@ def test_speculation_and_forced_tokens_keep_greedy_identical(llama_dir, llm):
     while eng.has_unfinished():
         eng.step()
     tokens = sum(len(o.token_ids) for o in ref)
-    assert eng.constraints.num_forced_tokens >= 4 * 10
-    assert eng.stats["accepted_tokens"] >= eng.constraints.num_forced_tokens
+    assert eng.structured.num_forced_tokens >= 4 * 10
+    assert eng.stats["accepted_tokens"] >= eng.structured.num_forced_tokens
     assert eng.stats["steps"] - steps_before < max(len(o.token_ids) for o in ref) + 1 < tokens
 
 
 class GarbageDrafter:
     """Proposes tokens that the grammar would mostly refuse."""
 
+    calls = 0
+
     def propose(self, requests):
+        self.calls += len(requests)
         return [Draft([5, 9, 300, 17][:r.max_draft]) for r in requests]
 
     def observe(self, *a, **k):
@@ -129,8 +124,9 @@ class GarbageDrafter:
 
 
 def test_invalid_drafts_never_get_through(llama_dir):
-    llm = make_llm(llama_dir, speculative_config={"method": "ngram", "num_speculative_tokens": 4, "adaptive": False})
-    llm.engine.speculator.drafter = GarbageDrafter()
+    drafter = GarbageDrafter()
+    llm = make_llm(llama_dir, speculative_config={"method": "ngram", "num_speculative_tokens": 4, "adaptive": False,
+                                                  "drafter": drafter})
     outs = llm.generate(["x"] * 8, [SamplingParams(temperature=1.0, seed=i, max_tokens=80, structured=rf(PERSON))
                                     for i in range(8)], use_tqdm=False)
     for out in outs:
@@ -139,6 +135,7 @@ def test_invalid_drafts_never_get_through(llama_dir):
             jsonschema.validate(json.loads(o.text), PERSON)
         else:
             assert o.finish_reason == "length"
+    assert drafter.calls > 0
     assert_pool_free(llm)
 
 
