@@ -105,10 +105,11 @@ class NgramIndex:
             first_f = min(max(start, self._floor + n), end)
             if first_f > start:                 # followers of n-grams that would cross a sentinel: none
                 previous.extend(_NONE * (first_f - start))
-            for f in range(first_f, end):
-                i = f - base
-                key = tuple(toks[i - n:i])
-                previous.append(table.get(key, -1))
+            lo, hi = first_f - base - n, end - base - n
+            keys = zip(*(toks[lo + j:hi + j] for j in range(n)))     # the n-gram before each f, built in C
+            get, append = table.get, previous.append
+            for f, key in zip(range(first_f, end), keys):
+                append(get(key, -1))
                 table[key] = f
 
     def break_sequence(self) -> None:
