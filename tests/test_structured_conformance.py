@@ -31,7 +31,7 @@ from leapdecode.structured import (
     fill_bitmasks,
     parse_structured,
 )
-from leapdecode.structured.backend import json_text
+from structured_helpers import json_text
 
 SUITE = pathlib.Path(__file__).parent / "data" / "json_schema_test_suite" / "tests"
 DRAFT_URIS = {"draft2020-12": "https://json-schema.org/draft/2020-12/schema", "draft7": "http://json-schema.org/draft-07/schema#"}
@@ -277,6 +277,31 @@ def test_spec_normalization_and_cache(backend: GrammarBackend) -> None:
     first = backend.compile(_schema_spec({"type": "object", "properties": {"x": {"type": "integer"}}}, "one"))
     again = backend.compile(_schema_spec({"type": "object", "properties": {"x": {"type": "integer"}}}, "two"))
     assert again is first  # cached by the schema, not the name
+
+
+def test_compile_cache_hit_skips_metaschema_check(backend: GrammarBackend, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The meta-schema check (jsonschema, the costly part of validating a spec) runs once per distinct schema: a
+    cache hit costs only the shape checks, which still refuse a malformed request around a cached schema."""
+    import jsonschema
+
+    calls = []
+    check = jsonschema.Draft202012Validator.check_schema.__func__
+
+    def counted(cls: Any, schema: Any, *args: Any, **kwargs: Any) -> None:
+        calls.append(schema)
+        return check(cls, schema, *args, **kwargs)
+
+    monkeypatch.setattr(jsonschema.Draft202012Validator, "check_schema", classmethod(counted))
+    schema = {"type": "object", "properties": {"cache_probe": {"type": "string"}}}
+    first = backend.compile(_schema_spec(schema, "one"))
+    assert len(calls) == 1
+    assert backend.compile(_schema_spec(schema, "two")) is first and len(calls) == 1
+    assert backend.compile_async(_schema_spec(schema, "three")).result() is first and len(calls) == 1
+    with pytest.raises(ValueError, match=re.escape("['name'] is required")):
+        backend.compile(_schema_spec(schema, "not a valid name!"))
+    with pytest.raises(ValueError, match="invalid JSON schema at type"):  # a miss is still checked
+        backend.compile(_schema_spec({"type": "strnig"}))
+    assert len(calls) == 2
 
 
 @pytest.mark.parametrize(

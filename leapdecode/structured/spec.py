@@ -73,10 +73,12 @@ class StructuredSpec:
         return (self.kind, self.text)
 
 
-def parse_structured(structured: Any) -> StructuredSpec:
+def parse_structured(structured: Any, *, check: bool = True) -> StructuredSpec:
     """Validate `structured` (a dict as above, or an already parsed spec) and normalize it.
 
-    Raises ValueError naming the offending field; never returns a spec that is known to be unusable.
+    Raises ValueError naming the offending field; never returns a spec that is known to be unusable. With
+    check=False the schema's meta-schema check (`check_spec`, the costly part) is left to the caller: the
+    backend runs it only on a compile-cache miss.
     """
     if isinstance(structured, StructuredSpec):
         return structured
@@ -92,7 +94,10 @@ def parse_structured(structured: Any) -> StructuredSpec:
     if kind == "json_object":
         return StructuredSpec("json_object", json.dumps({"type": "object"}))
     if kind == "json_schema":
-        return _parse_json_schema(structured.get("json_schema"))
+        spec = _parse_json_schema(structured.get("json_schema"))
+        if check:
+            check_spec(spec)
+        return spec
     if kind in ("regex", "grammar"):
         text = structured.get(kind)
         if not isinstance(text, str) or not text:
@@ -121,9 +126,18 @@ def _parse_json_schema(block: Any) -> StructuredSpec:
     schema = block["schema"]
     if not isinstance(schema, (dict, bool)):
         raise ValueError(f"structured['json_schema']['schema'] must be an object, got {type(schema).__name__}")
-    check_schema(schema)
     # Key order is kept: property order in the schema is the order the grammar emits properties in.
-    return StructuredSpec("json_schema", json.dumps(schema, separators=(",", ":")), name=name, strict=strict)
+    try:
+        text = json.dumps(schema, separators=(",", ":"))
+    except (TypeError, ValueError, RecursionError) as e:
+        raise ValueError(f"JSON schema is not JSON-serializable: {e}") from None
+    return StructuredSpec("json_schema", text, name=name, strict=strict)
+
+
+def check_spec(spec: StructuredSpec) -> None:
+    """The meta-schema check of a json_schema spec (on its canonical form); nothing to do for other kinds."""
+    if spec.kind == "json_schema":
+        check_schema(spec.schema)
 
 
 def check_schema(schema: dict[str, Any] | bool) -> None:
@@ -136,10 +150,6 @@ def check_schema(schema: dict[str, Any] | bool) -> None:
         raise ValueError(f"invalid JSON schema at {where}: {e.message}") from None
     except (TypeError, RecursionError) as e:  # e.g. non-JSON values smuggled into the dict
         raise ValueError(f"invalid JSON schema: {e}") from None
-    try:
-        json.dumps(schema)
-    except (TypeError, ValueError) as e:
-        raise ValueError(f"JSON schema is not JSON-serializable: {e}") from None
 
 
 def _parse_choice(choice: Any) -> StructuredSpec:

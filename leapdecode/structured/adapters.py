@@ -1,0 +1,260 @@
+"""Grammar library adapters: llguidance (the default, chosen by benchmarks/structured_backends.py) and xgrammar,
+each behind the same two-part interface (`Library.compile` and `LibState`); a third library is one more pair of
+classes. `make_library(name, tokenizer)` builds one.
+
+JSON schemas are first *lowered* for the library (lowering.py): llguidance runs in lenient mode, which drops
+keywords it cannot express (uniqueItems, not, if/then/else, contains, dependentRequired, propertyNames,
+unevaluated*, ...) and reports them; patterns whose regex the library cannot parse (look-around,
+back-references) are removed by us. `compile` returns what was dropped; the guard (guard.py) enforces it.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any, Protocol
+
+import torch
+
+from leapdecode.structured.lowering import all_keys, contains_key, drop_keyword, lower
+from leapdecode.structured.spec import StructuredSpec
+
+__all__ = ["LIBRARIES", "LibState", "Library", "make_library"]
+
+LIBRARIES = ("llguidance", "xgrammar")
+
+# Keywords the guard re-checks when the library dropped them. llguidance names them in its warnings; for
+# xgrammar (which never says) we assume every keyword outside its documented core set may be approximated.
+_XGRAMMAR_CORE = {
+    "type", "properties", "required", "additionalProperties", "items", "prefixItems", "minItems", "maxItems",
+    "enum", "const", "anyOf", "allOf", "$ref", "$defs", "definitions", "minLength", "maxLength", "pattern",
+    "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "$schema", "$id", "title", "description",
+    "default", "examples", "$comment",
+}
+
+
+class LibState(Protocol):
+    """One request's parser state inside the grammar library (EOS is handled by `Matcher`, never passed here)."""
+
+    def try_consume(self, token: int) -> bool: ...
+    def validate(self, tokens: list[int]) -> int: ...
+    def rollback(self, n: int) -> None: ...
+    def fill(self, bitmask: torch.Tensor, row: int) -> None: ...
+    def is_accepting(self) -> bool: ...
+    def forced_tokens(self) -> list[int]: ...
+
+
+class Library(Protocol):
+    name: str
+    vocab_size: int
+
+    def compile(self, spec: StructuredSpec) -> tuple[Any, tuple[str, ...]]: ...
+    def new_state(self, handle: Any) -> LibState: ...
+    def token_bytes(self) -> list[bytes]: ...
+
+
+# ----------------------------------------------------------------------------------------------- llguidance
+_LLG_JSON_OPTIONS = {
+    # Compact JSON: no free whitespace, fixed separators. Keeps masks small and makes the guard's scanner exact.
+    "whitespace_flexible": False,
+    "item_separator": ",",
+    "key_separator": ":",
+    "lenient": True,  # drop unimplemented keywords (reported as warnings) instead of refusing the schema
+    "coerce_one_of": True,  # oneOf -> anyOf (over-approximation); the guard enforces "exactly one"
+}
+# (keyword, part of llguidance's error): refusals we lower by dropping the keyword from the grammar. A dropped
+# patternProperties makes its keys fall to additionalProperties: over- or under-approximate, never unchecked.
+_DROPPABLE_ON_ERROR = (("multipleOf", "multipleOf"), ("patternProperties", "are not disjoint"))
+_UNIMPLEMENTED_RE = re.compile(r"Unimplemented keys: \[(.*?)\]")
+
+
+class _LLGuidanceState:
+    def __init__(self, matcher: Any) -> None:
+        self._m = matcher
+
+    def try_consume(self, token: int) -> bool:
+        # try_consume_tokens leaves the matcher usable on refusal (consume_token would poison it).
+        return self._m.try_consume_tokens([token]) == 1
+
+    def validate(self, tokens: list[int]) -> int:
+        return self._m.validate_tokens(tokens)
+
+    def rollback(self, n: int) -> None:
+        if n and not self._m.rollback(n):
+            raise RuntimeError(f"llguidance could not roll back {n} tokens: {self._m.get_error()}")
+
+    def fill(self, bitmask: torch.Tensor, row: int) -> None:
+        v = bitmask[row]
+        self._m.unsafe_compute_mask_ptr(v.data_ptr(), v.numel() * v.element_size())
+
+    def is_accepting(self) -> bool:
+        return self._m.is_accepting()
+
+    def forced_tokens(self) -> list[int]:
+        return list(self._m.compute_ff_tokens())
+
+    @property
+    def native(self) -> Any:
+        """The LLMatcher, for llguidance's parallel executor."""
+        return self._m
+
+
+class _LLGuidance:
+    name = "llguidance"
+
+    def __init__(self, tokenizer: Any) -> None:
+        import llguidance
+        import llguidance.hf
+
+        self._llg = llguidance
+        self.tokenizer = llguidance.hf.from_tokenizer(tokenizer)
+        self.vocab_size = self.tokenizer.vocab_size
+        self.eos = self.tokenizer.eos_token
+
+    def token_bytes(self) -> list[bytes]:
+        return [self.tokenizer.decode_bytes([t]) for t in range(self.vocab_size)]
+
+    def _grammar(self, spec: StructuredSpec) -> str:
+        M = self._llg.LLMatcher
+        if spec.kind in ("json_object", "json_schema"):
+            return M.grammar_from_json_schema(json.dumps(spec.schema), defaults=_LLG_JSON_OPTIONS)
+        if spec.kind == "regex":
+            return M.grammar_from_regex(spec.text)
+        if spec.kind == "grammar":
+            return self._llg.grammar_from("grammar", spec.text)
+        lark = "start: " + " | ".join(json.dumps(c) for c in spec.choices)
+        return M.grammar_from_lark(lark)
+
+    def _validate(self, grammar: str) -> list[str]:
+        is_error, messages = self._llg.LLMatcher.validate_grammar_with_warnings(grammar, self.tokenizer)
+        if is_error:
+            raise ValueError(messages[0] if messages else "invalid grammar")
+        return messages
+
+    def compile(self, spec: StructuredSpec) -> tuple[Any, tuple[str, ...]]:
+        dropped: list[str] = []
+        if spec.kind == "json_schema":
+            schema = spec.schema
+            if schema is False:
+                raise ValueError("the schema is `false`: no instance is valid")
+            schema = lower(schema, self._regex_ok, dropped)
+            spec = StructuredSpec("json_schema", json.dumps(schema), spec.name, spec.strict)
+            if contains_key(schema, "oneOf"):
+                dropped.append("oneOf (compiled as anyOf)")
+        grammar = self._grammar(spec)
+        messages = None
+        while messages is None:
+            try:
+                messages = self._validate(grammar)
+            except ValueError as e:
+                # A few refusals have a safe fallback: drop the keyword from the grammar, the guard checks it.
+                keyword = next((k for k, why in _DROPPABLE_ON_ERROR if why in str(e)), None)
+                if spec.kind != "json_schema" or keyword is None or keyword in dropped:
+                    raise
+                schema = drop_keyword(schema, keyword)
+                dropped.append(keyword)
+                spec = StructuredSpec("json_schema", json.dumps(schema), spec.name, spec.strict)
+                grammar = self._grammar(spec)
+        for msg in messages:
+            found = _UNIMPLEMENTED_RE.search(msg)
+            if found:
+                dropped += [k.strip().strip('"') for k in found.group(1).split(",")]
+            else:
+                dropped.append(msg.strip())
+        matcher = self._llg.LLMatcher(self.tokenizer, grammar, log_level=0)  # builds the lexer; drops the GIL
+        if matcher.is_error():
+            raise ValueError(matcher.get_error())
+        return matcher, tuple(dict.fromkeys(dropped))
+
+    def _regex_ok(self, pattern: str) -> bool:
+        grammar = self._llg.LLMatcher.grammar_from_json_schema({"type": "string", "pattern": pattern})
+        is_error, _ = self._llg.LLMatcher.validate_grammar_with_warnings(grammar)
+        return not is_error
+
+    def new_state(self, handle: Any) -> LibState:
+        return _LLGuidanceState(handle.deep_copy())
+
+    def executor(self) -> Any:
+        return self._llg.LLExecutor()
+
+
+# ------------------------------------------------------------------------------------------------- xgrammar
+class _XGrammarState:
+    def __init__(self, matcher: Any, encode: Any) -> None:
+        self._m = matcher
+        self._encode = encode
+
+    def try_consume(self, token: int) -> bool:
+        return bool(self._m.accept_token(token))
+
+    def validate(self, tokens: list[int]) -> int:
+        n = 0
+        for t in tokens:
+            if not self._m.accept_token(t):
+                break
+            n += 1
+        if n:
+            self._m.rollback(n)
+        return n
+
+    def rollback(self, n: int) -> None:
+        if n:
+            self._m.rollback(n)
+
+    def fill(self, bitmask: torch.Tensor, row: int) -> None:
+        self._m.fill_next_token_bitmask(bitmask, row)
+
+    def is_accepting(self) -> bool:
+        return bool(self._m.is_completed())
+
+    def forced_tokens(self) -> list[int]:
+        text = self._m.find_jump_forward_string()
+        if not text:
+            return []
+        tokens = self._encode(text)
+        return tokens[: self.validate(tokens)]
+
+
+class _XGrammar:
+    name = "xgrammar"
+
+    def __init__(self, tokenizer: Any) -> None:
+        import xgrammar
+
+        self._xgr = xgrammar
+        self._hf = tokenizer
+        self.info = xgrammar.TokenizerInfo.from_huggingface(tokenizer)
+        self.vocab_size = self.info.vocab_size
+        self.compiler = xgrammar.GrammarCompiler(self.info, max_threads=2, cache_enabled=False)
+
+    def token_bytes(self) -> list[bytes]:
+        vocab = self.info.decoded_vocab
+        return [bytes(vocab[t]) if t < len(vocab) else b"" for t in range(self.vocab_size)]
+
+    def compile(self, spec: StructuredSpec) -> tuple[Any, tuple[str, ...]]:
+        try:
+            if spec.kind in ("json_object", "json_schema"):
+                schema = spec.schema
+                handle = self.compiler.compile_json_schema(
+                    json.dumps(schema), any_whitespace=False, separators=(",", ":"), strict_mode=True
+                )
+                dropped = sorted(k for k in all_keys(schema) if k not in _XGRAMMAR_CORE)
+                return handle, tuple(dropped)
+            if spec.kind == "regex":
+                return self.compiler.compile_regex(spec.text), ()
+            if spec.kind == "grammar":
+                return self.compiler.compile_grammar(spec.text), ()
+            ebnf = "root ::= " + " | ".join(json.dumps(c) for c in spec.choices)
+            return self.compiler.compile_grammar(ebnf), ()
+        except RuntimeError as e:  # xgrammar reports every compile problem as RuntimeError
+            raise ValueError(str(e)) from None
+
+    def new_state(self, handle: Any) -> LibState:
+        matcher = self._xgr.GrammarMatcher(handle, terminate_without_stop_token=True)
+        return _XGrammarState(matcher, lambda s: self._hf.encode(s, add_special_tokens=False))
+
+
+def make_library(name: str, tokenizer: Any) -> Library:
+    if name not in LIBRARIES:
+        raise ValueError(f"unknown grammar library {name!r}; choose one of {LIBRARIES}")
+    return _LLGuidance(tokenizer) if name == "llguidance" else _XGrammar(tokenizer)

@@ -1,0 +1,439 @@
+"""The validator guard: enforce with `jsonschema` what the compiled grammar does not (see matcher.py's docstring
+for rules A, B and C, and README.md for the per-keyword list).
+
+`SchemaGuard` holds the schema's validator, the document check (rule A), and the *anchors*: subschemas at a fixed
+instance path that use a keyword the grammar dropped. `Cursor` and `_scan` are an incremental, byte-level JSON
+scanner over the text being generated: it reports each value, key and array element as it closes, so the
+guard can refuse the token that would close an invalid one (rules B and C). `TokenMarks` tells, per token, which
+structural bytes it holds, so a mask row is only checked on the tokens that can close something.
+
+This is a second, hand-written grammar engine beside the library's; it is kept in this one module so it can be
+dropped if the grammar library grows the keywords.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any, Iterator
+
+import jsonschema
+import jsonschema.validators
+import numpy as np
+import torch
+
+from leapdecode.structured.lowering import iter_subschemas
+
+if TYPE_CHECKING:
+    from leapdecode.structured.backend import GrammarBackend
+
+__all__ = ["Cursor", "SchemaGuard", "TokenMarks", "probe_schema"]
+
+_OPEN = frozenset(b"[{")
+_CLOSE = frozenset(b"]}")
+_WS = frozenset(b" \t\r\n")
+_LITERALS = (b"true", b"false", b"null")
+# Keywords the guard knows how to anchor; `dropped` notes name them (see `_guarded_keys`).
+_GUARDED_KEYWORDS = {
+    "uniqueItems", "not", "if", "then", "else", "contains", "minContains", "maxContains", "dependentRequired",
+    "dependentSchemas", "dependencies", "propertyNames", "unevaluatedProperties", "unevaluatedItems", "oneOf",
+    "pattern", "format", "multipleOf", "minProperties", "maxProperties", "patternProperties",
+}
+
+
+@dataclass(frozen=True)
+class TokenMarks:
+    """Per-token bool/int arrays over the vocabulary: what JSON structure a token's bytes contain."""
+
+    quote: np.ndarray
+    comma: np.ndarray
+    close_count: np.ndarray
+    literal_end: np.ndarray
+    length: np.ndarray
+
+    @staticmethod
+    def build(pieces: list[bytes]) -> "TokenMarks":
+        return TokenMarks(
+            quote=np.array([b'"' in p for p in pieces], dtype=bool),
+            comma=np.array([b"," in p for p in pieces], dtype=bool),
+            close_count=np.array([p.count(b"]") + p.count(b"}") for p in pieces], dtype=np.int32),
+            literal_end=np.array([p[-1:] in (b"e", b"l") for p in pieces], dtype=bool),
+            length=np.array([len(p) for p in pieces], dtype=np.int32),
+        )
+
+
+@dataclass
+class _Frame:
+    """One open container (or the root) in the JSON text being generated."""
+
+    kind: int  # ord("{"), ord("["), or 0 for the root
+    start: int  # offset of the bracket
+    index: int = 0  # array: current element index
+    key: str | None = None  # object: key of the current member
+    expect_key: bool = False  # object: the next string is a key
+    value_start: int = -1  # offset of an unfinished scalar value
+    has_value: bool = False  # the current element/member has a complete value
+
+    def step(self) -> Any:
+        return self.key if self.kind == ord("{") else self.index
+
+
+@dataclass(frozen=True)
+class Cursor:
+    """Where the JSON text stands: open containers and string state. Immutable, so rollback keeps old ones."""
+
+    frames: tuple[_Frame, ...]
+    length: int  # bytes consumed
+    in_string: bool = False
+    escape: bool = False
+    string_start: int = -1
+    string_is_key: bool = False
+
+    @staticmethod
+    def start() -> Cursor:
+        return Cursor((_Frame(0, 0),), 0)
+
+    def path(self, depth: int) -> tuple[Any, ...]:
+        """Instance path of the value being built inside frames[depth] (frames[0] is the root)."""
+        return tuple(self.frames[i].step() for i in range(1, depth + 1))
+
+
+@dataclass
+class _Anchor:
+    """A subschema that applies at a fixed instance path ("*" matches any array index)."""
+
+    pattern: tuple[Any, ...]
+    validator: Any  # the whole subschema (None for the root: the document check covers it)
+    monotone: Any = None  # validator for the monotone keywords only, run on partial containers
+    names: Any = None  # propertyNames validator, run on each key as it closes
+
+    def matches(self, path: tuple[Any, ...]) -> bool:
+        return len(path) == len(self.pattern) and all(
+            p == s or (p == "*" and isinstance(s, int)) for p, s in zip(self.pattern, path)
+        )
+
+    def compatible(self, path: tuple[Any, ...]) -> bool:
+        return all(p == s or (p == "*" and isinstance(s, int)) for p, s in zip(self.pattern, path))
+
+
+class SchemaGuard:
+    """Checks, with jsonschema, what the compiled grammar does not enforce (see the module docstring).
+
+    max_checks bounds the candidate tokens checked per mask row (each costs a jsonschema validation); beyond
+    it, the longest candidates are masked out, which keeps every row's cost bounded on large vocabularies.
+    """
+
+    max_checks = 64
+
+    def __init__(self, schema: dict[str, Any] | bool, dropped: tuple[str, ...] = ()) -> None:
+        cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
+        self.validator = cls(schema, format_checker=_format_checker(cls))
+        probe_schema(self.validator)
+        self.dropped = dropped
+        self._doc_cache: dict[bytes, bool] = {}
+        self._event_cache: dict[tuple[Any, ...], bool] = {}  # mask fills and accept() see the same events
+        self.anchors: list[_Anchor] = _find_anchors(schema, self.validator, dropped) if dropped else []
+
+    # -- rule A --------------------------------------------------------------------------------------------
+    def document_ok(self, text: bytes) -> bool:
+        """Is `text` a complete JSON document that validates against the schema?"""
+        ok = self._doc_cache.get(text)
+        if ok is None:
+            try:
+                value = json.loads(text)
+            except ValueError:
+                ok = False
+            else:
+                ok = _is_valid(self.validator, value)
+            if len(self._doc_cache) > 4096:
+                self._doc_cache.clear()
+            self._doc_cache[text] = ok
+        return ok
+
+    # -- rules B and C ---------------------------------------------------------------------------------------
+    def advance(self, text: bytearray, cursor: Cursor, piece: bytes) -> Cursor | None:
+        """Cursor after appending `piece`, or None if that closes a value/key/element the schema forbids."""
+        if not self.anchors:
+            return replace(cursor, length=cursor.length + len(piece))
+        buf = bytes(text) + piece
+        return _scan(buf, cursor, piece, self)
+
+    def restrict(self, row: torch.Tensor, text: bytearray, cursor: Cursor, backend: GrammarBackend) -> None:
+        """Clear, in one mask row, the tokens that `advance` would refuse."""
+        if not self.anchors:
+            return
+        path = cursor.path(len(cursor.frames) - 1)
+        relevant = [a for a in self.anchors if a.compatible(path)]
+        if not relevant:
+            return
+        words = row.numpy().view(np.uint32)  # shares memory with the tensor row
+        allowed = np.unpackbits(words.view(np.uint8), bitorder="little")[: backend.vocab_size].astype(bool)
+        depth = len(cursor.frames) - 1
+        marks = backend.byte_marks()
+        if depth == 0:  # top-level scalar: a string closes on its quote, a literal on its last letter
+            interesting = marks.quote | marks.literal_end
+        else:
+            # A token matters only if it produces an event that a relevant anchor looks at: a value closing at
+            # the current path or deeper (quote/comma/bracket), an element of an ancestor closing (comma), a
+            # key closing (quote), or enough brackets to close the container an anchor sits on.
+            here = any(len(a.pattern) >= depth for a in relevant)
+            closes = min(max(depth - len(a.pattern), 1) for a in relevant)
+            interesting = marks.close_count >= closes
+            if here or any(a.monotone is not None for a in relevant):
+                interesting = interesting | marks.comma
+            if here or any(a.names is not None for a in relevant):
+                interesting = interesting | marks.quote
+        if cursor.in_string:
+            interesting = interesting & marks.quote  # nothing counts before the string is closed
+        candidates = np.flatnonzero(allowed & interesting)
+        if len(candidates) > self.max_checks:
+            # Bound the work per row: check the shortest tokens (the bare quote/bracket/comma among them) and
+            # mask out the rest. Only an under-approximation: the model can still close the value with the
+            # short tokens; it never lets an invalid token through.
+            order = np.argsort(marks.length[candidates], kind="stable")
+            for t in candidates[order[self.max_checks :]]:
+                words[t >> 5] &= np.uint32(~(1 << int(t & 31)) & 0xFFFFFFFF)
+            candidates = candidates[order[: self.max_checks]]
+        token_bytes = backend.token_bytes()
+        buf = bytes(text)
+        for t in candidates:
+            piece = token_bytes[t]
+            if _scan(buf + piece, cursor, piece, self) is None:
+                words[t >> 5] &= np.uint32(~(1 << int(t & 31)) & 0xFFFFFFFF)
+
+    # -- event checks ----------------------------------------------------------------------------------------
+    def value_ok(self, path: tuple[Any, ...], raw: bytes) -> bool:
+        key = ("v", path, raw)
+        ok = self._event_cache.get(key)
+        if ok is None:
+            ok = self._event_cache[key] = self._value_ok(path, raw)
+            if len(self._event_cache) > 65536:
+                self._event_cache.clear()
+        return ok
+
+    def _value_ok(self, path: tuple[Any, ...], raw: bytes) -> bool:
+        value: Any = _MISSING
+        for anchor in self.anchors:
+            if anchor.matches(path):
+                if value is _MISSING:
+                    try:
+                        value = json.loads(raw)
+                    except ValueError:
+                        return True  # not JSON yet (the grammar decides); nothing to check
+                if not _is_valid(anchor.validator or self.validator, value):
+                    return False
+        return True
+
+    def partial_ok(self, path: tuple[Any, ...], raw: bytes) -> bool:
+        value: Any = _MISSING
+        for anchor in self.anchors:
+            if anchor.monotone is not None and anchor.matches(path):
+                if value is _MISSING:
+                    try:
+                        value = json.loads(raw)
+                    except ValueError:
+                        return True
+                if not _is_valid(anchor.monotone, value):
+                    return False
+        return True
+
+    def key_ok(self, path: tuple[Any, ...], key: str) -> bool:
+        return all(_is_valid(a.names, key) for a in self.anchors if a.names is not None and a.matches(path))
+
+
+_MISSING = object()
+# Formats whose jsonschema checker is too slow to run per candidate token (rfc3987-syntax parses IRIs with a
+# general Earley parser: up to ~100 ms a string). They are left to the grammar (which does not know them).
+_SLOW_FORMATS = frozenset({"iri", "iri-reference"})
+
+
+def _format_checker(cls: Any) -> jsonschema.FormatChecker:
+    """The draft's format checker (formats are asserted), without the slow ones."""
+    checker = jsonschema.FormatChecker(formats=())
+    checker.checkers = {k: v for k, v in cls.FORMAT_CHECKER.checkers.items() if k not in _SLOW_FORMATS}
+    return checker
+
+
+def _is_valid(validator: Any, value: Any) -> bool:
+    """jsonschema's verdict; a schema error surfacing only now (e.g. an unresolvable nested $ref) counts as
+    invalid, so the guard errs towards refusing text rather than crashing the engine or passing bad output."""
+    try:
+        return bool(validator.is_valid(value))
+    except Exception:  # noqa: BLE001 - referencing errors, RecursionError, re.error from exotic patterns
+        return False
+
+
+def probe_schema(validator: Any) -> None:
+    """Raise ValueError now for schema problems jsonschema only notices while validating (unresolvable $ref)."""
+    for value in (None, True, 0, 0.5, "", [], {}):
+        try:
+            validator.is_valid(value)
+        except Exception as e:  # noqa: BLE001
+            raise ValueError(f"the schema cannot be checked by jsonschema: {e}") from None
+
+
+def _scan(buf: bytes, cursor: Cursor, piece: bytes, guard: SchemaGuard) -> Cursor | None:
+    """Feed `piece` (the tail of `buf`) through the cursor, checking each closing event; None on violation."""
+    frames = list(cursor.frames)
+    copied = [False] * len(frames)
+
+    def top() -> _Frame:  # copy-on-write, so earlier cursors stay valid for rollback
+        if not copied[-1]:
+            frames[-1] = replace(frames[-1])
+            copied[-1] = True
+        return frames[-1]
+
+    def path_of(depth: int) -> tuple[Any, ...]:
+        return tuple(frames[i].step() for i in range(1, depth + 1))
+
+    in_string, escape = cursor.in_string, cursor.escape
+    string_start, string_is_key = cursor.string_start, cursor.string_is_key
+    base = len(buf) - len(piece)
+    for offset, c in enumerate(piece):
+        pos = base + offset
+        if in_string:
+            if escape:
+                escape = False
+            elif c == 0x5C:  # backslash
+                escape = True
+            elif c == 0x22:  # closing quote
+                in_string = False
+                f = top()
+                raw = buf[string_start : pos + 1]
+                if string_is_key:
+                    try:
+                        f.key = json.loads(raw)
+                    except ValueError:
+                        f.key = raw.decode("utf-8", "replace")
+                    f.expect_key = False
+                    if not guard.key_ok(path_of(len(frames) - 2), f.key):
+                        return None
+                else:
+                    f.has_value = True
+                    if not guard.value_ok(path_of(len(frames) - 1), raw):
+                        return None
+            continue
+        if c == 0x22:
+            in_string, string_start = True, pos
+            string_is_key = frames[-1].kind == ord("{") and frames[-1].expect_key
+        elif c in _OPEN:
+            frames.append(_Frame(c, pos, expect_key=c == ord("{")))
+            copied.append(True)
+        elif c in _CLOSE or c == ord(","):
+            f = top()
+            depth = len(frames) - 1
+            if f.value_start >= 0:  # a number or literal ends here
+                if not guard.value_ok(path_of(depth), buf[f.value_start : pos]):
+                    return None
+                f.value_start, f.has_value = -1, True
+            if c == ord(","):
+                if f.has_value and not guard.partial_ok(path_of(depth - 1), buf[f.start : pos] + bytes([f.kind + 2])):
+                    return None
+                f.index += 1
+                f.key, f.expect_key, f.has_value = None, f.kind == ord("{"), False
+            elif depth > 0:
+                frames.pop()
+                copied.pop()
+                if not guard.value_ok(path_of(depth - 1), buf[f.start : pos + 1]):
+                    return None
+                parent = top()
+                parent.has_value = True
+        elif c in _WS or c == ord(":"):
+            pass  # our grammars emit compact JSON; whitespace between tokens carries no structure
+        else:  # part of a number or literal
+            f = top()
+            if f.value_start < 0:
+                f.value_start = pos
+            if len(frames) == 1 and buf[f.value_start : pos + 1] in _LITERALS:
+                if not guard.value_ok((), buf[f.value_start : pos + 1]):
+                    return None
+    return Cursor(tuple(frames), len(buf), in_string, escape, string_start, string_is_key)
+
+
+def _guarded_keys(dropped: tuple[str, ...]) -> set[str]:
+    """Map the backend's `dropped` notes ("uniqueItems", "oneOf (compiled as anyOf)", "Unknown format: x")
+    to schema keywords; an unrecognised note guards every known keyword (conservative)."""
+    keys: set[str] = set()
+    for note in dropped:
+        word = note.split(" ")[0].strip(":")
+        if word in _GUARDED_KEYWORDS:
+            keys.add(word)
+        elif note.lower().startswith("unknown format"):
+            keys.add("format")
+        else:
+            keys |= _GUARDED_KEYWORDS
+    if keys & {"if", "then", "else"}:
+        keys |= {"if", "then", "else"}
+    if keys & {"contains", "minContains", "maxContains"}:
+        keys |= {"contains", "minContains", "maxContains"}
+    return keys
+
+
+def _find_anchors(schema: Any, validator: Any, dropped: tuple[str, ...]) -> list[_Anchor]:
+    """Root anchor plus one per subschema (at a fixed instance path) that uses a keyword the grammar dropped."""
+    keys = _guarded_keys(dropped)
+    anchors = [_Anchor((), None)]
+    for node, pattern in iter_subschemas(schema, functools.partial(_instance_children, schema), max_depth=32):
+        used = keys & node.keys()
+        if used:
+            anchor = anchors[0] if not pattern else _Anchor(pattern, validator.evolve(schema=node))
+            monotone = _monotone_part(node)
+            if monotone:
+                anchor.monotone = validator.evolve(schema=monotone)
+            if "propertyNames" in node:
+                anchor.names = validator.evolve(schema=node["propertyNames"])
+            if pattern:
+                anchors.append(anchor)
+    return anchors
+
+
+def _instance_children(root: Any, node: dict[str, Any]) -> Iterator[tuple[tuple[Any, ...], Any]]:
+    """The subschemas of `node` that apply at a fixed instance path, with the instance steps that lead there
+    (property name, array index, "*" for every item; none through allOf and local $ref)."""
+    props = node.get("properties")
+    for name, sub in props.items() if isinstance(props, dict) else ():
+        yield (name,), sub
+    items = node.get("items")
+    if isinstance(items, dict) and not node.get("prefixItems"):  # with prefixItems it covers only a tail
+        yield ("*",), items
+    elif isinstance(items, list):
+        for i, sub in enumerate(items):
+            yield (i,), sub
+    for i, sub in enumerate(node.get("prefixItems") or []):
+        yield (i,), sub
+    for sub in node.get("allOf") or []:
+        yield (), sub
+    ref = node.get("$ref")
+    if isinstance(ref, str) and ref.startswith("#"):
+        yield (), _resolve_local(root, ref)
+
+
+def _monotone_part(node: dict[str, Any]) -> dict[str, Any]:
+    """The keywords of `node` whose violation on a partial container can never be repaired by adding more."""
+    part: dict[str, Any] = {}
+    if node.get("uniqueItems") is True:
+        part["uniqueItems"] = True
+    if "contains" in node and "maxContains" in node:
+        part.update(contains=node["contains"], maxContains=node["maxContains"], minContains=0)
+    if "propertyNames" in node:
+        part["propertyNames"] = node["propertyNames"]
+    return part
+
+
+def _resolve_local(root: Any, ref: str) -> Any:
+    """Resolve "#/a/b" inside `root` (JSON pointer); None when it is not a plain local pointer."""
+    if ref == "#":
+        return root
+    if not ref.startswith("#/"):
+        return None
+    node = root
+    for part in ref[2:].split("/"):
+        part = part.replace("~1", "/").replace("~0", "~")
+        if isinstance(node, dict) and part in node:
+            node = node[part]
+        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        else:
+            return None
+    return node

@@ -1,0 +1,98 @@
+"""JSON-Schema walking and lowering: rewrite a schema into a form the grammar library accepts.
+
+`iter_subschemas` is the one walk over a schema; every other function here (and the guard's anchor discovery)
+is a loop over it. Values of `DATA_KEYWORDS` are instances, not subschemas, and are never walked into.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, Callable, Iterable, Iterator
+
+__all__ = ["DATA_KEYWORDS", "iter_subschemas", "all_keys", "contains_key", "drop_keyword", "lower"]
+
+DATA_KEYWORDS = ("enum", "const", "default", "examples")  # values, not subschemas
+_INTEGER_KEYWORDS = ("minItems", "maxItems", "minLength", "maxLength", "minProperties", "maxProperties", "minContains", "maxContains")
+
+# children(node) -> (path steps, child) pairs; see `iter_subschemas`.
+Children = Callable[[dict[str, Any]], Iterable[tuple[tuple[Any, ...], Any]]]
+
+
+def _all_children(node: dict[str, Any]) -> Iterator[tuple[tuple[Any, ...], Any]]:
+    """Every value outside DATA_KEYWORDS, lists flattened; steps are JSON-pointer parts (keys, list indices)."""
+    for key, value in node.items():
+        if key not in DATA_KEYWORDS:
+            yield from _flatten((key,), value)
+
+
+def _flatten(steps: tuple[Any, ...], value: Any) -> Iterator[tuple[tuple[Any, ...], Any]]:
+    if isinstance(value, list):
+        for i, item in enumerate(value):
+            yield from _flatten(steps + (i,), item)
+    else:
+        yield steps, value
+
+
+def iter_subschemas(schema: Any, children: Children = _all_children, *,
+                    max_depth: int | None = None) -> Iterator[tuple[dict[str, Any], tuple[Any, ...]]]:
+    """(node, path) for every object reached from `schema`, depth first, in document order.
+
+    By default every value outside DATA_KEYWORDS is walked (including mappings such as `properties` itself) and
+    `path` is the node's location in the schema. A caller may pass `children` to walk other edges (the guard
+    walks instance paths); a (node, path) pair reached twice is yielded once, nodes deeper than `max_depth`
+    hops are skipped. A node's children are read after the caller resumes the generator, so the caller may
+    edit the node it was just given (what `lower` does) and the walk sees the edited node.
+    """
+    seen: set[tuple[int, tuple[Any, ...]]] = set()
+    stack: list[tuple[Any, tuple[Any, ...], int]] = [(schema, (), 0)]
+    while stack:
+        node, path, depth = stack.pop()
+        if not isinstance(node, dict) or (max_depth is not None and depth > max_depth) or (id(node), path) in seen:
+            continue
+        seen.add((id(node), path))
+        yield node, path
+        stack.extend(reversed([(child, path + steps, depth + 1) for steps, child in children(node)]))
+
+
+def all_keys(schema: Any) -> set[str]:
+    """Every keyword used anywhere in a schema (property names included; only used for over-reporting)."""
+    return {key for node, _ in iter_subschemas(schema) for key in node}
+
+
+def contains_key(schema: Any, key: str) -> bool:
+    return any(key in node for node, _ in iter_subschemas(schema))
+
+
+def drop_keyword(schema: Any, keyword: str) -> Any:
+    """A copy of `schema` without `keyword` anywhere (outside data values)."""
+    schema = copy.deepcopy(schema)
+    for node, _ in iter_subschemas(schema):
+        node.pop(keyword, None)
+    return schema
+
+
+def lower(schema: Any, regex_ok: Callable[[str], bool], dropped: list[str]) -> Any:
+    """Rewrite `schema` into a form the library takes, without changing which instances are valid, except where
+    noted in `dropped` (then the guard re-checks):
+
+    * the root schema `true` becomes `{}`; counts written as 2.0 become 2 (same meaning in JSON Schema);
+    * `pattern`s the library's regex engine rejects (look-around, back-references) are removed (over-
+      approximation); a rejected patternProperties entry is removed, so its keys fall to additionalProperties
+      (at worst an under-approximation, never an invalid instance).
+    """
+    schema = {} if schema is True else copy.deepcopy(schema)
+    for node, _ in iter_subschemas(schema):
+        for key in _INTEGER_KEYWORDS:
+            value = node.get(key)
+            if isinstance(value, float) and value.is_integer():
+                node[key] = int(value)
+        pattern = node.get("pattern")
+        if isinstance(pattern, str) and not regex_ok(pattern):
+            del node["pattern"]
+            dropped.append("pattern (regex not supported by the library)")
+        props = node.get("patternProperties")
+        if isinstance(props, dict):
+            for key in [k for k in props if not regex_ok(k)]:
+                del props[key]
+                dropped.append("patternProperties (regex not supported by the library)")
+    return schema
