@@ -213,36 +213,26 @@ class SchemaGuard:
         return ok
 
     def _value_ok(self, path: tuple[Any, ...], raw: bytes) -> bool:
-        value: Any = _MISSING
-        for anchor in self.anchors:
-            if anchor.matches(path):
-                if value is _MISSING:
-                    try:
-                        value = json.loads(raw)
-                    except ValueError:
-                        return True  # not JSON yet (the grammar decides); nothing to check
-                if not _is_valid(anchor.validator or self.validator, value):
-                    return False
-        return True
+        return _all_valid([a.validator or self.validator for a in self.anchors if a.matches(path)], raw)
 
     def partial_ok(self, path: tuple[Any, ...], raw: bytes) -> bool:
-        value: Any = _MISSING
-        for anchor in self.anchors:
-            if anchor.monotone is not None and anchor.matches(path):
-                if value is _MISSING:
-                    try:
-                        value = json.loads(raw)
-                    except ValueError:
-                        return True
-                if not _is_valid(anchor.monotone, value):
-                    return False
-        return True
+        return _all_valid([a.monotone for a in self.anchors if a.monotone is not None and a.matches(path)], raw)
 
     def key_ok(self, path: tuple[Any, ...], key: str) -> bool:
         return all(_is_valid(a.names, key) for a in self.anchors if a.names is not None and a.matches(path))
 
 
-_MISSING = object()
+def _all_valid(validators: list[Any], raw: bytes) -> bool:
+    """Every validator accepts the JSON text `raw`; True while it is not JSON yet (the grammar decides)."""
+    if not validators:
+        return True
+    try:
+        value = json.loads(raw)
+    except ValueError:
+        return True
+    return all(_is_valid(v, value) for v in validators)
+
+
 # Formats whose jsonschema checker is too slow to run per candidate token (rfc3987-syntax parses IRIs with a
 # general Earley parser: up to ~100 ms a string). They are left to the grammar (which does not know them).
 _SLOW_FORMATS = frozenset({"iri", "iri-reference"})
