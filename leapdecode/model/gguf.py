@@ -25,6 +25,7 @@ import hashlib
 import json
 import math
 import os
+import shutil
 import tempfile
 from typing import Any, Iterator
 
@@ -97,18 +98,7 @@ def _field(reader, key: str, default: Any = None) -> Any:
     f = reader.fields.get(key)
     if f is None:
         return default
-    value = f.contents()
-    return value
-
-
-def read_metadata(path: str, keys_with_prefix: tuple[str, ...] = ("general.",)) -> dict[str, Any]:
-    """Scalar metadata (and short arrays) of the file, for inspection and the tests."""
-    reader = open_gguf(path)
-    out = {}
-    for key, f in reader.fields.items():
-        if key.startswith(keys_with_prefix) and key not in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges"):
-            out[key] = f.contents()
-    return out
+    return f.contents()
 
 
 # -- config ------------------------------------------------------------------------------------------------------
@@ -390,22 +380,16 @@ def load_tokenizer(path: str):
     except Exception as e:
         raise ValueError(f"could not build a tokenizer from the metadata of GGUF file {path!r}: {e}") from e
     if cache_enabled():
-        try:
-            tmp = tempfile.mkdtemp(dir=os.path.dirname(tok_dir) if os.path.isdir(os.path.dirname(tok_dir))
-                                   else _mkdirs(os.path.dirname(tok_dir)))
+        try:   # write next to the final place, then rename: a reader never sees half a tokenizer
+            os.makedirs(os.path.dirname(tok_dir), exist_ok=True)
+            tmp = tempfile.mkdtemp(dir=os.path.dirname(tok_dir), prefix=".tokenizer-")
             tok.save_pretrained(tmp)
             if os.path.isdir(tok_dir):
-                import shutil
                 shutil.rmtree(tok_dir, ignore_errors=True)
             os.replace(tmp, tok_dir)
         except OSError:
             pass
     return tok
-
-
-def _mkdirs(d: str) -> str:
-    os.makedirs(d, exist_ok=True)
-    return d
 
 
 def weights_cache_file(path: str, dtype_name: str) -> str:
