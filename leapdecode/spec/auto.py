@@ -48,6 +48,10 @@ class _Stats:
 class AutoDrafter:
     """Per-request choice among ``drafters`` (name -> drafter) by expected accepted tokens; see the module doc."""
 
+    @property
+    def wants_topk(self) -> bool:
+        return any(getattr(d, "wants_topk", False) for d in self.drafters.values())
+
     def __init__(self, drafters: Mapping[str, Drafter], score_weight: float = 0.5, decay: float = 0.7,
                  prior_decay: float = 0.98, fill: bool = True) -> None:
         if not drafters:

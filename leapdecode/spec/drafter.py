@@ -49,6 +49,8 @@ class DraftRequest:
 
 
 class Drafter(Protocol):
+    """A drafter may also set ``wants_topk = True`` to receive the target's top-k candidates in ``observe``."""
+
     def propose(self, requests: list[DraftRequest]) -> list[Draft]:
         """One draft per request, each with at most ``max_draft`` tokens (may be empty)."""
 

@@ -65,6 +65,7 @@ def static_tree(max_nodes: int, rank_probs: tuple[float, ...]) -> tuple[tuple[in
 
 class RecyclingDrafter(PerRequestDrafter):
     """Token Recycling drafter with ADED-style adaptive tri-gram ranking. See the module docstring."""
+    wants_topk = True        # learns from the target's top-k at every verified position (see Drafter.observe)
 
     def __init__(self, vocab_size: int = 32000, num_successors: int = 8, tree: bool = True,
                  rank_probs: Sequence[float] = DEFAULT_RANK_PROBS, trigram_slots: int = 1 << 16,

@@ -1,0 +1,168 @@
+"""The step's seams: plans and results are plain data, the overlapped step changes no token, the model runs layer
+ranges and returns hidden states like transformers, capacity-bucket padding changes nothing, and the KV pool is
+not touched at start-up."""
+import pickle
+import random
+
+import pytest
+import torch
+
+from conftest import assert_pool_free, make_llm
+from leapdecode import SamplingParams
+from leapdecode.attention.kv_cache import KVCache
+from leapdecode.engine.step import ScheduledSeq, lay_out
+from leapdecode.spec.tree import DraftTree
+
+
+def prompts(n, seed=0, vocab=384):
+    rng = random.Random(seed)
+    return [[rng.randrange(2, vocab) for _ in range(rng.randint(2, 50))] for _ in range(n)]
+
+
+def test_plan_and_result_are_plain_data_that_another_executor_can_run(llama_dir):
+    a, b = make_llm(llama_dir), make_llm(llama_dir)
+    eng = a.engine
+    for i, p in enumerate(prompts(3)):
+        eng.add_request(str(i), p, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+    plans = []
+    while eng.has_unfinished():
+        plan = eng.scheduler.schedule()
+        copy = pickle.loads(pickle.dumps(plan))
+        assert copy == plan
+        mine = eng.runner.execute(plan).logits
+        theirs = b.engine.runner.execute(copy).logits          # a second executor, fed only the unpickled plan
+        torch.testing.assert_close(mine, theirs, rtol=0, atol=0)
+        result, _ = eng.verifier.verify(plan, mine, eng.verifier.batch(plan, eng.seqs), None, eng.seqs)
+        assert pickle.loads(pickle.dumps(result)) == result
+        eng._commit(plan, result, 0.0)
+        plans.append(plan)
+    assert len(plans) == 4 and all(len(p.seqs) == 3 for p in plans)
+    assert_pool_free(a)
+
+
+def test_tree_plan_carries_positions_and_masks_into_the_forward(llama_dir):
+    """A chunk that ends in a tree: each node's logits equal those of its own root path run as a chain."""
+    llm = make_llm(llama_dir)
+    eng = llm.engine
+    ctx = [5, 6, 7, 8, 9]
+    tree = DraftTree.of([20, 30, 21, 31, 40], [-1, -1, 0, 1, 2])
+    blocks = tuple(range(4))
+
+    def run(tokens, draft):
+        chunk = ScheduledSeq(0, 0, tuple(tokens) + draft.tokens, blocks, draft, samples=True)
+        return eng.runner.execute(lay_out(0, 16, [chunk])).logits
+
+    tree_logits = run(ctx, tree)
+    for node, path in enumerate(tree.node_paths()):
+        chain = run(ctx, DraftTree.of(path))
+        torch.testing.assert_close(tree_logits[1 + node], chain[-1], rtol=1e-5, atol=1e-5)
+
+
+WORKLOAD = [
+    SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
+    SamplingParams(temperature=1.0, seed=3, max_tokens=9, ignore_eos=True, logprobs=2),
+    SamplingParams(temperature=0.8, top_k=20, top_p=0.9, seed=5, max_tokens=14, n=2, ignore_eos=True),
+    SamplingParams(temperature=0.0, max_tokens=20, stop=["a"], prompt_logprobs=1),
+    SamplingParams(temperature=0.0, max_tokens=1),
+]
+
+
+@pytest.mark.parametrize("unsafe", [False, True])
+def test_overlapped_step_is_token_for_token_the_synchronous_one(llama_dir, unsafe):
+    """Mixed lengths, seeds, n > 1, stop strings, logprobs and prompt logprobs; with ``unsafe`` some requests
+    need host tokens (penalties), so the engine drains and alternates between the two kinds of step."""
+    ps = prompts(15, seed=4)
+    params = [WORKLOAD[i % len(WORKLOAD)] for i in range(len(ps))]
+    if unsafe:
+        params[4] = SamplingParams(temperature=0.0, max_tokens=6, repetition_penalty=1.3)
+    outs, lps = {}, {}
+    for overlap in (False, True):
+        llm = make_llm(llama_dir, async_scheduling=overlap, max_num_batched_tokens=64, seed=9)
+        got = llm.generate(ps, params, use_tqdm=False)
+        outs[overlap] = [[(o.token_ids, o.text, o.finish_reason) for o in r.outputs] for r in got]
+        lps[overlap] = [[o.logprobs for o in r.outputs] + [r.prompt_logprobs] for r in got]
+        if overlap:
+            assert llm.engine.stats["overlapped_steps"] > 0
+        assert_pool_free(llm)
+    assert outs[True] == outs[False]
+    # logprobs agree to float rounding (a step's batch may hold one more row when overlapped: other GEMM shapes)
+    assert str(lps[True]).count(":") == str(lps[False]).count(":")
+    for a, b in zip(flat(lps[True]), flat(lps[False])):
+        assert a == b if not isinstance(a, float) else abs(a - b) < 1e-4
+
+
+def flat(x):
+    if isinstance(x, dict):
+        for k in sorted(x):
+            yield k
+            yield x[k]
+    elif isinstance(x, (list, tuple)):
+        for y in x:
+            yield from flat(y)
+    else:
+        yield x
+
+
+def test_overlapped_stream_and_abort_leave_nothing_behind(llama_dir):
+    llm = make_llm(llama_dir, async_scheduling=True)
+    ref = make_llm(llama_dir).generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=30), use_tqdm=False)
+    seen = []
+    for i, out in enumerate(llm.stream([5, 6, 7], SamplingParams(temperature=0, max_tokens=30))):
+        seen = out.outputs[0].token_ids
+        if i == 5:
+            break                                       # closing the stream aborts with a step in flight
+    assert seen == ref[0].outputs[0].token_ids[:len(seen)]
+    llm.generate([[1, 2]], SamplingParams(max_tokens=3), use_tqdm=False)   # drains the aborted step's result
+    assert_pool_free(llm)
+
+
+def test_hidden_states_and_layer_ranges_match_transformers(llama_dir):
+    import transformers
+    llm = make_llm(llama_dir)
+    eng = llm.engine
+    tokens = [5, 17, 90, 3, 44, 250, 8]
+    chunk = ScheduledSeq(0, 0, tuple(tokens), (0,), prompt_logprobs=True)
+    plan = lay_out(0, 16, [chunk])
+    L = eng.model_cfg.num_layers
+    out = eng.runner.execute(plan, capture=tuple(range(L + 1)))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(llama_dir, dtype=torch.float32)
+    with torch.no_grad():
+        ref = hf(torch.tensor([tokens]), output_hidden_states=True)
+    for i in range(L + 1):
+        torch.testing.assert_close(out.hidden_states[i], ref.hidden_states[i][0], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(out.logits, ref.logits[0], rtol=1e-4, atol=1e-4)
+    # the same forward as two ranges: layers [0, 1) then [1, L) from the captured stream
+    batch = eng.runner.prepare(plan)
+    model = eng.runner.model
+    with torch.inference_mode():
+        eng.runner.backend.plan(batch.meta)
+        mid = model(batch.input_ids, batch.meta, end_layer=1)
+        final = model(batch.input_ids, batch.meta, start_layer=1, hidden=mid)
+        logits = model.compute_logits(final)
+    torch.testing.assert_close(mid, out.hidden_states[1], rtol=0, atol=0)
+    torch.testing.assert_close(logits, out.logits, rtol=0, atol=0)
+
+
+def test_padding_to_capacity_buckets_changes_nothing(llama_dir):
+    ps = prompts(5, seed=2)
+    p = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    plain = make_llm(llama_dir, pad_to_buckets=False).generate(ps, p, use_tqdm=False)
+    padded_llm = make_llm(llama_dir, pad_to_buckets=True)
+    plan = padded_llm.engine.scheduler.schedule()
+    assert not plan                                    # nothing queued yet: an empty plan
+    padded = padded_llm.generate(ps, p, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in padded] == [o.outputs[0].token_ids for o in plain]
+    assert_pool_free(padded_llm)
+
+
+def test_the_kv_pool_is_not_touched_at_start_up():
+    def rss():
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * 4096
+    before = rss()
+    cache = KVCache(num_layers=4, num_blocks=4096, block_size=16, num_kv_heads=8, head_dim=64,
+                    dtype=torch.bfloat16, device=torch.device("cpu"))      # 512 MiB
+    grown = rss() - before
+    assert cache.data.numel() * 2 == 512 << 20
+    assert grown < 64 << 20, grown
+    assert float(cache.data[3, 1, 4095].abs().sum()) == 0.0             # reads as zeros
