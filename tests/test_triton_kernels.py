@@ -8,6 +8,7 @@ so a wrong page, offset or mask shows up as a wrong number.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import random
 
@@ -111,17 +112,24 @@ def make_case(seed, ctx_lens, q_lens, hkv, group, d, block_size, dtype, window=N
         positions=torch.tensor(positions, dtype=torch.long), slot_mapping=torch.tensor(slots, dtype=torch.long),
         block_tables=tables, seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
         query_start_loc=torch.tensor(qsl, dtype=torch.int32), query_lens=list(q_lens), seq_lens_host=seq_lens,
-        block_size=block_size, sliding_window=window, tree_masks=tree_masks)
-    return q.to(DEV), kv_cache.to(DEV), to_device(meta)
+        block_size=block_size, num_actual_tokens=qsl[-1], sliding_window=window)
+    return q.to(DEV), kv_cache.to(DEV), with_trees(to_device(meta), tree_masks)
 
 
 def to_device(meta: AttentionMetadata) -> AttentionMetadata:
-    return AttentionMetadata(
-        positions=meta.positions.to(DEV), slot_mapping=meta.slot_mapping.to(DEV),
+    return dataclasses.replace(
+        meta, positions=meta.positions.to(DEV), slot_mapping=meta.slot_mapping.to(DEV),
         block_tables=meta.block_tables.to(DEV), seq_lens=meta.seq_lens.to(DEV),
-        query_start_loc=meta.query_start_loc.to(DEV), query_lens=meta.query_lens, seq_lens_host=meta.seq_lens_host,
-        block_size=meta.block_size, sliding_window=meta.sliding_window,
-        tree_masks={i: m.to(DEV) for i, m in meta.tree_masks.items()})
+        query_start_loc=meta.query_start_loc.to(DEV))
+
+
+def with_trees(meta: AttentionMetadata, tree_masks: dict) -> AttentionMetadata:
+    """The metadata with per-sequence [q, q] tree masks packed as the runner packs them."""
+    if not tree_masks:
+        return dataclasses.replace(meta, tree_mask=None, tree_offsets=None, tree_offsets_host=None)
+    flat, offsets = tk.pack_tree_masks(tree_masks, meta.num_seqs, DEV)
+    return dataclasses.replace(meta, tree_mask=flat.bool(), tree_offsets=offsets.long(),
+                               tree_offsets_host=offsets.tolist())
 
 
 def reference(q, kv_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
@@ -142,8 +150,8 @@ def reference(q, kv_cache, meta: AttentionMetadata, scale: float) -> torch.Tenso
         for i in range(n):
             p = int(pos_all[start + i])
             visible = key_pos <= p
-            if b in meta.tree_masks:
-                visible[ctx:] = meta.tree_masks[b][i].cpu()
+            if meta.tree(b) is not None:
+                visible[ctx:] = meta.tree(b)[i].cpu()
             if meta.sliding_window is not None:
                 visible &= key_pos > p - meta.sliding_window
             scores = torch.einsum("hd,khd->hk", q[start + i], k[visible]) * scale
@@ -164,11 +172,12 @@ def run_decode(q, kv_cache, meta, scale, **kw):
 
 
 def run_prefill(q, kv_cache, meta, scale, **kw):
-    tree_mask, tree_offsets = tk.pack_tree_masks(meta.tree_masks, meta.num_seqs, q.device)
+    has_tree = meta.tree_mask is not None
     return tk.paged_prefill_attention(q, kv_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
                                       meta.positions, scale, max_query_len=max(meta.query_lens),
-                                      sliding_window=meta.sliding_window, tree_mask=tree_mask,
-                                      tree_offsets=tree_offsets, **kw)
+                                      sliding_window=meta.sliding_window,
+                                      tree_mask=meta.tree_mask.to(torch.uint8) if has_tree else None,
+                                      tree_offsets=meta.tree_offsets.to(torch.int32) if has_tree else None, **kw)
 
 
 # (ctx lens, hkv, group, head dim, block size, dtype, window, num_splits)
@@ -225,7 +234,7 @@ def test_prefill_arbitrary_step_mask():
     g = torch.Generator().manual_seed(8)
     mask = torch.rand(11, 11, generator=g) < 0.5
     mask.fill_diagonal_(True)
-    meta.tree_masks = {0: mask.to(DEV)}
+    meta = with_trees(meta, {0: mask.to(DEV)})
     # 16-row tiles = 8 tokens: the first tile must still reach the keys of tokens 8..10
     check(run_prefill(q, kv, meta, 0.3, tune={"block_m": 16}), reference(q, kv, meta, 0.3), torch.float32)
 
@@ -255,9 +264,11 @@ def test_backend_mixed_batch_write_then_attend():
     k_new = torch.randn(T, hkv, d, generator=g).to(DEV)
     v_new = torch.randn(T, hkv, d, generator=g).to(DEV)
     backend = TritonAttention()
+    backend.plan(meta)
+    plan = meta.plan
     backend.write_kv(k_new, v_new, kv, meta)
     out = backend.attend(q, kv, meta, 0.25)
-    assert backend.attend(q, kv, meta, 0.25) is not out and backend._meta is meta      # plan reused per step
+    assert backend.attend(q, kv, meta, 0.25) is not out and meta.plan is plan      # one plan for every layer
     check(out, reference(q, kv, meta, 0.25), torch.float32)
     flat = kv.view(2, -1, hkv, d)
     assert torch.equal(flat[0, meta.slot_mapping], k_new) and torch.equal(flat[1, meta.slot_mapping], v_new)
@@ -279,9 +290,7 @@ def test_engine_greedy_equals_torch_backend_under_interpreter(tiny_dir, monkeypa
 
 
 def engine_tokens(tiny_dir, monkeypatch, arch, spec=None, n_prompts=12, max_tokens=48, max_len=200):
-    import leapdecode.engine.model_runner as model_runner
     from leapdecode import LLM, SamplingParams
-    from leapdecode.attention.torch_ref import TorchAttention
 
     path = tiny_dir(arch)
     rng = random.Random(0)
@@ -289,10 +298,9 @@ def engine_tokens(tiny_dir, monkeypatch, arch, spec=None, n_prompts=12, max_toke
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     spec_cfg = {"method": spec, "num_speculative_tokens": 3} if spec else None
     results = {}
-    for name, cls in (("torch", TorchAttention), ("triton", TritonAttention)):
-        monkeypatch.setattr(model_runner, "get_backend", lambda *a, cls=cls, **k: cls())
+    for name in ("torch", "triton"):
         llm = LLM(path, dtype="float32", device=DEV.type, max_model_len=512, max_num_batched_tokens=32 if not CUDA
-                  else 256, speculative_config=spec_cfg)
+                  else 256, speculative_config=spec_cfg, attention_backend=name)
         assert llm.engine.runner.backend.name == name
         results[name] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     return results

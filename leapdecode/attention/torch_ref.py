@@ -26,7 +26,7 @@ class _Group:
     blocks: torch.Tensor       # [B, nblocks] block ids to gather
     max_k: int
     q_index: torch.Tensor      # [B, max_q] flat query row of each padded query (clamped)
-    valid_q: torch.Tensor      # [B, max_q]
+    valid_q: torch.Tensor | None   # [B, max_q]; None when every sequence has exactly one query (decode)
     out_index: torch.Tensor    # flat rows of the valid queries, in valid_q order
     mask: torch.Tensor         # [B, 1, max_q, max_k]
 
@@ -58,7 +58,8 @@ class TorchAttention(AttentionBackend):
             o = F.scaled_dot_product_attention(
                 q[g.q_index].transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),   # [B, H, max_q, D]
                 attn_mask=g.mask, scale=scale, enable_gqa=True)
-            out[g.out_index] = o.transpose(1, 2)[g.valid_q].to(out.dtype)
+            o = o.transpose(1, 2)
+            out[g.out_index] = (o[:, 0] if g.valid_q is None else o[g.valid_q]).to(out.dtype)
         return out
 
 
@@ -69,13 +70,20 @@ def _group(meta: AttentionMetadata, seqs: list[int]) -> _Group:
     max_q, max_k = max(qlens), max(klens)
     idx = torch.tensor(seqs, device=dev) if len(seqs) != meta.num_seqs else torch.arange(len(seqs), device=dev)
     qpos_in_seq = torch.arange(max_q, device=dev)
-    qlen_t = (meta.query_start_loc[1:] - meta.query_start_loc[:-1])[idx]
     klen_t = meta.seq_lens[idx]
+    nblocks = -(-max_k // meta.block_size)
+    key_idx = torch.arange(max_k, device=dev)
+    if max_q == 1 and all(meta.tree(i) is None for i in seqs):
+        # decodes: the query sits at position klen - 1 and sees every key before it (within the window)
+        q_index = meta.query_start_loc[idx][:, None]
+        mask = key_idx[None, :] < klen_t[:, None]
+        if meta.sliding_window is not None:
+            mask &= key_idx[None, :] > (klen_t[:, None] - 1 - meta.sliding_window)
+        return _Group(meta.block_tables[idx, :nblocks], max_k, q_index, None, q_index[:, 0], mask[:, None, None])
+    qlen_t = (meta.query_start_loc[1:] - meta.query_start_loc[:-1])[idx]
     valid_q = qpos_in_seq[None, :] < qlen_t[:, None]                                      # [B, max_q]
     q_index = (meta.query_start_loc[idx][:, None] + qpos_in_seq[None, :]).clamp(max=meta.num_actual_tokens - 1)
     q_pos = meta.positions[q_index]                                                        # [B, max_q]
-    nblocks = -(-max_k // meta.block_size)
-    key_idx = torch.arange(max_k, device=dev)
     # a key's position is its index, except for this step's tokens, which carry their own (token trees)
     num_ctx = klen_t - qlen_t
     new = key_idx[None, :] - num_ctx[:, None]                                              # [B, max_k]
