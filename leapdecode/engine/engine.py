@@ -26,6 +26,7 @@ import torch
 from leapdecode.config import EngineConfig, parse_dtype
 from leapdecode.engine.block_manager import BlockManager
 from leapdecode.engine.detokenizer import Detokenizer
+from leapdecode.engine.executor import Executor
 from leapdecode.engine.model_runner import ModelRunner
 from leapdecode.engine.scheduler import Scheduler
 from leapdecode.engine.sequence import Sequence
@@ -75,7 +76,7 @@ class Engine:
         self.generation_defaults = load_generation_defaults(cfg.model)
         self.max_model_len = cfg.max_model_len or min(self.model_cfg.max_position_embeddings, 8192)
         self.dtype = parse_dtype(cfg.dtype, self.model_cfg.dtype, self.device)
-        self.runner = ModelRunner(cfg, self.model_cfg, self.dtype, self.max_model_len)
+        self.runner: Executor = ModelRunner(cfg, self.model_cfg, self.dtype, self.max_model_len)
         self.vocab_size = self.model_cfg.vocab_size
         eos = set(self.model_cfg.eos_token_id) | set(self.generation_defaults.eos_token_id)
         if self.tokenizer.eos_token_id is not None:
