@@ -27,9 +27,9 @@ passes that grammar-forced tokens save (issue 8).
     structured ones end at their own EOS, so their batch thins out towards the end (fewer tokens per step to
     amortize a step over); ms/step (wall / engine steps) is shown beside tokens/s for that reason.
 
-(iv) forced tokens ("jump-forward" as drafts verified with certainty): ``constraints.num_forced_tokens``, engine
+(iv) forced tokens ("jump-forward" as drafts verified with certainty): ``structured.num_forced_tokens``, engine
     steps vs generated tokens, and tokens/s against the same schema run with forced-token drafting disabled. The
-    disabled variant is a monkeypatch in THIS SCRIPT ONLY: ``llm.engine.constraints.prepare_drafts`` replaced by a
+    disabled variant is a monkeypatch in THIS SCRIPT ONLY: ``llm.engine.structured.prepare_drafts`` replaced by a
     version that only cuts drafter drafts to what the grammar accepts and never proposes forced tokens. Greedy
     outputs of both must be identical (the forced token is the only one the mask allows). With
     ``--spec-method M`` a third variant runs forced drafting plus a model-free drafter (its drafts cut by the
@@ -194,9 +194,9 @@ def instrument(llm, log: FillLog) -> None:
                     log.calls.append((dt, sum(counts) + len(counts), len(counts)))
             return counts
         fill_bitmasks._bench_wrapped = True
-        st.fill_bitmasks = fill_bitmasks      # Constraints.start_fill imports it from leapdecode.structured per call
+        st.fill_bitmasks = fill_bitmasks      # StructuredOutput.start_fill imports it from leapdecode.structured per call
 
-    cons = llm.engine.constraints
+    cons = llm.engine.structured
     apply = cons.apply
 
     def timed_apply(logits, pending):
@@ -211,24 +211,22 @@ def instrument(llm, log: FillLog) -> None:
 
 def disable_forced(cons) -> None:
     """Benchmark-only monkeypatch: never propose grammar-forced tokens; only cut drafter drafts to the grammar."""
-    from leapdecode.engine.constraints import _first_chain
-
-    def prepare_drafts(seq, room):
+    def draft(seq, proposal, room):
         m = cons.matchers[seq.seq_id]
-        chain = _first_chain(seq.draft_tokens, seq.draft_parents)
-        seq.set_draft(chain[:m.validate(chain)] if chain else [])
-    cons.prepare_drafts = prepare_drafts
+        chain = proposal.first_chain()
+        return chain.prefix(m.validate(list(chain.tokens))) if chain else chain
+    cons.draft = draft
 
 
 def enable_forced(cons) -> None:
-    cons.__dict__.pop("prepare_drafts", None)
+    cons.__dict__.pop("draft", None)
 
 
 # -- (iii)/(iv) end to end -------------------------------------------------------------------------------------
 def run(llm, ps: list[str], batch: int, sp, log: FillLog | None = None) -> dict:
     eng = llm.engine
     before = dict(eng.stats)
-    forced0 = eng.constraints.num_forced_tokens
+    forced0 = eng.structured.num_forced_tokens
     if log is not None:
         log.on = True
     gc.collect()
@@ -247,7 +245,7 @@ def run(llm, ps: list[str], batch: int, sp, log: FillLog | None = None) -> dict:
     return {"wall_s": wall, "generated_tokens": gen, "tokens_per_s": gen / wall, "steps": d["steps"],
             "request_steps": sum(o.metrics.num_steps for o in outs),
             "draft_tokens": d["draft_tokens"], "accepted_tokens": d["accepted_tokens"],
-            "forced_tokens": eng.constraints.num_forced_tokens - forced0,
+            "forced_tokens": eng.structured.num_forced_tokens - forced0,
             "finish": {r: sum(o.outputs[0].finish_reason == r for o in outs) for r in ("stop", "length", "abort")},
             "texts": [o.outputs[0].text for o in outs],
             "token_ids": [list(o.outputs[0].token_ids) for o in outs],
@@ -357,14 +355,14 @@ def main(argv=None) -> int:
                 if v == "unconstrained":
                     r = run(llm, ps, b, free)
                 elif v == "schema":
-                    enable_forced(llm.engine.constraints)
+                    enable_forced(llm.engine.structured)
                     log.calls.clear(), log.waits.clear()
                     r = run(llm, ps, b, constrained, log)
                     r["fill"] = (list(log.calls), list(log.waits))
                 elif v == "schema, no forced":
-                    disable_forced(llm.engine.constraints)
+                    disable_forced(llm.engine.structured)
                     r = run(llm, ps, b, constrained)
-                    enable_forced(llm.engine.constraints)
+                    enable_forced(llm.engine.structured)
                 else:
                     r = run(spec_llm, ps, b, constrained)
                 reps[v].append(r)
@@ -475,7 +473,7 @@ def print_tables(result: dict) -> None:
     console.print(t)
     console.print("ratio: tok/s over the unconstrained run of the same batch; vs no forced: tok/s over the 'schema, no "
                   "forced' run (forced-token drafting disabled by a monkeypatch in this script); ms/step: wall / engine "
-                  "steps; tok/step: generated tokens per request-step; forced: grammar-forced draft tokens proposed (constraints.num_forced_tokens); "
+                  "steps; tok/step: generated tokens per request-step; forced: grammar-forced draft tokens proposed (structured.num_forced_tokens); "
                   "identical: greedy token ids equal to the 'schema' run's")
     for r in result["e2e"]:
         for d in r.get("divergences", []):
