@@ -23,7 +23,7 @@ def one_torch_thread():
     torch.set_num_threads(before)
 
 
-@pytest.mark.parametrize("command", [[], ["serve"], ["generate"], ["bench"]])
+@pytest.mark.parametrize("command", [[], ["serve"], ["generate"], ["chat"], ["bench"]])
 def test_help(command, capsys):
     with pytest.raises(SystemExit) as e:
         main([*command, "--help"])

@@ -249,6 +249,7 @@ def test_tokenizer_and_chat_template_from_metadata(tiny_dir, tmp_path):
             == [o.outputs[0].token_ids for o in again.generate(PROMPTS, p, use_tqdm=False)])
     assert again.get_tokenizer().encode(texts[4], add_special_tokens=False) == original.encode(
         texts[4], add_special_tokens=False)
+    assert again.apply_chat_template(messages) == llm.apply_chat_template(messages)
 
 
 def test_truncated_file_is_a_clear_error(tiny_dir, tmp_path):
