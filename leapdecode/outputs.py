@@ -12,8 +12,8 @@ class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
-    finish_reason: str | None = None     # "stop" | "length" | "abort" | None while running
-    stop_reason: int | str | None = None  # the stop string or stop token that ended it
+    finish_reason: str | None = None     # "stop" | "length" | "abort" | "error" | None while running
+    stop_reason: int | str | None = None  # the stop string or stop token that ended it; for "error", the message
     logprobs: list[Logprobs] | None = None
     cumulative_logprob: float | None = None
 

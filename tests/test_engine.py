@@ -259,3 +259,42 @@ def test_metrics_are_filled(llm):
     out = llm.generate(["metrics"], GREEDY, use_tqdm=False)[0]
     m = out.metrics
     assert m.arrival_time <= m.first_scheduled_time <= m.first_token_time <= m.finished_time
+
+
+def test_a_fault_in_one_request_ends_only_that_request(llama_dir, monkeypatch):
+    """A request whose sampling or detokenization raises ends with finish_reason "error" and the message; every
+    other request in the same steps gets exactly the tokens it gets without the faulty one; no block leaks."""
+    from leapdecode.engine.detokenizer import Detokenizer
+    from leapdecode.sampling.sampler import SamplingBatch
+    ps = random_prompts(6, seed=5)
+    ref = tokens(make_llm(llama_dir).generate(ps, GREEDY, use_tqdm=False))
+    process, add = SamplingBatch.process, Detokenizer.add
+
+    def faulty_process(self, logits):
+        if any(r.seq.request_id == "bad-sampling" for r in self.rows):
+            raise RuntimeError("sampler exploded")
+        return process(self, logits)
+
+    def faulty_add(self, token):
+        if getattr(self, "faulty", False):
+            raise UnicodeError("detokenizer exploded")
+        return add(self, token)
+
+    monkeypatch.setattr(SamplingBatch, "process", faulty_process)
+    monkeypatch.setattr(Detokenizer, "add", faulty_add)
+    llm = make_llm(llama_dir)
+    eng = llm.engine
+    for i, p in enumerate(ps):
+        eng.add_request(str(i), p, GREEDY)
+    eng.add_request("bad-sampling", ps[0], GREEDY)
+    eng.add_request("bad-text", ps[1], GREEDY)
+    eng.requests["bad-text"].detoks[eng.requests["bad-text"].seqs[0].seq_id].faulty = True
+    done = {}
+    while eng.has_unfinished():
+        for out in eng.step():
+            if out.finished:
+                done[out.request_id] = out.outputs[0]
+    assert [done[str(i)].token_ids for i in range(len(ps))] == ref
+    assert done["bad-sampling"].finish_reason == "error" and "sampler exploded" in done["bad-sampling"].stop_reason
+    assert done["bad-text"].finish_reason == "error" and "detokenizer exploded" in done["bad-text"].stop_reason
+    assert_pool_free(llm)

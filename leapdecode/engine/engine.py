@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import atexit
 import gc
+import logging
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -38,6 +39,8 @@ from leapdecode.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from leapdecode.sampling.verifier import Verifier
 from leapdecode.sampling_params import SamplingParams
 from leapdecode.spec.tree import EMPTY
+
+log = logging.getLogger(__name__)
 
 MAX_LOGPROBS = 20
 TOPK_FOR_DRAFTERS = 8   # Token Recycling learns the target's top-k successors at every verified position
@@ -98,6 +101,7 @@ class Engine:
                                  TOPK_FOR_DRAFTERS if self.speculator and self.speculator.wants_topk else 0)
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="leapdecode-step") if cfg.async_scheduling else None
         self._inflight: _InFlight | None = None
+        self._ended_outside_a_step: list[str] = []   # requests a fault ended before their step: output them once
         self.stats = {"steps": 0, "prompt_tokens": 0, "generation_tokens": 0, "draft_tokens": 0,
                       "accepted_tokens": 0, "overlapped_steps": 0}
         _freeze_startup_objects()
@@ -174,8 +178,7 @@ class Engine:
             return False
         for seq in req.seqs:
             if not seq.is_finished:
-                seq.finish_reason = "abort"
-                self.scheduler.finish(seq)
+                self.scheduler.finish(seq, "abort")
                 self._finished(seq)
         return True
 
@@ -188,6 +191,7 @@ class Engine:
             return self._step_overlapped()
         outputs = self._drain()
         plan = self.scheduler.schedule(self._propose())
+        outputs += self._outputs_of_ended()
         if not plan:
             return outputs
         t0 = time.perf_counter()
@@ -205,12 +209,33 @@ class Engine:
         drafts = {}
         if self.speculator is not None:
             prefill = sum(s.num_tokens - s.num_computed_tokens for s in self.scheduler.running if s.is_prefill)
-            drafts = self.speculator.propose(decoding, [self.scheduler.draft_room(s) for s in decoding], prefill)
+            try:
+                drafts = self.speculator.propose(decoding, [self.scheduler.draft_room(s) for s in decoding], prefill)
+            except Exception:                   # noqa: BLE001 - a drafter fault costs this step its drafts, no more
+                log.exception("drafter failed; this step runs without drafts")
+                drafts = {}
         for seq in decoding:
             if seq in self.structured:
-                drafts[seq.seq_id] = self.structured.draft(seq, drafts.get(seq.seq_id, EMPTY),
-                                                           self.scheduler.draft_room(seq))
+                try:
+                    drafts[seq.seq_id] = self.structured.draft(seq, drafts.get(seq.seq_id, EMPTY),
+                                                               self.scheduler.draft_room(seq))
+                except Exception as e:          # noqa: BLE001 - the grammar failed for this request alone
+                    self.scheduler.finish(seq, "error", f"{type(e).__name__}: {e}")
+                    self._finished(seq)
+                    self._ended_outside_a_step.append(seq.request_id)
+                    drafts.pop(seq.seq_id, None)
         return drafts
+
+    def _outputs_of_ended(self) -> list[RequestOutput]:
+        outputs = []
+        for request_id in dict.fromkeys(self._ended_outside_a_step):
+            req = self.requests.get(request_id)
+            if req is not None:
+                outputs.append(self._output(req))
+                if req.finished:
+                    self.requests.pop(request_id)
+        self._ended_outside_a_step = []
+        return outputs
 
     def _overlap_safe(self) -> bool:
         return self.speculator is None and all(r.overlap_safe for r in self.requests.values())

@@ -25,7 +25,7 @@ from typing import Mapping
 
 from leapdecode.engine.block_manager import BlockManager
 from leapdecode.engine.sequence import Sequence, SequenceStatus
-from leapdecode.engine.step import PLACEHOLDER, ScheduledSeq, StepPlan, StepResult, lay_out
+from leapdecode.engine.step import PLACEHOLDER, ScheduledSeq, StepPlan, StepResult
 from leapdecode.engine.stop import StopChecker
 from leapdecode.spec.tree import EMPTY, DraftTree
 
@@ -127,8 +127,10 @@ class Scheduler:
         return self._freeze(chunks, preempted)
 
     def _freeze(self, chunks: list[tuple[Sequence, int, DraftTree]], preempted: list[int]) -> StepPlan:
-        """Snapshot the chunks into a plan, then advance the counters as if all of it will be accepted."""
-        planned, placeholders, offset = [], [], 0
+        """Snapshot the chunks into a plan (numbering logits and sample rows once), then advance the counters as
+        if all of it will be computed and accepted."""
+        planned, placeholders = [], []
+        offset = logits = samples = 0
         for seq, n, draft in chunks:
             start = seq.num_computed_tokens
             known = n - len(draft)
@@ -136,19 +138,22 @@ class Scheduler:
             if len(ids) < known:                          # the tail is a token still on the device
                 assert known - len(ids) == 1 and seq.num_placeholders == 1, seq
                 placeholders.append((offset + len(ids), self._sample_row[seq.seq_id]))
-                ids = ids + [PLACEHOLDER]
-            samples = start + n == seq.num_tokens + seq.num_placeholders + len(draft)
+                ids.append(PLACEHOLDER)
+            sampled = 1 + len(draft) if start + n == seq.num_tokens + seq.num_placeholders + len(draft) else 0
             plp = (seq.params.prompt_logprobs is not None and start < seq.num_prompt_tokens
                    and len(seq.prompt_logprobs) < seq.num_prompt_tokens)
-            planned.append(ScheduledSeq(seq.seq_id, start, tuple(ids) + draft.tokens, tuple(seq.block_table), draft,
-                                        samples, plp))
+            n_logits = n if plp else sampled
+            planned.append(ScheduledSeq(seq.seq_id, start, tuple(ids) + draft.tokens if draft else tuple(ids),
+                                        tuple(seq.block_table), draft, sampled > 0, plp, logits, n_logits, samples))
             offset += n
-        plan = lay_out(self._step_id, self.bm.block_size, planned, kv_moves=tuple(self._kv_moves),
-                       placeholders=tuple(placeholders), preempted=tuple(preempted))
+            logits += n_logits
+            samples += sampled
+        plan = StepPlan(self._step_id, tuple(planned), self.bm.block_size, logits, samples, tuple(self._kv_moves),
+                        tuple(placeholders), tuple(preempted))
         self._step_id += 1
         self._kv_moves = []
         self._sample_row = {}
-        for (seq, n, _), s in zip(chunks, plan.seqs):
+        for (seq, n, _), s in zip(chunks, planned):
             seq.num_computed_tokens += n
             if s.samples:
                 seq.num_placeholders += 1
@@ -179,31 +184,44 @@ class Scheduler:
             seq = seqs.get(c.seq_id)
             if seq is None or seq.is_finished:            # aborted (or ended) while the step was in flight
                 continue
-            entries = result.prompt_logprobs.get(c.seq_id)
-            if entries:
-                first = c.start + 1                       # entry j is for the token at position start + 1 + j
-                seq.prompt_logprobs.extend(entries[len(seq.prompt_logprobs) - first:])
-            r = result.seqs.get(c.seq_id)
-            if r is None:                                 # a prefill chunk that does not reach the end
-                if seq.status == SequenceStatus.RUNNING:
-                    self.bm.commit(seq, c.start + c.num_new_tokens)
-                if entries:
+            error = result.errors.get(c.seq_id)
+            if error is None:
+                try:
+                    stop = self._apply(c, seq, result, out)
+                except Exception as e:                    # noqa: BLE001 - a fault of this request alone
+                    error = f"{type(e).__name__}: {e}"
+            if error is not None:
+                stop = ("error", error)
+                if seq not in out.touched:
                     out.touched.append(seq)
-                continue
-            seq.num_placeholders -= 1
-            if seq.status == SequenceStatus.RUNNING:
-                seq.num_computed_tokens -= len(c.draft) - len(r.accepted)
-                self._compact_tree(c, r)
-            self._fork(seq)
-            stop = self._append(seq, r)
-            if seq.status == SequenceStatus.RUNNING:
-                self.bm.commit(seq, c.start + c.num_committed + len(r.accepted))
-            out.touched.append(seq)
             if stop is not None:
-                seq.finish_reason, seq.stop_reason = stop
-                self.finish(seq)
+                self.finish(seq, *stop)
                 out.finished.append(seq)
         return out
+
+    def _apply(self, c: ScheduledSeq, seq: Sequence, result: StepResult, out: UpdateOutput):
+        """One sequence's share of a result; returns (finish_reason, stop_reason) if it ended."""
+        entries = result.prompt_logprobs.get(c.seq_id)
+        if entries:
+            first = c.start + 1                           # entry j is for the token at position start + 1 + j
+            seq.prompt_logprobs.extend(entries[len(seq.prompt_logprobs) - first:])
+        r = result.seqs.get(c.seq_id)
+        if r is None:                                     # a prefill chunk that does not reach the end
+            if seq.status == SequenceStatus.RUNNING:
+                self.bm.commit(seq, c.start + c.num_new_tokens)
+            if entries:
+                out.touched.append(seq)
+            return None
+        seq.num_placeholders -= 1
+        if seq.status == SequenceStatus.RUNNING:
+            seq.num_computed_tokens -= len(c.draft) - len(r.accepted)
+            self._compact_tree(c, r)
+        self._fork(seq)
+        out.touched.append(seq)
+        stop = self._append(seq, r)
+        if seq.status == SequenceStatus.RUNNING:
+            self.bm.commit(seq, c.start + c.num_committed + len(r.accepted))
+        return stop
 
     def _append(self, seq: Sequence, r) -> tuple[str, int | str | None] | None:
         """Append the verified tokens one by one, stopping at the first that ends the sequence."""
@@ -242,8 +260,11 @@ class Scheduler:
             child.num_computed_tokens = self.bm.share_prefix(parent, child, shared)
             self.waiting.appendleft(child)
 
-    def finish(self, seq: Sequence) -> None:
-        """Remove a finished or aborted sequence wherever it is and return its blocks."""
+    def finish(self, seq: Sequence, reason: str | None = None, stop_reason: int | str | None = None) -> None:
+        """Remove a finished or aborted sequence wherever it is and return its blocks; ``reason`` (with its
+        ``stop_reason``) is the finish reason it reports, when not already set."""
+        if reason is not None:
+            seq.finish_reason, seq.stop_reason = reason, stop_reason
         if seq.status == SequenceStatus.RUNNING:
             self.running.remove(seq)
         elif seq.status == SequenceStatus.WAITING and seq in self.waiting:

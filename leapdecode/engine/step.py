@@ -20,7 +20,7 @@ from leapdecode.spec.tree import EMPTY, DraftTree
 PLACEHOLDER = -1    # a token id the host does not know yet: filled on the device from the previous step's sample
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class ScheduledSeq:
     seq_id: int
     start: int                        # index of the first token this step computes
@@ -60,7 +60,7 @@ class ScheduledSeq:
         return committed + self.draft.positions(self.start + self.num_committed - 1)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class StepPlan:
     step_id: int
     seqs: tuple[ScheduledSeq, ...]
@@ -98,7 +98,7 @@ def lay_out(step_id: int, block_size: int, chunks: list[ScheduledSeq], **extra) 
     return StepPlan(step_id, tuple(seqs), block_size, logits, samples, **extra)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class SeqResult:
     """One sequence's outcome: accepted draft nodes (root first), the tokens to append (accepted + bonus), and
     per appended token its logprobs (chosen, top-N) and the target's top-k (for drafters that learn from it)."""
@@ -109,8 +109,9 @@ class SeqResult:
     topk: tuple | None = None
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class StepResult:
     step_id: int
     seqs: dict[int, SeqResult] = field(default_factory=dict)
     prompt_logprobs: dict[int, tuple] = field(default_factory=dict)   # seq_id -> entries for prompt positions
+    errors: dict[int, str] = field(default_factory=dict)   # seq_id -> why sampling failed for that sequence alone

@@ -8,11 +8,12 @@ worker thread of an overlapped step) and touches no sequence state: it only read
 """
 from __future__ import annotations
 
+from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, Mapping
 
 import torch
 
-from leapdecode.engine.step import SeqResult, StepPlan, StepResult
+from leapdecode.engine.step import ScheduledSeq, SeqResult, StepPlan, StepResult, lay_out
 from leapdecode.sampling.sampler import Row, SamplingBatch, compute_logprobs
 
 if TYPE_CHECKING:
@@ -39,13 +40,40 @@ class Verifier:
 
     def verify(self, plan: StepPlan, logits: torch.Tensor, batch: SamplingBatch | None, masks: Any,
                seqs: Mapping[int, "Sequence"]) -> tuple[StepResult, torch.Tensor | None]:
-        """-> (the step's result, the sampled tokens per sample row on the device)."""
+        """-> (the step's result, the sampled tokens per sample row on the device).
+
+        If sampling the batch raises, each sequence is sampled alone so the fault stays with the request that
+        causes it (``StepResult.errors``); the others get their tokens as usual."""
+        try:
+            return self._verify(plan, logits, batch, masks, seqs)
+        except Exception:
+            if sum(c.samples or c.prompt_logprobs for c in plan.seqs) <= 1:
+                raise
+            return self._isolate(plan, logits, masks, seqs), None
+
+    def _isolate(self, plan: StepPlan, logits: torch.Tensor, masks: Any, seqs: Mapping[int, "Sequence"]) -> StepResult:
+        out = StepResult(plan.step_id)
+        for c in plan.seqs:
+            if not (c.samples or c.prompt_logprobs):
+                continue
+            alone = lay_out(plan.step_id, plan.block_size, [c])
+            try:
+                r, _ = self._verify(alone, logits[c.logits_start:c.logits_start + c.num_logits],
+                                    self.batch(alone, seqs), _rows_of(masks, c), seqs)
+            except Exception as e:          # noqa: BLE001 - the request ends with this error; the others go on
+                out.errors[c.seq_id] = f"{type(e).__name__}: {e}"
+                continue
+            out.seqs.update(r.seqs)
+            out.prompt_logprobs.update(r.prompt_logprobs)
+        return out
+
+    def _verify(self, plan: StepPlan, logits: torch.Tensor, batch: SamplingBatch | None, masks: Any,
+                seqs: Mapping[int, "Sequence"]) -> tuple[StepResult, torch.Tensor | None]:
         prompt = self._prompt_logprobs(plan, logits, seqs)
         if batch is None:
             return StepResult(plan.step_id, {}, prompt), None
-        rows = plan.sample_logits_rows()
-        whole = len(rows) == logits.shape[0]            # no prompt-logprob rows: the sample rows are all rows
-        raw = logits if whole else logits[torch.tensor(rows, device=logits.device)]
+        whole = plan.num_samples == plan.num_logits     # no prompt-logprob rows: the sample rows are all rows
+        raw = logits if whole else logits[torch.tensor(plan.sample_logits_rows(), device=logits.device)]
         probs = batch.process(self.structured.apply(raw, masks))
         if not batch.all_greedy:
             probs = self.structured.align(batch.rows, probs, lambda: batch.process(raw), masks)
@@ -90,3 +118,16 @@ class Verifier:
                 entries.append(entry)
             out[c.seq_id] = tuple(entries)
         return out
+
+
+def _rows_of(masks: Future | None, c: ScheduledSeq) -> Future | None:
+    """The grammar mask rows of one sequence, renumbered as if it were sampled alone."""
+    if masks is None:
+        return None
+    bitmask, rows = masks.result()
+    keep = [i for i, r in enumerate(rows) if c.sample_start <= r < c.sample_start + c.num_samples]
+    if not keep:
+        return None
+    alone: Future = Future()
+    alone.set_result((bitmask[keep], [rows[i] - c.sample_start for i in keep]))
+    return alone
