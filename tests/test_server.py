@@ -421,7 +421,8 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", _chat(top_logprobs=2), 400, "top_logprobs"),
     ("/v1/chat/completions", _chat(logprobs=True, top_logprobs=50), 400, "top_logprobs"),
     ("/v1/chat/completions", _chat(max_completion_tokens=0), 400, "max_completion_tokens"),
-    ("/v1/chat/completions", _chat(tools=[{"type": "function", "function": {"name": "f"}}]), 400, "tools"),
+    ("/v1/chat/completions", _chat(tools=[{"type": "function", "function": {"name": "f"}}],
+                                   tool_choice={"type": "function", "function": {"name": "g"}}), 400, "tool_choice"),
     ("/v1/chat/completions", _chat(messages=[{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]), 400, "messages[0].content"),
     ("/v1/chat/completions", _chat(messages=[{"role": "user", "content": "hi " * 400}]), 400, "messages"),

@@ -3,11 +3,14 @@
     GET  /v1/models             the served model
     POST /v1/completions        text completion (prompt: string, strings, token ids, or lists of token ids)
     POST /v1/chat/completions   chat through the model's own chat template
-    GET  /health                200 while the engine runs, 503 when shutting down or dead
+    GET  /health, /ping         200 while the engine runs, 503 when shutting down or dead
     GET  /metrics               Prometheus text (this app's own registry)
+    POST /tokenize, /detokenize vLLM's tokenizer endpoints;  GET /version
 
 This file holds the handlers; errors and middleware are in errors.py, the SSE loop in streaming.py, token and
-logprobs formatting in formatting.py.
+logprobs formatting in formatting.py, tool calling in tools.py, and request preparation (tokenization, chat
+templates, grammar compilation: everything slow) in preprocess.py, which runs it in a worker pool with a deadline so
+the engine thread only ever receives token ids and compiled grammars.
 
 Every error has OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``. Anything a client can send
 maps to a 4xx: FastAPI's 422 validation errors become 400 naming the field, engine ValueErrors become 400, a full
@@ -19,6 +22,8 @@ blocks; see ``streaming.EventStream`` and ``OpenAIServer.collect``.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import functools
 import hmac
 import os
 import time
@@ -29,19 +34,23 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
-from leapdecode.errors import InvalidParameter
 from leapdecode.outputs import CompletionOutput, RequestOutput
 from leapdecode.sampling_params import SamplingParams
 from leapdecode.server.async_engine import (AsyncEngine, EngineUnavailableError, PromptLike, QueueFullError,
                                             RequestHandle)
 from leapdecode.server.errors import (CHAT_FIELDS, COMPLETION_FIELDS, APIError, ClientGone, HTTPMetrics,
-                                      RequestSizeLimit, error_response, install_error_handlers, invalid_value)
+                                      RequestId, RequestSizeLimit, error_response, install_error_handlers,
+                                      invalid_value)
 from leapdecode.server.formatting import Formatter, usage
 from leapdecode.server.metrics import ServerMetrics
-from leapdecode.server.protocol import (AssistantMessage, ChatChoice, ChatCompletionRequest, ChatCompletionResponse,
-                                        CompletionChoice, CompletionRequest, CompletionResponse, ErrorResponse,
-                                        ModelCard, ModelList, SamplingFields, random_id)
+from leapdecode.server.preprocess import PreprocessTimeout, Preprocessor
+from leapdecode.server.protocol import (ChatChoice, ChatCompletionRequest, ChatCompletionResponse, CompletionChoice,
+                                        CompletionRequest, CompletionResponse, DetokenizeRequest,
+                                        DetokenizeResponse, ErrorResponse, ModelCard, ModelList, SamplingFields,
+                                        TokenizeRequest, TokenizeResponse, random_id)
 from leapdecode.server.streaming import EventStream, StreamState, stream_events
+from leapdecode.server.tools import (ToolStream, assistant_message, fallback_messages, named_structured,
+                                     required_structured, template_supports_tools, tools_for_template)
 
 DEFAULT_MAX_REQUEST_BYTES = 16 * 2**20
 RETRY_AFTER_SECONDS = 1
@@ -57,15 +66,19 @@ async def _wait_for_disconnect(request: Request) -> None:
 class OpenAIServer:
     """State shared by the handlers: the engine bridge, the model's name, auth and formatting helpers."""
 
-    def __init__(self, llm: Any, async_engine: AsyncEngine, served_model_name: str, api_key: str | None) -> None:
+    def __init__(self, llm: Any, async_engine: AsyncEngine, served_model_name: str, api_key: str | None,
+                 prep: Preprocessor) -> None:
         self.llm = llm
         self.engine = async_engine
         self.served_model_name = served_model_name
         self.model_path = str(llm.engine.cfg.model)
         self.api_key = api_key
         self.max_model_len = llm.engine.max_model_len
+        self.vocab_size = llm.engine.vocab_size
         self.sampling_defaults = dict(llm.engine.generation_defaults.sampling)
         self.fmt = Formatter(llm.engine.tokenizer)     # its own tokenizer copy: see formatting.py
+        self.prep = prep
+        self.metrics = async_engine.metrics
 
     # -- checks -----------------------------------------------------------------------------------------------
     def check_api_key(self, credentials: HTTPAuthorizationCredentials | None) -> None:
@@ -81,26 +94,93 @@ class OpenAIServer:
             raise APIError(404, f"The model '{model}' does not exist; this server serves "
                                 f"'{self.served_model_name}'", param="model", code="model_not_found")
 
-    @staticmethod
-    def check_supported(body: SamplingFields) -> None:
-        bad = body.unsupported_fields()
+    def check_request(self, body: SamplingFields) -> None:
+        """Model-dependent ranges (the vocabulary, the context), then fields this server cannot honour."""
+        v = self.vocab_size
+        if body.top_k is not None and body.top_k > v:
+            raise APIError(400, f"top_k must be at most the vocabulary size ({v}), got {body.top_k}",
+                           param="top_k", code="invalid_value")
+        bad = [t for t in body.stop_token_ids or [] if t >= v]
         if bad:
-            raise APIError(400, f"'{bad[0]}' is not supported by this server yet", param=bad[0],
+            raise APIError(400, f"stop_token_ids must be in [0, {v}), got {bad[:5]}", param="stop_token_ids",
+                           code="invalid_value")
+        bad = [k for k in body.logit_bias or {} if int(k) >= v]
+        if bad:
+            raise APIError(400, f"logit_bias keys must be token ids in [0, {v}), got {bad[:5]}",
+                           param="logit_bias", code="invalid_value")
+        if body.min_tokens >= self.max_model_len:
+            raise APIError(400, f"min_tokens must be below max_model_len ({self.max_model_len})",
+                           param="min_tokens", code="invalid_value")
+        unsupported = body.unsupported_fields()
+        if unsupported:
+            raise APIError(400, f"'{unsupported[0]}' is not supported by this server yet", param=unsupported[0],
                            code="unsupported_parameter")
 
     def sampling_params(self, body: SamplingFields, fields: dict[str, str], *, max_tokens: int | None,
-                        logprobs: int | None) -> SamplingParams:
+                        logprobs: int | None, **extra: Any) -> SamplingParams:
         """The model's generation_config defaults, overridden by whatever the request set."""
-        kw = {**self.sampling_defaults, **body.sampling_kwargs(), "max_tokens": max_tokens, "logprobs": logprobs}
+        try:
+            kw = {**self.sampling_defaults, **body.sampling_kwargs(), "max_tokens": max_tokens,
+                  "logprobs": logprobs, **extra}
+        except ValueError as exc:              # a guided_* / structured_outputs spec that cannot be read
+            raise APIError(400, str(exc), param=str(exc).split(":")[0], code="invalid_value") from None
         try:
             return SamplingParams(**kw)
         except ValueError as exc:
             raise invalid_value(exc, fields, "prompt") from None
 
-    async def submit(self, prompts: list[PromptLike], params: SamplingParams, request_ids: list[str],
+    def fit(self, ids: list[int], params: SamplingParams, requested: int | None, truncate: int | None,
+            prompt_field: str) -> tuple[list[int], SamplingParams]:
+        """Truncate (vLLM's truncate_prompt_tokens), refuse a prompt that leaves no room, and shrink max_tokens
+        to what fits in the context (left out: everything that fits)."""
+        if truncate is not None:
+            keep = self.max_model_len - 1 if truncate == -1 else truncate
+            ids = ids[-keep:] if keep < len(ids) else ids
+        if len(ids) >= self.max_model_len:
+            raise APIError(400, f"This model's maximum context length is {self.max_model_len} tokens; the prompt "
+                                f"is {len(ids)} tokens long (it must leave room for at least one generated token)",
+                           param=prompt_field, code="context_length_exceeded")
+        room = self.max_model_len - len(ids)
+        max_tokens = room if requested is None else min(requested, room)
+        if params.min_tokens > max_tokens:
+            raise APIError(400, f"min_tokens ({params.min_tokens}) exceeds the {room} tokens that fit after the "
+                                "prompt", param="min_tokens", code="invalid_value")
+        if max_tokens != params.max_tokens:
+            params = dataclasses.replace(params, max_tokens=max_tokens)
+        return ids, params
+
+    async def prepare(self, fn: Any, *args: Any, fields: dict[str, str], prompt_field: str, **kw: Any) -> Any:
+        """Run a preparation step in the worker pool; its errors become 400s naming the field."""
+        try:
+            return await self.prep.run(functools.partial(fn, *args, **kw))
+        except PreprocessTimeout as exc:
+            raise APIError(400, f"{exc}; send a shorter prompt or a simpler schema", param=prompt_field,
+                           code="preprocessing_timeout") from None
+        except ValueError as exc:
+            raise invalid_value(exc, fields, prompt_field) from None
+
+    async def compile_structured(self, params: SamplingParams, body: SamplingFields, fields: dict[str, str]) -> None:
+        if params.structured is None:
+            return
+        field = body.structured()[1] or fields.get("structured", "response_format")
+        try:
+            await self.prep.run(self.prep.compile, params.structured)
+        except PreprocessTimeout as exc:
+            raise APIError(400, str(exc), param=field, code="preprocessing_timeout") from None
+        except ValueError as exc:
+            raise APIError(400, str(exc), param=field, code="invalid_value") from None
+
+    def check_prompt_ids(self, ids: list[int], prompt_field: str) -> list[int]:
+        bad = [t for t in ids if t >= self.vocab_size]
+        if bad:
+            raise APIError(400, f"prompt token ids must be in [0, {self.vocab_size}), got {bad[:5]}",
+                           param=prompt_field, code="invalid_value")
+        return ids
+
+    async def submit(self, prompts: list[PromptLike], params: list[SamplingParams], request_ids: list[str],
                      fields: dict[str, str], prompt_field: str) -> RequestHandle:
         try:
-            return await self.engine.submit(prompts, [params] * len(prompts), request_ids)
+            return await self.engine.submit(prompts, params, request_ids)
         except QueueFullError as exc:
             raise APIError(503, f"The server is overloaded: {exc}. Retry later.", code="queue_full",
                            headers={"Retry-After": str(RETRY_AFTER_SECONDS)}) from None
@@ -130,27 +210,61 @@ class OpenAIServer:
         if consumer not in done:
             raise ClientGone()
         try:
-            return consumer.result()
+            snap = consumer.result()
         except EngineUnavailableError as exc:
             raise APIError(503, str(exc), code="engine_unavailable") from None
+        for out in snap:
+            for c in out.outputs:
+                if c.finish_reason == "error":
+                    raise APIError(500, f"the request failed in the engine: {c.stop_reason}",
+                                   code="request_failed")
+        return snap
 
     def _stream(self, body: SamplingFields, handle: RequestHandle, rid: str, created: int, obj: str,
                 format_choice: Any, **kw: Any) -> EventStream:
         header = {"id": rid, "object": obj, "created": created, "model": self.served_model_name}
         events = stream_events(handle, header, format_choice, n=body.n, include_usage=body.include_usage,
-                               continuous_usage=body.continuous_usage, **kw)
+                               continuous_usage=body.continuous_usage, metrics=self.metrics, **kw)
         return EventStream(events, handle)
 
     # -- /v1/completions --------------------------------------------------------------------------------------
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
         self.check_model(body.model)
-        self.check_supported(body)
-        params = self.sampling_params(body, COMPLETION_FIELDS, max_tokens=body.max_tokens, logprobs=body.logprobs)
-        prompts: list[PromptLike] = list(body.prompts())
+        self.check_request(body)
+        fields = COMPLETION_FIELDS
+        n_out = body.n
+        n_gen = body.best_of or body.n
+        want_lp = body.logprobs
+        if n_gen > n_out and want_lp is None:
+            want_lp = 0                          # best_of ranks samples by their cumulative logprob
+        prompt_lp = body.prompt_logprobs
+        if body.echo and body.logprobs is not None:
+            prompt_lp = max(prompt_lp or 0, body.logprobs)
+        base = self.sampling_params(body, fields, max_tokens=body.max_tokens, logprobs=want_lp, n=n_gen,
+                                    prompt_logprobs=prompt_lp)
+        raw = body.prompts()
+        texts = [p for p in raw if isinstance(p, str)]
+        try:
+            for t in texts:
+                self.prep.check_text_size(t, "prompt")
+        except ValueError as exc:
+            raise invalid_value(exc, fields, "prompt") from None
+        if texts:
+            encoded = iter(await self.prepare(_encode_all, self.prep, texts, body.add_special_tokens,
+                                              fields=fields, prompt_field="prompt"))
+        ids_list = [next(encoded) if isinstance(p, str) else self.check_prompt_ids(list(p), "prompt") for p in raw]
+        fitted = [self.fit(ids, base, body.max_tokens, body.truncate_prompt_tokens, "prompt") for ids in ids_list]
+        await self.compile_structured(base, body, fields)
         rid = random_id("cmpl")
-        ids = [rid] if len(prompts) == 1 else [f"{rid}-{i}" for i in range(len(prompts))]
-        handle = await self.submit(prompts, params, ids, COMPLETION_FIELDS, "prompt")
+        ids = [rid] if len(raw) == 1 else [f"{rid}-{i}" for i in range(len(raw))]
+        handle = await self.submit([f[0] for f in fitted], [f[1] for f in fitted], ids, fields, "prompt")
         created = int(time.time())
+        echo_text = [p if isinstance(p, str) else None for p in raw]
+
+        def prefix(out: RequestOutput) -> str:
+            i = ids.index(out.request_id)
+            return echo_text[i] if echo_text[i] is not None else self.fmt.prompt_text(out)
+
         if body.stream:
             def choice(c: CompletionOutput, text: str, st: StreamState) -> dict[str, Any]:
                 lp = None
@@ -160,47 +274,99 @@ class OpenAIServer:
                 return {"text": text, "logprobs": lp.model_dump() if lp is not None else None}
 
             return self._stream(body, handle, rid, created, "text_completion", choice,
-                                prefix=self.fmt.prompt_text if body.echo else None)
+                                prefix=prefix if body.echo else None)
         snap = await self.collect(handle, request)
         choices = []
         for p, out in enumerate(snap):
-            prefix = self.fmt.prompt_text(out) if body.echo else ""
-            for c in out.outputs:
+            head = prefix(out) if body.echo else ""
+            outs = out.outputs
+            if n_gen > n_out:
+                outs = sorted(outs, key=lambda c: -(c.cumulative_logprob or 0.0))[:n_out]
+            plp = self.fmt.prompt_logprobs(out) if body.prompt_logprobs is not None else None
+            for i, c in enumerate(outs):
+                lp = None
+                if body.logprobs is not None:
+                    lp = self.fmt.completion_logprobs(c, 0, len(c.token_ids), len(head))
+                    if body.echo:
+                        lp = self.fmt.echo_logprobs(out, body.logprobs, lp)
                 choices.append(CompletionChoice(
-                    index=p * body.n + c.index, text=prefix + c.text, finish_reason=c.finish_reason,
-                    stop_reason=c.stop_reason,
-                    logprobs=(self.fmt.completion_logprobs(c, 0, len(c.token_ids), len(prefix))
-                              if body.logprobs is not None else None)))
+                    index=p * n_out + i, text=head + c.text, finish_reason=c.finish_reason,
+                    stop_reason=c.stop_reason, logprobs=lp, prompt_logprobs=plp))
         response = CompletionResponse(id=rid, created=created, model=self.served_model_name, choices=choices,
                                       usage=usage(snap))
-        return JSONResponse(response.model_dump())
+        return JSONResponse(response.model_dump(exclude_none=False))
 
     # -- /v1/chat/completions ---------------------------------------------------------------------------------
+    async def render_conversation(self, body: Any, fields: dict[str, str], functions: list[Any],
+                                  with_tools: bool) -> list[int]:
+        conversation = [m.to_template() for m in body.messages]
+        tools = None
+        if with_tools and functions:
+            if template_supports_tools(self.prep.chat_template):
+                tools = tools_for_template(functions)
+            else:
+                conversation = fallback_messages(conversation, functions)
+        total = sum(len(m.get("content") or "") for m in conversation)
+        if total > 4096:
+            try:
+                self.prep.check_text_size("".join(m.get("content") or "" for m in conversation), "messages")
+            except ValueError as exc:
+                raise invalid_value(exc, fields, "messages") from None
+        return await self.prepare(self.prep.render_chat, conversation, fields=fields, prompt_field="messages",
+                                  add_generation_prompt=body.add_generation_prompt,
+                                  continue_final_message=body.continue_final_message, tools=tools,
+                                  template_kwargs=body.chat_template_kwargs,
+                                  add_special_tokens=bool(body.add_special_tokens))
+
     async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:
         self.check_model(body.model)
-        self.check_supported(body)
+        self.check_request(body)
         top_n = (body.top_logprobs or 0) if body.logprobs else None
         fields = _chat_fields(body)
-        params = self.sampling_params(body, fields, max_tokens=body.max_new_tokens, logprobs=top_n)
-        conversation = [m.to_template() for m in body.messages]
-        llm, add_gen = self.llm, body.add_generation_prompt
-
-        def render() -> list[int]:            # runs on the engine thread: the tokenizer is the engine's
+        functions = body.function_defs()
+        mode = body.tool_choice_name()                 # None, "none", "auto", "required" or a function's name
+        legacy = body.functions is not None
+        extra: dict[str, Any] = {}
+        if mode not in (None, "none", "auto"):
+            if body.structured()[0] is not None:
+                raise APIError(400, "a forced tool call cannot be combined with another output constraint",
+                               param="tool_choice", code="invalid_value")
+            if mode == "required":
+                extra["structured"] = required_structured(functions)
+            else:
+                extra["structured"] = named_structured(next(f for f in functions if f.name == mode))
+        elif mode == "auto" and body.skip_special_tokens is None:
+            extra["skip_special_tokens"] = False       # Mistral's [TOOL_CALLS] is a special token
+        params = self.sampling_params(body, fields, max_tokens=body.max_new_tokens, logprobs=top_n, **extra)
+        ids = await self.render_conversation(body, fields, functions, mode not in (None, "none"))
+        ids, params = self.fit(ids, params, body.max_new_tokens, body.truncate_prompt_tokens, "messages")
+        if "structured" in extra:
             try:
-                return llm.apply_chat_template(conversation, add_generation_prompt=add_gen)
-            except ValueError:
-                raise
-            except Exception as exc:          # jinja2 TemplateError and friends: the conversation was refused
-                raise InvalidParameter(f"chat template failed on these messages: {exc}", param="prompt") from None
-
+                await self.prep.run(self.prep.compile, params.structured)
+            except (ValueError, PreprocessTimeout) as exc:
+                raise APIError(400, f"the tool's parameters schema cannot be used: {exc}",
+                               param="tools" if not legacy else "functions", code="invalid_value") from None
+        else:
+            await self.compile_structured(params, body, fields)
         rid = random_id("chatcmpl")
-        handle = await self.submit([render], params, [rid], fields, "messages")
+        handle = await self.submit([ids], [params], [rid], fields, "messages")
         created = int(time.time())
+        names = {f.name for f in functions}
         if body.stream:
+            streams: dict[int, ToolStream] = {}
+
             def choice(c: CompletionOutput, text: str, st: StreamState) -> dict[str, Any]:
                 lp = self.fmt.chat_logprobs(c, st.tokens, len(c.token_ids), top_n) if top_n is not None else None
-                return {"delta": {"content": text} if text else {},
-                        "logprobs": lp.model_dump() if lp is not None else None}
+                fields_out: dict[str, Any] = {"logprobs": lp.model_dump() if lp is not None else None}
+                if mode in (None, "none"):
+                    fields_out["delta"] = {"content": text} if text else {}
+                    return fields_out
+                ts = streams.setdefault(c.index, ToolStream(mode, names, legacy))
+                delta, finish = ts.step(text, c)
+                fields_out["delta"] = delta
+                if finish is not None:
+                    fields_out["finish_reason"] = finish
+                return fields_out
 
             # OpenAI opens every choice with the role, before any content.
             opening = [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
@@ -208,18 +374,58 @@ class OpenAIServer:
             return self._stream(body, handle, rid, created, "chat.completion.chunk", choice, opening=opening)
         snap = await self.collect(handle, request)
         (out,) = snap
-        choices = [ChatChoice(index=c.index, message=AssistantMessage(content=c.text),
-                              finish_reason=c.finish_reason, stop_reason=c.stop_reason,
-                              logprobs=(self.fmt.chat_logprobs(c, 0, len(c.token_ids), top_n)
-                                        if top_n is not None else None))
-                   for c in out.outputs]
-        response = ChatCompletionResponse(id=rid, created=created, model=self.served_model_name, choices=choices,
-                                          usage=usage(snap))
+        choices = []
+        for c in out.outputs:
+            message, finish = assistant_message(c, mode, names, legacy)
+            choices.append(ChatChoice(index=c.index, message=message, finish_reason=finish,
+                                      stop_reason=c.stop_reason,
+                                      logprobs=(self.fmt.chat_logprobs(c, 0, len(c.token_ids), top_n)
+                                                if top_n is not None else None)))
+        response = ChatCompletionResponse(
+            id=rid, created=created, model=self.served_model_name, choices=choices, usage=usage(snap),
+            prompt_logprobs=self.fmt.prompt_logprobs(out) if body.prompt_logprobs is not None else None)
         return JSONResponse(response.model_dump())
 
-    # -- /v1/models -------------------------------------------------------------------------------------------
+    # -- vLLM's /tokenize and /detokenize ---------------------------------------------------------------------
+    async def tokenize(self, body: TokenizeRequest) -> TokenizeResponse:
+        self.check_model(body.model)
+        fields = {"prompt": "prompt"}
+        if body.prompt is not None:
+            try:
+                self.prep.check_text_size(body.prompt, "prompt")
+            except ValueError as exc:
+                raise invalid_value(exc, fields, "prompt") from None
+            add = True if body.add_special_tokens is None else body.add_special_tokens
+            ids = await self.prepare(self.prep.encode, body.prompt, add, fields=fields, prompt_field="prompt")
+        else:
+            functions = [t.function for t in body.tools or []]
+            body.add_special_tokens = bool(body.add_special_tokens)
+            ids = await self.render_conversation(body, fields, functions, bool(functions))
+        strs = (await self.prepare(self.prep.token_strs, ids, fields=fields, prompt_field="prompt")
+                if body.return_token_strs else None)
+        return TokenizeResponse(count=len(ids), max_model_len=self.max_model_len, tokens=ids, token_strs=strs)
+
+    async def detokenize(self, body: DetokenizeRequest) -> DetokenizeResponse:
+        self.check_model(body.model)
+        ids = self.check_prompt_ids(body.tokens, "tokens")
+        text = await self.prepare(self.prep.detokenize, ids, fields={}, prompt_field="tokens")
+        return DetokenizeResponse(prompt=text)
+
+# -- /v1/models -------------------------------------------------------------------------------------------
     def model_card(self) -> ModelCard:
         return ModelCard(id=self.served_model_name, root=self.model_path, max_model_len=self.max_model_len)
+
+
+def _encode_all(prep: Preprocessor, texts: list[str], add_special_tokens: bool) -> list[list[int]]:
+    return [prep.encode(t, add_special_tokens) for t in texts]
+
+
+def _version() -> str:
+    try:
+        from importlib.metadata import version
+        return version("leapdecode")
+    except Exception:                  # not installed as a distribution (a source checkout on the path)
+        return "0.1.0"
 
 
 def _chat_fields(body: ChatCompletionRequest) -> dict[str, str]:
@@ -232,21 +438,25 @@ _ERRORS = {status: {"model": ErrorResponse} for status in (400, 401, 404, 413, 5
 
 def build_app(llm: Any, api_key: str | None = None, max_queued_requests: int = 512,
               served_model_name: str | None = None, *, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
-              drain_timeout: float = 0.0) -> FastAPI:
+              drain_timeout: float = 0.0, prep_workers: int = 2, prep_timeout: float = 30.0) -> FastAPI:
     """A FastAPI app serving ``llm`` (a ``leapdecode.LLM``). The engine thread starts with the app's lifespan
     (or on the first request) and stops at shutdown, aborting whatever is still running after
-    ``drain_timeout`` seconds. ``app.state.async_engine`` and ``app.state.metrics`` are exposed for tests and
+    ``drain_timeout`` seconds. Request preparation runs in ``prep_workers`` threads, each request under a
+    ``prep_timeout`` deadline. ``app.state.async_engine`` and ``app.state.metrics`` are exposed for tests and
     embedding."""
     metrics = ServerMetrics()
     async_engine = AsyncEngine(llm, max_queued_requests=max_queued_requests, metrics=metrics)
     name = served_model_name or os.path.basename(os.path.normpath(str(llm.engine.cfg.model)))
-    server = OpenAIServer(llm, async_engine, name, api_key)
+    prep = Preprocessor(llm.engine, workers=prep_workers, timeout_s=prep_timeout)
+    server = OpenAIServer(llm, async_engine, name, api_key, prep)
+    metrics.watch_caches(llm.engine, server.fmt)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         async_engine.start()
         yield
         await async_engine.shutdown(drain_timeout)
+        prep.shutdown()
 
     app = FastAPI(title="leapdecode", version="0.1.0", lifespan=lifespan,
                   description="OpenAI-compatible API served by the leapdecode engine")
@@ -255,8 +465,9 @@ def build_app(llm: Any, api_key: str | None = None, max_queued_requests: int = 5
     app.state.metrics = metrics
     app.add_middleware(HTTPMetrics, metrics=metrics)
     app.add_middleware(RequestSizeLimit, limit=max_request_bytes)
+    app.add_middleware(RequestId)
 
-    install_error_handlers(app)
+    install_error_handlers(app, metrics)
 
     bearer = HTTPBearer(auto_error=False)
 
@@ -268,6 +479,23 @@ def build_app(llm: Any, api_key: str | None = None, max_queued_requests: int = 5
         if not async_engine.accepting:
             return error_response(503, "engine is not running", code="engine_unavailable")
         return JSONResponse({"status": "ok"})
+
+    @app.get("/ping", tags=["server"], responses={503: {"model": ErrorResponse}})
+    async def ping() -> Response:
+        return await health()
+
+    @app.get("/version", tags=["server"])
+    async def version() -> dict[str, str]:
+        return {"version": _version()}
+
+    @app.post("/tokenize", response_model=TokenizeResponse, dependencies=[Depends(authorized)], responses=_ERRORS)
+    async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
+        return await server.tokenize(body)
+
+    @app.post("/detokenize", response_model=DetokenizeResponse, dependencies=[Depends(authorized)],
+              responses=_ERRORS)
+    async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
+        return await server.detokenize(body)
 
     @app.get("/metrics", tags=["server"])
     async def prometheus() -> Response:

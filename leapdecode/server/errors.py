@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import re
+import uuid
 from typing import Any, Callable
 
 from fastapi import FastAPI, Request
@@ -104,7 +105,7 @@ def _validation_error(exc: RequestValidationError) -> JSONResponse:
 
 # -- engine errors -------------------------------------------------------------------------------------------------
 # Engine/SamplingParams field -> request field, per endpoint.
-COMPLETION_FIELDS = {"structured": "response_format"}
+COMPLETION_FIELDS = {"structured": "response_format", "n": "best_of"}
 CHAT_FIELDS = {"structured": "response_format", "logprobs": "top_logprobs"}
 
 
@@ -131,15 +132,22 @@ def _engine_error_param(exc: ValueError, fields: dict[str, str], prompt_field: s
     return None
 
 
-def install_error_handlers(app: FastAPI) -> None:
+def install_error_handlers(app: FastAPI, metrics: ServerMetrics | None = None) -> None:
+    def failed(cause: str | None) -> None:
+        if metrics is not None:
+            metrics.failures.labels(cause=cause or "other").inc()
+
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        failed(exc.code or str(exc.status))
         return error_response(exc.status, exc.message, param=exc.param, code=exc.code, type=exc.type,
                               headers=exc.headers)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
-        return _validation_error(exc)
+        response = _validation_error(exc)
+        failed("invalid_request")
+        return response
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -150,11 +158,14 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(ClientGone)
     async def _gone(request: Request, exc: ClientGone) -> Response:
+        failed("client_gone")
         return Response(status_code=499)
 
     @app.exception_handler(Exception)
     async def _internal(request: Request, exc: Exception) -> JSONResponse:
-        logger.exception("unhandled error in %s %s", request.method, request.url.path)
+        logger.exception("unhandled error in %s %s (request id %s)", request.method, request.url.path,
+                         request.scope.get("request_id"))
+        failed("internal")
         return error_response(500, f"internal server error: {type(exc).__name__}")
 
 
@@ -186,6 +197,33 @@ class RequestSizeLimit:
             return message
 
         await self.app(scope, counted_receive, send)
+
+
+class RequestId:
+    """Echo the client's ``X-Request-Id`` (or a fresh one) on every response, and keep it in the ASGI scope for
+    the logs."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        rid = b""
+        for name, value in scope.get("headers", []):
+            if name == b"x-request-id":
+                rid = value[:256]
+                break
+        if not rid or any(b < 0x21 or b > 0x7e for b in rid):
+            rid = uuid.uuid4().hex.encode()
+        scope["request_id"] = rid.decode()
+
+        async def send_with_id(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []), (b"x-request-id", rid)]}
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
 
 
 class HTTPMetrics:

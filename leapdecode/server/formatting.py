@@ -24,17 +24,56 @@ from leapdecode.server.protocol import ChoiceLogprobs, CompletionLogprobs, Token
 class Formatter:
     """Token text/bytes (cached) and logprobs formatting, with a tokenizer private to the event-loop thread."""
 
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: Any, max_cached_tokens: int | None = None) -> None:
         self.tokenizer = copy.deepcopy(tokenizer)
         self._token_text: dict[int, str] = {}
+        # Bounded by the vocabulary anyway (keys are token ids); the limit only matters for huge vocabularies.
+        self.max_cached_tokens = max_cached_tokens or min(len(self.tokenizer), 1_000_000)
 
     def token_text(self, token_id: int) -> str:
         text = self._token_text.get(token_id)
         if text is None:
             text = self.tokenizer.decode([token_id], skip_special_tokens=False)
-            if len(self._token_text) < 1_000_000:
+            if len(self._token_text) < self.max_cached_tokens:
                 self._token_text[token_id] = text
         return text
+
+    def prompt_logprobs(self, out: RequestOutput) -> list[dict[str, dict[str, Any]] | None] | None:
+        """vLLM's ``prompt_logprobs``: per prompt token (the first has none), token id -> {logprob, rank,
+        decoded_token}, the prompt's own token always included."""
+        if out.prompt_logprobs is None:
+            return None
+        result: list[dict[str, dict[str, Any]] | None] = []
+        for pos, entry in enumerate(out.prompt_logprobs):
+            if entry is None:
+                result.append(None)
+                continue
+            ranked = sorted(entry.items(), key=lambda kv: kv[1], reverse=True)
+            rank_of = {t: r + 1 for r, (t, _) in enumerate(ranked)}
+            result.append({str(t): {"logprob": lp, "rank": rank_of[t], "decoded_token": self.token_text(t)}
+                           for t, lp in ranked})
+        return result
+
+    def echo_logprobs(self, out: RequestOutput, top_n: int, generated: CompletionLogprobs) -> CompletionLogprobs:
+        """Legacy completion logprobs with the echoed prompt's tokens first (the first one has no logprob)."""
+        lp = CompletionLogprobs()
+        offset = 0
+        entries = out.prompt_logprobs or []
+        for pos, token_id in enumerate(out.prompt_token_ids):
+            text = self.token_text(token_id)
+            entry = entries[pos] if pos < len(entries) else None
+            lp.tokens.append(text)
+            lp.token_logprobs.append(entry.get(token_id) if entry else None)
+            lp.top_logprobs.append({self.token_text(t): v for t, v in sorted(entry.items(), key=lambda kv: kv[1],
+                                                                            reverse=True)[:max(top_n, 1)]}
+                                   if entry else None)
+            lp.text_offset.append(offset)
+            offset += len(text)
+        lp.tokens += generated.tokens
+        lp.token_logprobs += generated.token_logprobs
+        lp.top_logprobs += generated.top_logprobs
+        lp.text_offset += generated.text_offset
+        return lp
 
     def token_bytes(self, token_id: int) -> list[int]:
         """The token's raw bytes. A token that is part of a multi-byte character decodes to U+FFFD on its own,

@@ -6,6 +6,8 @@ the engine thread and the HTTP middleware; prometheus-client's metric objects ar
 """
 from __future__ import annotations
 
+from typing import Any, Callable
+
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from leapdecode.outputs import RequestOutput
@@ -43,6 +45,36 @@ class ServerMetrics:
         self.spec_draft_tokens = Counter("leapdecode_spec_draft_tokens", "Draft tokens proposed", registry=r)
         self.spec_accepted_tokens = Counter("leapdecode_spec_accepted_tokens", "Draft tokens accepted", registry=r)
 
+        self.failures = Counter("leapdecode_request_failures", "Requests that failed, by cause (the error code: "
+                                "invalid_value, invalid_request, context_length_exceeded, queue_full, "
+                                "request_failed, engine_unavailable, preprocessing_timeout, client_gone, ...)",
+                                ["cause"], registry=r)
+        self.cache_entries = Gauge("leapdecode_cache_entries", "Entries in each bounded cache", ["cache"],
+                                   registry=r)
+        self.cache_capacity = Gauge("leapdecode_cache_capacity", "Size limit of each bounded cache", ["cache"],
+                                    registry=r)
+
+    def watch_caches(self, engine: Any, formatter: Any) -> None:
+        """Report the bounded caches' sizes and limits at every scrape (read from the objects that own them)."""
+        def sizes() -> dict[str, tuple[Callable[[], int], Callable[[], int]]]:
+            out = {"token_text": (lambda: len(formatter._token_text), lambda: formatter.max_cached_tokens)}
+            structured = engine.structured
+            out["grammar_tries"] = (lambda: len(structured.tries), lambda: _max_asap_tries())
+            backend = structured._backend
+            if backend is not None and hasattr(backend, "_cache"):
+                out["grammar"] = (lambda: len(backend._cache), lambda: backend._cache_size)
+            return out
+
+        def refresh() -> None:
+            for name, (size, limit) in sizes().items():
+                try:
+                    self.cache_entries.labels(cache=name).set(size())
+                    self.cache_capacity.labels(cache=name).set(limit() or 0)
+                except Exception:        # an engine-side cache that changed shape: report nothing, never fail
+                    pass
+
+        self._refresh_caches = refresh
+
     def observe_finished(self, out: RequestOutput) -> None:
         """Latency histograms and finish reasons of a request that ran to completion."""
         m = out.metrics
@@ -57,4 +89,12 @@ class ServerMetrics:
                     self.tpot.observe(max(0.0, m.finished_time - m.first_token_time) / (num_tokens - 1))
 
     def render(self) -> bytes:
+        refresh = getattr(self, "_refresh_caches", None)
+        if refresh is not None:
+            refresh()
         return generate_latest(self.registry)
+
+
+def _max_asap_tries() -> int:
+    from leapdecode.engine import structured_output
+    return getattr(structured_output, "MAX_ASAP_TRIES", 0)

@@ -6,13 +6,20 @@ and rejected with a clear 400 when they are actually used (see ``unsupported_fie
 bookkeeping for OpenAI's platform (``user``, ``store``, ``metadata``, ...) are accepted and ignored.
 
 The vLLM-style extras (``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``, ``ignore_eos``,
-``stop_token_ids``, ...) are accepted on both endpoints; the ``openai`` client sends them via ``extra_body``.
+``stop_token_ids``, ``guided_*``, ``structured_outputs``, ``prompt_logprobs``, ...) are accepted on both endpoints
+with vLLM's names and meanings; the ``openai`` client sends them via ``extra_body``.
+
+Types are strict, as OpenAI's are: ``"max_tokens": "16"`` is a 400, not 16 (pydantic strict mode; a JSON integer
+is still a valid float). Integers are bounded where the engine would otherwise meet them unchecked (top_k,
+max_tokens, min_tokens, token ids); bounds that depend on the model (the vocabulary, the context) are checked by
+the handler (``app.OpenAIServer.check_ranges``). Strings holding a lone UTF-16 surrogate (JSON ``"\ud800"``),
+which no tokenizer can encode, are refused here with a 400 naming the field.
 """
 from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
@@ -22,6 +29,8 @@ MAX_N = 128
 MAX_STOP_STRINGS = 16
 MAX_LOGPROBS = 20
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+INT32_MAX = 2**31 - 1          # bound of counts and token ids before the model-specific checks
+MAX_LOGIT_BIAS = 300           # OpenAI's limit on logit_bias entries
 
 
 def field_error(param: str, message: str) -> PydanticCustomError:
@@ -33,9 +42,46 @@ def random_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
+def find_surrogate(value: Any, path: str = "") -> str | None:
+    """The path of the first string (or dict key) holding a lone surrogate, which UTF-8 cannot encode."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return path or None
+        return None
+    if isinstance(value, dict):
+        for k, v in value.items():
+            sub = f"{path}.{k}" if path else str(k)
+            if isinstance(k, str) and find_surrogate(k, sub) is not None:
+                return path or None
+            found = find_surrogate(v, sub)
+            if found is not None:
+                return found
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            found = find_surrogate(v, f"{path}[{i}]")
+            if found is not None:
+                return found
+    return None
+
+
 class StrictModel(BaseModel):
-    """Base of every request model: unknown fields are errors, NaN/Infinity are not numbers."""
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    """Base of every request model: unknown fields are errors, NaN/Infinity are not numbers, no coercion of
+    strings into numbers or booleans."""
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
+
+
+class RootRequest(StrictModel):
+    """A whole request body: refuses lone surrogates anywhere in it, naming the field."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_surrogates(cls, data: Any) -> Any:
+        where = find_surrogate(data)
+        if where is not None:
+            raise field_error(where, "strings must be valid Unicode (a lone UTF-16 surrogate cannot be encoded)")
+        return data
 
 
 class StreamOptions(StrictModel):
@@ -49,7 +95,7 @@ class JsonSchemaFormat(StrictModel):
     schema_: dict[str, Any] | None = Field(None, alias="schema")
     strict: bool | None = None
 
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, populate_by_name=True)
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, populate_by_name=True, strict=True)
 
 
 class ResponseFormat(StrictModel):
@@ -70,32 +116,92 @@ class ResponseFormat(StrictModel):
         return self.model_dump(by_alias=True, exclude_none=True)
 
 
+# -- vLLM's structured-output extras ----------------------------------------------------------------------------
+class StructuredOutputs(StrictModel):
+    """vLLM's ``structured_outputs`` object: exactly one of these constraints."""
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool | None = None      # accepted, ignored (the grammar decides whitespace)
+    disable_additional_properties: bool | None = None
+    whitespace_pattern: str | None = None
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, populate_by_name=True, strict=True)
+
+    def to_structured(self) -> dict[str, Any]:
+        return guided_to_structured(self.json_, self.regex, self.choice, self.grammar, bool(self.json_object),
+                                    "structured_outputs")
+
+
+def guided_to_structured(json_: Any, regex: str | None, choice: list[str] | None, grammar: str | None,
+                         json_object: bool, where: str) -> dict[str, Any] | None:
+    """vLLM's guided_* / structured_outputs fields -> the engine's ``SamplingParams.structured`` dict."""
+    import json as _json
+    given = [k for k, v in (("json", json_), ("regex", regex), ("choice", choice), ("grammar", grammar),
+                            ("json_object", json_object or None)) if v is not None]
+    if len(given) > 1:
+        raise ValueError(f"{where}: only one kind of constraint is allowed, got {given}")
+    if not given:
+        return None
+    if json_ is not None:
+        schema = json_
+        if isinstance(schema, str):
+            try:
+                schema = _json.loads(schema)
+            except ValueError as exc:
+                raise ValueError(f"{where}: the JSON schema is not valid JSON: {exc}") from None
+        if not isinstance(schema, dict):
+            raise ValueError(f"{where}: the JSON schema must be an object")
+        return {"type": "json_schema", "json_schema": {"name": "guided", "schema": schema}}
+    if regex is not None:
+        return {"type": "regex", "regex": regex}
+    if choice is not None:
+        return {"type": "choice", "choice": list(choice)}
+    if grammar is not None:
+        return {"type": "grammar", "grammar": grammar}
+    return {"type": "json_object"}
+
+
 # -- the sampling fields both endpoints share ------------------------------------------------------------------
-class SamplingFields(StrictModel):
+class SamplingFields(RootRequest):
     model: str | None = None
     n: int = Field(1, ge=1, le=MAX_N)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
-    top_k: int | None = Field(None, ge=-1)
+    top_k: int | None = Field(None, ge=-1, le=INT32_MAX)          # and <= the vocabulary (handler)
     min_p: float | None = Field(None, ge=0.0, le=1.0)
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     repetition_penalty: float | None = Field(None, gt=0.0, le=10.0)
     seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = Field(None, max_length=64)
-    max_tokens: int | None = Field(None, ge=1)
-    min_tokens: int = Field(0, ge=0)
+    stop_token_ids: list[int] | None = Field(None, max_length=64)   # each within the vocabulary (handler)
+    max_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
+    min_tokens: int = Field(0, ge=0, le=INT32_MAX)
     ignore_eos: bool = False
-    skip_special_tokens: bool = True
+    skip_special_tokens: bool | None = None
+    spaces_between_special_tokens: bool | None = None    # accepted; the tokenizer's own decoding decides
     include_stop_str_in_output: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
     response_format: ResponseFormat | None = None
+    # vLLM extras.
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = Field(None, min_length=1)
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None          # accepted, ignored: one grammar backend here
+    structured_outputs: StructuredOutputs | None = None
+    truncate_prompt_tokens: int | None = Field(None, ge=-1, le=INT32_MAX)
+    priority: int = Field(0, ge=INT64_MIN, le=INT64_MAX)  # accepted, ignored: the scheduler is first-come
+    use_beam_search: bool = False
+    request_id: str | None = Field(None, max_length=256)
     # Accepted and ignored: bookkeeping for OpenAI's platform, meaningless here.
     user: str | None = None
-    # Declared so the error says "not supported" rather than "unrecognized"; see unsupported_fields().
-    logit_bias: dict[str, float] | None = None
+    # Validated (keys are token ids in the vocabulary, values in [-100, 100]), then refused as unsupported.
+    logit_bias: dict[str, float] | None = Field(None, max_length=MAX_LOGIT_BIAS)
 
     @field_validator("stop")
     @classmethod
@@ -110,28 +216,62 @@ class SamplingFields(StrictModel):
     @field_validator("stop_token_ids")
     @classmethod
     def _check_stop_ids(cls, v: list[int] | None) -> list[int] | None:
-        if v is not None and any(t < 0 for t in v):
-            raise ValueError("stop_token_ids must be non-negative")
+        if v is not None and any(not 0 <= t <= INT32_MAX for t in v):
+            raise ValueError("stop_token_ids must be token ids (non-negative integers in the vocabulary)")
+        return v
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _check_bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        for key, bias in (v or {}).items():
+            if not key.isdigit() or len(key) > 10:
+                raise ValueError(f"logit_bias keys must be token ids as strings, got {key[:20]!r}")
+            if not -100.0 <= bias <= 100.0:
+                raise ValueError(f"logit_bias values must be in [-100, 100], got {bias}")
         return v
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self) -> "SamplingFields":
         if self.stream_options is not None and not self.stream:
             raise field_error("stream_options", "stream_options is only allowed when stream is true")
+        constraints = [name for name in ("response_format", "structured_outputs", "guided_json", "guided_regex",
+                                         "guided_choice", "guided_grammar")
+                       if getattr(self, name) is not None
+                       and not (name == "response_format" and self.response_format.type == "text")]
+        if len(constraints) > 1:
+            raise field_error(constraints[1], f"only one output constraint is allowed, got {constraints}")
         return self
 
     def unsupported_fields(self) -> list[str]:
         """Fields that were set to something this server cannot do; the handler turns them into a 400."""
-        return ["logit_bias"] if self.logit_bias else []
+        bad = ["logit_bias"] if self.logit_bias else []
+        if self.use_beam_search:
+            bad.append("use_beam_search")
+        return bad
+
+    def structured(self) -> tuple[dict[str, Any] | None, str | None]:
+        """The output constraint (the engine's ``structured`` dict) and the request field it came from."""
+        if self.response_format is not None:
+            return self.response_format.to_structured(), "response_format"
+        if self.structured_outputs is not None:
+            return self.structured_outputs.to_structured(), "structured_outputs"
+        for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar"):
+            if getattr(self, name) is not None:
+                kw = {"json_": None, "regex": None, "choice": None, "grammar": None,
+                      name.removeprefix("guided_").replace("json", "json_"): getattr(self, name)}
+                return guided_to_structured(kw["json_"], kw["regex"], kw["choice"], kw["grammar"], False,
+                                            name), name
+        return None, None
 
     def sampling_kwargs(self) -> dict[str, Any]:
         """Fields that map one to one onto SamplingParams (only those the client set, so model defaults apply)."""
         names = ("n", "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
                  "repetition_penalty", "seed", "stop", "stop_token_ids", "min_tokens", "ignore_eos",
-                 "skip_special_tokens", "include_stop_str_in_output")
+                 "skip_special_tokens", "include_stop_str_in_output", "prompt_logprobs")
         kw = {k: getattr(self, k) for k in names if getattr(self, k) is not None}
-        if self.response_format is not None:
-            kw["structured"] = self.response_format.to_structured()
+        structured, _ = self.structured()
+        if structured is not None:
+            kw["structured"] = structured
         return kw
 
     @property
@@ -146,37 +286,46 @@ class SamplingFields(StrictModel):
 # -- /v1/completions -------------------------------------------------------------------------------------------
 class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=1)             # OpenAI's default for completions
+    max_tokens: int | None = Field(16, ge=1, le=INT32_MAX)   # OpenAI's default for completions
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     best_of: int | None = Field(None, ge=1, le=MAX_N)
     suffix: str | None = None
+    add_special_tokens: bool = True                       # vLLM: the tokenizer's BOS etc. on a text prompt
 
     @field_validator("prompt")
     @classmethod
     def _check_prompt(cls, v: Any) -> Any:
         if isinstance(v, list) and not v:
             raise ValueError("prompt must not be an empty list")
+        if isinstance(v, list) and v and isinstance(v[0], int):
+            if any(t < 0 or t > INT32_MAX for t in v):
+                raise ValueError("prompt token ids must be non-negative integers in the vocabulary")
+            return v                                      # one prompt of token ids, however many
         if isinstance(v, list) and len(v) > MAX_N:
             raise ValueError(f"at most {MAX_N} prompts per request")
+        if isinstance(v, list) and v and isinstance(v[0], list):
+            for ids in v:
+                if not ids:
+                    raise ValueError("a prompt of token ids must not be empty")
+                if any(t < 0 or t > INT32_MAX for t in ids):
+                    raise ValueError("prompt token ids must be non-negative integers in the vocabulary")
         return v
 
     @model_validator(mode="after")
     def _check_counts(self) -> "CompletionRequest":
         if self.best_of is not None and self.best_of < self.n:
             raise field_error("best_of", "best_of must be >= n")
-        if self.n * len(self.prompts()) > MAX_N:
-            raise field_error("n", f"n times the number of prompts must be at most {MAX_N}")
+        if self.best_of is not None and self.best_of > self.n and self.stream:
+            raise field_error("best_of", "best_of > n cannot be streamed")
+        if max(self.n, self.best_of or 1) * len(self.prompts()) > MAX_N:
+            raise field_error("n", f"n (or best_of) times the number of prompts must be at most {MAX_N}")
         return self
 
     def unsupported_fields(self) -> list[str]:
         bad = super().unsupported_fields()
         if self.suffix:
             bad.append("suffix")
-        if self.best_of is not None and self.best_of != self.n:
-            bad.append("best_of")
-        if self.echo and self.logprobs is not None:
-            bad.append("echo")          # echo with logprobs needs prompt logprobs in OpenAI's legacy shape
         return bad
 
     def prompts(self) -> list[str | list[int]]:
@@ -201,13 +350,49 @@ class ImagePart(BaseModel):
     type: Literal["image_url", "input_audio", "file"]
 
 
-class ChatMessage(BaseModel):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
+FUNCTION_NAME = r"^[A-Za-z0-9_.:-]{1,64}$"
+
+
+class FunctionDef(StrictModel):
+    name: str = Field(..., pattern=FUNCTION_NAME)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolDef(StrictModel):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class FunctionName(StrictModel):
+    name: str = Field(..., pattern=FUNCTION_NAME)
+
+
+class NamedToolChoice(StrictModel):
+    type: Literal["function"]
+    function: FunctionName
+
+
+class FunctionCallIn(StrictModel):
+    name: str
+    arguments: str
+
+
+class ToolCallIn(StrictModel):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCallIn
+
+
+class ChatMessage(StrictModel):
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: str | list[TextPart | ImagePart] | None = None
     name: str | None = None
     tool_call_id: str | None = None
-    tool_calls: list[dict[str, Any]] | None = None
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    tool_calls: list[ToolCallIn] | None = None
+    function_call: FunctionCallIn | None = None
+    refusal: str | None = None                  # accepted on assistant messages echoed back; ignored
 
     @model_validator(mode="after")
     def _content_needed(self) -> "ChatMessage":
@@ -215,54 +400,114 @@ class ChatMessage(BaseModel):
             raise field_error("content", f"a '{self.role}' message needs content")
         return self
 
-    def to_template(self) -> dict[str, Any]:
-        """The plain dict a Hugging Face chat template expects (content parts joined into one string)."""
+    def text(self) -> str:
         content = self.content
         if isinstance(content, list):
             content = "".join(p.text for p in content if isinstance(p, TextPart))
-        # Few templates know OpenAI's newer "developer" role; it means what "system" means to them.
-        msg: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role,
-                               "content": content or ""}
+        return content or ""
+
+    def to_template(self) -> dict[str, Any]:
+        """The plain dict a Hugging Face chat template expects (content parts joined into one string; tool call
+        arguments as objects, which is what tool-aware templates render with ``tojson``)."""
+        import json as _json
+        # Few templates know OpenAI's newer "developer" role; it means what "system" means to them. The legacy
+        # "function" role is a tool result.
+        role = {"developer": "system", "function": "tool"}.get(self.role, self.role)
+        msg: dict[str, Any] = {"role": role, "content": self.text()}
         if self.name is not None:
             msg["name"] = self.name
         if self.tool_call_id is not None:
             msg["tool_call_id"] = self.tool_call_id
+        calls = list(self.tool_calls or [])
+        if self.function_call is not None:
+            calls.append(ToolCallIn(function=self.function_call))
+        if calls:
+            out = []
+            for call in calls:
+                try:
+                    args: Any = _json.loads(call.function.arguments)
+                except ValueError:
+                    args = call.function.arguments
+                out.append({"id": call.id, "type": "function",
+                            "function": {"name": call.function.name, "arguments": args}})
+            msg["tool_calls"] = out
         return msg
 
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(..., min_length=1)
-    max_tokens: int | None = Field(None, ge=1)            # deprecated by OpenAI in favour of the next one
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=1, le=INT32_MAX)   # deprecated by OpenAI in favour of the next one
+    max_completion_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
+    # vLLM extras.
+    continue_final_message: bool = False
+    add_special_tokens: bool = False          # the chat template already has the special tokens it wants
+    chat_template_kwargs: dict[str, Any] | None = None
     # Accepted and ignored.
     store: bool | None = None
     metadata: dict[str, str] | None = None
     service_tier: str | None = None
     parallel_tool_calls: bool | None = None
+    reasoning_effort: str | None = None
+    # Tool calling (see tools.py).
+    tools: list[ToolDef] | None = Field(None, max_length=128)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    functions: list[FunctionDef] | None = Field(None, max_length=128)
+    function_call: Literal["none", "auto"] | FunctionName | None = None
     # Declared so the error says "not supported"; see unsupported_fields().
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
-    functions: list[dict[str, Any]] | None = None
-    function_call: str | dict[str, Any] | None = None
     modalities: list[str] | None = None
     audio: dict[str, Any] | None = None
     prediction: dict[str, Any] | None = None
 
     @model_validator(mode="after")
-    def _check_logprobs(self) -> "ChatCompletionRequest":
+    def _check_chat(self) -> "ChatCompletionRequest":
         if self.top_logprobs is not None and not self.logprobs:
             raise field_error("top_logprobs", "top_logprobs requires logprobs to be true")
+        if self.tools is not None and self.functions is not None:
+            raise field_error("functions", "send either tools or the legacy functions, not both")
+        if self.continue_final_message:
+            if self.add_generation_prompt:
+                raise field_error("continue_final_message", "continue_final_message needs add_generation_prompt "
+                                  "to be false")
+            if self.messages[-1].role != "assistant":
+                raise field_error("continue_final_message", "continue_final_message needs the last message to "
+                                  "be an assistant message")
+        names = {t.name for t in self.function_defs()}
+        choice = self.tool_choice_name()
+        if not names:
+            raw = self.tool_choice if self.functions is None else self.function_call
+            choice = raw.function.name if isinstance(raw, NamedToolChoice) else (
+                raw.name if isinstance(raw, FunctionName) else raw)
+        if choice in ("required",) or (choice not in (None, "none", "auto")):
+            field = "tool_choice" if self.functions is None else "function_call"
+            if not names:
+                raise field_error(field, f"{field} {choice!r} needs a non-empty list of tools")
+            if choice != "required" and choice not in names:
+                raise field_error(field, f"{field} names the function {choice!r}, which is not among the tools")
+        if self.tool_choice_name() not in (None, "none") and self.n > 1 and self.stream:
+            raise field_error("n", "streaming tool calls supports n=1 only")
         return self
+
+    def function_defs(self) -> list[FunctionDef]:
+        if self.tools:
+            return [t.function for t in self.tools]
+        return list(self.functions or [])
+
+    def tool_choice_name(self) -> str | None:
+        """None (no tools), "none", "auto", "required", or the name of the one function to call."""
+        if not self.function_defs():
+            return None
+        if self.functions is not None:
+            fc = self.function_call
+            return fc.name if isinstance(fc, FunctionName) else (fc or "auto")
+        tc = self.tool_choice
+        return tc.function.name if isinstance(tc, NamedToolChoice) else (tc or "auto")
 
     def unsupported_fields(self) -> list[str]:
         bad = super().unsupported_fields()
-        bad += [name for name in ("tools", "functions", "function_call", "audio", "prediction")
-                if getattr(self, name)]
-        if self.tool_choice not in (None, "none", "auto"):
-            bad.append("tool_choice")
+        bad += [name for name in ("audio", "prediction") if getattr(self, name)]
         if self.modalities not in (None, ["text"]):
             bad.append("modalities")
         for i, m in enumerate(self.messages):
@@ -295,6 +540,7 @@ class CompletionChoice(BaseModel):
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: list[dict[str, dict[str, Any]] | None] | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -320,9 +566,22 @@ class ChoiceLogprobs(BaseModel):
     content: list[TokenLogprob] | None = None
 
 
+class FunctionCallOut(BaseModel):
+    name: str
+    arguments: str
+
+
+class ToolCallOut(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallOut
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCallOut] | None = None
+    function_call: FunctionCallOut | None = None
 
 
 class ChatChoice(BaseModel):
@@ -340,6 +599,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage | None = None
+    prompt_logprobs: list[dict[str, dict[str, Any]] | None] | None = None
 
 
 class DeltaMessage(BaseModel):
@@ -376,6 +636,41 @@ class ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+class TokenizeRequest(RootRequest):
+    """vLLM's /tokenize: a text prompt, or chat messages rendered by the chat template."""
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[ToolDef] | None = None
+    return_token_strs: bool = False
+
+    @model_validator(mode="after")
+    def _one_input(self) -> "TokenizeRequest":
+        if (self.prompt is None) == (self.messages is None):
+            raise field_error("prompt", "send exactly one of prompt and messages")
+        return self
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(RootRequest):
+    model: str | None = None
+    tokens: list[Annotated[int, Field(ge=0, le=INT32_MAX)]] = Field(..., max_length=1_000_000)
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
 
 
 class ErrorInfo(BaseModel):

@@ -20,10 +20,9 @@ def sse(payload: dict) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
 
-def stream_error(exc: Exception) -> str:
+def stream_error(exc: Exception, type: str = "service_unavailable_error", code: str = "engine_unavailable") -> str:
     """Once a stream has started its status is 200 for good; a late failure becomes an error event."""
-    return sse({"error": {"message": str(exc), "type": "service_unavailable_error", "param": None,
-                          "code": "engine_unavailable"}})
+    return sse({"error": {"message": str(exc), "type": type, "param": None, "code": code}})
 
 
 class EventStream(StreamingResponse):
@@ -63,7 +62,8 @@ FormatChoice = Callable[[CompletionOutput, str, StreamState], dict[str, Any]]
 
 async def stream_events(handle: RequestHandle, header: dict[str, Any], format_choice: FormatChoice, *, n: int,
                         include_usage: bool, continuous_usage: bool, opening: list[dict] | None = None,
-                        prefix: Callable[[RequestOutput], str] | None = None) -> AsyncIterator[str]:
+                        prefix: Callable[[RequestOutput], str] | None = None,
+                        metrics: Any = None) -> AsyncIterator[str]:
     """The SSE body of one request: a chunk per engine update with each choice's new text, its finish reason
     once finished, the usage chunk when asked for, an error event if the engine fails mid-stream, then [DONE].
 
@@ -71,6 +71,9 @@ async def stream_events(handle: RequestHandle, header: dict[str, Any], format_ch
     n:       samples per prompt; choice index = prompt index x n + sample index.
     opening: choices of a first chunk sent before any output (chat sends the role).
     prefix:  text put before a choice's first delta (completions' echo of the prompt).
+
+    A choice the engine ended with finish reason "error" (a fault in that request alone) ends the stream with an
+    error event carrying the engine's message, then [DONE].
     """
     states: dict[int, StreamState] = {}
     snap: list = []
@@ -97,8 +100,16 @@ async def stream_events(handle: RequestHandle, header: dict[str, Any], format_ch
                     delta = c.text[st.text:]
                     if st.done or not (delta or head or c.finished):
                         continue
-                    choice = {"index": index, **format_choice(c, head + delta, st),
-                              "finish_reason": c.finish_reason if c.finished else None}
+                    if c.finish_reason == "error":
+                        if metrics is not None:
+                            metrics.failures.labels(cause="request_failed").inc()
+                        yield stream_error(RuntimeError(f"the request failed in the engine: {c.stop_reason}"),
+                                           "server_error", "request_failed")
+                        yield SSE_DONE
+                        return
+                    fields = format_choice(c, head + delta, st)
+                    finish = fields.pop("finish_reason", c.finish_reason if c.finished else None)
+                    choice = {"index": index, **fields, "finish_reason": finish}
                     if c.finished:
                         choice["stop_reason"] = c.stop_reason
                     st.advance(c)

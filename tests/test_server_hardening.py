@@ -1,0 +1,269 @@
+"""No single request can hurt the server: every hostile or malformed input is a 4xx in OpenAI's shape while other
+streams carry on and /health stays 200; a request that fails inside the engine fails alone; slow preparation
+(tokenization, chat templates) never runs on the engine thread. Real uvicorn server on 127.0.0.1, tiny model."""
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import httpx
+import pytest
+
+from leapdecode.server import build_app
+from test_server import MODEL, assert_pool_free, metric, one_torch_thread, serve, tiny_llm, wait_idle  # noqa: F401
+
+CONTEXT = 256
+
+
+@pytest.fixture(scope="module")
+def hsrv(llama_dir):
+    app = build_app(tiny_llm(llama_dir, max_model_len=CONTEXT), served_model_name=MODEL)
+    with serve(app) as (url, _):
+        yield url, app
+
+
+def _cmpl(**kw):
+    return {"model": MODEL, "prompt": "hi", "max_tokens": 2, **kw}
+
+
+def _chat(**kw):
+    return {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, **kw}
+
+
+HOSTILE = [
+    # (path, raw JSON body, status, param)
+    ("/v1/completions", json.dumps(_cmpl(top_k=2**63)), 400, "top_k"),
+    ("/v1/completions", json.dumps(_cmpl(top_k=10**6)), 400, "top_k"),            # beyond the vocabulary
+    ("/v1/completions", json.dumps(_cmpl(stop_token_ids=[99999999], min_tokens=2)), 400, "stop_token_ids"),
+    ("/v1/completions", json.dumps(_cmpl(stop_token_ids=[2**70])), 400, "stop_token_ids"),
+    ("/v1/completions", json.dumps(_cmpl(logit_bias={"99999": 1})), 400, "logit_bias"),
+    ("/v1/completions", json.dumps(_cmpl(logit_bias={"abc": 1})), 400, "logit_bias"),
+    ("/v1/completions", json.dumps(_cmpl(logit_bias={"5": 1})), 400, "logit_bias"),   # valid, unsupported
+    ("/v1/completions", '{"model": "tiny", "prompt": "\\ud800"}', 400, "prompt"),
+    ("/v1/completions", '{"model": "\\ud800", "prompt": "hi"}', 400, "model"),
+    ("/v1/completions", '{"model": "tiny", "prompt": "hi", "stop": ["\\udfff"]}', 400, "stop[0]"),
+    ("/v1/chat/completions", '{"model": "tiny", "messages": [{"role": "user", "content": "a\\ud800b"}]}', 400,
+     "messages[0].content"),
+    ("/v1/completions", json.dumps(_cmpl(max_tokens="16")), 400, "max_tokens"),       # strict types
+    ("/v1/completions", json.dumps(_cmpl(temperature="0.5")), 400, "temperature"),
+    ("/v1/completions", json.dumps(_cmpl(stream="true")), 400, "stream"),
+    ("/v1/completions", json.dumps(_cmpl(n=True)), 400, "n"),
+    ("/v1/completions", json.dumps(_cmpl(n=2.0)), 400, "n"),
+    ("/v1/completions", json.dumps(_cmpl(max_tokens=2**63)), 400, "max_tokens"),
+    ("/v1/completions", json.dumps(_cmpl(min_tokens=2**40)), 400, "min_tokens"),
+    ("/v1/completions", json.dumps(_cmpl(min_tokens=CONTEXT, max_tokens=None)), 400, "min_tokens"),
+    ("/v1/completions", '{"model": "tiny", "prompt": "hi", "temperature": 1e999}', 400, "temperature"),
+    ("/v1/completions", '{"model": "tiny", "prompt": "hi", "top_p": -Infinity}', 400, "top_p"),
+    ("/v1/completions", json.dumps(_cmpl(prompt=[5, -1])), 400, "prompt"),
+    ("/v1/completions", json.dumps(_cmpl(prompt=[5, 10**6])), 400, "prompt"),
+    ("/v1/completions", json.dumps(_cmpl(prompt=[[5], []])), 400, "prompt"),
+    ("/v1/completions", json.dumps(_cmpl(prompt=[5] * CONTEXT)), 400, "prompt"),        # no room to generate
+    ("/v1/completions", json.dumps(_cmpl(prompt="x" * 2_000_000)), 400, "prompt"),      # refused unread
+    ("/v1/completions", json.dumps(_cmpl(prompt_logprobs=21)), 400, "prompt_logprobs"),
+    ("/v1/completions", json.dumps(_cmpl(guided_regex="a", guided_choice=["b"])), 400, "guided_choice"),
+    ("/v1/completions", json.dumps(_cmpl(guided_json="{not json")), 400, "guided_json"),
+    ("/v1/completions", json.dumps(_cmpl(guided_regex="(unclosed")), 400, "guided_regex"),
+    ("/v1/completions", json.dumps(_cmpl(best_of=1, n=2)), 400, "best_of"),
+    ("/v1/completions", json.dumps(_cmpl(use_beam_search=True)), 400, "use_beam_search"),
+    ("/v1/chat/completions", json.dumps(_chat(continue_final_message=True)), 400, "continue_final_message"),
+    ("/v1/chat/completions", json.dumps(_chat(chat_template_kwargs={"tools": []})), 400, "chat_template_kwargs"),
+    ("/v1/chat/completions", json.dumps(_chat(tool_choice="required")), 400, "tool_choice"),
+    ("/v1/chat/completions", json.dumps(_chat(messages=[{"role": "user", "content": "x" * 3_000_000}])), 400,
+     "messages"),
+    ("/tokenize", '{"prompt": "\\ud800"}', 400, "prompt"),
+    ("/detokenize", '{"tokens": [-1]}', 400, "tokens[0]"),
+    ("/detokenize", json.dumps({"tokens": [10**6]}), 400, "tokens"),
+]
+
+
+def test_hostile_inputs_are_4xx_while_others_stream(hsrv):
+    """Every hostile input is a 400 in OpenAI's shape naming its field; a stream running meanwhile completes
+    normally, /health stays 200, and the engine is still there afterwards (not a single 5xx)."""
+    url, app = hsrv
+    stream_result: dict = {}
+
+    def background_stream():
+        with httpx.Client(base_url=url, timeout=120) as http:
+            body = _cmpl(prompt="Once upon a time", max_tokens=60, min_tokens=60, temperature=0, stream=True)
+            with http.stream("POST", "/v1/completions", json=body) as r:
+                lines = [line for line in r.iter_lines() if line.startswith("data: ")]
+        stream_result["lines"] = lines
+
+    t = threading.Thread(target=background_stream)
+    t.start()
+    with httpx.Client(base_url=url, timeout=60) as http:
+        for path, raw, status, param in HOSTILE:
+            r = http.post(path, content=raw.encode("utf-8", "surrogatepass"),
+                          headers={"content-type": "application/json"})
+            assert r.status_code == status, (raw[:200], r.text[:500])
+            err = r.json()["error"]
+            assert set(err) == {"message", "type", "param", "code"} and err["message"], r.text
+            assert err["param"] == param, (raw[:200], err)
+            assert http.get("/health").status_code == 200
+        t.join(120)
+        lines = stream_result["lines"]
+        assert lines[-1] == "data: [DONE]" and not any('"error"' in line for line in lines)
+        chunks = [json.loads(line[6:]) for line in lines[:-1]]
+        assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+        assert http.get("/health").json() == {"status": "ok"}
+        assert http.post("/v1/completions", json=_cmpl()).status_code == 200
+        text = http.get("/metrics").text
+        assert metric(text, "leapdecode_request_failures_total", '{cause="invalid_value"}') >= 10
+        assert metric(text, "leapdecode_request_failures_total", '{cause="unsupported_parameter"}') >= 2
+    wait_idle(app)
+    assert_pool_free(app)
+
+
+def test_prompt_token_ids_and_default_max_tokens(hsrv):
+    """129+ token ids are one prompt; a prompt of max_model_len - 1 tokens is served (max_tokens shrinks to what
+    fits), and chat's default max_tokens is what fits in the context."""
+    url, app = hsrv
+    with httpx.Client(base_url=url, timeout=60) as http:
+        for length in (129, 200):
+            r = http.post("/v1/completions", json=_cmpl(prompt=[7] * length, max_tokens=3))
+            assert r.status_code == 200, r.text
+            body = r.json()
+            assert len(body["choices"]) == 1 and body["usage"]["prompt_tokens"] == length
+        r = http.post("/v1/completions", json=_cmpl(prompt=[7] * (CONTEXT - 1), max_tokens=16))
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] == 1
+        assert r.json()["choices"][0]["finish_reason"] == "length"
+        r = http.post("/v1/completions", json=_cmpl(prompt=[[7] * 130, [8] * 3], max_tokens=2))
+        assert r.status_code == 200 and len(r.json()["choices"]) == 2
+        r = http.post("/v1/chat/completions", json={"model": MODEL, "ignore_eos": True, "temperature": 0,
+                                                    "messages": [{"role": "user", "content": "hi " * 50}]})
+        assert r.status_code == 200, r.text
+        u = r.json()["usage"]
+        assert u["prompt_tokens"] + u["completion_tokens"] == CONTEXT
+        # max_tokens far beyond the context is not an error: it stops at the context.
+        r = http.post("/v1/completions", json=_cmpl(prompt=[7] * (CONTEXT - 3), max_tokens=2**31 - 1,
+                                                     ignore_eos=True))
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+    wait_idle(app)
+    assert_pool_free(app)
+
+
+def test_request_failing_in_the_engine_fails_alone(llama_dir):
+    """A request that the engine ends with finish reason "error" (a fault in its own step: the engine's
+    per-request isolation) is a 500 `request_failed` (non-streaming) or an error event then [DONE] (streaming);
+    a concurrent stream completes, /health stays 200 and the failure is counted."""
+    llm = tiny_llm(llama_dir, max_model_len=CONTEXT)
+    engine = llm.engine
+    original = engine.step
+    poison = [3, 3, 3, 3, 3]
+
+    def step():
+        outputs = original()
+        for out in outputs:
+            if out.prompt_token_ids == poison and not out.finished:
+                engine.abort(out.request_id)
+                out.finished = True
+                for c in out.outputs:
+                    c.finish_reason, c.stop_reason = "error", "RuntimeError: injected fault"
+        return outputs
+
+    engine.step = step
+    app = build_app(llm, served_model_name=MODEL)
+    with serve(app) as (url, _), httpx.Client(base_url=url, timeout=60) as http:
+        result: dict = {}
+
+        def other():
+            with httpx.Client(base_url=url, timeout=60) as h:
+                result["r"] = h.post("/v1/completions", json=_cmpl(prompt="Once", max_tokens=40, min_tokens=40))
+
+        t = threading.Thread(target=other)
+        t.start()
+        r = http.post("/v1/completions", json=_cmpl(prompt=poison, max_tokens=20))
+        assert r.status_code == 500 and r.json()["error"]["code"] == "request_failed"
+        assert "injected fault" in r.json()["error"]["message"]
+        with http.stream("POST", "/v1/completions", json=_cmpl(prompt=poison, max_tokens=20, stream=True)) as s:
+            lines = [line for line in s.iter_lines() if line.startswith("data: ")]
+        assert lines[-1] == "data: [DONE]"
+        assert json.loads(lines[-2][6:])["error"]["code"] == "request_failed"
+        t.join(60)
+        assert result["r"].status_code == 200 and result["r"].json()["usage"]["completion_tokens"] == 40
+        assert http.get("/health").status_code == 200
+        text = http.get("/metrics").text
+        assert metric(text, "leapdecode_request_failures_total", '{cause="request_failed"}') == 2
+        wait_idle(app)
+        assert_pool_free(app)
+
+
+def test_slow_tokenization_never_stalls_other_streams(llama_dir):
+    """Preparation runs in the worker pool, not on the engine thread: while one request's tokenization is held
+    (as a huge prompt's would be), another stream runs to its end; the held request then completes. Past the
+    preparation deadline a request is a 400 of its own."""
+    app = build_app(tiny_llm(llama_dir, max_model_len=CONTEXT), served_model_name=MODEL, prep_timeout=60)
+    prep = app.state.server.prep
+    entered, release = threading.Event(), threading.Event()
+    real_encode = prep.encode
+
+    def held_encode(text, add_special_tokens):
+        if text.startswith("HOLD"):
+            entered.set()
+            assert release.wait(60)
+        return real_encode(text, add_special_tokens)
+
+    prep.encode = held_encode
+    with serve(app) as (url, _), httpx.Client(base_url=url, timeout=60) as http:
+        held: dict = {}
+
+        def post_held():
+            with httpx.Client(base_url=url, timeout=60) as h:
+                held["r"] = h.post("/v1/completions", json=_cmpl(prompt="HOLD this prompt", max_tokens=3))
+
+        t = threading.Thread(target=post_held)
+        t.start()
+        assert entered.wait(30)
+        n_chunks = 0
+        body = _cmpl(prompt="Once upon a time", max_tokens=30, min_tokens=30, stream=True)
+        with http.stream("POST", "/v1/completions", json=body) as s:
+            for line in s.iter_lines():
+                n_chunks += line.startswith("data: {")
+        assert n_chunks >= 2 and not release.is_set() and "r" not in held   # done while the other is held
+        assert http.get("/health").status_code == 200
+        release.set()
+        t.join(60)
+        assert held["r"].status_code == 200
+        # The deadline: a preparation that outlives it is refused on its own.
+        prep.timeout_s = 0.3
+        release.clear()
+        r = http.post("/v1/completions", json=_cmpl(prompt="HOLD again"))
+        assert r.status_code == 400 and r.json()["error"]["code"] == "preprocessing_timeout"
+        release.set()
+        assert http.post("/v1/completions", json=_cmpl()).status_code == 200
+        wait_idle(app)
+        assert_pool_free(app)
+
+
+def test_engine_thread_never_tokenizes(hsrv):
+    """The engine receives token ids only: its tokenizer's encode is never called by a served request."""
+    url, app = hsrv
+    engine = app.state.async_engine.engine
+    calls = []
+    real = engine.tokenizer.encode
+    engine.tokenizer.encode = lambda *a, **k: calls.append(a) or real(*a, **k)
+    try:
+        with httpx.Client(base_url=url, timeout=60) as http:
+            assert http.post("/v1/completions", json=_cmpl(prompt=["a", "b"])).status_code == 200
+            assert http.post("/v1/chat/completions", json=_chat()).status_code == 200
+            assert http.post("/v1/chat/completions", json=_chat(guided_choice=["yes", "no"])).status_code == 200
+    finally:
+        del engine.tokenizer.encode
+    assert calls == []
+
+
+def test_request_id_ping_version_metrics(hsrv):
+    url, _ = hsrv
+    with httpx.Client(base_url=url, timeout=30) as http:
+        r = http.post("/v1/completions", json=_cmpl(), headers={"X-Request-Id": "abc-123"})
+        assert r.headers["x-request-id"] == "abc-123"
+        r = http.post("/v1/completions", json=_cmpl(top_k=2**63), headers={"X-Request-Id": "bad-1"})
+        assert r.status_code == 400 and r.headers["x-request-id"] == "bad-1"
+        assert len(http.get("/health").headers["x-request-id"]) == 32       # generated when not sent
+        assert http.get("/ping").status_code == 200
+        assert http.get("/version").json()["version"]
+        text = http.get("/metrics").text
+        assert metric(text, "leapdecode_cache_capacity", '{cache="token_text"}') > 0
+        assert metric(text, "leapdecode_cache_entries", '{cache="token_text"}') >= 0
