@@ -332,7 +332,7 @@ class OpenAIServer:
                 raise APIError(400, "a forced tool call cannot be combined with another output constraint",
                                param="tool_choice", code="invalid_value")
             if mode == "required":
-                extra["structured"] = required_structured(functions)
+                extra["structured"] = required_structured(functions, body.parallel_tool_calls is not False)
             else:
                 extra["structured"] = named_structured(next(f for f in functions if f.name == mode))
         elif mode == "auto" and body.skip_special_tokens is None:

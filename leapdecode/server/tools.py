@@ -92,11 +92,14 @@ def named_structured(f: Any) -> dict[str, Any]:
     return {"type": "json_schema", "json_schema": {"name": f.name, "schema": _parameters_schema(f)}}
 
 
-def required_structured(functions: list[Any]) -> dict[str, Any]:
-    """At least one call, each to one of the functions with arguments valid for it."""
+def required_structured(functions: list[Any], parallel: bool = True) -> dict[str, Any]:
+    """At least one call (exactly one when ``parallel`` is false: OpenAI's parallel_tool_calls), each to one of
+    the functions with arguments valid for it."""
     items = [{"type": "object", "properties": {"name": {"const": f.name}, "arguments": _parameters_schema(f)},
               "required": ["name", "arguments"], "additionalProperties": False} for f in functions]
     schema = {"type": "array", "minItems": 1, "items": items[0] if len(items) == 1 else {"anyOf": items}}
+    if not parallel:
+        schema["maxItems"] = 1
     return {"type": "json_schema", "json_schema": {"name": "tool_calls", "schema": schema}}
 
 
@@ -232,8 +235,9 @@ class ToolCallParser:
                 self.mode = "hermes" if marker == HERMES_OPEN else "tail"
                 continue
             keep = _partial_marker_suffix(pending)
-            if not self.calls and self.sent == 0 and not pending.strip():
-                keep = len(pending)       # leading whitespace: wait to see whether JSON follows
+            at_start = not self.calls and self.sent == 0
+            if at_start and (not pending.strip() or PYTHON_TAG.startswith(pending.lstrip())):
+                keep = len(pending)       # leading whitespace or part of <|python_tag|>: wait and see
             send = pending[:len(pending) - keep]
             out.append(send)
             self.sent += len(send)
