@@ -267,3 +267,152 @@ def test_request_id_ping_version_metrics(hsrv):
         text = http.get("/metrics").text
         assert metric(text, "leapdecode_cache_capacity", '{cache="token_text"}') > 0
         assert metric(text, "leapdecode_cache_entries", '{cache="token_text"}') >= 0
+
+
+# -- vLLM's extras, each checked against its documented meaning ---------------------------------------------------
+@pytest.fixture(scope="module")
+def offline_ctx(llama_dir):
+    return tiny_llm(llama_dir, max_model_len=CONTEXT)
+
+
+def test_guided_decoding_fields(hsrv):
+    import re
+
+    import jsonschema
+    schema = {"type": "object", "properties": {"a": {"enum": ["x", "y"]}}, "required": ["a"],
+              "additionalProperties": False}
+    with httpx.Client(base_url=hsrv[0], timeout=60) as http:
+        for seed in range(3):
+            base = {"max_tokens": 40, "seed": seed, "temperature": 1.0}
+            r = http.post("/v1/completions", json=_cmpl(guided_choice=["yes", "no"], **base)).json()
+            assert r["choices"][0]["text"] in ("yes", "no")
+            r = http.post("/v1/completions", json=_cmpl(guided_regex="[ab]{3}-[0-9]", **base)).json()
+            assert re.fullmatch("[ab]{3}-[0-9]", r["choices"][0]["text"])
+            for guided in (schema, json.dumps(schema)):
+                r = http.post("/v1/chat/completions", json=_chat(guided_json=guided, **base)).json()
+                jsonschema.validate(json.loads(r["choices"][0]["message"]["content"]), schema)
+            r = http.post("/v1/completions", json=_cmpl(structured_outputs={"choice": ["up", "down"]}, **base))
+            assert r.json()["choices"][0]["text"] in ("up", "down")
+            r = http.post("/v1/completions", json=_cmpl(structured_outputs={"json": schema}, **base)).json()
+            jsonschema.validate(json.loads(r["choices"][0]["text"]), schema)
+
+
+def test_prompt_logprobs_and_echo_with_logprobs(hsrv, offline_ctx):
+    from leapdecode import SamplingParams
+    prompt = "def add(a, b):"
+    ref = offline_ctx.generate(prompt, SamplingParams(max_tokens=3, temperature=0, prompt_logprobs=2))[0]
+    with httpx.Client(base_url=hsrv[0], timeout=60) as http:
+        body = http.post("/v1/completions", json=_cmpl(prompt=prompt, max_tokens=3, temperature=0,
+                                                       prompt_logprobs=2)).json()
+        plp = body["choices"][0]["prompt_logprobs"]
+        assert len(plp) == body["usage"]["prompt_tokens"] == len(ref.prompt_token_ids) and plp[0] is None
+        for pos, (entry, want) in enumerate(zip(plp[1:], ref.prompt_logprobs[1:]), start=1):
+            token = str(ref.prompt_token_ids[pos])
+            assert token in entry and entry[token]["logprob"] == pytest.approx(want[int(token)], abs=1e-4)
+            assert all(v["rank"] >= 1 and isinstance(v["decoded_token"], str) for v in entry.values())
+        chat = http.post("/v1/chat/completions", json=_chat(prompt_logprobs=1)).json()
+        assert chat["prompt_logprobs"][0] is None and len(chat["prompt_logprobs"]) == chat["usage"]["prompt_tokens"]
+        # echo + logprobs: the prompt's tokens first (the first without a logprob), then the generated ones.
+        body = http.post("/v1/completions", json=_cmpl(prompt=prompt, max_tokens=3, temperature=0, echo=True,
+                                                       logprobs=1)).json()
+        choice, u = body["choices"][0], body["usage"]
+        lp = choice["logprobs"]
+        assert choice["text"].startswith(prompt)
+        assert len(lp["tokens"]) == u["prompt_tokens"] + u["completion_tokens"]
+        assert lp["token_logprobs"][0] is None and all(v is not None for v in lp["token_logprobs"][1:])
+        assert "".join(lp["tokens"]) == choice["text"]
+        assert lp["text_offset"] == sorted(lp["text_offset"])
+
+
+def test_best_of_returns_the_most_likely_samples(hsrv, offline_ctx):
+    from leapdecode import SamplingParams
+    ref = offline_ctx.generate("Once upon", SamplingParams(n=4, max_tokens=6, temperature=1.0, seed=11,
+                                                           logprobs=0))[0]
+    best = max(ref.outputs, key=lambda c: c.cumulative_logprob)
+    with httpx.Client(base_url=hsrv[0], timeout=60) as http:
+        body = http.post("/v1/completions", json=_cmpl(prompt="Once upon", n=1, best_of=4, max_tokens=6,
+                                                       temperature=1.0, seed=11)).json()
+        assert [c["text"] for c in body["choices"]] == [best.text] and body["choices"][0]["logprobs"] is None
+        body = http.post("/v1/completions", json=_cmpl(prompt="Once upon", n=2, best_of=4, max_tokens=6,
+                                                       temperature=1.0, seed=11)).json()
+        ranked = sorted(ref.outputs, key=lambda c: -c.cumulative_logprob)
+        assert [c["text"] for c in body["choices"]] == [c.text for c in ranked[:2]]
+        assert [c["index"] for c in body["choices"]] == [0, 1]
+        r = http.post("/v1/completions", json=_cmpl(n=1, best_of=2, stream=True))
+        assert r.status_code == 400 and r.json()["error"]["param"] == "best_of"
+
+
+def test_prompt_shaping_fields(hsrv):
+    with httpx.Client(base_url=hsrv[0], timeout=60) as http:
+        ids = http.post("/tokenize", json={"prompt": "hello world " * 10}).json()
+        assert ids["count"] == len(ids["tokens"]) > 5 and ids["max_model_len"] == CONTEXT
+        strs = http.post("/tokenize", json={"prompt": "hello", "return_token_strs": True}).json()["token_strs"]
+        assert len(strs) == len(http.post("/tokenize", json={"prompt": "hello"}).json()["tokens"])
+        assert http.post("/detokenize", json={"tokens": ids["tokens"]}).json()["prompt"] == "hello world " * 10
+        # truncate_prompt_tokens keeps the last k tokens.
+        r = http.post("/v1/completions", json=_cmpl(prompt="hello world " * 10, truncate_prompt_tokens=5,
+                                                     echo=True)).json()
+        assert r["usage"]["prompt_tokens"] == 5
+        tail = http.post("/detokenize", json={"tokens": ids["tokens"][-5:]}).json()["prompt"]
+        assert r["choices"][0]["text"].startswith(tail)
+        # continue_final_message: the last assistant message is left open for the model to continue.
+        msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "The answer is"}]
+        ids = http.post("/tokenize", json={"messages": msgs, "add_generation_prompt": False,
+                                           "continue_final_message": True}).json()["tokens"]
+        text = http.post("/detokenize", json={"tokens": ids}).json()["prompt"]
+        assert text.endswith("The answer is")
+        r = http.post("/v1/chat/completions", json=_chat(messages=msgs, add_generation_prompt=False,
+                                                         continue_final_message=True, priority=5))
+        assert r.status_code == 200, r.text
+        # add_special_tokens on chat: off by default (the template has its own), as vLLM.
+        plain = http.post("/tokenize", json={"messages": msgs[:1]}).json()["tokens"]
+        assert http.post("/v1/chat/completions", json=_chat(messages=msgs[:1])).json()["usage"][
+            "prompt_tokens"] == len(plain)
+
+
+def test_shutdown_past_the_drain_time_ends_requests_properly(llama_dir):
+    """Past uvicorn's graceful-shutdown time, a stream still running ends with an error event and [DONE], and a
+    non-streaming request gets a 503 in OpenAI's shape (not a cut connection or a plain-text 500)."""
+    import socket
+
+    import uvicorn
+    app = build_app(tiny_llm(llama_dir, max_model_len=CONTEXT), served_model_name=MODEL)
+    engine = app.state.async_engine.engine
+    original = engine.step
+
+    def slow_step():                      # slow enough that nothing finishes within the graceful time
+        time.sleep(0.05)
+        return original()
+
+    engine.step = slow_step
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    server = uvicorn.Server(uvicorn.Config(app, log_level="critical", timeout_graceful_shutdown=1))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.01)
+    plain: dict = {}
+
+    def post_plain():
+        with httpx.Client(base_url=url, timeout=60) as h:
+            plain["r"] = h.post("/v1/completions", json=_cmpl(max_tokens=200, ignore_eos=True))
+
+    t = threading.Thread(target=post_plain)
+    t.start()
+    lines = []
+    body = _cmpl(prompt="Once", max_tokens=200, ignore_eos=True, stream=True)
+    with httpx.Client(base_url=url, timeout=60) as http, http.stream("POST", "/v1/completions", json=body) as r:
+        it = r.iter_lines()
+        lines.append(next(line for line in it if line.startswith("data: ")))
+        server.should_exit = True
+        lines += [line for line in it if line.startswith("data: ")]
+    t.join(60)
+    thread.join(30)
+    sock.close()
+    assert lines[-1] == "data: [DONE]"
+    assert json.loads(lines[-2][6:])["error"]["code"] == "engine_unavailable"
+    r = plain["r"]
+    assert r.status_code == 503 and r.json()["error"]["code"] == "engine_unavailable"
+    assert_pool_free(app)

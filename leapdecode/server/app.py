@@ -202,6 +202,9 @@ class OpenAIServer:
         watcher = asyncio.ensure_future(_wait_for_disconnect(request))
         try:
             done, _ = await asyncio.wait({consumer, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            # Cancelled by the server past its graceful-shutdown time: answer 503 in OpenAI's shape.
+            raise APIError(503, "the server is shutting down", code="engine_unavailable") from None
         finally:
             watcher.cancel()
             if not consumer.done():
@@ -259,7 +262,9 @@ class OpenAIServer:
         ids = [rid] if len(raw) == 1 else [f"{rid}-{i}" for i in range(len(raw))]
         handle = await self.submit([f[0] for f in fitted], [f[1] for f in fitted], ids, fields, "prompt")
         created = int(time.time())
-        echo_text = [p if isinstance(p, str) else None for p in raw]
+        # Echo the prompt as sent; a truncated or token-id prompt is echoed as its tokens' text.
+        echo_text = [p if isinstance(p, str) and len(f[0]) == len(i) else None
+                     for p, f, i in zip(raw, fitted, ids_list)]
 
         def prefix(out: RequestOutput) -> str:
             i = ids.index(out.request_id)

@@ -3,6 +3,8 @@ engine outputs into OpenAI chunks. Each endpoint supplies only how a choice's ne
 """
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable
@@ -35,8 +37,25 @@ class EventStream(StreamingResponse):
         self._handle = handle
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        state = {"started": False, "ended": False}
+
+        async def tracked_send(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                state["started"] = True
+            elif message["type"] == "http.response.body" and not message.get("more_body", False):
+                state["ended"] = True
+            await send(message)
+
         try:
-            await super().__call__(scope, receive, send)
+            await super().__call__(scope, receive, tracked_send)
+        except asyncio.CancelledError:
+            # The server cancels what is left once its graceful-shutdown time is over: end the stream the way
+            # the README promises (an error event and [DONE]) instead of cutting it mid-event.
+            if state["started"] and not state["ended"]:
+                with contextlib.suppress(Exception):
+                    final = stream_error(RuntimeError("the server is shutting down")) + SSE_DONE
+                    await send({"type": "http.response.body", "body": final.encode(), "more_body": False})
+            raise
         finally:
             self._handle.abort()
 
