@@ -146,7 +146,8 @@ def test_adaptive_controller_keeps_output_identical(llama_dir, reference):
     prompts, params, ref = reference
     llm = make_llm(llama_dir, speculative_config=spec("suffix", adaptive=True))
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == ref
-    assert_drafts_accepted(llm)
+    # how much the controller drafts depends on measured step times; that the drafter was consulted does not
+    assert llm.engine.speculator.num_proposals > 0
 
 
 # -- distribution ------------------------------------------------------------------------------------------------

@@ -102,6 +102,7 @@ class Engine:
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="leapdecode-step") if cfg.async_scheduling else None
         self._inflight: _InFlight | None = None
         self._ended_outside_a_step: list[str] = []   # requests a fault ended before their step: output them once
+        self._unscheduled: set[str] = set()           # requests not yet in any plan (first_scheduled_time)
         self.stats = {"steps": 0, "prompt_tokens": 0, "generation_tokens": 0, "draft_tokens": 0,
                       "accepted_tokens": 0, "overlapped_steps": 0}
         _freeze_startup_objects()
@@ -163,6 +164,7 @@ class Engine:
                                                  params.skip_special_tokens, params.include_stop_str_in_output)
             self.seqs[seq.seq_id] = seq
         self.requests[request_id] = req
+        self._unscheduled.add(request_id)
         self.stats["prompt_tokens"] += len(ids)
         self.scheduler.add(seqs[0], seqs[1:])
 
@@ -176,6 +178,7 @@ class Engine:
         req = self.requests.pop(request_id, None)
         if req is None:
             return False
+        self._unscheduled.discard(request_id)
         for seq in req.seqs:
             if not seq.is_finished:
                 self.scheduler.finish(seq, "abort")
@@ -273,12 +276,14 @@ class Engine:
     def _commit(self, plan: StepPlan, result: StepResult, started: float) -> list[RequestOutput]:
         """Hand the result to the scheduler, then do the per-request bookkeeping it does not own."""
         now = time.time()
-        drafted = {c.seq_id: len(c.draft) for c in plan.seqs}
-        for c in plan.seqs:
-            seq = self.seqs.get(c.seq_id)
-            req = self.requests.get(seq.request_id) if seq is not None else None
-            if req is not None and req.metrics.first_scheduled_time is None:
-                req.metrics.first_scheduled_time = now
+        drafted = {c.seq_id: len(c.draft) for c in plan.seqs if c.draft}
+        if self._unscheduled:
+            for c in plan.seqs:
+                seq = self.seqs.get(c.seq_id)
+                req = self.requests.get(seq.request_id) if seq is not None else None
+                if req is not None and req.metrics.first_scheduled_time is None:
+                    req.metrics.first_scheduled_time = now
+                    self._unscheduled.discard(req.request_id)
         upd = self.scheduler.update(plan, result, self.seqs)
         touched: dict[str, Request] = {}
         for seq in upd.touched:
@@ -289,7 +294,7 @@ class Engine:
             r = result.seqs.get(seq.seq_id)
             if r is None:
                 continue
-            k, accepted = drafted[seq.seq_id], len(r.accepted)
+            k, accepted = drafted.get(seq.seq_id, 0), len(r.accepted)
             m = req.metrics
             m.num_draft_tokens += k
             m.num_accepted_tokens += accepted

@@ -70,7 +70,7 @@ class InputBuffers:
         for i, s in enumerate(plan.seqs):
             n, base = s.num_new_tokens, len(ids)
             ids += s.token_ids
-            pos += s.positions()
+            pos += s.positions() if s.draft else range(s.start, s.start + n)
             table = s.block_table
             tables[i, :len(table)] = table
             if n <= 16:
@@ -85,7 +85,7 @@ class InputBuffers:
                 logits_idx += range(base, base + n)
             elif s.samples:
                 logits_idx += range(base + n - s.num_samples, base + n)
-            if s.draft and not s.draft.is_chain:
+            if s.draft and s.draft.parents is not None:
                 if tree_offsets is None:
                     tree_offsets = [-1] * len(plan.seqs)
                 tree_offsets[i] = len(tree_flat)

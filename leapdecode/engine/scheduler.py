@@ -132,18 +132,18 @@ class Scheduler:
         planned, placeholders = [], []
         offset = logits = samples = 0
         for seq, n, draft in chunks:
-            start = seq.num_computed_tokens
-            known = n - len(draft)
+            start, d = seq.num_computed_tokens, len(draft)
+            known = n - d
             ids = seq.token_ids[start:start + known]
             if len(ids) < known:                          # the tail is a token still on the device
                 assert known - len(ids) == 1 and seq.num_placeholders == 1, seq
                 placeholders.append((offset + len(ids), self._sample_row[seq.seq_id]))
                 ids.append(PLACEHOLDER)
-            sampled = 1 + len(draft) if start + n == seq.num_tokens + seq.num_placeholders + len(draft) else 0
+            sampled = 1 + d if start + known == len(seq.token_ids) + seq.num_placeholders else 0
             plp = (seq.params.prompt_logprobs is not None and start < seq.num_prompt_tokens
                    and len(seq.prompt_logprobs) < seq.num_prompt_tokens)
             n_logits = n if plp else sampled
-            planned.append(ScheduledSeq(seq.seq_id, start, tuple(ids) + draft.tokens if draft else tuple(ids),
+            planned.append(ScheduledSeq(seq.seq_id, start, tuple(ids) + draft.tokens if d else tuple(ids),
                                         tuple(seq.block_table), draft, sampled > 0, plp, logits, n_logits, samples))
             offset += n
             logits += n_logits
@@ -213,7 +213,7 @@ class Scheduler:
                 out.touched.append(seq)
             return None
         seq.num_placeholders -= 1
-        if seq.status == SequenceStatus.RUNNING:
+        if c.draft and seq.status == SequenceStatus.RUNNING:
             seq.num_computed_tokens -= len(c.draft) - len(r.accepted)
             self._compact_tree(c, r)
         self._fork(seq)
@@ -240,6 +240,8 @@ class Scheduler:
 
     def _compact_tree(self, c: ScheduledSeq, r) -> None:
         """An accepted tree branch is not where its KV was written: move it into place before the next forward."""
+        if c.draft.is_chain:                              # a chain's accepted nodes are already in place
+            return
         accepted = list(r.accepted)
         if accepted == list(range(len(accepted))):
             return

@@ -35,7 +35,8 @@ class Verifier:
             if c.samples:
                 seq = seqs[c.seq_id]
                 rows.append(Row(seq, ()))
-                rows += [Row(seq, path) for path in c.draft.node_paths()]
+                if c.draft:
+                    rows += [Row(seq, path) for path in c.draft.node_paths()]
         return SamplingBatch(rows, self.vocab_size, self.device, self.eos_token_ids) if rows else None
 
     def verify(self, plan: StepPlan, logits: torch.Tensor, batch: SamplingBatch | None, masks: Any,
@@ -89,7 +90,10 @@ class Verifier:
             if not c.samples:
                 continue
             r0 = c.sample_start
-            path, bonus = c.draft.walk(sampled[r0:r0 + c.num_samples])
+            if c.draft:
+                path, bonus = c.draft.walk(sampled[r0:r0 + c.num_samples])
+            else:                                       # plain decoding: the draw is the token
+                path, bonus = [], sampled[r0]
             used = [r0] + [r0 + 1 + i for i in path]
             results[c.seq_id] = SeqResult(
                 c.seq_id, tuple(path), tuple(c.draft.tokens[i] for i in path) + (bonus,),
