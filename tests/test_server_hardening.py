@@ -55,6 +55,8 @@ HOSTILE = [
     ("/v1/completions", json.dumps(_cmpl(min_tokens=CONTEXT, max_tokens=None)), 400, "min_tokens"),
     ("/v1/completions", '{"model": "tiny", "prompt": "hi", "temperature": 1e999}', 400, "temperature"),
     ("/v1/completions", '{"model": "tiny", "prompt": "hi", "top_p": -Infinity}', 400, "top_p"),
+    ("/v1/completions", json.dumps(_cmpl(top_p=1e-300)), 400, "top_p"),                # 0 in float32: NaN
+    ("/v1/completions", json.dumps(_cmpl(repetition_penalty=1e-300)), 400, "repetition_penalty"),
     ("/v1/completions", json.dumps(_cmpl(prompt=[5, -1])), 400, "prompt"),
     ("/v1/completions", json.dumps(_cmpl(prompt=[5, 10**6])), 400, "prompt"),
     ("/v1/completions", json.dumps(_cmpl(prompt=[[5], []])), 400, "prompt"),
@@ -233,6 +235,45 @@ def test_slow_tokenization_never_stalls_other_streams(llama_dir):
         assert r.status_code == 400 and r.json()["error"]["code"] == "preprocessing_timeout"
         release.set()
         assert http.post("/v1/completions", json=_cmpl()).status_code == 200
+        wait_idle(app)
+        assert_pool_free(app)
+
+
+def test_slow_grammar_compile_never_stalls_other_streams(llama_dir):
+    """Grammar compilation runs in the worker pool: while one request's schema is being compiled (held here, as
+    a huge or pathological schema would be), another stream runs to its end and /health answers."""
+    app = build_app(tiny_llm(llama_dir, max_model_len=CONTEXT), served_model_name=MODEL)
+    prep = app.state.server.prep
+    entered, release = threading.Event(), threading.Event()
+    real_compile = prep.compile
+
+    def held_compile(structured):
+        if "held" in json.dumps(structured):
+            entered.set()
+            assert release.wait(60)
+        return real_compile(structured)
+
+    prep.compile = held_compile
+    schema = {"type": "object", "properties": {"held": {"enum": [1, 2]}}, "required": ["held"]}
+    with serve(app) as (url, _), httpx.Client(base_url=url, timeout=60) as http:
+        held: dict = {}
+
+        def post_held():
+            with httpx.Client(base_url=url, timeout=60) as h:
+                held["r"] = h.post("/v1/chat/completions", json=_chat(guided_json=schema, max_tokens=20))
+
+        t = threading.Thread(target=post_held)
+        t.start()
+        assert entered.wait(30)
+        body = _cmpl(prompt="Once upon a time", max_tokens=30, min_tokens=30, stream=True)
+        with http.stream("POST", "/v1/completions", json=body) as s:
+            n_chunks = sum(line.startswith("data: {") for line in s.iter_lines())
+        assert n_chunks >= 2 and not release.is_set() and "r" not in held
+        assert http.get("/health").status_code == 200
+        release.set()
+        t.join(60)
+        assert held["r"].status_code == 200
+        assert json.loads(held["r"].json()["choices"][0]["message"]["content"])["held"] in (1, 2)
         wait_idle(app)
         assert_pool_free(app)
 

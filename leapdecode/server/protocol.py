@@ -31,6 +31,8 @@ MAX_LOGPROBS = 20
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 INT32_MAX = 2**31 - 1          # bound of counts and token ids before the model-specific checks
 MAX_LOGIT_BIAS = 300           # OpenAI's limit on logit_bias entries
+MIN_TOP_P = 1e-9
+MIN_REPETITION_PENALTY = 1e-6
 
 
 def field_error(param: str, message: str) -> PydanticCustomError:
@@ -168,12 +170,14 @@ class SamplingFields(RootRequest):
     model: str | None = None
     n: int = Field(1, ge=1, le=MAX_N)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
-    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    # Lower bounds keep the sampler's float32 arithmetic finite: a top_p or repetition_penalty that rounds to 0
+    # in float32 (1e-300) would make a NaN distribution.
+    top_p: float | None = Field(None, ge=MIN_TOP_P, le=1.0)
     top_k: int | None = Field(None, ge=-1, le=INT32_MAX)          # and <= the vocabulary (handler)
     min_p: float | None = Field(None, ge=0.0, le=1.0)
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    repetition_penalty: float | None = Field(None, gt=0.0, le=10.0)
+    repetition_penalty: float | None = Field(None, ge=MIN_REPETITION_PENALTY, le=10.0)
     seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = Field(None, max_length=64)   # each within the vocabulary (handler)
