@@ -13,7 +13,7 @@ import pytest
 from leapdecode.server import build_app
 from test_server import MODEL, assert_pool_free, metric, one_torch_thread, serve, tiny_llm, wait_idle  # noqa: F401
 
-CONTEXT = 256
+CONTEXT = 512
 
 
 @pytest.fixture(scope="module")
@@ -73,6 +73,13 @@ HOSTILE = [
     ("/v1/chat/completions", json.dumps(_chat(tool_choice="required")), 400, "tool_choice"),
     ("/v1/chat/completions", json.dumps(_chat(messages=[{"role": "user", "content": "x" * 3_000_000}])), 400,
      "messages"),
+    ("/v1/chat/completions", json.dumps(_chat(tools=[{"type": "function", "function": {
+        "name": "f", "parameters": {"type": "nonsense"}}}], tool_choice={"type": "function", "function": {"name": "f"}})),
+     400, "tools"),
+    ("/v1/chat/completions", json.dumps(_chat(tools=[{"type": "function", "function": {"name": "bad name!"}}])), 400,
+     "tools[0].function.name"),
+    ("/v1/chat/completions", json.dumps(_chat(tools=[{"type": "function", "function": {"name": "f"}}],
+                                              tool_choice="required", guided_regex="a")), 400, "tool_choice"),
     ("/tokenize", '{"prompt": "\\ud800"}', 400, "prompt"),
     ("/detokenize", '{"tokens": [-1]}', 400, "tokens[0]"),
     ("/detokenize", json.dumps({"tokens": [10**6]}), 400, "tokens"),

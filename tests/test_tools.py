@@ -141,6 +141,18 @@ def test_named_tool_call_streams_argument_deltas(client):
     assert finish == "stop"
 
 
+def test_named_tool_call_streams_with_n_2(client):
+    args = {0: "", 1: ""}
+    for chunk in client.chat.completions.create(model=MODEL, messages=USER, tools=TOOLS, max_tokens=64, n=2,
+                                                seed=5, temperature=1.0, stream=True,
+                                                tool_choice={"type": "function", "function": {"name": "get_time"}}):
+        for ch in chunk.choices:
+            for d in ch.delta.tool_calls or []:
+                args[ch.index] += d.function.arguments or ""
+    for text in args.values():
+        jsonschema.validate(json.loads(text), TIME)
+
+
 def test_required_tool_calls_stream(client):
     calls, finish = {}, None
     for chunk in client.chat.completions.create(model=MODEL, messages=USER, tools=TOOLS, tool_choice="required",

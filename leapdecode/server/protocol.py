@@ -490,8 +490,6 @@ class ChatCompletionRequest(SamplingFields):
                 raise field_error(field, f"{field} {choice!r} needs a non-empty list of tools")
             if choice != "required" and choice not in names:
                 raise field_error(field, f"{field} names the function {choice!r}, which is not among the tools")
-        if self.tool_choice_name() not in (None, "none") and self.n > 1 and self.stream:
-            raise field_error("n", "streaming tool calls supports n=1 only")
         return self
 
     def function_defs(self) -> list[FunctionDef]:
