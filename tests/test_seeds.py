@@ -106,7 +106,8 @@ def test_same_seed_same_text_with_a_real_drafter(llama_dir):
     text = (p * 3)[:60]                                      # copy-heavy, so the suffix drafter proposes
     params = SamplingParams(temperature=1.0, seed=1234, max_tokens=30, ignore_eos=True)
     _, plain = run(llama_dir, [text], params)
-    llm = make_llm(llama_dir, speculative_config={"method": "suffix", "num_speculative_tokens": 6})
+    llm = make_llm(llama_dir, speculative_config={"method": "suffix", "num_speculative_tokens": 6,
+                                                     "adaptive": False})
     outs = tokens(llm.generate([text] * 3, params, use_tqdm=False))
     assert outs == [plain[0]] * 3
     assert llm.engine.stats["draft_tokens"] > 0

@@ -1,33 +1,68 @@
-"""How many draft tokens to verify, per request and for the batch: speculate where it pays, not where it costs.
+"""How many draft tokens to verify, per request and for the batch: speculate only while it raises tokens per second.
 
-Two ideas combined:
-- per request (SpecDec++-style): each request keeps a running estimate alpha of the chance that its next draft
-  token is accepted (a decayed Beta posterior over its own history, seeded by the drafter's score); the j-th draft
-  token of a chain is then worth alpha^j expected tokens, so an unlikely continuation is cut early;
-- for the batch (SmartSpec's goodput): a step costs about c0 + c1 * (tokens in the step), a linear model fitted
-  online from measured steps (and a probe at start-up). Draft tokens are admitted greedily, most valuable first,
-  while expected emitted tokens per second keeps rising. Under heavy load, or with poor acceptance, nothing is
-  admitted and the step is exactly plain decoding.
+Each step the controller chooses the total number m of draft tokens to verify (0 is plain decoding) and who gets
+them, maximising expected emitted tokens per second:
+
+    goodput(m) = (B + sum of the m most valuable draft tokens) / (T(base + m) + drafting time if m > 0)
+
+where B is one bonus token per decoding request and ``base`` the tokens the step computes anyway.
+
+- **Cost, measured, not assumed** (:class:`StepTimeModel`): the engine reports every step's wall time and token
+  count. Times are kept per token-count bucket (exact counts up to 32, then ~12% wide buckets) as the median of
+  the last few steps, so a CPU whose cost grows with every token, a GPU that is flat until a knee, the jump from a
+  1-token to a multi-token forward, and garbage-collection outliers are all what they really are. Between observed
+  buckets T is interpolated, beyond them extrapolated with a forgetting least-squares line (seeded by the engine's
+  start-up probe), and made non-decreasing in m.
+- **Value, learned per request** (SpecDec++-like): the j-th draft token is worth P(tokens 1..j accepted) =
+  p1 * prod c(d), with p1 the request's own fast-decaying first-token acceptance shrunk toward the drafter's score and
+  the global rate, and c(d) the conditional acceptance at depth d (the request's own, shrunk toward the global
+  per-depth rate). A verified draft of k with a accepted says: depths 1..a accepted, depth a+1 rejected, deeper
+  unknown (censored), so choosing short drafts never teaches the controller that long ones fail.
+- **Never slower than plain**: m > 0 only when its predicted goodput beats plain decoding's by ``min_gain``;
+  occasional exploration steps measure the cost of a draft size (or of plain decoding) that has not been observed
+  recently, when the model says it is close; per-request estimates decay fast (``decay``), so a request whose
+  drafts stop being accepted loses its drafts within a few steps.
 """
 from __future__ import annotations
 
-import heapq
-from dataclasses import dataclass
+import math
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+
+_EXACT = 32                      # token counts up to this are buckets of their own
+_RATIO = math.log(1.125)         # then ~12% wide buckets
+
+
+def _bucket(n: int) -> int:
+    return n if n <= _EXACT else _EXACT + 1 + int(math.log(n / _EXACT) / _RATIO)
 
 
 @dataclass
+class _Bucket:
+    obs: deque = field(default_factory=lambda: deque(maxlen=5))     # (tokens, seconds), most recent last
+    last_seen: int = 0
+
+    def point(self) -> tuple[float, float]:
+        ts = sorted(t for _, t in self.obs)
+        return sum(n for n, _ in self.obs) / len(self.obs), ts[len(ts) // 2]
+
+
 class StepTimeModel:
-    """t(n) = c0 + c1 * n seconds for a step of n tokens, by least squares with exponential forgetting."""
-    c0: float = 1e-3
-    c1: float = 1e-5
-    decay: float = 0.98
-    _sw: float = 0.0
-    _sx: float = 0.0
-    _sy: float = 0.0
-    _sxx: float = 0.0
-    _sxy: float = 0.0
+    """T(n): seconds for a step that computes n tokens (see the module doc). ``c0``/``c1``: the line's prior."""
+
+    def __init__(self, c0: float = 1e-3, c1: float = 1e-5, decay: float = 0.98, window: int = 5) -> None:
+        self.c0, self.c1, self.decay, self.window = c0, c1, decay, window
+        self._sw = self._sx = self._sy = self._sxx = self._sxy = 0.0
+        self._buckets: dict[int, _Bucket] = {}
+        self.num_observed = 0
+        self._points: tuple[np.ndarray, np.ndarray] | None = None
 
     def observe(self, num_tokens: int, seconds: float) -> None:
+        if num_tokens <= 0 or not seconds > 0.0:
+            return
+        self.num_observed += 1
         d = self.decay
         self._sw = d * self._sw + 1
         self._sx = d * self._sx + num_tokens
@@ -39,68 +74,185 @@ class StepTimeModel:
             slope = (self._sw * self._sxy - self._sx * self._sy) / var
             self.c1 = max(slope, 1e-9)
             self.c0 = max((self._sy - self.c1 * self._sx) / self._sw, 1e-6)
+        b = self._buckets.get(_bucket(num_tokens))
+        if b is None:
+            b = self._buckets[_bucket(num_tokens)] = _Bucket(deque(maxlen=self.window))
+        b.obs.append((num_tokens, seconds))
+        b.last_seen = self.num_observed
+        self._points = None
+
+    def steps_since_seen(self, num_tokens: int) -> int:
+        """Steps since a step of this size (its bucket) was last observed; a large number if never."""
+        b = self._buckets.get(_bucket(num_tokens))
+        return self.num_observed - b.last_seen if b is not None else 1 << 30
+
+    def _curve(self) -> tuple[np.ndarray, np.ndarray]:
+        if self._points is None:
+            pts = sorted(b.point() for b in self._buckets.values())
+            self._points = (np.array([p[0] for p in pts]), np.array([p[1] for p in pts]))
+        return self._points
+
+    def predict(self, ns: np.ndarray) -> np.ndarray:
+        """T at each token count of ``ns`` (a numpy array), non-decreasing in n."""
+        ns = np.asarray(ns, dtype=np.float64)
+        xs, ys = self._curve()
+        if len(xs) == 0:
+            out = self.c0 + self.c1 * ns
+        else:
+            out = np.interp(ns, xs, ys)
+            hi, lo = ns > xs[-1], ns < xs[0]
+            slope = self.c1
+            if len(xs) > 1 and xs[-1] > xs[-2]:
+                slope = max(slope, (ys[-1] - ys[-2]) / (xs[-1] - xs[-2]))
+            out[hi] = ys[-1] + slope * (ns[hi] - xs[-1])
+            out[lo] = np.maximum(ys[0] - self.c1 * (xs[0] - ns[lo]), 0.5 * ys[0])
+        return np.maximum.accumulate(out) if ns.ndim == 1 and len(ns) > 1 and np.all(np.diff(ns) >= 0) else out
 
     def __call__(self, num_tokens: int) -> float:
-        return self.c0 + self.c1 * num_tokens
+        return float(self.predict(np.array([num_tokens]))[0])
 
 
 @dataclass
 class _Acceptance:
-    accepted: float
-    rejected: float
-
-    @property
-    def alpha(self) -> float:
-        return self.accepted / (self.accepted + self.rejected)
+    first_acc: float = 0.0       # decayed count of drafts whose first token was accepted
+    first_n: float = 0.0         # ... of drafts
+    fail_run: int = 0            # consecutive drafts whose first token was rejected
+    cont_acc: float = 0.0        # decayed count of deeper tokens accepted after an accepted parent
+    cont_n: float = 0.0
 
 
 class Controller:
-    def __init__(self, max_draft: int, step_time: StepTimeModel | None = None, decay: float = 0.9,
-                 prior_strength: float = 2.0, min_gain: float = 0.0) -> None:
+    """See the module doc. ``max_draft``: most draft tokens per request; ``decay``: per-step forgetting of a
+    request's own acceptance; ``min_gain``: how much better than plain decoding a draft must be predicted to be."""
+
+    def __init__(self, max_draft: int, step_time: StepTimeModel | None = None, decay: float = 0.8,
+                 first_decay: float = 0.85, run_alarm: float = 0.1,
+                 prior_strength: float = 3.0, min_gain: float = 0.03, global_decay: float = 0.98,
+                 explore_every: int = 16, explore_tolerance: float = 0.15, stale_after: int = 128) -> None:
         self.max_draft = max_draft
         self.step_time = step_time or StepTimeModel()
-        self.decay, self.prior_strength, self.min_gain = decay, prior_strength, min_gain
+        self.run_alarm = run_alarm
+        self.decay, self.first_decay, self.prior_strength, self.min_gain = decay, first_decay, prior_strength, min_gain
+        self.global_decay = global_decay
+        self.explore_every, self.explore_tolerance, self.stale_after = explore_every, explore_tolerance, stale_after
         self._acc: dict[int, _Acceptance] = {}
+        self._score: dict[int, float] = {}
+        # global: first-token acceptance, and conditional acceptance per depth (index d = depth, d >= 2)
+        self._g_first = [0.0, 0.0]
+        self._g_depth_acc = np.zeros(max(max_draft, 1) + 2)
+        self._g_depth_n = np.zeros(max(max_draft, 1) + 2)
+        self.num_calls = 0
+        self.last_choice: dict = {}       # the last decision, for benchmarks and debugging
 
+    # -- acceptance ------------------------------------------------------------------------------------------------
     def alpha(self, seq_id: int, score: float = 0.5) -> float:
-        """Per-token acceptance estimate: the request's own history, shrunk toward the drafter's score."""
+        """P(the first draft token is accepted) for this request, given the drafter's score for the draft."""
+        s = min(max(score, 0.02), 0.98)
+        ga, gn = self._g_first
+        prior = (ga + self.prior_strength * s) / (gn + self.prior_strength)
         a = self._acc.get(seq_id)
-        s = min(max(score, 0.02), 0.98) * self.prior_strength
-        prior = (s, self.prior_strength - s)
         if a is None:
-            return prior[0] / self.prior_strength
-        return (a.accepted + prior[0]) / (a.accepted + a.rejected + self.prior_strength)
+            return prior
+        p = (a.first_acc + self.prior_strength * prior) / (a.first_n + self.prior_strength)
+        # a run of misses that this estimate makes unlikely (P < run_alarm) says the regime has changed: scale
+        # the estimate down by how unlikely the run is, so a request whose drafts stop matching backs off at once
+        unlikely = (1.0 - p) ** a.fail_run
+        return p * min(1.0, unlikely / self.run_alarm) if a.fail_run else p
+
+    def _continuation(self, seq_ids: list[int], depth_max: int) -> np.ndarray:
+        """[R, depth_max - 1]: P(token at depth d accepted | its parent was), d = 2..depth_max."""
+        d = np.arange(2, depth_max + 1)
+        g = (self._g_depth_acc[d] + 0.6) / (self._g_depth_n[d] + 1.0)
+        own = [self._acc.get(s) for s in seq_ids]
+        acc = np.array([a.cont_acc if a else 0.0 for a in own])[:, None]
+        n = np.array([a.cont_n if a else 0.0 for a in own])[:, None]
+        return (acc + g[None, :]) / (n + 1.0)
 
     def observe(self, seq_id: int, num_drafted: int, num_accepted: int) -> None:
-        """A chain of k drafts with a accepted is a successes and, if a < k, one failure."""
-        if num_drafted == 0:
+        """A draft of ``num_drafted`` tokens of which ``num_accepted`` were accepted (verified, or scored in the
+        shadow of a plain step): depths 1..a accepted, a+1 rejected (if drafted), deeper unknown."""
+        if num_drafted <= 0:
             return
-        a = self._acc.setdefault(seq_id, _Acceptance(0.0, 0.0))
-        a.accepted = self.decay * a.accepted + num_accepted
-        a.rejected = self.decay * a.rejected + (1.0 if num_accepted < num_drafted else 0.0)
+        a = self._acc.setdefault(seq_id, _Acceptance())
+        d, gd, fd = self.decay, self.global_decay, self.first_decay
+        first = 1.0 if num_accepted > 0 else 0.0
+        a.first_acc, a.first_n = fd * a.first_acc + first, fd * a.first_n + 1.0
+        a.fail_run = 0 if first else a.fail_run + 1
+        cont_trials = max(0, min(num_accepted + 1, num_drafted) - 1)   # depths 2..min(a+1, k)
+        cont_acc = max(0, num_accepted - 1)
+        a.cont_acc, a.cont_n = d * a.cont_acc + cont_acc, d * a.cont_n + cont_trials
+        self._g_first = [gd * self._g_first[0] + first, gd * self._g_first[1] + 1.0]
+        if cont_trials:
+            self._g_depth_acc *= gd
+            self._g_depth_n *= gd
+            top = min(len(self._g_depth_n) - 1, 1 + cont_trials)
+            self._g_depth_n[2:top + 1] += 1.0
+            self._g_depth_acc[2:min(top, num_accepted) + 1] += 1.0
 
     def forget(self, seq_id: int) -> None:
         self._acc.pop(seq_id, None)
+        self._score.pop(seq_id, None)
 
-    def draft_lengths(self, proposals: list[tuple[int, int, float]], other_tokens: int) -> list[int]:
+    # -- the decision ----------------------------------------------------------------------------------------------
+    def draft_lengths(self, proposals: list[tuple[int, int, float]], other_tokens: int,
+                      draft_seconds: float = 0.0) -> list[int]:
         """proposals: (seq_id, draft length on offer, drafter score) per decoding request; other_tokens: tokens the
-        step computes anyway (one per decode, plus prefill chunks). Returns how many draft tokens to keep each."""
-        keep = [0] * len(proposals)
-        alphas = [self.alpha(sid, score) for sid, _, score in proposals]
-        # candidate j (1-based) of request i is worth alpha_i^j; admit the best first while goodput rises
-        heap = [(-a, i, 1) for i, ((_, n, _), a) in enumerate(zip(proposals, alphas)) if n > 0]
-        heapq.heapify(heap)
-        tokens = other_tokens
-        expected = float(len(proposals))          # every decode emits its bonus token
-        best = expected / self.step_time(tokens)
-        while heap:
-            neg_gain, i, j = heapq.heappop(heap)
-            gain = -neg_gain
-            cand = (expected + gain) / self.step_time(tokens + 1)
-            if cand <= best * (1 + self.min_gain):
-                break                              # later candidates are worth less: stop here
-            expected, tokens, best = expected + gain, tokens + 1, cand
-            keep[i] = j
-            if j < min(proposals[i][1], self.max_draft):
-                heapq.heappush(heap, (-(gain * alphas[i]), i, j + 1))
+        step computes anyway (one per decode, plus prefill chunks); draft_seconds: what drafting costs per step.
+        Returns how many draft tokens to keep for each."""
+        self.num_calls += 1
+        R = len(proposals)
+        keep = [0] * R
+        lengths = np.array([min(n, self.max_draft) for _, n, _ in proposals], dtype=np.int64)
+        K = int(lengths.max(initial=0))
+        if K <= 0:
+            return keep
+        ids = [sid for sid, _, _ in proposals]
+        for sid, _, score in proposals:
+            self._score[sid] = score
+        values = np.empty((R, K))
+        values[:, 0] = [self.alpha(sid, score) for sid, _, score in proposals]
+        if K > 1:
+            values[:, 1:] = self._continuation(ids, K)
+        values = np.cumprod(values, axis=1)
+        values[np.arange(K)[None, :] >= lengths[:, None]] = -1.0          # beyond what is on offer
+        flat = values.ravel()
+        M = int(lengths.sum())
+        order = np.argsort(-flat, kind="stable")[:M]
+        expected = float(R) + np.concatenate(([0.0], np.cumsum(flat[order])))
+        cost = self.step_time.predict(other_tokens + np.arange(M + 1))
+        cost[1:] += draft_seconds
+        goodput = expected / cost
+        best = int(np.argmax(goodput))
+        plain = goodput[0]
+        chosen = best if goodput[best] > plain * (1.0 + self.min_gain) else 0
+        explored = False
+        if self.explore_every and self.num_calls % self.explore_every == 0:
+            chosen, explored = self._explore(chosen, best, goodput, other_tokens)
+        self.last_choice = {"tokens": chosen, "best": best, "gain": float(goodput[chosen] / plain),
+                            "explored": explored}
+        if chosen:
+            counts = np.bincount(order[:chosen] // K, minlength=R)
+            keep = counts.tolist()
         return keep
+
+    def _explore(self, chosen: int, best: int, goodput: np.ndarray, base: int) -> tuple[int, bool]:
+        """Measure what the model has not seen lately, when it is predicted to be close: plain decoding while
+        speculating, or the best draft size while not."""
+        st = self.step_time
+        if chosen > 0 and st.steps_since_seen(base) > self.stale_after:
+            return 0, True
+        if chosen == 0 and best == 0 and len(goodput) > 1:
+            best = 1 + int(np.argmax(goodput[1:]))
+        if chosen == 0 and best > 0 and goodput[best] >= goodput[0] * (1.0 - self.explore_tolerance) \
+                and st.steps_since_seen(base + best) > self.explore_every:
+            return best, True
+        return chosen, False
+
+    def worth_drafting(self, offers: list[tuple[int, int]], other_tokens: int, draft_seconds: float = 0.0) -> bool:
+        """Could any draft pay this step? offers: (seq_id, room). Uses each request's last drafter score; a cheap
+        check that lets the speculator skip the drafter when speculation is off."""
+        probe = [(sid, room, self._score.get(sid, 0.5)) for sid, room in offers]
+        calls, last = self.num_calls, self.last_choice
+        keep = self.draft_lengths(probe, other_tokens, draft_seconds)
+        self.num_calls, self.last_choice = calls, last
+        return any(keep) or (self.explore_every > 0 and (calls + 1) % self.explore_every == 0)

@@ -3,6 +3,12 @@
 The speculator only *proposes*: it returns one draft tree per decoding sequence, which the scheduler copies into
 the step plan (trimmed to the budget). The engine verifies drafts in the same forward pass and the same sampler
 as plain decoding (``sampling/verifier.py``), so a sequence with no draft takes exactly the plain path.
+
+With the adaptive controller, a step where no draft can pay (the controller's cost and acceptance models say so)
+does not ask the drafter for everyone: it keeps one *shadow* draft per request, proposed when the previous one is
+resolved, and scores it against the tokens plain decoding then commits (sample-then-match accepts exactly the
+common prefix of a draft and the tokens plain decoding draws). So acceptance keeps being learned while speculation
+is off, at a fraction of the drafting cost, and speculation comes back when the text starts to copy.
 """
 from __future__ import annotations
 
@@ -31,12 +37,22 @@ class Speculator:
             self.drafter = make_drafter(cfg.method, **options)
         self.controller = Controller(cfg.num_speculative_tokens, step_time) if cfg.adaptive else None
         self.num_proposals = 0
+        self.num_shadow_proposals = 0
         self.drafter_seconds = 0.0       # total time inside the drafter (bounded: a sum, not a history)
+        self.draft_seconds_ema = 0.0     # drafting time per speculating step (the controller charges it)
+        self._shadow: dict[int, tuple[DraftTree, int]] = {}   # seq_id -> (draft, committed tokens when drafted)
 
     @property
     def wants_topk(self) -> bool:
         """Does the drafter learn from the target's top-k at verified positions (Token Recycling)?"""
         return bool(getattr(self.drafter, "wants_topk", False))
+
+    def _draft(self, reqs: list[DraftRequest]):
+        t0 = time.perf_counter()
+        drafts = self.drafter.propose(reqs)
+        dt = time.perf_counter() - t0
+        self.drafter_seconds += dt
+        return drafts, dt
 
     def propose(self, decoding: list["Sequence"], rooms: list[int], other_tokens: int) -> dict[int, DraftTree]:
         """One draft per decoding sequence that has room for one; ``other_tokens``: tokens the step computes
@@ -49,21 +65,53 @@ class Speculator:
                 seqs.append(seq)
         if not reqs:
             return {}
-        t0 = time.perf_counter()
-        drafts = self.drafter.propose(reqs)
-        self.drafter_seconds += time.perf_counter() - t0
+        ctl = self.controller
+        base = len(decoding) + other_tokens
+        if ctl is not None and not ctl.worth_drafting([(r.seq_id, r.max_draft) for r in reqs], base,
+                                                      self.draft_seconds_ema):
+            self._propose_shadows(reqs)
+            return {}
+        drafts, dt = self._draft(reqs)
         self.num_proposals += 1
-        if self.controller is not None:
-            keep = self.controller.draft_lengths(
-                [(s.seq_id, len(d), d.score) for s, d in zip(seqs, drafts)], len(decoding) + other_tokens)
-        else:
-            keep = [len(d) for d in drafts]
-        return {s.seq_id: DraftTree.of(d.tokens, d.parents).prefix(k)
-                for s, d, k in zip(seqs, drafts, keep) if k > 0}
+        self.draft_seconds_ema = dt if self.num_proposals == 1 else 0.8 * self.draft_seconds_ema + 0.2 * dt
+        if ctl is None:
+            return {s.seq_id: DraftTree.of(d.tokens, d.parents) for s, d in zip(seqs, drafts) if d.tokens}
+        keep = ctl.draft_lengths([(s.seq_id, len(d), d.score) for s, d in zip(seqs, drafts)], base,
+                                 self.draft_seconds_ema)
+        out = {}
+        for s, d, k in zip(seqs, drafts, keep):
+            tree = DraftTree.of(d.tokens, d.parents) if d.tokens else None
+            if k > 0:
+                out[s.seq_id] = tree.prefix(k)
+                self._shadow.pop(s.seq_id, None)
+            elif tree is not None and s.seq_id not in self._shadow:
+                self._shadow[s.seq_id] = (tree, len(s.token_ids))
+        return out
+
+    def _propose_shadows(self, reqs: list[DraftRequest]) -> None:
+        need = [r for r in reqs if r.seq_id not in self._shadow]
+        if not need:
+            return
+        drafts, _ = self._draft(need)
+        self.num_shadow_proposals += 1
+        for r, d in zip(need, drafts):
+            if d.tokens:
+                self._shadow[r.seq_id] = (DraftTree.of(d.tokens, d.parents), len(r.token_ids))
+
+    def _score_shadow(self, seq: "Sequence") -> None:
+        """Resolve a shadow draft once the committed tokens decide it: a mismatch, or every level matched."""
+        tree, start = self._shadow[seq.seq_id]
+        truth = seq.token_ids[start:]
+        accepted = tree.accepted_length(truth)
+        if accepted < len(truth) or accepted >= tree.depth:
+            del self._shadow[seq.seq_id]
+            self.controller.observe(seq.seq_id, len(tree), accepted)
 
     def observe(self, seq: "Sequence", num_drafted: int, num_accepted: int, topk: Seq | None) -> None:
         if self.controller is not None:
             self.controller.observe(seq.seq_id, num_drafted, num_accepted)
+            if num_drafted == 0 and seq.seq_id in self._shadow:
+                self._score_shadow(seq)
         self.drafter.observe(seq.seq_id, seq.token_ids, num_accepted, topk)
 
     def observe_step(self, num_tokens: int, seconds: float) -> None:
@@ -72,5 +120,6 @@ class Speculator:
 
     def finish(self, seq: "Sequence") -> None:
         self.drafter.finish(seq.seq_id, seq.token_ids, seq.num_prompt_tokens)
+        self._shadow.pop(seq.seq_id, None)
         if self.controller is not None:
             self.controller.forget(seq.seq_id)

@@ -1,0 +1,174 @@
+"""The speculation controller against fabricated machines: step-time curves (CPU-like, where every verified token
+costs; GPU-like, flat until a knee) and acceptance histories, driven through the real Speculator (its shadow drafts
+included) without a model. Asserts the chosen draft sizes and the tokens per second it reaches, against plain
+decoding and fixed draft sizes on the same fabricated machine."""
+import random
+
+import numpy as np
+import pytest
+
+from leapdecode.config import SpeculativeConfig
+from leapdecode.spec.controller import Controller, StepTimeModel
+from leapdecode.spec.drafter import Draft
+from leapdecode.spec.speculator import Speculator
+
+
+def cpu_like(n):        # a small model on a CPU: a multi-token forward costs a jump, then every token costs
+    return 0.010 + (0.004 if n > 1 else 0.0) + 0.0015 * (n - 1)
+
+
+def cpu_heavy(n):       # compute-bound: a token costs almost as much as a step
+    return 0.001 + 0.009 * n
+
+
+def gpu_like(n):        # memory-bound until a knee at 256 tokens
+    return 0.008 + 0.00002 * n + (0.0001 * (n - 256) if n > 256 else 0.0)
+
+
+def truth(seq_id, pos):
+    return (seq_id * 1_000_003 + pos * 7919) % 50_000
+
+
+class Seq:
+    def __init__(self, seq_id, prompt_len=16):
+        self.seq_id, self.num_prompt_tokens = seq_id, prompt_len
+        self.token_ids = [truth(seq_id, p) for p in range(prompt_len)]
+
+
+class FakeDrafter:
+    """Drafts the true continuation; each next token is right with probability ``self.q`` (a geometric chain)."""
+
+    def __init__(self, q, seed=0):
+        self.q, self.rng = q, random.Random(seed)
+        self.calls = 0
+
+    def propose(self, requests):
+        self.calls += len(requests)
+        out = []
+        for r in requests:
+            toks, ok = [], True
+            for j in range(r.max_draft):
+                ok = ok and self.rng.random() < self.q
+                t = truth(r.seq_id, len(r.token_ids) + j)
+                toks.append(t if ok else t + 1)
+            out.append(Draft(toks, None, score=0.5))
+        return out
+
+    def observe(self, *a, **k):
+        pass
+
+    def finish(self, *a, **k):
+        pass
+
+
+def simulate(step_time, q, batch=1, steps=300, k=8, adaptive=True, noise=0.03, q_after=None, switch=None, seed=0):
+    """Run the speculator on a fabricated machine; returns (tokens/s, draft tokens per request per step)."""
+    drafter = FakeDrafter(q, seed)
+    cfg = SpeculativeConfig(method="ngram", num_speculative_tokens=k, adaptive=adaptive, drafter=drafter)
+    probe = StepTimeModel()
+    for n in (1, 64, 1, 64):
+        probe.observe(n, step_time(n))
+    spec = Speculator(cfg, 50_000, probe)
+    rng = random.Random(seed + 1)
+    seqs = [Seq(i) for i in range(batch)]
+    seconds, tokens, per_step = 0.0, 0, []
+    for step in range(steps):
+        if switch is not None and step == switch:
+            drafter.q = q_after
+        drafts = spec.propose(seqs, [k] * batch, 0)
+        n = batch + sum(len(d) for d in drafts.values())
+        for s in seqs:
+            d = drafts.get(s.seq_id)
+            pos = len(s.token_ids)
+            acc = d.accepted_length([truth(s.seq_id, pos + j) for j in range(len(d))]) if d else 0
+            s.token_ids += [truth(s.seq_id, pos + j) for j in range(acc + 1)]
+            tokens += acc + 1
+            spec.observe(s, len(d) if d else 0, acc, None)
+        t = step_time(n) * (1 + noise * (2 * rng.random() - 1))
+        seconds += t
+        spec.observe_step(n, t)
+        per_step.append((n - batch) / batch)
+    return tokens / seconds, per_step, spec
+
+
+def plain_rate(step_time, batch=1):
+    return batch / step_time(batch)
+
+
+@pytest.mark.parametrize("step_time,q", [(cpu_heavy, 0.6), (cpu_like, 0.3), (gpu_like, 0.0)])
+def test_no_speculation_when_it_cannot_pay(step_time, q):
+    rate, per_step, spec = simulate(step_time, q)
+    assert np.mean(per_step[-100:]) < 0.3                 # nearly always k = 0 (exploration aside)
+    assert rate >= 0.97 * plain_rate(step_time)
+    assert spec.num_proposals < 60                        # the drafter is mostly asked for shadows only
+
+
+@pytest.mark.parametrize("step_time,q,batch,min_speedup", [(cpu_like, 0.85, 1, 1.3), (gpu_like, 0.7, 1, 1.8),
+                                                            (gpu_like, 0.7, 64, 1.5)])
+def test_speculates_when_it_pays_and_keeps_up_with_the_best_fixed_k(step_time, q, batch, min_speedup):
+    rate, per_step, _ = simulate(step_time, q, batch=batch, steps=200)
+    assert np.mean(per_step[-100:]) > 1
+    assert rate >= min_speedup * plain_rate(step_time, batch)
+    best_fixed = max(simulate(step_time, q, batch=batch, steps=200, k=k, adaptive=False)[0] for k in (1, 2, 4, 8))
+    assert rate >= 0.85 * best_fixed
+
+
+def test_cost_is_learned_from_observed_steps_not_the_probe():
+    """The start-up probe says tokens are nearly free (a line through 1 and 64 tokens); the real machine has a
+    jump at 2 tokens that makes drafting a loss: the controller must find out and stop."""
+    drafter_q = 0.3
+
+    def jumpy(n):
+        return 0.010 if n == 1 else 0.019 + 0.0001 * n
+
+    rate, per_step, _ = simulate(jumpy, drafter_q, steps=200)
+    assert np.mean(per_step[-100:]) < 0.3
+    assert rate >= 0.95 * plain_rate(jumpy)
+
+
+def test_backs_off_within_a_few_steps_when_acceptance_drops_and_returns():
+    _, per_step, _ = simulate(cpu_like, 0.95, steps=260, q_after=0.0, switch=100)
+    assert np.mean(per_step[60:100]) > 2
+    assert max(per_step[106:140]) == 0 or np.mean(per_step[106:140]) < 0.3
+    # and comes back when the text copies again (learned from shadow drafts while speculation was off)
+    _, per_step, _ = simulate(cpu_like, 0.0, steps=260, q_after=0.95, switch=100)
+    assert np.mean(per_step[60:100]) < 0.3
+    assert np.mean(per_step[200:]) > 2
+
+
+def test_draft_lengths_choose_by_value_and_cost():
+    st = StepTimeModel()
+    for n in range(1, 40):
+        st.observe(n, cpu_like(n))
+    ctl = Controller(8, st)
+    for _ in range(10):
+        ctl.observe(1, 8, 8)       # request 1: everything accepted
+        ctl.observe(2, 8, 0)       # request 2: nothing
+    keep = ctl.draft_lengths([(1, 8, 0.5), (2, 8, 0.5)], other_tokens=2)
+    assert keep[0] >= 6 and keep[1] == 0
+    flat = StepTimeModel()
+    for n in range(1, 40):
+        flat.observe(n, gpu_like(n))
+    for outcome in [0, 0, 1] * 4:
+        ctl.observe(3, 8, outcome)   # request 3: a long shot (one draft in three has its first token accepted)
+    assert ctl.draft_lengths([(3, 8, 0.5)], other_tokens=1) == [0]
+    ctl.step_time = flat            # on a flat machine even a long shot is worth verifying
+    assert ctl.draft_lengths([(3, 8, 0.5)], other_tokens=1)[0] > 0
+    st2 = StepTimeModel()
+    for n in range(1, 40):
+        st2.observe(n, cpu_heavy(n))
+    ctl2 = Controller(8, st2)
+    for _ in range(5):
+        ctl2.observe(1, 8, 8)
+    assert ctl2.draft_lengths([(1, 8, 0.5)], other_tokens=1)[0] < 8   # each token costs ~ a step
+
+
+def test_step_time_model_follows_a_knee_and_is_robust_to_outliers():
+    st = StepTimeModel()
+    for _ in range(3):
+        for n in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512):
+            st.observe(n, gpu_like(n))
+    st.observe(8, 1.0)                                      # a garbage-collection pause
+    for n in (3, 8, 100, 300, 700):
+        assert st(n) == pytest.approx(gpu_like(n), rel=0.1), n
+    assert st(1) <= st(2) <= st(300)
