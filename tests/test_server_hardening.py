@@ -285,6 +285,35 @@ def test_slow_grammar_compile_never_stalls_other_streams(llama_dir):
         assert_pool_free(app)
 
 
+def test_preparation_queue_is_bounded(llama_dir):
+    """Requests being prepared count against max_queued_requests like those waiting for the engine: past it, a
+    503 with Retry-After at once."""
+    app = build_app(tiny_llm(llama_dir, max_model_len=CONTEXT), served_model_name=MODEL, max_queued_requests=1)
+    prep = app.state.server.prep
+    entered, release = threading.Event(), threading.Event()
+    real_encode = prep.encode
+
+    def held_encode(text, add_special_tokens):
+        if text.startswith("HOLD"):
+            entered.set()
+            assert release.wait(60)
+        return real_encode(text, add_special_tokens)
+
+    prep.encode = held_encode
+    with serve(app) as (url, _), httpx.Client(base_url=url, timeout=60) as http:
+        held: dict = {}
+        t = threading.Thread(target=lambda: held.update(r=httpx.post(url + "/v1/completions", timeout=60,
+                                                                     json=_cmpl(prompt="HOLD"))))
+        t.start()
+        assert entered.wait(30)
+        r = http.post("/v1/completions", json=_cmpl())
+        assert r.status_code == 503 and r.json()["error"]["code"] == "queue_full" and r.headers["retry-after"]
+        release.set()
+        t.join(60)
+        assert held["r"].status_code == 200
+        assert http.post("/v1/completions", json=_cmpl()).status_code == 200
+
+
 def test_engine_thread_never_tokenizes(hsrv):
     """The engine receives token ids only: its tokenizer's encode is never called by a served request."""
     url, app = hsrv

@@ -43,7 +43,7 @@ from leapdecode.server.errors import (CHAT_FIELDS, COMPLETION_FIELDS, APIError, 
                                       invalid_value)
 from leapdecode.server.formatting import Formatter, usage
 from leapdecode.server.metrics import ServerMetrics
-from leapdecode.server.preprocess import PreprocessTimeout, Preprocessor
+from leapdecode.server.preprocess import PreprocessBusy, PreprocessTimeout, Preprocessor
 from leapdecode.server.protocol import (ChatChoice, ChatCompletionRequest, ChatCompletionResponse, CompletionChoice,
                                         CompletionRequest, CompletionResponse, DetokenizeRequest,
                                         DetokenizeResponse, ErrorResponse, ModelCard, ModelList, SamplingFields,
@@ -452,7 +452,7 @@ def build_app(llm: Any, api_key: str | None = None, max_queued_requests: int = 5
     metrics = ServerMetrics()
     async_engine = AsyncEngine(llm, max_queued_requests=max_queued_requests, metrics=metrics)
     name = served_model_name or os.path.basename(os.path.normpath(str(llm.engine.cfg.model)))
-    prep = Preprocessor(llm.engine, workers=prep_workers, timeout_s=prep_timeout)
+    prep = Preprocessor(llm.engine, workers=prep_workers, timeout_s=prep_timeout, max_pending=max_queued_requests)
     server = OpenAIServer(llm, async_engine, name, api_key, prep)
     metrics.watch_caches(llm.engine, server.fmt)
 

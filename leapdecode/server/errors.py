@@ -17,6 +17,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from leapdecode.server.metrics import ServerMetrics
+from leapdecode.server.preprocess import PreprocessBusy
 
 logger = logging.getLogger(__name__)
 
@@ -133,21 +134,30 @@ def _engine_error_param(exc: ValueError, fields: dict[str, str], prompt_field: s
 
 
 def install_error_handlers(app: FastAPI, metrics: ServerMetrics | None = None) -> None:
-    def failed(cause: str | None) -> None:
+    def failed(cause: str | None, request: Request | None = None, message: str = "") -> None:
         if metrics is not None:
             metrics.failures.labels(cause=cause or "other").inc()
+        if request is not None:
+            logger.info("request failed: request_id=%s path=%s cause=%s %s", request.scope.get("request_id"),
+                        request.url.path, cause, message[:200])
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
-        failed(exc.code or str(exc.status))
+        failed(exc.code or str(exc.status), request, exc.message)
         return error_response(exc.status, exc.message, param=exc.param, code=exc.code, type=exc.type,
                               headers=exc.headers)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
         response = _validation_error(exc)
-        failed("invalid_request")
+        failed("invalid_request", request)
         return response
+
+    @app.exception_handler(PreprocessBusy)
+    async def _busy(request: Request, exc: PreprocessBusy) -> JSONResponse:
+        failed("queue_full", request, str(exc))
+        return error_response(503, f"The server is overloaded: {exc}. Retry later.", code="queue_full",
+                              headers={"Retry-After": "1"})
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -158,14 +168,14 @@ def install_error_handlers(app: FastAPI, metrics: ServerMetrics | None = None) -
 
     @app.exception_handler(ClientGone)
     async def _gone(request: Request, exc: ClientGone) -> Response:
-        failed("client_gone")
+        failed("client_gone", request)
         return Response(status_code=499)
 
     @app.exception_handler(Exception)
     async def _internal(request: Request, exc: Exception) -> JSONResponse:
         logger.exception("unhandled error in %s %s (request id %s)", request.method, request.url.path,
                          request.scope.get("request_id"))
-        failed("internal")
+        failed("internal", request)
         return error_response(500, f"internal server error: {type(exc).__name__}")
 
 

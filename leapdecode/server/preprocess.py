@@ -27,10 +27,16 @@ class PreprocessTimeout(Exception):
     """A request's preparation did not finish before its deadline."""
 
 
+class PreprocessBusy(Exception):
+    """Too many requests are already being prepared; the client should retry later."""
+
+
 class Preprocessor:
-    def __init__(self, engine: Any, *, workers: int = DEFAULT_WORKERS, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+    def __init__(self, engine: Any, *, workers: int = DEFAULT_WORKERS, timeout_s: float = DEFAULT_TIMEOUT_S,
+                 max_pending: int = 512) -> None:
         self.engine = engine
         self.timeout_s = timeout_s
+        self.max_pending = max_pending
         self.max_model_len = engine.max_model_len
         self.vocab_size = engine.vocab_size
         self._pristine = copy.deepcopy(engine.tokenizer)
@@ -45,7 +51,10 @@ class Preprocessor:
     # -- running work ------------------------------------------------------------------------------------------
     async def run(self, fn: Callable[..., Any], *args: Any) -> Any:
         """Run ``fn(*args)`` in the pool; PreprocessTimeout past the deadline (the worker finishes in the
-        background; its result is dropped)."""
+        background; its result is dropped); PreprocessBusy when ``max_pending`` preparations are under way (the
+        pool's queue is bounded like the engine's)."""
+        if self.in_progress >= self.max_pending:
+            raise PreprocessBusy(f"{self.in_progress} requests are already being prepared")
         loop = asyncio.get_running_loop()
         future = loop.run_in_executor(self._pool, fn, *args)
         self.in_progress += 1
