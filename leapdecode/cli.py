@@ -381,7 +381,8 @@ def build_parser() -> argparse.ArgumentParser:
     h.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
     h.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 "
                                                    "(default: $LEAPDECODE_API_KEY, else none)")
-    h.add_argument("--served-model-name", default=None, help="model id clients use (default: the directory name)")
+    h.add_argument("--served-model-name", default=None,
+                   help="model id clients use (default: the model directory's or file's name)")
     h.add_argument("--max-queued-requests", type=int, default=512, metavar="N",
                    help="requests allowed to wait for a slot; beyond that the server answers 503 with "
                         "Retry-After (default: 512)")
