@@ -332,7 +332,11 @@ def test_engine_thread_never_tokenizes(hsrv):
 
 
 def test_request_id_ping_version_metrics(hsrv):
+    import sys
+
+    from leapdecode.server.app import GIL_SWITCH_INTERVAL_S
     url, _ = hsrv
+    assert sys.getswitchinterval() == pytest.approx(GIL_SWITCH_INTERVAL_S)      # while a server runs
     with httpx.Client(base_url=url, timeout=30) as http:
         r = http.post("/v1/completions", json=_cmpl(), headers={"X-Request-Id": "abc-123"})
         assert r.headers["x-request-id"] == "abc-123"
