@@ -63,6 +63,9 @@ class ServerMetrics:
             backend = structured._backend
             if backend is not None and hasattr(backend, "_cache"):
                 out["grammar"] = (lambda: len(backend._cache), lambda: backend._cache_size)
+            drafter = getattr(getattr(engine, "speculator", None), "drafter", None)
+            if drafter is not None and hasattr(drafter, "global_max_tokens") and hasattr(drafter, "_global"):
+                out["suffix_global_tokens"] = (lambda: len(drafter._global), lambda: drafter.global_max_tokens)
             return out
 
         def refresh() -> None:
