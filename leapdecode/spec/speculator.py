@@ -41,6 +41,11 @@ class Speculator:
         self.drafter_seconds = 0.0       # total time inside the drafter (bounded: a sum, not a history)
         self.draft_seconds_ema = 0.0     # drafting time per speculating step (the controller charges it)
         self._shadow: dict[int, tuple[DraftTree, int]] = {}   # seq_id -> (draft, committed tokens when drafted)
+        # while speculation is off, the controller is asked again only when something it uses has changed
+        self._speculating = True
+        self._news = True                # acceptance observed, or the batch changed, since the last check
+        self._batch: tuple[int, ...] = ()
+        self._quiet_steps = 0
 
     @property
     def wants_topk(self) -> bool:
@@ -67,10 +72,17 @@ class Speculator:
             return {}
         ctl = self.controller
         base = len(decoding) + other_tokens
-        if ctl is not None and not ctl.worth_drafting([(r.seq_id, r.max_draft) for r in reqs], base,
-                                                      self.draft_seconds_ema):
-            self._propose_shadows(reqs)
-            return {}
+        if ctl is not None and not self._speculating:
+            batch = tuple(r.seq_id for r in reqs)
+            self._quiet_steps += 1
+            if batch != self._batch or self._quiet_steps >= 8:
+                self._news, self._batch = True, batch
+            if not (self._news and ctl.worth_drafting([(r.seq_id, r.max_draft) for r in reqs], base,
+                                                      self.draft_seconds_ema)):
+                self._news = False
+                self._propose_shadows(reqs)
+                return {}
+            self._quiet_steps = 0
         drafts, dt = self._draft(reqs)
         self.num_proposals += 1
         self.draft_seconds_ema = dt if self.num_proposals == 1 else 0.8 * self.draft_seconds_ema + 0.2 * dt
@@ -78,6 +90,7 @@ class Speculator:
             return {s.seq_id: DraftTree.of(d.tokens, d.parents) for s, d in zip(seqs, drafts) if d.tokens}
         keep = ctl.draft_lengths([(s.seq_id, len(d), d.score) for s, d in zip(seqs, drafts)], base,
                                  self.draft_seconds_ema)
+        self._speculating = any(keep)
         out = {}
         for s, d, k in zip(seqs, drafts, keep):
             tree = DraftTree.of(d.tokens, d.parents) if d.tokens else None
@@ -106,6 +119,7 @@ class Speculator:
         if accepted < len(truth) or accepted >= tree.depth:
             del self._shadow[seq.seq_id]
             self.controller.observe(seq.seq_id, len(tree), accepted)
+            self._news = True
 
     def observe(self, seq: "Sequence", num_drafted: int, num_accepted: int, topk: Seq | None) -> None:
         if self.controller is not None:
