@@ -199,22 +199,28 @@ def test_request_failing_in_the_engine_fails_alone(llama_dir):
         assert_pool_free(app)
 
 
+def hold(prep, method: str, matches):
+    """Make ``prep.<method>`` wait (as slow work would) on the calls ``matches`` picks, until released. Returns
+    (entered: set once such a call started, release)."""
+    entered, release = threading.Event(), threading.Event()
+    real = getattr(prep, method)
+
+    def held(*args):
+        if matches(*args):
+            entered.set()
+            assert release.wait(60)
+        return real(*args)
+
+    setattr(prep, method, held)
+    return entered, release
+
+
 def test_slow_tokenization_never_stalls_other_streams(llama_dir):
     """Preparation runs in the worker pool, not on the engine thread: while one request's tokenization is held
     (as a huge prompt's would be), another stream runs to its end; the held request then completes. Past the
     preparation deadline a request is a 400 of its own."""
     app = build_app(tiny_llm(llama_dir, max_model_len=CONTEXT), served_model_name=MODEL, prep_timeout=60)
-    prep = app.state.server.prep
-    entered, release = threading.Event(), threading.Event()
-    real_encode = prep.encode
-
-    def held_encode(text, add_special_tokens):
-        if text.startswith("HOLD"):
-            entered.set()
-            assert release.wait(60)
-        return real_encode(text, add_special_tokens)
-
-    prep.encode = held_encode
+    entered, release = hold(app.state.server.prep, "encode", lambda text, _: text.startswith("HOLD"))
     with serve(app) as (url, _), httpx.Client(base_url=url, timeout=60) as http:
         held: dict = {}
 
@@ -236,7 +242,7 @@ def test_slow_tokenization_never_stalls_other_streams(llama_dir):
         t.join(60)
         assert held["r"].status_code == 200
         # The deadline: a preparation that outlives it is refused on its own.
-        prep.timeout_s = 0.3
+        app.state.server.prep.timeout_s = 0.3
         release.clear()
         r = http.post("/v1/completions", json=_cmpl(prompt="HOLD again"))
         assert r.status_code == 400 and r.json()["error"]["code"] == "preprocessing_timeout"
@@ -250,17 +256,7 @@ def test_slow_grammar_compile_never_stalls_other_streams(llama_dir):
     """Grammar compilation runs in the worker pool: while one request's schema is being compiled (held here, as
     a huge or pathological schema would be), another stream runs to its end and /health answers."""
     app = build_app(tiny_llm(llama_dir, max_model_len=CONTEXT), served_model_name=MODEL)
-    prep = app.state.server.prep
-    entered, release = threading.Event(), threading.Event()
-    real_compile = prep.compile
-
-    def held_compile(structured):
-        if "held" in json.dumps(structured):
-            entered.set()
-            assert release.wait(60)
-        return real_compile(structured)
-
-    prep.compile = held_compile
+    entered, release = hold(app.state.server.prep, "compile", lambda structured: "held" in json.dumps(structured))
     schema = {"type": "object", "properties": {"held": {"enum": [1, 2]}}, "required": ["held"]}
     with serve(app) as (url, _), httpx.Client(base_url=url, timeout=60) as http:
         held: dict = {}
@@ -289,17 +285,7 @@ def test_preparation_queue_is_bounded(llama_dir):
     """Requests being prepared count against max_queued_requests like those waiting for the engine: past it, a
     503 with Retry-After at once."""
     app = build_app(tiny_llm(llama_dir, max_model_len=CONTEXT), served_model_name=MODEL, max_queued_requests=1)
-    prep = app.state.server.prep
-    entered, release = threading.Event(), threading.Event()
-    real_encode = prep.encode
-
-    def held_encode(text, add_special_tokens):
-        if text.startswith("HOLD"):
-            entered.set()
-            assert release.wait(60)
-        return real_encode(text, add_special_tokens)
-
-    prep.encode = held_encode
+    entered, release = hold(app.state.server.prep, "encode", lambda text, _: text.startswith("HOLD"))
     with serve(app) as (url, _), httpx.Client(base_url=url, timeout=60) as http:
         held: dict = {}
         t = threading.Thread(target=lambda: held.update(r=httpx.post(url + "/v1/completions", timeout=60,
