@@ -1,10 +1,15 @@
 """SamplingParams: what a request asks of the sampler, validated at submission so errors name the field."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
 from leapdecode.errors import InvalidParameter
+
+INT32_MAX = 2**31 - 1          # bound of counts and token ids (the model-dependent bounds are the engine's)
+MIN_TOP_P = 1e-9
+MIN_REPETITION_PENALTY = 1e-6
 
 
 @dataclass
@@ -43,37 +48,42 @@ class SamplingParams:
         def is_int(x: Any) -> bool:
             return isinstance(x, int) and not isinstance(x, bool)
 
-        if not is_int(self.n) or self.n < 1:
+        def is_num(x: Any) -> bool:     # a finite real number: NaN and infinities would poison the sampler
+            return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+        if not is_int(self.n) or not 1 <= self.n <= INT32_MAX:
             raise bad("n", "must be an integer >= 1")
-        if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
-            raise bad("temperature", "must be >= 0")
-        if not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
-            raise bad("top_p", "must be in (0, 1]")
-        if not is_int(self.top_k) or self.top_k < -1:
-            raise bad("top_k", "must be -1 (off), 0 (off) or a positive integer")
-        if not isinstance(self.min_p, (int, float)) or not 0.0 <= self.min_p <= 1.0:
+        if not is_num(self.temperature) or self.temperature < 0:
+            raise bad("temperature", "must be a finite number >= 0")
+        # Lower bounds that keep float32 sampling finite: a smaller top_p rounds to 0 (nothing kept), a smaller
+        # repetition_penalty divides logits into infinities; either would make a NaN distribution.
+        if not is_num(self.top_p) or not MIN_TOP_P <= self.top_p <= 1.0:
+            raise bad("top_p", f"must be in [{MIN_TOP_P:g}, 1] (in (0, 1], and not below float32's reach)")
+        if not is_int(self.top_k) or not -1 <= self.top_k <= INT32_MAX:
+            raise bad("top_k", "must be -1 (off), 0 (off) or a positive integer (at most the vocabulary size)")
+        if not is_num(self.min_p) or not 0.0 <= self.min_p <= 1.0:
             raise bad("min_p", "must be in [0, 1]")
-        if not isinstance(self.repetition_penalty, (int, float)) or self.repetition_penalty <= 0:
-            raise bad("repetition_penalty", "must be > 0")
+        if not is_num(self.repetition_penalty) or self.repetition_penalty < MIN_REPETITION_PENALTY:
+            raise bad("repetition_penalty", f"must be a finite number >= {MIN_REPETITION_PENALTY:g} (> 0)")
         for name in ("presence_penalty", "frequency_penalty"):
             v = getattr(self, name)
-            if not isinstance(v, (int, float)) or not -2.0 <= v <= 2.0:
+            if not is_num(v) or not -2.0 <= v <= 2.0:
                 raise bad(name, "must be in [-2, 2]")
-        if self.seed is not None and not is_int(self.seed):
-            raise bad("seed", "must be an integer or None")
-        if self.max_tokens is not None and (not is_int(self.max_tokens) or self.max_tokens < 1):
+        if self.seed is not None and (not is_int(self.seed) or not -2**63 <= self.seed < 2**63):
+            raise bad("seed", "must be a 64-bit integer or None")
+        if self.max_tokens is not None and (not is_int(self.max_tokens) or not 1 <= self.max_tokens <= INT32_MAX):
             raise bad("max_tokens", "must be an integer >= 1 or None")
-        if not is_int(self.min_tokens) or self.min_tokens < 0:
+        if not is_int(self.min_tokens) or not 0 <= self.min_tokens <= INT32_MAX:
             raise bad("min_tokens", "must be an integer >= 0")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise bad("min_tokens", f"must be <= max_tokens ({self.max_tokens})")
         if any(not isinstance(s, str) or s == "" for s in self.stop_strings):
             raise bad("stop", "must be a non-empty string or a list of non-empty strings")
-        if any(not is_int(t) or t < 0 for t in self.stop_token_ids):
-            raise bad("stop_token_ids", "must be a list of non-negative integers")
+        if any(not is_int(t) or not 0 <= t <= INT32_MAX for t in self.stop_token_ids):
+            raise bad("stop_token_ids", "must be a list of token ids (non-negative integers in the vocabulary)")
         for name in ("logprobs", "prompt_logprobs"):
             v = getattr(self, name)
-            if v is not None and (not is_int(v) or v < 0):
+            if v is not None and (not is_int(v) or not 0 <= v <= INT32_MAX):
                 raise bad(name, "must be an integer >= 0 or None")
         if self.structured is not None and not isinstance(self.structured, dict):
             raise bad("structured", "must be a dict like OpenAI's response_format")

@@ -32,6 +32,19 @@ def llm(llama_dir):
     (dict(logprobs=-1), "logprobs"),
     (dict(seed="x"), "seed"),
     (dict(structured="json"), "structured"),
+    # NaN, infinities and values float32 cannot hold would make a NaN distribution inside the step.
+    (dict(temperature=float("nan")), "temperature"),
+    (dict(temperature=float("inf")), "temperature"),
+    (dict(repetition_penalty=float("nan")), "repetition_penalty"),
+    (dict(repetition_penalty=1e-300), "repetition_penalty"),
+    (dict(top_p=1e-300), "top_p"),
+    (dict(min_p=float("nan")), "min_p"),
+    # Integers beyond any real bound would overflow inside the step.
+    (dict(top_k=2**63), "top_k"),
+    (dict(stop_token_ids=[2**63]), "stop_token_ids"),
+    (dict(seed=2**64), "seed"),
+    (dict(max_tokens=2**63), "max_tokens"),
+    (dict(n=True), "n"),
 ])
 def test_invalid_sampling_params_name_the_field(kwargs, field):
     with pytest.raises(ValueError, match=rf"SamplingParams\.{field}\b"):

@@ -12,7 +12,7 @@ with vLLM's names and meanings; the ``openai`` client sends them via ``extra_bod
 Types are strict, as OpenAI's are: ``"max_tokens": "16"`` is a 400, not 16 (pydantic strict mode; a JSON integer
 is still a valid float). Integers are bounded where the engine would otherwise meet them unchecked (top_k,
 max_tokens, min_tokens, token ids); bounds that depend on the model (the vocabulary, the context) are checked by
-the handler (``app.OpenAIServer.check_ranges``). Strings holding a lone UTF-16 surrogate (JSON ``"\ud800"``),
+the handler (``app.OpenAIServer.check_request``). Strings holding a lone UTF-16 surrogate (JSON ``"\ud800"``),
 which no tokenizer can encode, are refused here with a 400 naming the field.
 """
 from __future__ import annotations
@@ -24,6 +24,8 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
+from leapdecode.sampling_params import MIN_REPETITION_PENALTY, MIN_TOP_P
+
 # OpenAI's own limit on ``n``; it also keeps one request from monopolising the KV pool.
 MAX_N = 128
 MAX_STOP_STRINGS = 16
@@ -31,8 +33,6 @@ MAX_LOGPROBS = 20
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 INT32_MAX = 2**31 - 1          # bound of counts and token ids before the model-specific checks
 MAX_LOGIT_BIAS = 300           # OpenAI's limit on logit_bias entries
-MIN_TOP_P = 1e-9
-MIN_REPETITION_PENALTY = 1e-6
 
 
 def field_error(param: str, message: str) -> PydanticCustomError:
