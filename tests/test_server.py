@@ -371,12 +371,14 @@ def test_engine_failure_is_reported_not_hung(llama_dir):
         raise RuntimeError("simulated engine bug")
 
     llm.engine.step = broken_step
-    app = build_app(llm, served_model_name=MODEL)
+    failures = []
+    app = build_app(llm, served_model_name=MODEL, on_engine_failure=failures.append)
     with serve(app) as (url, _), httpx.Client(base_url=url, timeout=30) as http:
         r = http.post("/v1/completions", json=_cmpl(max_tokens=4))
         assert r.status_code == 503 and "simulated engine bug" in r.json()["error"]["message"]
         assert http.get("/health").status_code == 503
         assert http.post("/v1/completions", json=_cmpl(max_tokens=4)).status_code == 503
+    assert [str(e) for e in failures] == ["simulated engine bug"]      # the hook a supervisor setup uses
 
 
 # -- bad input -------------------------------------------------------------------------------------------------

@@ -25,7 +25,9 @@ import asyncio
 import dataclasses
 import functools
 import hmac
+import logging
 import os
+import signal
 import sys
 import time
 from contextlib import asynccontextmanager
@@ -52,6 +54,8 @@ from leapdecode.server.protocol import (ChatChoice, ChatCompletionRequest, ChatC
 from leapdecode.server.streaming import EventStream, StreamState, stream_events
 from leapdecode.server.tools import (ToolStream, assistant_message, fallback_messages, named_structured,
                                      required_structured, template_supports_tools, tools_for_template)
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_REQUEST_BYTES = 16 * 2**20
 # The engine thread releases and retakes the GIL around its torch calls; while a preparation thread is busy in
@@ -431,6 +435,12 @@ def _encode_all(prep: Preprocessor, texts: list[str], add_special_tokens: bool) 
     return [prep.encode(t, add_special_tokens) for t in texts]
 
 
+def _terminate_self(exc: BaseException) -> None:
+    logger.critical("the engine died (%s: %s); stopping the server so that a supervisor restarts it",
+                    type(exc).__name__, exc)
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
 def _version() -> str:
     try:
         from importlib.metadata import version
@@ -450,15 +460,21 @@ _ERRORS = {status: {"model": ErrorResponse} for status in (400, 401, 404, 413, 5
 def build_app(llm: Any, api_key: str | None = None, max_queued_requests: int = 512,
               served_model_name: str | None = None, *, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
               drain_timeout: float = 0.0, prep_workers: int = 2, prep_timeout: float = 30.0,
-              gil_switch_interval: float | None = GIL_SWITCH_INTERVAL_S) -> FastAPI:
+              gil_switch_interval: float | None = GIL_SWITCH_INTERVAL_S,
+              on_engine_failure: Any = None) -> FastAPI:
     """A FastAPI app serving ``llm`` (a ``leapdecode.LLM``). The engine thread starts with the app's lifespan
     (or on the first request) and stops at shutdown, aborting whatever is still running after
     ``drain_timeout`` seconds. Request preparation runs in ``prep_workers`` threads, each request under a
     ``prep_timeout`` deadline. While the app runs, Python's GIL switch interval is ``gil_switch_interval``
-    (None: left alone); see GIL_SWITCH_INTERVAL_S. ``app.state.async_engine`` and ``app.state.metrics`` are
-    exposed for tests and embedding."""
+    (None: left alone); see GIL_SWITCH_INTERVAL_S. If the engine itself dies (a fault of the whole device, not of
+    one request), /health answers 503 and ``on_engine_failure(exc)`` is called: ``"exit"`` sends this process
+    SIGTERM (a graceful stop, for a supervisor to restart it), a callable is called. ``app.state.async_engine``
+    and ``app.state.metrics`` are exposed for tests and embedding."""
     metrics = ServerMetrics()
-    async_engine = AsyncEngine(llm, max_queued_requests=max_queued_requests, metrics=metrics)
+    if on_engine_failure == "exit":
+        on_engine_failure = _terminate_self
+    async_engine = AsyncEngine(llm, max_queued_requests=max_queued_requests, metrics=metrics,
+                               on_failure=on_engine_failure)
     name = served_model_name or os.path.basename(os.path.normpath(str(llm.engine.cfg.model)))
     prep = Preprocessor(llm.engine, workers=prep_workers, timeout_s=prep_timeout, max_pending=max_queued_requests)
     server = OpenAIServer(llm, async_engine, name, api_key, prep)

@@ -114,7 +114,8 @@ class RequestHandle:
 class AsyncEngine:
     """Owns the engine thread. All methods except the ``_engine_*`` ones are called from the event loop."""
 
-    def __init__(self, llm: Any, max_queued_requests: int = 512, metrics: ServerMetrics | None = None) -> None:
+    def __init__(self, llm: Any, max_queued_requests: int = 512, metrics: ServerMetrics | None = None,
+                 on_failure: Callable[[BaseException], None] | None = None) -> None:
         if not isinstance(max_queued_requests, int) or max_queued_requests < 1:
             raise ValueError(f"max_queued_requests must be a positive integer, got {max_queued_requests!r}")
         self.llm = llm
@@ -128,6 +129,7 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self._accepting = True
         self.dead: BaseException | None = None
+        self.on_failure = on_failure     # called (on the engine thread) once the engine has died
         # Engine-thread-only state.
         self._handles: dict[str, tuple[RequestHandle, int]] = {}
         self._unscheduled: set[str] = set()
@@ -228,6 +230,11 @@ class AsyncEngine:
                 if command[0] == "add":
                     self._resolve(command[4], err)
             self._handles.clear()
+            if self.on_failure is not None:
+                try:
+                    self.on_failure(exc)
+                except Exception:          # noqa: BLE001 - a failing hook must not hide the engine's failure
+                    logger.exception("the engine-failure hook failed")
             return
         self._engine_stop()
 
