@@ -61,7 +61,7 @@ HOSTILE = [
     ("/v1/completions", json.dumps(_cmpl(prompt=[5, 10**6])), 400, "prompt"),
     ("/v1/completions", json.dumps(_cmpl(prompt=[[5], []])), 400, "prompt"),
     ("/v1/completions", json.dumps(_cmpl(prompt=[5] * CONTEXT)), 400, "prompt"),        # no room to generate
-    ("/v1/completions", json.dumps(_cmpl(prompt="x" * 2_000_000)), 400, "prompt"),      # refused unread
+    ("/v1/completions", json.dumps(_cmpl(prompt="x" * 15_000_000)), 400, "prompt"),     # refused unread
     ("/v1/completions", json.dumps(_cmpl(prompt_logprobs=21)), 400, "prompt_logprobs"),
     ("/v1/completions", json.dumps(_cmpl(guided_regex="a", guided_choice=["b"])), 400, "guided_choice"),
     ("/v1/completions", json.dumps(_cmpl(guided_json="{not json")), 400, "guided_json"),
