@@ -73,9 +73,9 @@ HOSTILE = [
     ("/v1/chat/completions", json.dumps(_chat(tool_choice="required")), 400, "tool_choice"),
     ("/v1/chat/completions", json.dumps(_chat(messages=[{"role": "user", "content": "x" * 3_000_000}])), 400,
      "messages"),
-    ("/v1/chat/completions", json.dumps(_chat(tools=[{"type": "function", "function": {
-        "name": "f", "parameters": {"type": "nonsense"}}}], tool_choice={"type": "function", "function": {"name": "f"}})),
-     400, "tools"),
+    ("/v1/chat/completions", json.dumps(_chat(
+        tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "nonsense"}}}],
+        tool_choice={"type": "function", "function": {"name": "f"}})), 400, "tools"),
     ("/v1/chat/completions", json.dumps(_chat(tools=[{"type": "function", "function": {"name": "bad name!"}}])), 400,
      "tools[0].function.name"),
     ("/v1/chat/completions", json.dumps(_chat(tools=[{"type": "function", "function": {"name": "f"}}],

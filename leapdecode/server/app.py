@@ -46,7 +46,7 @@ from leapdecode.server.errors import (CHAT_FIELDS, COMPLETION_FIELDS, APIError, 
                                       invalid_value)
 from leapdecode.server.formatting import Formatter, usage
 from leapdecode.server.metrics import ServerMetrics
-from leapdecode.server.preprocess import PreprocessBusy, PreprocessTimeout, Preprocessor
+from leapdecode.server.preprocess import PreprocessTimeout, Preprocessor
 from leapdecode.server.protocol import (ChatChoice, ChatCompletionRequest, ChatCompletionResponse, CompletionChoice,
                                         CompletionRequest, CompletionResponse, DetokenizeRequest,
                                         DetokenizeResponse, ErrorResponse, ModelCard, ModelList, SamplingFields,
