@@ -96,14 +96,22 @@ def expand_continuations(rows: list[list[int]], max_nodes: int, min_prob: float,
                 heapq.heappush(heap, (-prob, -recency[group[0]], order, depth, parent, row[depth], group))
                 order += 1
             return
-        total = sum(counts[r] for r in group)
-        children: dict[int, list[int]] = {}
+        total = 0
+        children: dict[int, list] = {}         # token -> [members, their count, their newest occurrence]
         for r in group:
             row = distinct[r]
+            c = counts[r]
+            total += c
             if len(row) > depth:
-                children.setdefault(row[depth], []).append(r)
-        items = [(prob * sum(counts[r] for r in members) / total, max(recency[r] for r in members), tok, members)
-                 for tok, members in children.items()]
+                child = children.get(row[depth])
+                if child is None:
+                    children[row[depth]] = [[r], c, recency[r]]
+                else:
+                    child[0].append(r)
+                    child[1] += c
+                    if recency[r] > child[2]:
+                        child[2] = recency[r]
+        items = [(prob * c / total, latest, tok, members) for tok, (members, c, latest) in children.items()]
         if not tree and items:
             items = [max(items, key=lambda item: (item[0], item[1]))]
         for p, latest, tok, members in items:
