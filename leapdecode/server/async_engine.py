@@ -27,8 +27,9 @@ from leapdecode.server.metrics import ServerMetrics
 
 logger = logging.getLogger(__name__)
 
-# A prompt, or a function run on the engine thread that returns one (chat templates use the engine's tokenizer,
-# which only the engine thread touches; the HTTP layer formats tokens with its own copy, see formatting.py).
+# A prompt, or a function run on the engine thread that returns one. The server itself only ever submits token
+# ids: tokenization, chat templates and grammar compilation run in preprocess.py's worker pool, so nothing slow
+# reaches the engine thread; strings and callables remain for embedders.
 PromptLike = str | list[int] | Callable[[], str | list[int]]
 
 

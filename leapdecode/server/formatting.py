@@ -7,8 +7,8 @@ object must not be shared between threads that way. Its Rust core sits in a RefC
 borrow (transformers' encode() may flip truncation/padding settings) raises "Already borrowed" when it meets any
 other call on another thread (huggingface/tokenizers#537). Two instances share nothing, so neither thread
 can trip the other, whatever later code calls; the copy costs one tokenizer's memory (tens of MB for a 150k
-vocabulary) and well under a second at startup. Chat templates still run on the engine thread, with the
-engine's instance (``async_engine.PromptLike``).
+vocabulary) and well under a second at startup. Tokenization and chat templates run in preprocess.py's worker
+threads, each with its own copy, for the same reason.
 """
 from __future__ import annotations
 
