@@ -389,6 +389,14 @@ def test_prompt_logprobs_and_echo_with_logprobs(hsrv, offline_ctx):
         assert lp["token_logprobs"][0] is None and all(v is not None for v in lp["token_logprobs"][1:])
         assert "".join(lp["tokens"]) == choice["text"]
         assert lp["text_offset"] == sorted(lp["text_offset"])
+        # The same, streamed: the first event carries the prompt and its logprobs.
+        body = _cmpl(prompt=prompt, max_tokens=3, temperature=0, echo=True, logprobs=1, stream=True)
+        with http.stream("POST", "/v1/completions", json=body) as s:
+            events = [json.loads(line[6:])["choices"][0] for line in s.iter_lines() if line.startswith("data: {")]
+        streamed = {k: sum((e["logprobs"][k] for e in events if e["logprobs"]), []) for k in lp}
+        assert "".join(e["text"] for e in events) == choice["text"]
+        assert streamed["tokens"] == lp["tokens"] and streamed["text_offset"] == lp["text_offset"]
+        assert streamed["token_logprobs"] == pytest.approx(lp["token_logprobs"], abs=1e-5)
 
 
 def test_best_of_returns_the_most_likely_samples(hsrv, offline_ctx):

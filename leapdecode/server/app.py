@@ -286,6 +286,8 @@ class OpenAIServer:
                 if body.logprobs is not None:
                     lp = self.fmt.completion_logprobs(c, st.tokens, len(c.token_ids), st.offset)
                     st.offset += sum(len(t) for t in lp.tokens)
+                    if body.echo and st.tokens == 0 and st.source is not None:
+                        lp = self.fmt.echo_logprobs(st.source, body.logprobs, lp)
                 return {"text": text, "logprobs": lp.model_dump() if lp is not None else None}
 
             return self._stream(body, handle, rid, created, "text_completion", choice,

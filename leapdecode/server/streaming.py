@@ -69,6 +69,7 @@ class StreamState:
     tokens: int = 0
     offset: int = 0
     done: bool = False
+    source: RequestOutput | None = None     # the output the choice's first event was made from (echo)
 
     def advance(self, c: CompletionOutput) -> None:
         self.text, self.tokens, self.done = len(c.text), len(c.token_ids), c.finished
@@ -114,8 +115,10 @@ async def stream_events(handle: RequestHandle, header: dict[str, Any], format_ch
                     st = states.get(index)
                     head = ""
                     if st is None:
+                        if prefix is not None and not (c.token_ids or c.finished):
+                            continue      # an echo waits for the first token: the prompt's logprobs are whole
                         head = prefix(out) if prefix is not None else ""
-                        st = states[index] = StreamState(offset=len(head))
+                        st = states[index] = StreamState(offset=len(head), source=out)
                     delta = c.text[st.text:]
                     if st.done or not (delta or head or c.finished):
                         continue
