@@ -362,6 +362,11 @@ def test_guided_decoding_fields(hsrv):
             assert r.json()["choices"][0]["text"] in ("up", "down")
             r = http.post("/v1/completions", json=_cmpl(structured_outputs={"json": schema}, **base)).json()
             jsonschema.validate(json.loads(r["choices"][0]["text"]), schema)
+            grammar = 'start: "yes" | "no" | "maybe"'
+            r = http.post("/v1/completions", json=_cmpl(guided_grammar=grammar, **base)).json()
+            assert r["choices"][0]["text"] in ("yes", "no", "maybe")
+            r = http.post("/v1/completions", json=_cmpl(structured_outputs={"regex": "[0-9]{2}"}, **base)).json()
+            assert re.fullmatch("[0-9]{2}", r["choices"][0]["text"])
 
 
 def test_prompt_logprobs_and_echo_with_logprobs(hsrv, offline_ctx):
