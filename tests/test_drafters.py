@@ -437,3 +437,28 @@ def test_registry():
         make_drafter("ngram", n_min=3, n_max=2)
     with pytest.raises(ValueError):
         make_drafter("auto", methods=("suffix", "eagle"))
+
+
+# -- no pauses: a long prompt's first indexing ------------------------------------------------------------------------
+@pytest.mark.parametrize("method", ["ngram", "suffix", "auto"])
+def test_first_propose_of_a_long_prompt_sets_off_no_collection(method):
+    """Indexing an 8,000-token prompt creates ~32,000 key tuples: with the collector running that is ~40 young and
+    a few older collections inside the engine step (each older one scans everything promoted so far). The index
+    pauses the collector for a long append and runs one young collection after it (which untracks the tuples)."""
+    import gc
+    rng = random.Random(0)
+    prompt = [rng.randrange(49152) for _ in range(8000)]
+    drafter = make_drafter(method, vocab_size=49152) if method == "auto" else make_drafter(method)
+    seen = []
+
+    def callback(phase, info):
+        if phase == "start":
+            seen.append(info["generation"])
+
+    gc.collect()
+    gc.callbacks.append(callback)
+    try:
+        drafter.propose([DraftRequest(1, prompt, len(prompt), 8)])
+    finally:
+        gc.callbacks.remove(callback)
+    assert max(seen, default=0) == 0 and len(seen) <= 2, seen

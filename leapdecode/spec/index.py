@@ -10,6 +10,7 @@ followed an occurrence.
 from __future__ import annotations
 
 from array import array
+import gc
 from typing import Sequence
 
 import numpy as np
@@ -90,11 +91,31 @@ class NgramIndex:
         """The stored tokens as an int64 array (a view: valid until the next append); index = position - base."""
         return self._array[: len(self.tokens)]
 
+    bulk = 256
+    """Appends of at least this many tokens (a prompt's first indexing) run with the garbage collector paused."""
+
     def extend(self, new_tokens: Sequence[int]) -> None:
-        """Append tokens (no sentinels) and index every n-gram that now has a follower."""
+        """Append tokens (no sentinels) and index every n-gram that now has a follower.
+
+        A long append creates one key tuple per n-gram and size (32,000 for an 8,000-token prompt), and every 700
+        of them would trigger a collection of the young generation, which would then promote the dictionaries
+        (and, while the tuples are young, the tuples) toward the old generation and set off full collections.
+        Paused, the same indexing costs ~20x less; one young collection afterwards untracks the tuples (tuples of
+        ints are not followed by the collector), so nothing of it is ever scanned again."""
         new = as_int_list(new_tokens)
         if not new:
             return
+        if len(new) >= self.bulk and gc.isenabled():
+            gc.disable()
+            try:
+                self._extend(new)
+            finally:
+                gc.enable()
+            gc.collect(0)
+            return
+        self._extend(new)
+
+    def _extend(self, new: list[int]) -> None:
         old_len = len(self.tokens)
         self.tokens.extend(new)
         self._mirror(old_len)
