@@ -26,6 +26,7 @@ import torch
 
 from leapdecode.config import EngineConfig, parse_dtype
 from leapdecode.engine.block_manager import BlockManager
+from leapdecode.errors import InvalidParameter
 from leapdecode.engine.detokenizer import Detokenizer
 from leapdecode.engine.executor import Executor
 from leapdecode.engine.model_runner import ModelRunner
@@ -124,7 +125,7 @@ class Engine:
         ids = list(prompt)
         bad = [t for t in ids if not 0 <= t < self.vocab_size]
         if bad:
-            raise ValueError(f"prompt token ids must be in [0, {self.vocab_size}), got {bad[:5]}")
+            raise InvalidParameter(f"prompt token ids must be in [0, {self.vocab_size}), got {bad[:5]}", param="prompt")
         return None, ids
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
@@ -138,15 +139,19 @@ class Engine:
         if not ids:
             raise ValueError("prompt must not be empty")
         if len(ids) >= self.max_model_len:
-            raise ValueError(f"prompt is {len(ids)} tokens long; max_model_len is {self.max_model_len} "
-                             "(the prompt must leave room for at least one generated token)")
+            raise InvalidParameter(f"prompt is {len(ids)} tokens long; max_model_len is {self.max_model_len} "
+                                   "(the prompt must leave room for at least one generated token)", param="prompt")
         for name in ("logprobs", "prompt_logprobs"):
             v = getattr(params, name)
             if v is not None and v > MAX_LOGPROBS:
-                raise ValueError(f"SamplingParams.{name} must be <= {MAX_LOGPROBS}, got {v}")
+                raise InvalidParameter(f"SamplingParams.{name} must be <= {MAX_LOGPROBS}, got {v}", param=name)
+        if params.top_k > self.vocab_size:
+            raise InvalidParameter(f"SamplingParams.top_k must be <= the vocabulary size {self.vocab_size} "
+                                   f"(or -1 for off), got {params.top_k}", param="top_k")
         bad = [t for t in params.stop_token_ids if not 0 <= t < self.vocab_size]
         if bad:
-            raise ValueError(f"SamplingParams.stop_token_ids must be in [0, {self.vocab_size}), got {bad[:5]}")
+            raise InvalidParameter(f"SamplingParams.stop_token_ids must be in [0, {self.vocab_size}), got {bad[:5]}",
+                                   param="stop_token_ids")
         compiled = None
         if params.structured is not None:
             if params.ignore_eos:
