@@ -258,7 +258,10 @@ def record_with_engine(args) -> None:
     datasets = [d.strip() for d in args.datasets.split(",") if d.strip()]
     items = [(d, item) for d in datasets for item in load_prompts(d, args.per_dataset)]
     histories: list[list[tuple[str, str]]] = [[] for _ in items]
-    records = []
+    out_path = Path(args.out)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    fout = open(out_path, "w")        # written turn by turn, so an interrupted run keeps what it recorded
+    n_written = 0
     for turn in range(max(len(item["turns"]) for _, item in items)):
         live = [i for i, (_, item) in enumerate(items) if turn < len(item["turns"])]
         prompts = []
@@ -271,16 +274,14 @@ def record_with_engine(args) -> None:
             o = out.outputs[0]
             topk = [[t for t, _ in sorted(d.items(), key=lambda kv: -kv[1])[:args.topk]] for d in o.logprobs or []]
             dataset, item = items[i]
-            records.append({"dataset": dataset, "id": f"{item['id']}/turn{turn + 1}", "model": label,
-                            "prompt_token_ids": ids, "output_token_ids": list(o.token_ids),
-                            "output_topk_ids": topk or None})
+            fout.write(json.dumps({"dataset": dataset, "id": f"{item['id']}/turn{turn + 1}", "model": label,
+                                   "prompt_token_ids": ids, "output_token_ids": list(o.token_ids),
+                                   "output_topk_ids": topk or None}) + "\n")
+            n_written += 1
             histories[i].append((item["turns"][turn], o.text))
-    out_path = Path(args.out)
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    with open(out_path, "w") as f:
-        for r in records:
-            f.write(json.dumps(r) + "\n")
-    print(f"wrote {len(records)} records ({label}) to {out_path} in {time.time() - started:.1f}s")
+        fout.flush()
+    fout.close()
+    print(f"wrote {n_written} records ({label}) to {out_path} in {time.time() - started:.1f}s")
 
 
 if __name__ == "__main__":

@@ -129,7 +129,7 @@ class Controller:
     def __init__(self, max_draft: int, step_time: StepTimeModel | None = None, decay: float = 0.8,
                  first_decay: float = 0.85, run_alarm: float = 0.1,
                  prior_strength: float = 3.0, min_gain: float = 0.03, global_decay: float = 0.98,
-                 explore_every: int = 16, explore_tolerance: float = 0.15, stale_after: int = 128) -> None:
+                 explore_every: int = 32, explore_tolerance: float = 0.1, stale_after: int = 128) -> None:
         self.max_draft = max_draft
         self.step_time = step_time or StepTimeModel()
         self.run_alarm = run_alarm

@@ -46,6 +46,9 @@ class Speculator:
         self._news = True                # acceptance observed, or the batch changed, since the last check
         self._batch: tuple[int, ...] = ()
         self._quiet_steps = 0
+        self.shadow_gap = 4              # steps between a request's shadow drafts (drafting is not free)
+        self._steps = 0
+        self._shadow_after: dict[int, int] = {}
 
     @property
     def wants_topk(self) -> bool:
@@ -102,7 +105,9 @@ class Speculator:
         return out
 
     def _propose_shadows(self, reqs: list[DraftRequest]) -> None:
-        need = [r for r in reqs if r.seq_id not in self._shadow]
+        self._steps += 1
+        after = self._shadow_after
+        need = [r for r in reqs if r.seq_id not in self._shadow and after.get(r.seq_id, 0) <= self._steps]
         if not need:
             return
         drafts, _ = self._draft(need)
@@ -118,6 +123,7 @@ class Speculator:
         accepted = tree.accepted_length(truth)
         if accepted < len(truth) or accepted >= tree.depth:
             del self._shadow[seq.seq_id]
+            self._shadow_after[seq.seq_id] = self._steps + self.shadow_gap
             self.controller.observe(seq.seq_id, len(tree), accepted)
             self._news = True
 
@@ -135,5 +141,6 @@ class Speculator:
     def finish(self, seq: "Sequence") -> None:
         self.drafter.finish(seq.seq_id, seq.token_ids, seq.num_prompt_tokens)
         self._shadow.pop(seq.seq_id, None)
+        self._shadow_after.pop(seq.seq_id, None)
         if self.controller is not None:
             self.controller.forget(seq.seq_id)
