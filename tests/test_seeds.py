@@ -64,7 +64,7 @@ def run(path, ps, params, drafter=None, k=5, seed=0, **kw):
 
 SEEDED = [SamplingParams(temperature=1.0, seed=1234, max_tokens=24, ignore_eos=True),
           SamplingParams(temperature=0.8, top_k=50, top_p=0.9, seed=7, max_tokens=20, ignore_eos=True),
-          SamplingParams(temperature=1.2, min_p=0.01, seed=2**63 + 5, max_tokens=18, ignore_eos=True, n=2)]
+          SamplingParams(temperature=1.2, min_p=0.01, seed=-2**63 + 5, max_tokens=18, ignore_eos=True, n=2)]
 
 
 @pytest.mark.parametrize("tree", [False, True])
@@ -114,7 +114,7 @@ def test_same_seed_same_text_with_a_real_drafter(llama_dir):
 
 
 def test_keyed_uniforms_depend_only_on_seed_index_position():
-    us = {(s, i, p): seeded_uniform(s, i, p) for s in (0, 1, 1234, 2**64 - 1) for i in (0, 1) for p in range(50)}
+    us = {(s, i, p): seeded_uniform(s, i, p) for s in (0, 1, 1234, -1, 2**63 - 1) for i in (0, 1) for p in range(50)}
     assert all(0.0 <= u < 1.0 for u in us.values())
     assert len(set(us.values())) == len(us)
     assert seeded_uniform(1234, 0, 7) == seeded_uniform(1234, 0, 7)
