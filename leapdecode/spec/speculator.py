@@ -51,6 +51,11 @@ class Speculator:
         self._shadow_after: dict[int, int] = {}
 
     @property
+    def speculating(self) -> bool:
+        """False while the controller has turned speculation off (steps are plain decoding plus shadow drafts)."""
+        return self.controller is None or self._speculating
+
+    @property
     def wants_topk(self) -> bool:
         """Does the drafter learn from the target's top-k at verified positions (Token Recycling)?"""
         return bool(getattr(self.drafter, "wants_topk", False))
