@@ -158,7 +158,7 @@ class Engine:
                 raise ValueError("SamplingParams.ignore_eos cannot be combined with structured output "
                                  "(the grammar ends the output with eos)")
             compiled = self.structured.compile(params.structured)
-        seqs = [Sequence(request_id, i, ids, params, self._generator(params.seed, i)) for i in range(params.n)]
+        seqs = [Sequence(request_id, i, ids, params) for i in range(params.n)]
         if compiled is not None:
             for seq in seqs:
                 self.structured.attach(seq, compiled)
@@ -172,11 +172,6 @@ class Engine:
         self._unscheduled.add(request_id)
         self.stats["prompt_tokens"] += len(ids)
         self.scheduler.add(seqs[0], seqs[1:])
-
-    def _generator(self, seed: int | None, index: int) -> torch.Generator | None:
-        if seed is None:
-            return None
-        return torch.Generator(self.device).manual_seed(seed if index == 0 else hash((seed, index)) & (2**62 - 1))
 
     def abort(self, request_id: str) -> bool:
         """Stop a request now and free its KV blocks. False if it is unknown or already done."""
@@ -363,9 +358,9 @@ class Engine:
         from leapdecode.spec.controller import StepTimeModel
         model = StepTimeModel()
         bs = self.cfg.block_size
-        n_big = min(64, self.cfg.max_num_batched_tokens, self.max_model_len - 1)
+        n_big = min(64, self.cfg.max_num_batched_tokens, self.max_model_len - 1)   # small sizes: the jump at n=2
         blocks = tuple(range(-(-n_big // bs)))          # the pool is empty: any blocks are scratch
-        for n in (1, n_big, 1, n_big):
+        for n in [n for n in (1, 2, 4, 8, 16, n_big, 1, n_big) if n <= n_big]:
             plan = lay_out(-1, bs, [ScheduledSeq(-1, 0, (0,) * n, blocks, samples=True)])
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)

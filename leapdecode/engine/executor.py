@@ -4,7 +4,8 @@ Everything that crosses this boundary is plain data: a ``StepPlan`` in (token id
 ranges and draft trees, block tables, KV moves, placeholder rows), a ``ForwardOutput`` out (tensors). Today the
 executor is the in-process ``ModelRunner``; a worker process, a tensor-parallel group (rank 0 returning the
 logits) or a remote instance can implement the same three calls without the scheduler noticing. Sampling and
-verification stay with the engine (``sampling/verifier.py``), which holds the per-request random generators.
+verification stay with the engine (``sampling/verifier.py``), which holds the engine's random generator (seeded
+requests draw from keys of (seed, sample index, position), see sampling/sampler.py).
 """
 from __future__ import annotations
 

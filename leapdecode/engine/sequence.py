@@ -11,8 +11,6 @@ from __future__ import annotations
 import itertools
 from enum import Enum, auto
 
-import torch
-
 from leapdecode.sampling_params import SamplingParams
 
 
@@ -25,8 +23,7 @@ class SequenceStatus(Enum):
 class Sequence:
     _ids = itertools.count()
 
-    def __init__(self, request_id: str, index: int, prompt_token_ids: list[int], params: SamplingParams,
-                 generator: torch.Generator | None = None) -> None:
+    def __init__(self, request_id: str, index: int, prompt_token_ids: list[int], params: SamplingParams) -> None:
         self.seq_id = next(Sequence._ids)
         self.request_id, self.index = request_id, index
         self.params = params
@@ -38,7 +35,6 @@ class Sequence:
         self.block_table: list[int] = []
         self.block_hashes: list[bytes] = []  # hash chain of the leading full, computed blocks
         self.status = SequenceStatus.WAITING
-        self.generator = generator
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.logprobs: list[dict[int, float]] | None = [] if params.logprobs is not None else None
