@@ -353,7 +353,7 @@ class Engine:
 
     # -- start-up ----------------------------------------------------------------------------------------------
     def _probe_step_time(self):
-        """Time a 1-token and a larger forward on scratch blocks before any request exists, to seed the
+        """Time forwards of a few sizes on scratch blocks before any request exists, to seed the
         speculation controller's step-time model."""
         from leapdecode.spec.controller import StepTimeModel
         model = StepTimeModel()
