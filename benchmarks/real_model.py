@@ -257,6 +257,74 @@ def speculation(path: str, tok, tasks: dict[str, list[list[int]]], n: int, kv: s
     return rows
 
 
+def spec_batches(path: str, tasks: dict[str, list[list[int]]], batches: list[int], n: int, kv: str, k_spec: int,
+                 repeats: int, methods: tuple[str, ...], per_task_b1: int = 2) -> list[dict]:
+    """Issue 19's end-to-end check: plain decoding and each drafter (adaptive controller on) at each batch size,
+    in one process, every configuration's LLM alive, repeats interleaved in a rotating order. Batch 1 runs each
+    task's prompts one at a time (a row per task); batch B > 1 submits B prompts drawn round-robin from the tasks
+    at once. Per repeat the ratio to plain is taken against plain's run in the same repeat; the table gives the
+    median over repeats and the pooled ratio."""
+    from leapdecode import LLM, SamplingParams
+    configs = ("plain", *methods)
+    llms = {}
+    for method in configs:
+        spec = None if method == "plain" else {"method": method, "num_speculative_tokens": k_spec}
+        llms[method] = LLM(path, kv_cache_memory=kv, speculative_config=spec, max_num_seqs=max(batches))
+        llms[method].generate([tasks["GSM8K"][0][:8]], SamplingParams(max_tokens=2), use_tqdm=False)
+    mixed = [p for group in zip(*tasks.values()) for p in group]
+    jobs = []                                   # (batch, task label, prompts)
+    for b in batches:
+        if b == 1:
+            jobs += [(1, task, [[p] for p in prompts[:per_task_b1]]) for task, prompts in tasks.items()]
+        else:
+            if len(mixed) < b:
+                raise SystemExit(f"batch {b} needs {b} prompts, have {len(mixed)} (raise --batch-prompts)")
+            jobs.append((b, "mixed", [mixed[:b]]))
+    rows = []
+    for b, task, groups in jobs:
+        params = SamplingParams(temperature=0.0, max_tokens=n[b])
+        runs = {m: [] for m in configs}        # per repeat: (tokens, wall, steps, accepted, drafted, ids)
+        for rep in range(repeats):
+            order = configs[rep % len(configs):] + configs[:rep % len(configs)]
+            for method in order:
+                llm = llms[method]
+                llm.generate([groups[0][0][:8]], SamplingParams(max_tokens=1), use_tqdm=False)   # touch it first
+                tok = wall = steps = acc = drafted = 0
+                ids = []
+                for g in groups:
+                    t = time.perf_counter()
+                    outs = llm.generate(g, params, use_tqdm=False)
+                    wall += time.perf_counter() - t
+                    for o in outs:
+                        tok += len(o.outputs[0].token_ids)
+                        steps += o.metrics.num_steps
+                        acc += o.metrics.num_accepted_tokens
+                        drafted += o.metrics.num_draft_tokens
+                        ids.append(o.outputs[0].token_ids)
+                runs[method].append((tok, wall, steps, acc, drafted, ids))
+        plain = runs["plain"]
+        for method in configs:
+            r = runs[method]
+            ratios = [(x[0] / x[1]) / (p[0] / p[1]) for x, p in zip(r, plain)]
+            tok = sum(x[0] for x in r)
+            wall = sum(x[1] for x in r)
+            steps = sum(x[2] for x in r)
+            acc = sum(x[3] for x in r)
+            drafted = sum(x[4] for x in r)
+            same = sum(a == b for x, p in zip(r, plain) for a, b in zip(x[5], p[5]))
+            row = {"batch": b, "task": task, "method": method, "tok/s": tok / wall,
+                   "ratio median": statistics.median(ratios), "ratios": ratios,
+                   "ratio pooled": (tok / wall) / (sum(p[0] for p in plain) / sum(p[1] for p in plain)),
+                   "tokens/step": (steps + acc) / max(steps, 1), "verified/out": (steps + drafted) / max(tok, 1),
+                   "identical": f"{same}/{sum(len(x[5]) for x in r)}"}
+            rows.append(row)
+            print(f"  batch {b:3d} {task:16s} {method:10s} {row['tok/s']:7.1f} tok/s  x{row['ratio median']:.3f} "
+                  f"(runs {' '.join(f'{x:.2f}' for x in ratios)})  {row['tokens/step']:.2f} tok/step  "
+                  f"verified/out {row['verified/out']:.2f}  identical {row['identical']}", file=sys.stderr,
+                  flush=True)
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="a .gguf file or HF dir (default: the default model)")
@@ -272,8 +340,16 @@ def main() -> None:
     ap.add_argument("--skip-hf", action="store_true", help="leave transformers out")
     ap.add_argument("--skip-startup", action="store_true")
     ap.add_argument("--json", default=None, help="also write the results here")
+    ap.add_argument("--spec-batches", default=None, help="only issue 19's check: e.g. 1,16,64 (plain and each "
+                    "drafter with the adaptive controller, interleaved repeats)")
+    ap.add_argument("--batch-prompts", type=int, default=22, help="--spec-batches: prompts per task type")
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--tokens-by-batch", default="1:64,16:48,64:32", help="--spec-batches: max tokens per batch")
+    ap.add_argument("--methods", default=",".join(METHODS))
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    if args.spec_batches:
+        return spec_batches_main(args)
 
     from leapdecode import LLM
     from leapdecode.llm import resolve_model
@@ -308,6 +384,36 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
+
+
+def spec_batches_main(args) -> None:
+    from leapdecode import LLM
+    from leapdecode.config import SpeculativeConfig
+    from leapdecode.llm import resolve_model
+    path = resolve_model(args.model)
+    batches = [int(x) for x in args.spec_batches.split(",")]
+    n = {int(k): int(v) for k, v in (x.split(":") for x in args.tokens_by_batch.split(","))}
+    k_spec = args.num_speculative_tokens if "--num-speculative-tokens" in sys.argv else \
+        SpeculativeConfig().num_speculative_tokens
+    load0 = os.getloadavg()[0]
+    llm = LLM(path, kv_cache_memory=args.kv_cache_memory, max_num_seqs=args.batch_prompts)
+    tok = llm.get_tokenizer()
+    k = args.batch_prompts if any(b > 1 for b in batches) else args.prompts_per_task
+    tasks = spec_tasks(llm, tok, k, 96)
+    del llm
+    rows = spec_batches(path, tasks, batches, {b: n.get(b, 32) for b in batches}, args.kv_cache_memory, k_spec,
+                        args.repeats, tuple(args.methods.split(",")), args.prompts_per_task)
+    print(f"\nmodel: {path}; machine: {platform.machine()}, {os.cpu_count()} CPUs, load average {load0:.1f} -> "
+          f"{os.getloadavg()[0]:.1f}; {args.threads} threads; k={k_spec}; {args.repeats} interleaved repeats\n")
+    print("| batch | task | method | tok/s | ratio to plain (median of repeats; pooled) | per repeat | tokens/step | "
+          "verified/output token | identical greedy |\n|---|---|---|---:|---:|---|---:|---:|---:|")
+    for r in rows:
+        print(f"| {r['batch']} | {r['task']} | {r['method']} | {r['tok/s']:.1f} | {r['ratio median']:.2f}; "
+              f"{r['ratio pooled']:.2f} | {' '.join(f'{x:.2f}' for x in r['ratios'])} | {r['tokens/step']:.2f} | "
+              f"{r['verified/out']:.2f} | {r['identical']} |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"model": path, "rows": rows, "k": k_spec}, f, indent=1)
 
 
 def print_tables(r: dict, args) -> None:
