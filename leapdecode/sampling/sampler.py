@@ -115,7 +115,7 @@ class SamplingBatch:
         if self.use_min_p:
             keep = probs >= self.min_p[:, None] * probs.max(-1, keepdim=True).values
             probs = (probs * keep).div_((probs * keep).sum(-1, keepdim=True))
-        greedy_probs = torch.zeros_like(probs).scatter_(1, logits.argmax(-1, keepdim=True), 1.0)
+        greedy_probs = torch.zeros_like(probs).scatter_(1, argmax_rows(logits)[:, None], 1.0)
         return torch.where(self.greedy[:, None], greedy_probs, probs)
 
     def process(self, logits: torch.Tensor) -> torch.Tensor:
@@ -137,8 +137,16 @@ class SamplingBatch:
 
     def sample(self, probs: torch.Tensor, default: torch.Generator | None = None) -> torch.Tensor:
         if self.all_greedy:
-            return probs.argmax(-1)
+            return argmax_rows(probs)
         return inverse_cdf_sample(probs, self.uniforms(probs.shape[0], default))
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """``x.argmax(-1)`` for a 2-D tensor (the first maximum of each row, NaN counting as the maximum). On CPU
+    numpy's vectorised argmax does it 10-20x faster than torch's (16 x 8192 float32: 10 vs 150 µs)."""
+    if x.device.type == "cpu" and x.dtype in (torch.float32, torch.float64) and x.dim() == 2 and x.shape[0]:
+        return torch.from_numpy(x.detach().contiguous().numpy().argmax(-1))
+    return x.argmax(-1)
 
 
 _MASK64 = (1 << 64) - 1
