@@ -97,7 +97,7 @@ class Engine:
             from leapdecode.spec.controller import StepTimeModel
             from leapdecode.spec.speculator import Speculator
             probe = self._probe_step_time() if cfg.speculative_config.adaptive else StepTimeModel()
-            self.speculator = Speculator(cfg.speculative_config, self.vocab_size, probe)
+            self.speculator = Speculator(cfg.speculative_config, self.vocab_size, probe, runner=self.runner)
         self.verifier = Verifier(self.vocab_size, self.device, eos, cfg.seed, self.structured,
                                  TOPK_FOR_DRAFTERS if self.speculator and self.speculator.wants_topk else 0)
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="leapdecode-step") if cfg.async_scheduling else None
@@ -201,7 +201,8 @@ class Engine:
         masks = self.structured.start_fill(plan)
         batch = self.verifier.batch(plan, self.seqs)
         logits = self.runner.execute(plan).logits
-        result, _ = self.verifier.verify(plan, logits, batch, masks, self.seqs)
+        draft_probs = self.speculator.take_probs() if self.speculator is not None else None
+        result, _ = self.verifier.verify(plan, logits, batch, masks, self.seqs, draft_probs)
         return outputs + self._commit(plan, result, t0)
 
     def _propose(self) -> dict:

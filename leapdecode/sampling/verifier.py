@@ -1,6 +1,8 @@
 """Logits rows in, a ``StepResult`` out: every verified position is sampled exactly as plain decoding would sample
 it (penalties, grammar mask, temperature, top-k/p, seeds), then each draft is walked (sample-then-match, see
-``DraftTree.walk`` and sampling/rejection.py). A sequence with no draft has one row, and that is plain decoding.
+``DraftTree.walk`` and sampling/rejection.py); a chain drawn from a model's distribution q is verified with
+min(1, p/q) and the residual instead (sampling/rejection.py) unless its request is greedy. A sequence with no
+draft has one row, and that is plain decoding.
 
 The plan already says which logits row is which sequence and draft node (``ScheduledSeq.sample_start``), so this
 module reads the layout and never derives it. It runs wherever the forward ran last (the engine thread, or the
@@ -14,7 +16,9 @@ from typing import TYPE_CHECKING, Any, Mapping
 import torch
 
 from leapdecode.engine.step import ScheduledSeq, SeqResult, StepPlan, StepResult, lay_out
-from leapdecode.sampling.sampler import Row, SamplingBatch, compute_logprobs
+from leapdecode.sampling.rejection import ACCEPT_SALT, speculative_chains
+from leapdecode.sampling.sampler import (Row, SamplingBatch, _position, compute_logprobs, inverse_cdf_sample,
+                                         seeded_uniform)
 
 if TYPE_CHECKING:
     from leapdecode.engine.sequence import Sequence
@@ -27,6 +31,7 @@ class Verifier:
         self.generator = torch.Generator(device).manual_seed(seed)
         self.structured = structured     # the grammar's part of sampling: mask rows and ASAp (engine/structured_output.py)
         self.topk = topk                 # > 0: report the target's top-k at each used row (drafters learn from it)
+        self.num_prob_chains = 0         # drafts verified with min(1, p/q) (drafts that carry their distributions)
 
     def batch(self, plan: StepPlan, seqs: Mapping[int, "Sequence"]) -> SamplingBatch | None:
         """The sampling rows of a plan, in its order: per sampling sequence, its last token then each draft node."""
@@ -40,19 +45,25 @@ class Verifier:
         return SamplingBatch(rows, self.vocab_size, self.device, self.eos_token_ids) if rows else None
 
     def verify(self, plan: StepPlan, logits: torch.Tensor, batch: SamplingBatch | None, masks: Any,
-               seqs: Mapping[int, "Sequence"]) -> tuple[StepResult, torch.Tensor | None]:
+               seqs: Mapping[int, "Sequence"], draft_probs: Mapping[int, tuple] | None = None
+               ) -> tuple[StepResult, torch.Tensor | None]:
         """-> (the step's result, the sampled tokens per sample row on the device).
+
+        ``draft_probs``: seq_id -> (the drafter's chain, its q rows) for drafts drawn from a model's distribution
+        (``Speculator.take_probs``); such a chain, when the plan kept a prefix of it, is verified with
+        min(1, p/q) and the residual (sampling/rejection.py) unless its request is greedy.
 
         If sampling the batch raises, each sequence is sampled alone so the fault stays with the request that
         causes it (``StepResult.errors``); the others get their tokens as usual."""
         try:
-            return self._verify(plan, logits, batch, masks, seqs)
+            return self._verify(plan, logits, batch, masks, seqs, draft_probs)
         except Exception:
             if sum(c.samples or c.prompt_logprobs for c in plan.seqs) <= 1:
                 raise
-            return self._isolate(plan, logits, masks, seqs), None
+            return self._isolate(plan, logits, masks, seqs, draft_probs), None
 
-    def _isolate(self, plan: StepPlan, logits: torch.Tensor, masks: Any, seqs: Mapping[int, "Sequence"]) -> StepResult:
+    def _isolate(self, plan: StepPlan, logits: torch.Tensor, masks: Any, seqs: Mapping[int, "Sequence"],
+                 draft_probs: Mapping[int, tuple] | None = None) -> StepResult:
         out = StepResult(plan.step_id)
         for c in plan.seqs:
             if not (c.samples or c.prompt_logprobs):
@@ -60,7 +71,7 @@ class Verifier:
             alone = lay_out(plan.step_id, plan.block_size, [c])
             try:
                 r, _ = self._verify(alone, logits[c.logits_start:c.logits_start + c.num_logits],
-                                    self.batch(alone, seqs), _rows_of(masks, c), seqs)
+                                    self.batch(alone, seqs), _rows_of(masks, c), seqs, draft_probs)
             except Exception as e:          # noqa: BLE001 - the request ends with this error; the others go on
                 out.errors[c.seq_id] = f"{type(e).__name__}: {e}"
                 continue
@@ -69,7 +80,8 @@ class Verifier:
         return out
 
     def _verify(self, plan: StepPlan, logits: torch.Tensor, batch: SamplingBatch | None, masks: Any,
-                seqs: Mapping[int, "Sequence"]) -> tuple[StepResult, torch.Tensor | None]:
+                seqs: Mapping[int, "Sequence"], draft_probs: Mapping[int, tuple] | None = None
+                ) -> tuple[StepResult, torch.Tensor | None]:
         prompt = self._prompt_logprobs(plan, logits, seqs)
         if batch is None:
             return StepResult(plan.step_id, {}, prompt), None
@@ -78,7 +90,16 @@ class Verifier:
         probs = batch.process(self.structured.apply(raw, masks))
         if not batch.all_greedy:
             probs = self.structured.align(batch.rows, probs, lambda: batch.process(raw), masks)
-        sampled_t = batch.sample(probs, self.generator)
+        if batch.all_greedy:
+            sampled_t = probs.argmax(-1)
+        else:
+            u = batch.uniforms(probs.shape[0], self.generator)
+            sampled_t = inverse_cdf_sample(probs, u)
+            chains = _chains_with_probs(plan, seqs, draft_probs) if draft_probs else []
+            if chains:
+                self.num_prob_chains += len(chains)
+                sampled_t, _ = speculative_chains(probs, sampled_t, u, chains,
+                                                  self._accept_uniforms(batch, chains, probs.device))
         sampled = sampled_t.tolist()                    # the step's one device -> host synchronisation
         lps = None
         if batch.max_logprobs is not None:
@@ -101,6 +122,24 @@ class Verifier:
                 topk=tuple(topk[r] for r in used) if topk else None)
         return StepResult(plan.step_id, results, prompt), sampled_t
 
+    def _accept_uniforms(self, batch: SamplingBatch, chains: list, device: torch.device) -> torch.Tensor:
+        """One uniform per draft node of ``chains``: a seeded request's keyed by (seed, sample index, position)
+        under the acceptance salt, the others from the engine's generator."""
+        n = sum(len(x) for _, x, _ in chains)
+        u = torch.rand(n, dtype=torch.float64, generator=self.generator, device=device)
+        seeded, i = [], 0
+        for r0, x, _ in chains:
+            row = batch.rows[r0]
+            seed = row.seq.params.seed
+            if seed is not None:
+                seeded += [(i + j, seeded_uniform(seed ^ ACCEPT_SALT, row.seq.index, _position(batch.rows[r0 + j])))
+                           for j in range(len(x))]
+            i += len(x)
+        if seeded:
+            idx, vals = zip(*seeded)
+            u[torch.tensor(idx, device=device)] = torch.tensor(vals, dtype=torch.float64, device=device)
+        return u
+
     @staticmethod
     def _prompt_logprobs(plan: StepPlan, logits: torch.Tensor, seqs: Mapping[int, "Sequence"]) -> dict:
         """Row j of a prompt chunk predicts the token at position start + j + 1; keep those that are prompt tokens."""
@@ -122,6 +161,22 @@ class Verifier:
                 entries.append(entry)
             out[c.seq_id] = tuple(entries)
         return out
+
+
+def _chains_with_probs(plan: StepPlan, seqs: Mapping[int, "Sequence"], draft_probs: Mapping[int, tuple]) -> list:
+    """(first sample row, chain, q rows) for each sampled (not greedy) sequence whose planned draft is a prefix of
+    a chain drawn with probabilities; any other draft keeps sample-then-match (lossless for every draft)."""
+    out = []
+    for c in plan.seqs:
+        entry = draft_probs.get(c.seq_id)
+        if entry is None or not c.samples or not c.draft or not c.draft.is_chain:
+            continue
+        tokens, q = entry
+        k = len(c.draft)
+        if tuple(tokens[:k]) != c.draft.tokens or q is None or q.shape[0] < k or seqs[c.seq_id].params.greedy:
+            continue
+        out.append((c.sample_start, c.draft.tokens, q[:k]))
+    return out
 
 
 def _rows_of(masks: Future | None, c: ScheduledSeq) -> Future | None:

@@ -9,7 +9,7 @@ point mass; verification stays lossless either way.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol, Sequence
+from typing import Any, Protocol, Sequence
 
 from leapdecode.spec.tree import DraftTree
 
@@ -19,7 +19,9 @@ class Draft:
     tokens: list[int] = field(default_factory=list)
     parents: list[int] | None = None  # None: a chain
     score: float = 0.0                # drafter's confidence in [0, 1] that its first token is accepted
-    probs: object | None = None       # optional draft distributions q (one row per token), for draft models
+    # optional, chains only: q as a [len(tokens), vocab] tensor on the target's device, row j the distribution
+    # token j was drawn from; verification then uses min(1, p/q) and the residual (sampling/rejection.py)
+    probs: object | None = None
 
     @staticmethod
     def from_tree(tree: DraftTree, score: float = 0.0, probs: object | None = None) -> "Draft":
@@ -46,6 +48,10 @@ class DraftRequest:
     token_ids: Sequence[int]     # prompt + output, committed (no drafts)
     num_prompt_tokens: int
     max_draft: int               # at most this many draft tokens (tree nodes) for this request
+    # for model drafters (spec/draft_model.py, spec/layer_skip.py); model-free drafters ignore them
+    params: Any = None           # the request's SamplingParams: a drafter with probabilities processes q alike
+    sample_index: int = 0        # the sample's index in its request (seeded draws are keyed by it)
+    block_table: Sequence[int] = ()   # the target's KV blocks, holding the KV of every committed token but the last
 
 
 class Drafter(Protocol):

@@ -15,10 +15,21 @@ _FACTORIES: dict[str, Callable[..., Drafter]] = {
     "recycling": RecyclingDrafter,
 }
 DEFAULT_AUTO_METHODS = ("suffix", "recycling")
-METHODS = (*_FACTORIES, "auto")
+# drafters that run a model inside the step: built with a handle to the target's runner (``runner=``), see
+# spec/draft_model.py (the seam) and docs/architecture.md
+MODEL_METHODS = ("draft_model", "layer_skip")
+METHODS = (*_FACTORIES, "auto", *MODEL_METHODS)
 
 
-def make_drafter(method: str, **options: Any) -> Drafter:
+def _model_factory(method: str) -> Callable[..., Drafter]:
+    if method == "draft_model":
+        from leapdecode.spec.draft_model import DraftModelDrafter
+        return DraftModelDrafter
+    from leapdecode.spec.layer_skip import LayerSkipDrafter
+    return LayerSkipDrafter
+
+
+def make_drafter(method: str, runner: Any = None, **options: Any) -> Drafter:
     """A drafter for ``method`` with its constructor ``options`` (a bad name or option is a ValueError).
 
     ``"auto"`` builds an :class:`AutoDrafter` over ``methods`` (default: suffix and recycling); per-method options
@@ -39,6 +50,14 @@ def make_drafter(method: str, **options: Any) -> Drafter:
             return AutoDrafter(drafters, **options)
         except TypeError as e:
             raise ValueError(f"bad option for the auto drafter: {e}") from None
+    if method in MODEL_METHODS:
+        if runner is None:
+            raise ValueError(f"the {method} drafter runs a model: it needs the target's runner (runner=...)")
+        options.pop("vocab_size", None)
+        try:
+            return _model_factory(method)(runner, **options)
+        except TypeError as e:
+            raise ValueError(f"bad option for the {method} drafter: {e}") from None
     factory = _FACTORIES.get(method)
     if factory is None:
         raise ValueError(f"unknown drafter method {method!r}; choose one of {METHODS}")

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Sequence as Seq
 from leapdecode.config import SpeculativeConfig
 from leapdecode.spec.controller import Controller, StepTimeModel
 from leapdecode.spec.drafter import DraftRequest
-from leapdecode.spec.registry import make_drafter
+from leapdecode.spec.registry import MODEL_METHODS, make_drafter
 from leapdecode.spec.tree import DraftTree
 
 if TYPE_CHECKING:
@@ -26,7 +26,9 @@ if TYPE_CHECKING:
 
 
 class Speculator:
-    def __init__(self, cfg: SpeculativeConfig, vocab_size: int, step_time: StepTimeModel | None = None) -> None:
+    def __init__(self, cfg: SpeculativeConfig, vocab_size: int, step_time: StepTimeModel | None = None,
+                 runner: object | None = None) -> None:
+        """``runner``: the target's model runner, handed to drafters that run a model (``MODEL_METHODS``)."""
         self.cfg = cfg
         if cfg.drafter is not None:
             self.drafter = cfg.drafter
@@ -34,7 +36,10 @@ class Speculator:
             options = dict(cfg.options)
             if cfg.method in ("recycling", "auto"):
                 options.setdefault("vocab_size", vocab_size)
-            self.drafter = make_drafter(cfg.method, **options)
+            if cfg.method in MODEL_METHODS:
+                options.setdefault("num_speculative_tokens", cfg.num_speculative_tokens)
+            self.drafter = make_drafter(cfg.method, runner=runner, **options)
+        self._probs: dict[int, tuple[tuple[int, ...], object]] = {}   # this step's drafts' q (model drafters)
         self.controller = Controller(cfg.num_speculative_tokens, step_time) if cfg.adaptive else None
         self.num_proposals = 0
         self.num_shadow_proposals = 0
@@ -74,8 +79,10 @@ class Speculator:
         for seq, room in zip(decoding, rooms):
             room = min(self.cfg.num_speculative_tokens, room)
             if room > 0:
-                reqs.append(DraftRequest(seq.seq_id, seq.token_ids, seq.num_prompt_tokens, room))
+                reqs.append(DraftRequest(seq.seq_id, seq.token_ids, seq.num_prompt_tokens, room, seq.params,
+                                         seq.index, tuple(seq.block_table)))
                 seqs.append(seq)
+        self._probs = {}
         if not reqs:
             return {}
         ctl = self.controller
@@ -94,6 +101,9 @@ class Speculator:
         drafts, dt = self._draft(reqs)
         self.num_proposals += 1
         self.draft_seconds_ema = dt if self.num_proposals == 1 else 0.8 * self.draft_seconds_ema + 0.2 * dt
+        for s, d in zip(seqs, drafts):
+            if d.probs is not None and d.tokens and d.parents is None:
+                self._probs[s.seq_id] = (tuple(d.tokens), d.probs)
         if ctl is None:
             return {s.seq_id: DraftTree.of(d.tokens, d.parents) for s, d in zip(seqs, drafts) if d.tokens}
         keep = ctl.draft_lengths([(s.seq_id, len(d), d.score) for s, d in zip(seqs, drafts)], base,
@@ -108,6 +118,12 @@ class Speculator:
             elif tree is not None and s.seq_id not in self._shadow:
                 self._shadow[s.seq_id] = (tree, len(s.token_ids))
         return out
+
+    def take_probs(self) -> dict[int, tuple[tuple[int, ...], object]]:
+        """The draft distributions of the drafts the last ``propose`` returned: seq_id -> (the drafter's tokens,
+        q rows); the verifier uses the rows of the nodes the plan kept (a prefix) and otherwise sample-then-match."""
+        probs, self._probs = self._probs, {}
+        return probs
 
     def _propose_shadows(self, reqs: list[DraftRequest]) -> None:
         self._steps += 1

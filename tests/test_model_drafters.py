@@ -1,0 +1,176 @@
+"""Model drafters (issue 13): draft-model speculation (SpS) and self-speculation by layer skipping.
+
+Lossless means: greedy output bit-for-bit identical with speculation on and off, and sampled output distributed
+exactly as the target's (checked against exact enumeration on a vocabulary of 8, chi-square p > 1e-3, with drafts
+both accepted and rejected in the sample). Every test also checks that drafts were made and accepted, so it fails
+when its feature is switched off, and that the KV pools are free afterwards.
+"""
+import random
+
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from conftest import assert_pool_free, make_llm
+from leapdecode import SamplingParams
+from leapdecode.assets import default_draft_model_path, default_model_path
+
+
+def spec(method, k=4, adaptive=False, **options):
+    return {"method": method, "num_speculative_tokens": k, "adaptive": adaptive, **options}
+
+
+def assert_drafts_accepted(llm):
+    stats = llm.engine.stats
+    assert stats["draft_tokens"] > 0 and stats["accepted_tokens"] > 0, stats
+
+
+def assert_all_free(llm):
+    assert_pool_free(llm)
+    drafter = llm.engine.speculator.drafter
+    if hasattr(drafter, "states"):                    # the draft model's own pool
+        assert not drafter.states and drafter.num_free_blocks == drafter.num_blocks
+
+
+def code_prompts(n, seed=0):
+    rng = random.Random(seed)
+    heads = ["def ", "import os\n", "class ", "for i in range(", "    return self.", "if __name__ == ",
+             "with open(", "try:\n    ", "from collections import ", "    def __init__(self, "]
+    return [rng.choice(heads) + rng.choice(["x", "name", "path", "data", "args"]) for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def embedded():
+    """The embedded target and its embedded draft (same tokenizer), greedy reference outputs."""
+    target, draft = default_model_path(), default_draft_model_path()
+    prompts = code_prompts(6)
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    ref = [o.outputs[0].token_ids for o in make_llm(target).generate(prompts, params, use_tqdm=False)]
+    return target, draft, prompts, params, ref
+
+
+# -- draft model -------------------------------------------------------------------------------------------------
+
+def test_draft_model_greedy_identical_and_accepted(embedded):
+    target, draft, prompts, params, ref = embedded
+    llm = make_llm(target, speculative_config=spec("draft_model", k=4, model=draft))
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == ref
+    assert_drafts_accepted(llm)
+    drafter = llm.engine.speculator.drafter
+    # batched: far fewer draft forwards than (sequences x draft positions)
+    assert drafter.stats["forwards"] < drafter.stats["drafted"] / 2, drafter.stats
+    assert llm.engine.stats["accepted_tokens"] < llm.engine.stats["draft_tokens"]    # some rejected, too
+    assert_all_free(llm)
+    # alone, one request at a time, with the adaptive controller: still identical
+    llm = make_llm(target, speculative_config=spec("draft_model", k=3, adaptive=True, model=draft))
+    for p, r in zip(prompts[:2], ref[:2]):
+        assert llm.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids == r
+    assert llm.engine.speculator.num_proposals > 0
+    assert_all_free(llm)
+
+
+def test_draft_model_preemption_and_stops_lose_nothing(embedded):
+    target, draft, _, _, _ = embedded
+    prompts = code_prompts(10, seed=1)
+    cases = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in (30, 7, 45, 13, 60)] * 2
+    cases[3] = SamplingParams(n=2, temperature=0.0, max_tokens=25, ignore_eos=True)
+    kw = dict(num_kv_blocks=14, block_size=8, max_model_len=96)
+    plain = make_llm(target, **kw).generate(prompts, cases, use_tqdm=False)
+    llm = make_llm(target, speculative_config=spec("draft_model", k=5, model=draft), **kw)
+    outs = llm.generate(prompts, cases, use_tqdm=False)
+    for a, b in zip(outs, plain):
+        assert [o.token_ids for o in a.outputs] == [o.token_ids for o in b.outputs]
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert_drafts_accepted(llm)
+    assert_all_free(llm)
+
+
+def test_draft_model_tokenizer_mismatch_is_a_value_error(llama_dir):
+    with pytest.raises(ValueError, match="tokenizer"):
+        make_llm(llama_dir, speculative_config=spec("draft_model", model=default_draft_model_path()))
+    with pytest.raises(ValueError, match="model"):
+        make_llm(llama_dir, speculative_config=spec("draft_model"))
+
+
+def test_draft_model_seeded_requests_are_reproducible(embedded):
+    target, draft, prompts, _, _ = embedded
+    sp = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=30, ignore_eos=True, seed=5)
+    llm = make_llm(target, speculative_config=spec("draft_model", k=3, model=draft))
+    a = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
+    b = [o.outputs[0].token_ids for o in llm.generate(prompts[::-1], sp, use_tqdm=False)][::-1]
+    assert a == b
+    assert llm.engine.verifier.num_prob_chains > 0
+    assert_drafts_accepted(llm)
+    assert_all_free(llm)
+
+
+# -- distribution against exact enumeration -----------------------------------------------------------------------
+
+def _topk_topp(logits, temperature, top_k=0, top_p=1.0):
+    """The sampler's processing of a row (sampling/sampler.py), in float64 for the exact reference."""
+    logits = logits / temperature
+    if top_k:
+        logits = logits.masked_fill(logits < logits.topk(top_k, -1).values[..., -1:], float("-inf"))
+    if top_p < 1.0:
+        s, order = logits.sort(-1, descending=True)
+        p = s.softmax(-1)
+        drop = (p.cumsum(-1) - p) >= top_p
+        logits = logits.scatter(-1, order, s.masked_fill(drop, float("-inf")))
+    return logits
+
+
+def exact_triple_distribution(path, prompt, transform):
+    """P(t2, t3, t4) of the 2nd..4th generated tokens (the first draft's positions), by enumeration."""
+    import transformers
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    V = model.config.vocab_size
+
+    def probs(prefixes):
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + list(p) for p in prefixes])).logits[:, -1].double()
+        return transform(logits).softmax(-1)
+
+    import itertools
+    p1 = probs([()])[0]
+    p2 = probs([(a,) for a in range(V)])
+    p3 = probs(list(itertools.product(range(V), repeat=2))).view(V, V, V)
+    p4 = probs(list(itertools.product(range(V), repeat=3))).view(V, V, V, V)
+    return torch.einsum("a,ab,abc,abcd->bcd", p1, p2, p3, p4)
+
+
+def chi2_pvalue(samples, expected):
+    counts = torch.zeros(expected.numel(), dtype=torch.float64)
+    V = expected.shape[0]
+    for t in samples:
+        counts[(t[0] * V + t[1]) * V + t[2]] += 1
+    exp = expected.flatten() * len(samples)
+    big = exp >= 5                                   # pool sparse cells so the test is valid
+    assert counts[exp == 0].sum() == 0               # nothing impossible was drawn
+    obs = torch.cat([counts[big], counts[~big].sum()[None]])
+    ex = torch.cat([exp[big], exp[~big].sum()[None]])
+    if ex[-1] <= 0:
+        obs, ex = obs[:-1], ex[:-1]
+    return chisquare(obs.numpy(), ex.numpy() * obs.sum().item() / ex.sum().item()).pvalue
+
+
+@pytest.mark.parametrize("params", [dict(temperature=1.0), dict(temperature=0.7, top_k=4),
+                                    dict(temperature=0.7, top_p=0.8)], ids=["T1", "T0.7-topk", "T0.7-topp"])
+def test_draft_model_sampled_distribution_is_exact(tiny_dir, params):
+    """Target and draft: two tiny random models (vocabulary 8, same tokenizer), so q differs from p and drafts are
+    both accepted and rejected; the 2nd..4th tokens are the first draft's three positions (k = 3)."""
+    target = tiny_dir("llama", vocab_size=8, initializer_range=0.6)
+    draft = tiny_dir("llama", vocab_size=8, initializer_range=0.6, seed=1)
+    prompt = [3, 4, 5, 3, 4, 5, 3, 4]
+    expected = exact_triple_distribution(target, prompt, lambda l: _topk_topp(l, **params))
+    n = 2000
+    sp = SamplingParams(max_tokens=4, ignore_eos=True, **params)
+    llm = make_llm(target, speculative_config=spec("draft_model", k=3, model=draft), max_num_seqs=1024, seed=11)
+    outs = llm.generate([prompt] * n, sp, use_tqdm=False)
+    pvalue = chi2_pvalue([o.outputs[0].token_ids[1:4] for o in outs], expected)
+    stats = llm.engine.stats
+    assert llm.engine.verifier.num_prob_chains >= n                  # verified with min(1, p/q), not by matching
+    assert stats["accepted_tokens"] > 0.2 * stats["draft_tokens"], stats       # drafts accepted ...
+    assert stats["draft_tokens"] > 1.2 * stats["accepted_tokens"], stats       # ... and rejected
+    assert pvalue > 1e-3, pvalue
+    assert_all_free(llm)
