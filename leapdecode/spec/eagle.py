@@ -1,0 +1,438 @@
+"""EAGLE-style draft head: one decoder layer over the target's own features, drafting chains and dynamic trees.
+
+The head reads, at each position i, the pair (target feature f_i, embedding of the next token x_{i+1}), fuses them
+with a linear layer 2d -> d and runs one Llama decoder layer (RMSNorm, attention with RoPE, gated MLP: the
+building blocks of ``model/layers.py``) over the pairs, causally. Its output at pair i is a prediction of the
+target's feature f_{i+1}; the target's own (frozen) LM head turns it into a distribution for x_{i+2}. Drafting
+feeds the predicted feature back with the drafted token, so one committed prefix gives a chain or a tree.
+
+Feature: the target's last hidden state *after* the final norm (the direct input of the LM head, HF numbering
+``num_layers``: what EAGLE's reference code takes from the base model's output). The embedding and LM head are the
+target's, bound at load time and never stored with the head. ``draft_vocab`` optionally restricts drafting to a
+subset of the vocabulary (the most frequent tokens of the training data, as EAGLE-3 does): the head's LM head is
+then the target's rows for those tokens, which makes the head's largest matmul several times cheaper on a CPU.
+
+Position convention: pair i (feature of position i, token x_{i+1}) sits at RoPE position i. With committed tokens
+x_0..x_n and target features f_0..f_{n-1} the head holds pairs 0..n-1; the output of pair n-1 predicts f_n and so
+the first draft token x_{n+1}.
+
+Files: an HF-style directory, ``config.json`` + ``model.safetensors`` (:meth:`EagleHead.save_pretrained`,
+:meth:`EagleHead.from_pretrained`). :class:`EagleDrafter` keeps each sequence's head KV and drafts from it.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import asdict, dataclass, field
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from leapdecode.model.layers import GatedMLP, RMSNorm, RotaryEmbedding
+from leapdecode.spec.drafter import Draft, DraftRequest
+from leapdecode.spec.tree import DraftTree
+
+HEAD_ARCHITECTURE = "LeapdecodeEagleHead"
+
+
+@dataclass
+class EagleConfig:
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int                      # the target's vocabulary
+    draft_vocab_size: int | None = None  # None: draft over the whole vocabulary
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None
+    max_position_embeddings: int = 8192
+    feature_layer: str = "final_norm"    # which target hidden state the head reads (see the module docstring)
+    target: dict = field(default_factory=dict)   # what the head was trained for (name, layers, ...), informative
+    training: dict = field(default_factory=dict)
+
+    @classmethod
+    def for_target(cls, mc, draft_vocab_size: int | None = None, intermediate_size: int | None = None,
+                   **extra) -> "EagleConfig":
+        """A head shaped like one layer of the target ``mc`` (a ModelConfig)."""
+        return cls(hidden_size=mc.hidden_size, intermediate_size=intermediate_size or mc.intermediate_size,
+                   num_heads=mc.num_heads, num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim,
+                   vocab_size=mc.vocab_size, draft_vocab_size=draft_vocab_size, rms_norm_eps=mc.rms_norm_eps,
+                   rope_theta=mc.rope_theta, rope_scaling=mc.rope_scaling,
+                   max_position_embeddings=max(mc.max_position_embeddings, 8192), **extra)
+
+    def to_json(self) -> dict:
+        return {"architectures": [HEAD_ARCHITECTURE], "model_type": "leapdecode_eagle", **asdict(self)}
+
+    @classmethod
+    def from_json(cls, raw: dict) -> "EagleConfig":
+        if HEAD_ARCHITECTURE not in (raw.get("architectures") or []):
+            raise ValueError(f"not an EAGLE head config (architectures={raw.get('architectures')!r}, "
+                             f"expected {HEAD_ARCHITECTURE!r})")
+        known = set(cls.__dataclass_fields__)
+        return cls(**{k: v for k, v in raw.items() if k in known})
+
+
+class EagleHead(nn.Module):
+    def __init__(self, cfg: EagleConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        d = cfg.hidden_size
+        self.q_size, self.kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        self.fc = nn.Linear(2 * d, d, bias=True)
+        self.input_layernorm = RMSNorm(d, cfg.rms_norm_eps)
+        self.qkv_proj = nn.Linear(d, self.q_size + 2 * self.kv_size, bias=False)
+        self.o_proj = nn.Linear(self.q_size, d, bias=False)
+        self.post_attention_layernorm = RMSNorm(d, cfg.rms_norm_eps)
+        self.mlp = GatedMLP(d, cfg.intermediate_size, False)
+        self.rope = RotaryEmbedding(cfg.head_dim, 0, cfg.rope_theta, cfg.rope_scaling)
+        n = cfg.draft_vocab_size or cfg.vocab_size
+        self.register_buffer("draft_vocab", torch.arange(n), persistent=True)
+        self.embed_weight: torch.Tensor | None = None    # the target's, bound by ``bind`` (not a parameter)
+        self.lm_weight: torch.Tensor | None = None       # the target's LM head rows for ``draft_vocab``
+
+    # -- the target's frozen parts -----------------------------------------------------------------------------
+    def bind(self, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor) -> "EagleHead":
+        """Use the target's embedding and LM head (frozen; the LM head cut to the draft vocabulary)."""
+        if embed_weight.shape != (self.cfg.vocab_size, self.cfg.hidden_size):
+            raise ValueError(f"the head was made for a target with vocab {self.cfg.vocab_size} and hidden size "
+                             f"{self.cfg.hidden_size}, got an embedding of shape {tuple(embed_weight.shape)}")
+        dtype = self.fc.weight.dtype
+        self.embed_weight = embed_weight.detach()
+        self.lm_weight = lm_head_weight.detach()[self.draft_vocab.to(lm_head_weight.device)].to(dtype).contiguous()
+        return self
+
+    def bind_target(self, model) -> "EagleHead":
+        """Bind a leapdecode LlamaForCausalLM (tied or untied LM head)."""
+        lm = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
+        return self.bind(model.embed_tokens.weight, lm)
+
+    def _rope_tables(self, max_pos: int, device: torch.device) -> None:
+        if self.rope.max_positions < max_pos or self.rope.cos.device != device:
+            self.rope.max_positions = max(max_pos, 2 * self.rope.max_positions, 512)
+            self.rope.build(device)
+
+    # -- the forward pass --------------------------------------------------------------------------------------
+    def forward(self, feats: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
+                past: tuple[torch.Tensor, torch.Tensor] | None = None, mask: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Pairs (feats[b, t], tokens[b, t]) at ``positions`` [B, T] -> (predicted next features [B, T, d], this
+        call's keys and values [B, Hkv, T, D]). ``past``: keys/values of earlier pairs [B, Hkv, S, D]; ``mask``:
+        bool [B or 1, 1, T, S + T] (True = may attend); None = causal over the new pairs, seeing all of ``past``."""
+        B, T, _ = feats.shape
+        c = self.cfg
+        dtype = self.fc.weight.dtype
+        emb = F.embedding(tokens, self.embed_weight).to(dtype)
+        x = self.fc(torch.cat([emb, feats.to(dtype)], dim=-1))
+        h = self.input_layernorm(x)
+        q, k, v = self.qkv_proj(h).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        self._rope_tables(int(positions.max()) + 1, x.device)
+        q, k = self.rope(positions.reshape(-1), q.reshape(B * T, c.num_heads, c.head_dim),
+                         k.reshape(B * T, c.num_kv_heads, c.head_dim))
+        q = q.view(B, T, c.num_heads, c.head_dim).transpose(1, 2)
+        k = k.view(B, T, c.num_kv_heads, c.head_dim).transpose(1, 2)
+        v = v.reshape(B, T, c.num_kv_heads, c.head_dim).transpose(1, 2)
+        k_all, v_all = (k, v) if past is None else (torch.cat([past[0], k], 2), torch.cat([past[1], v], 2))
+        if mask is None and past is not None and past[0].shape[2] > 0:
+            S = past[0].shape[2]
+            mask = torch.ones(T, S + T, dtype=torch.bool, device=x.device)
+            mask[:, S:] = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
+            mask = mask[None, None]
+        rep = c.num_heads // c.num_kv_heads
+        o = F.scaled_dot_product_attention(q, k_all.repeat_interleave(rep, 1), v_all.repeat_interleave(rep, 1),
+                                           attn_mask=mask, is_causal=mask is None)
+        x = x + self.o_proj(o.transpose(1, 2).reshape(B, T, self.q_size))
+        x = x + self.mlp(self.post_attention_layernorm(x))
+        return x, k, v
+
+    def logits(self, out: torch.Tensor) -> torch.Tensor:
+        """Draft-vocabulary logits (float32) of predicted features; ``draft_vocab[j]`` is column j's token."""
+        return F.linear(out.to(self.lm_weight.dtype), self.lm_weight).float()
+
+    # -- files -------------------------------------------------------------------------------------------------
+    def save_pretrained(self, path: str, dtype: torch.dtype = torch.bfloat16) -> None:
+        from safetensors.torch import save_file
+        os.makedirs(path, exist_ok=True)
+        with open(os.path.join(path, "config.json"), "w") as f:
+            json.dump({**self.cfg.to_json(), "torch_dtype": str(dtype).removeprefix("torch.")}, f, indent=2)
+        tensors = {k: (v.to(dtype) if v.is_floating_point() else v).contiguous().cpu()
+                   for k, v in self.state_dict().items()}
+        save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+
+    @classmethod
+    def from_pretrained(cls, path: str, dtype: torch.dtype = torch.float32,
+                        device: torch.device | str = "cpu") -> "EagleHead":
+        from safetensors.torch import load_file
+        with open(os.path.join(path, "config.json")) as f:
+            cfg = EagleConfig.from_json(json.load(f))
+        head = cls(cfg)
+        state = load_file(os.path.join(path, "model.safetensors"))
+        head.draft_vocab = torch.empty_like(state["draft_vocab"])
+        head._vocab_list = None
+        missing, unexpected = head.load_state_dict(state, strict=False)
+        if missing or unexpected:
+            raise ValueError(f"EAGLE head at {path}: missing {missing}, unexpected {unexpected}")
+        return head.to(device=device, dtype=dtype)
+
+    def to(self, *args, **kwargs):   # keep draft_vocab an integer tensor whatever the dtype move
+        vocab = self.draft_vocab
+        out = super().to(*args, **kwargs)
+        out.draft_vocab = vocab.to(self.fc.weight.device)
+        out._vocab_list = None
+        return out
+
+    def vocab_list(self) -> list[int]:
+        """``draft_vocab`` as a Python list (cached): column j of :meth:`logits` is token ``vocab_list()[j]``."""
+        if getattr(self, "_vocab_list", None) is None or len(self._vocab_list) != len(self.draft_vocab):
+            self._vocab_list = self.draft_vocab.tolist()
+        return self._vocab_list
+
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+
+# -- training loss (self-distillation, EAGLE) -------------------------------------------------------------------
+
+def distill_loss(head: EagleHead, feats: torch.Tensor, tokens: torch.Tensor, valid: torch.Tensor,
+                 noise: float = 0.0, w_cls: float = 0.1) -> tuple[torch.Tensor, dict[str, float]]:
+    """EAGLE's loss on padded sequences: ``feats`` [B, T, d] target features f_0..f_{T-1}, ``tokens`` [B, T] the
+    tokens x_0..x_{T-1}, ``valid`` [B, T] bool (right padding). Pair i = (f_i, x_{i+1}) predicts f_{i+1}: smooth-L1
+    to the target's feature plus ``w_cls`` times the cross-entropy against the target's distribution (its LM head on
+    f_{i+1}, over the draft vocabulary). ``noise``: uniform input noise on the features (EAGLE uses 0.1 of the
+    feature scale) so the head tolerates its own predicted features when drafting."""
+    B, T, _ = feats.shape
+    inp = feats[:, :-1]
+    if noise > 0:
+        inp = inp + (torch.rand_like(inp) * 2 - 1) * noise
+    pos = torch.arange(T - 1, device=feats.device).expand(B, -1)
+    out, _, _ = head(inp, tokens[:, 1:], pos)
+    target = feats[:, 1:].to(out.dtype)
+    m = (valid[:, 1:] & valid[:, :-1]).to(out.dtype)
+    n = m.sum().clamp_min(1)
+    reg = (F.smooth_l1_loss(out, target, reduction="none").mean(-1) * m).sum() / n
+    with torch.no_grad():
+        p = torch.softmax(head.logits(target), -1)
+    logq = torch.log_softmax(head.logits(out), -1)
+    ce = (-(p * logq).sum(-1) * m).sum() / n
+    with torch.no_grad():
+        acc = ((p.argmax(-1) == logq.argmax(-1)).to(out.dtype) * m).sum() / n
+    return reg + w_cls * ce, {"reg": reg.item(), "ce": ce.item(), "top1": acc.item()}
+
+
+# -- drafting ---------------------------------------------------------------------------------------------------
+
+@dataclass
+class HeadState:
+    """One sequence's committed pairs in the head: keys/values [1, Hkv, S, D] for pairs at positions
+    ``base .. base + S - 1`` and the output of the last one (the predicted next feature)."""
+    k: torch.Tensor
+    v: torch.Tensor
+    base: int
+    last_out: torch.Tensor       # [d]
+
+    @property
+    def next_pos(self) -> int:
+        return self.base + self.k.shape[2]
+
+
+@torch.no_grad()
+def extend_state(head: EagleHead, state: HeadState | None, feats: torch.Tensor, next_tokens: Sequence[int],
+                 start: int) -> HeadState:
+    """Append committed pairs (feats[j], next_tokens[j]) at positions start + j (start must equal
+    ``state.next_pos`` when a state is given)."""
+    dev = head.fc.weight.device
+    T = len(next_tokens)
+    pos = torch.arange(start, start + T, device=dev)[None]
+    tok = torch.as_tensor(list(next_tokens), device=dev)[None]
+    past = None if state is None else (state.k, state.v)
+    out, k, v = head(feats.to(dev)[None], tok, pos, past)
+    if state is None:
+        return HeadState(k, v, start, out[0, -1])
+    return HeadState(torch.cat([state.k, k], 2), torch.cat([state.v, v], 2), state.base, out[0, -1])
+
+
+@torch.no_grad()
+def draft(head: EagleHead, state: HeadState, depth: int, top_k: int = 1, budget: int | None = None,
+          dynamic: bool = True) -> tuple[DraftTree, list[float]]:
+    """A draft from the head's state: with ``top_k=1`` a greedy chain of ``depth`` tokens; else an EAGLE-2 tree.
+
+    Expansion: at each depth the ``top_k`` nodes with the highest cumulative log-probability (the head's
+    confidence) are run through the head and each proposes its ``top_k`` best children. ``dynamic=True`` then keeps
+    the ``budget`` nodes of highest cumulative probability among everything proposed (EAGLE-2's re-ranking: a deep
+    branch survives only where the head is confident); ``dynamic=False`` keeps the fixed shape: the expanded
+    frontier, ``top_k`` nodes per depth. Returns the tree (topological order) and each node's cumulative
+    probability under the head."""
+    budget = budget or depth * top_k
+    if depth <= 0 or budget <= 0:
+        return DraftTree(), []
+    dev = state.k.device
+    voc = head.vocab_list()
+    S = state.k.shape[2]
+    # candidate pool: (score, depth, parent pool index or -1, token); frontier: pool indices expanded next
+    scores: list[float] = []
+    depths: list[int] = []
+    parents: list[int] = []
+    tokens: list[int] = []
+    lp = torch.log_softmax(head.logits(state.last_out[None]), -1)[0]
+    top = torch.topk(lp, top_k)
+    for s, j in zip(top.values.tolist(), top.indices.tolist()):
+        scores.append(s), depths.append(1), parents.append(-1), tokens.append(int(voc[j]))
+    frontier = list(range(len(tokens)))
+    shape = list(frontier)                    # the fixed-shape tree: every depth's frontier
+    feat_of = {-1: state.last_out}            # pool index -> its predicted feature (once it has been run)
+    slot_of: dict[int, int] = {}              # pool index -> its row in the draft KV
+    dk = state.k.new_zeros(1, state.k.shape[1], 0, state.k.shape[3])
+    dv = dk
+    anc = torch.zeros(0, 0, dtype=torch.bool, device=dev)   # draft KV row i may see row j (ancestor or itself)
+    for d in range(2, depth + 1):
+        n, M = len(frontier), dk.shape[2]
+        feats = torch.stack([feat_of[parents[i]] for i in frontier])[None]
+        tok = torch.tensor([tokens[i] for i in frontier], device=dev)[None]
+        pos = torch.full((1, n), state.next_pos + d - 2, device=dev)
+        rows = torch.zeros(n, M + n, dtype=torch.bool, device=dev)
+        for r, i in enumerate(frontier):
+            if parents[i] >= 0:
+                rows[r, :M] = anc[slot_of[parents[i]]]
+            rows[r, M + r] = True
+            slot_of[i] = M + r
+        anc = torch.cat([torch.cat([anc, anc.new_zeros(M, n)], 1), rows], 0)
+        mask = torch.cat([rows.new_ones(n, S), rows], 1)
+        out, k, v = head(feats, tok, pos, (torch.cat([state.k, dk], 2), torch.cat([state.v, dv], 2)),
+                         mask[None, None])
+        for r, i in enumerate(frontier):
+            feat_of[i] = out[0, r]
+        dk, dv = torch.cat([dk, k], 2), torch.cat([dv, v], 2)
+        lp = torch.log_softmax(head.logits(out[0]), -1)                   # [n, V']
+        top = torch.topk(lp, top_k, dim=-1)
+        cand = (torch.tensor([scores[i] for i in frontier], device=dev)[:, None] + top.values).flatten()
+        order = torch.argsort(cand, descending=True).tolist()
+        cand_l, idx_l = cand.tolist(), top.indices.tolist()
+        new_ids = []
+        for c in order:
+            r, j = divmod(c, top_k)
+            scores.append(cand_l[c]), depths.append(d), parents.append(frontier[r])
+            tokens.append(int(voc[idx_l[r][j]]))
+            new_ids.append(len(tokens) - 1)
+        frontier = new_ids[:top_k]
+        shape += frontier
+    if top_k == 1:
+        keep = list(range(min(budget, len(tokens))))
+    elif dynamic:
+        ranked = sorted(range(len(tokens)), key=lambda i: (-scores[i], depths[i]))
+        chosen: set[int] = set()
+        keep = []
+        for i in ranked:
+            if len(keep) >= budget:
+                break
+            if parents[i] == -1 or parents[i] in chosen:
+                chosen.add(i)
+                keep.append(i)
+    else:
+        keep = shape[:budget]
+    keep.sort(key=lambda i: (depths[i], -scores[i]))
+    index = {i: j for j, i in enumerate(keep)}
+    tree = DraftTree.of([tokens[i] for i in keep], [index[parents[i]] if parents[i] >= 0 else -1 for i in keep])
+    return tree, [math.exp(scores[i]) for i in keep]
+
+
+# -- the drafter --------------------------------------------------------------------------------------------------
+
+class EagleDrafter:
+    """Drafts from the head over the target's hidden states.
+
+    The engine hands over the target's features of committed positions (:meth:`add_features`: prompt rows after a
+    prefill chunk, the last committed token's and the accepted nodes' rows after a verify step); :meth:`propose`
+    then extends each sequence's head state with the new committed pairs and drafts a chain (``top_k=1``) or an
+    EAGLE-2 tree (``top_k > 1``, at most ``max_draft`` nodes, ``depth`` levels). A sequence whose features are
+    missing (e.g. after preemption, until its recompute hands them over again) gets an empty draft. The state is
+    dropped in :meth:`finish`."""
+
+    wants_hidden = True
+
+    def __init__(self, head: EagleHead, depth: int = 6, top_k: int = 1, dynamic: bool = True) -> None:
+        self.head, self.depth, self.top_k, self.dynamic = head, depth, top_k, dynamic
+        self.states: dict[int, HeadState] = {}
+        self.features: dict[int, dict[int, torch.Tensor]] = {}    # seq_id -> position -> feature [d]
+        self.num_drafts = 0
+
+    def add_features(self, seq_id: int, positions: Sequence[int], feats: torch.Tensor) -> None:
+        """Target features (post final norm) of committed positions of one sequence (rows of ``feats``)."""
+        store = self.features.setdefault(seq_id, {})
+        for p, f in zip(positions, feats):
+            store[int(p)] = f
+
+    def _catch_up(self, seq_id: int, token_ids: Sequence[int]) -> HeadState | None:
+        n = len(token_ids) - 1                      # pairs 0..n-1 need features f_0..f_{n-1}
+        store = self.features.get(seq_id, {})
+        state = self.states.get(seq_id)
+        if state is not None and state.next_pos > n:  # rolled back (should not happen for committed tokens)
+            state = None
+        start = state.next_pos if state is not None else None
+        if start is None or any(p not in store for p in range(start, n)):
+            # fresh start from the longest run of known features that ends at n - 1
+            if n - 1 not in store:
+                self.states.pop(seq_id, None)
+                return None
+            start = n - 1
+            while start - 1 in store:
+                start -= 1
+            state = None
+        if start < n:
+            feats = torch.stack([store[p] for p in range(start, n)])
+            state = extend_state(self.head, state, feats, token_ids[start + 1:n + 1], start)
+        for p in [p for p in store if p < n]:
+            del store[p]
+        self.states[seq_id] = state
+        return state
+
+    def propose(self, requests: list[DraftRequest]) -> list[Draft]:
+        out = []
+        for req in requests:
+            if req.max_draft <= 0:
+                out.append(Draft())
+                continue
+            state = self._catch_up(req.seq_id, req.token_ids)
+            if state is None:
+                out.append(Draft())
+                continue
+            depth = min(self.depth, req.max_draft)
+            tree, probs = draft(self.head, state, depth, self.top_k, req.max_draft if self.top_k > 1 else depth,
+                                self.dynamic)
+            self.num_drafts += 1
+            out.append(Draft.from_tree(tree, score=probs[0] if probs else 0.0))
+        return out
+
+    def observe(self, seq_id: int, token_ids: Sequence[int], num_accepted: int,
+                topk: Sequence[Sequence[int]] | None = None) -> None:
+        del seq_id, token_ids, num_accepted, topk
+
+    def finish(self, seq_id: int, token_ids: Sequence[int], num_prompt_tokens: int) -> None:
+        self.states.pop(seq_id, None)
+        self.features.pop(seq_id, None)
+
+
+def shipped_head_path() -> str:
+    from leapdecode.assets import _ASSETS
+    return str(_ASSETS / "eagle-smollm2-135m")
+
+
+def load_head_for(model, head_path: str | None, dtype: torch.dtype, device: torch.device) -> EagleHead:
+    """The head at ``head_path`` (default: the shipped SmolLM2-135M head) bound to ``model``'s embedding/LM head."""
+    path = head_path or shipped_head_path()
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise ValueError(f"no EAGLE head at {path!r} (expected config.json and model.safetensors); train one with "
+                         "scripts/train_draft_head.py or pass speculative_config={'method': 'eagle', 'model': DIR}")
+    head = EagleHead.from_pretrained(path, dtype=dtype, device=device)
+    if head.cfg.vocab_size != model.cfg.vocab_size or head.cfg.hidden_size != model.cfg.hidden_size:
+        raise ValueError(f"the EAGLE head at {path} was trained for a target with vocab {head.cfg.vocab_size} and "
+                         f"hidden size {head.cfg.hidden_size}; this model has {model.cfg.vocab_size} and "
+                         f"{model.cfg.hidden_size}")
+    return head.bind_target(model).eval()
+
+
+__all__ = ["EagleConfig", "EagleHead", "EagleDrafter", "HeadState", "distill_loss", "extend_state", "draft",
+           "load_head_for", "shipped_head_path"]

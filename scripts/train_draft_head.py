@@ -1,0 +1,324 @@
+"""Train an EAGLE-style draft head (leapdecode/spec/eagle.py) on the target's own generations (self-distillation).
+
+Three stages, each bounded in wall time so the whole run fits a CPU hour for SmolLM2-135M-Instruct:
+
+1. **data**: chat prompts, each through the target's chat template: MT-Bench turn 1 and turn 2 (turn 2 after the
+   target's own answer to turn 1), GSM8K questions, HumanEval functions ("Complete this Python function"), and
+   user questions sampled from the target itself (Magpie: the chat template up to the user's text, sampled at
+   T=1). Only the *training split* is used (``split_of``: a fixed, documented rule; the held-out split is what
+   benchmarks/eagle_acceptance.py evaluates on). Answers come from ``LLM.generate`` (greedy, batched), in rounds of
+   ``--batch`` prompts until ``--gen-minutes`` run out; then one teacher-forced forward per sequence records the
+   target's final-norm hidden state at every position (``ModelRunner.execute(capture=(L,))``).
+2. **train**: the head (one decoder layer, fc 2d -> d, the target's frozen embedding and LM head over a draft
+   vocabulary of the most frequent training tokens) with EAGLE's loss: smooth-L1 on the next feature + 0.1 x
+   cross-entropy against the target's distribution; AdamW, linear decay over ``--train-minutes``.
+3. **save**: an HF-style directory (config.json + model.safetensors, bf16) with the data and training figures in
+   ``config.json["training"]``.
+
+    .venv/bin/python scripts/train_draft_head.py --out leapdecode/assets/eagle-smollm2-135m
+    .venv/bin/python scripts/train_draft_head.py --stage data --work /tmp/eagle      # data only, then
+    .venv/bin/python scripts/train_draft_head.py --stage train --work /tmp/eagle --out DIR
+
+On a GPU pass ``--device cuda``: generation, recording and training all run there.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+import time
+from collections import Counter
+
+import torch
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+BENCH = os.path.join(os.path.dirname(REPO), "shared", "bench")
+
+TASKS = ("chat", "math", "code")
+
+
+# -- prompts and the train / held-out split (shared with benchmarks/eagle_acceptance.py) ------------------------
+
+def read_jsonl(*parts: str) -> list[dict]:
+    with open(os.path.join(BENCH, *parts)) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def split_of(index: int) -> str:
+    """The fixed split of every dataset here, by the item's index in its file: the first 16 items and every 5th
+    one are held out (the benchmarks' first-k prompts are therefore never trained on); the rest may be trained on."""
+    return "heldout" if index < 16 or index % 5 == 0 else "train"
+
+
+def user(text: str) -> list[dict]:
+    return [{"role": "user", "content": text}]
+
+
+def code_prompt(item: dict) -> str:
+    return "Complete this Python function:\n```python\n" + item["prompt"] + "```"
+
+
+def chat_ids(tok, messages: list[dict]) -> list[int]:
+    text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return tok.encode(text, add_special_tokens=False)
+
+
+def items(split: str) -> dict[str, list[tuple[str, object]]]:
+    """(kind, payload) per task for ``split``: MT-Bench items (two turns), GSM8K questions, HumanEval prompts."""
+    mt = [("mt", q) for i, q in enumerate(read_jsonl("mt_bench", "question.jsonl")) if split_of(i) == split]
+    gsm = [("user", q["question"]) for i, q in enumerate(read_jsonl("gsm8k", "test.jsonl")) if split_of(i) == split]
+    he = [("user", code_prompt(q)) for i, q in enumerate(read_jsonl("humaneval", "HumanEval.jsonl"))
+          if split_of(i) == split]
+    return {"chat": mt, "math": gsm, "code": he}
+
+
+# -- stage 1: data --------------------------------------------------------------------------------------------------
+
+def magpie_queries(llm, n: int, max_tokens: int = 64) -> list[str]:
+    """User questions sampled from the target itself: its chat template cut where the user's text begins."""
+    from leapdecode import SamplingParams
+    tok = llm.get_tokenizer()
+    text = tok.apply_chat_template(user("\x00"), tokenize=False, add_generation_prompt=False)
+    prefix = tok.encode(text[:text.index("\x00")], add_special_tokens=False)
+    params = [SamplingParams(temperature=1.0, top_p=0.95, max_tokens=max_tokens, seed=1000 + i) for i in range(n)]
+    outs = llm.generate([prefix] * n, params, use_tqdm=False)
+    qs = []
+    for o in outs:
+        c = o.outputs[0]
+        q = c.text.strip()
+        if c.finish_reason == "stop" and len(q.split()) >= 4 and q not in qs:
+            qs.append(q)
+    return qs
+
+
+def record_features(llm, ids: list[int]) -> torch.Tensor:
+    """The target's final-norm hidden state at every position of ``ids``: one teacher-forced forward."""
+    from leapdecode.engine.sequence import Sequence
+    from leapdecode.engine.step import ScheduledSeq, lay_out
+    from leapdecode.sampling_params import SamplingParams
+    eng = llm.engine
+    seq = Sequence("record", 0, list(ids), SamplingParams())
+    assert eng.block_manager.allocate(seq, len(ids))
+    try:
+        chunk = ScheduledSeq(seq.seq_id, 0, tuple(ids), tuple(seq.block_table), prompt_logprobs=True)
+        L = eng.model_cfg.num_layers
+        out = eng.runner.execute(lay_out(0, eng.cfg.block_size, [chunk]), capture=(L,))
+        return out.hidden_states[L].float().cpu()
+    finally:
+        eng.block_manager.free_seq(seq)
+
+
+def generate_rounds(llm, queue: list[tuple[str, list[int], dict]], max_tokens: int, batch: int, deadline: float,
+                    log) -> list[dict]:
+    """Greedy answers for ``queue`` (task, prompt ids, meta) in batches until ``deadline``; an MT-Bench turn 1
+    adds its turn 2 (after the target's own answer) to the queue."""
+    from leapdecode import SamplingParams
+    tok = llm.get_tokenizer()
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    done: list[dict] = []
+    t0 = time.time()
+    while queue and time.time() < deadline:
+        chunk, queue[:] = queue[:batch], queue[batch:]
+        outs = llm.generate([p for _, p, _ in chunk], params, use_tqdm=False)
+        for (task, prompt, meta), o in zip(chunk, outs):
+            answer = list(o.outputs[0].token_ids)
+            done.append({"task": task, "ids": prompt + answer, "prompt_len": len(prompt), **meta})
+            if meta.get("turn") == 1:
+                q = meta["q"]
+                msgs = user(q["turns"][0]) + [{"role": "assistant", "content": o.outputs[0].text}] + user(q["turns"][1])
+                queue.insert(min(len(queue), batch), (task, chat_ids(tok, msgs), {"turn": 2}))
+        n = sum(len(d["ids"]) - d["prompt_len"] for d in done)
+        log(f"  generated {len(done)} answers, {n} tokens, {n / (time.time() - t0):.1f} tok/s")
+    for d in done:
+        d.pop("q", None)
+    return done
+
+
+def stage_data(args, log) -> None:
+    from leapdecode import LLM
+    t_start = time.time()
+    llm = LLM(args.model, max_model_len=args.max_model_len, enable_prefix_caching=False, device=args.device)
+    tok = llm.get_tokenizer()
+    per_task = items("train")
+    rng = random.Random(0)
+    for v in per_task.values():
+        rng.shuffle(v)
+    magpie = magpie_queries(llm, args.magpie) if args.magpie else []
+    log(f"magpie: {len(magpie)} self-generated user questions in {time.time() - t_start:.0f} s")
+    streams = {
+        "chat": [("chat", chat_ids(tok, user(q["turns"][0])), {"turn": 1, "q": q}) for _, q in per_task["chat"]],
+        "magpie": [("chat", chat_ids(tok, user(q)), {"source": "magpie"}) for q in magpie],
+        "math": [("math", chat_ids(tok, user(q)), {}) for _, q in per_task["math"]],
+        "code": [("code", chat_ids(tok, user(q)), {}) for _, q in per_task["code"]],
+    }
+    queue: list = []
+    while any(streams.values()):            # round robin: every batch mixes the task types
+        for s in streams.values():
+            if s:
+                queue.append(s.pop(0))
+    queue = [q for q in queue if len(q[1]) + args.max_tokens <= args.max_model_len]
+    deadline = t_start + args.gen_minutes * 60
+    done = generate_rounds(llm, queue, args.max_tokens, args.batch, deadline, log)
+    t_gen = time.time() - t_start
+    t1 = time.time()
+    for d in done:
+        d["feats"] = record_features(llm, d["ids"]).to(torch.bfloat16)
+        d["ids"] = torch.tensor(d["ids"], dtype=torch.int32)
+    t_rec = time.time() - t1
+    stats = {"sequences": len(done), "tokens": sum(len(d["ids"]) for d in done),
+             "answer_tokens": sum(len(d["ids"]) - d["prompt_len"] for d in done),
+             "per_task": dict(Counter(d["task"] for d in done)), "magpie_questions": len(magpie),
+             "generate_seconds": round(t_gen, 1), "record_seconds": round(t_rec, 1), "model": llm.engine.cfg.model}
+    os.makedirs(args.work, exist_ok=True)
+    torch.save({"seqs": done, "stats": stats}, os.path.join(args.work, "data.pt"))
+    log(f"data: {json.dumps(stats)}")
+
+
+# -- stage 2: training ----------------------------------------------------------------------------------------------
+
+def load_target_parts(model_path: str, device: str):
+    """The target's ModelConfig and its embedding / LM head weights (float32), without starting an engine."""
+    from leapdecode import LLM
+    llm = LLM(model_path, max_model_len=64, num_kv_blocks=8, device=device)
+    model = llm.engine.runner.model
+    lm = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
+    return llm.engine.model_cfg, model.embed_tokens.weight.detach().float(), lm.detach().float(), llm.engine.cfg.model
+
+
+def batches(seqs: list[dict], max_tokens: int, rng: random.Random) -> list[list[dict]]:
+    """Length-sorted buckets of at most ``max_tokens`` padded tokens, in random order."""
+    order = sorted(seqs, key=lambda d: len(d["ids"]))
+    out, cur = [], []
+    for d in order:
+        if cur and (len(cur) + 1) * len(d["ids"]) > max_tokens:
+            out.append(cur)
+            cur = []
+        cur.append(d)
+    if cur:
+        out.append(cur)
+    rng.shuffle(out)
+    return out
+
+
+def collate(group: list[dict], device: str):
+    T = max(len(d["ids"]) for d in group)
+    d_model = group[0]["feats"].shape[1]
+    feats = torch.zeros(len(group), T, d_model)
+    toks = torch.zeros(len(group), T, dtype=torch.long)
+    valid = torch.zeros(len(group), T, dtype=torch.bool)
+    for b, d in enumerate(group):
+        n = len(d["ids"])
+        feats[b, :n] = d["feats"].float()
+        toks[b, :n] = d["ids"].long()
+        valid[b, :n] = True
+    return feats.to(device), toks.to(device), valid.to(device)
+
+
+def stage_train(args, log) -> None:
+    from leapdecode.spec.eagle import EagleConfig, EagleHead, distill_loss
+    data = torch.load(os.path.join(args.work, "data.pt"), weights_only=False)
+    seqs, stats = data["seqs"], data["stats"]
+    mc, embed, lm, model_name = load_target_parts(args.model or stats["model"], args.device)
+    counts = Counter()
+    for d in seqs:
+        counts.update(d["ids"][1:].tolist())
+    vocab_n = min(args.draft_vocab, mc.vocab_size) if args.draft_vocab else mc.vocab_size
+    top = [t for t, _ in counts.most_common(vocab_n)]
+    if len(top) < vocab_n:                  # pad with the lowest ids never seen (any fixed rule would do)
+        seen = set(top)
+        top += [t for t in range(mc.vocab_size) if t not in seen][:vocab_n - len(top)]
+    covered = sum(counts[t] for t in top) / max(sum(counts.values()), 1)
+    cfg = EagleConfig.for_target(mc, draft_vocab_size=vocab_n if vocab_n < mc.vocab_size else None,
+                                 target={"model": os.path.basename(str(model_name)), "num_layers": mc.num_layers})
+    torch.manual_seed(args.seed)
+    head = EagleHead(cfg)
+    head.draft_vocab = torch.tensor(sorted(top))
+    head = head.to(args.device)
+    head.bind(embed.to(args.device), lm.to(args.device))
+    feat_scale = torch.cat([d["feats"][:64].float() for d in seqs[:50]]).abs().mean().item()
+    noise = args.noise * feat_scale
+    log(f"head: {head.num_parameters() / 1e6:.2f}M parameters, draft vocab {vocab_n} tokens covering "
+        f"{100 * covered:.1f}% of training tokens; feature mean |x| {feat_scale:.3f}, input noise +-{noise:.3f}")
+    params = [p for p in head.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    rng = random.Random(args.seed)
+    budget = args.train_minutes * 60
+    t0, step, epoch, hist = time.time(), 0, 0, []
+    first = None
+    while time.time() - t0 < budget:
+        epoch += 1
+        agg = Counter()
+        ntok = 0
+        for group in batches(seqs, args.batch_tokens, rng):
+            elapsed = time.time() - t0
+            if elapsed >= budget:
+                break
+            lr = args.lr * min(1.0, (step + 1) / args.warmup) * max(0.02, 1 - elapsed / budget)
+            for g in opt.param_groups:
+                g["lr"] = lr
+            feats, toks, valid = collate(group, args.device)
+            loss, parts = distill_loss(head, feats, toks, valid, noise=noise)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, 0.5)
+            opt.step()
+            step += 1
+            n = int(valid.sum())
+            ntok += n
+            for k, v in parts.items():
+                agg[k] += v * n
+            if first is None:
+                first = parts
+        if ntok:
+            row = {"epoch": epoch, "step": step, "seconds": round(time.time() - t0, 1),
+                   **{k: round(v / ntok, 4) for k, v in agg.items()}}
+            hist.append(row)
+            log(f"  {json.dumps(row)}")
+    t_train = time.time() - t0
+    head.cfg.training = {"data": stats, "train_seconds": round(t_train, 1), "steps": step, "epochs": epoch,
+                         "lr": args.lr, "batch_tokens": args.batch_tokens, "noise": round(noise, 4),
+                         "draft_vocab_coverage": round(covered, 4), "first_step": first, "history": hist,
+                         "device": args.device, "threads": torch.get_num_threads(),
+                         "split_rule": "index < 16 or index % 5 == 0 held out (scripts/train_draft_head.py)"}
+    head.save_pretrained(args.out)
+    size = os.path.getsize(os.path.join(args.out, "model.safetensors"))
+    log(f"saved {args.out} ({size / 1e6:.1f} MB) after {t_train:.0f} s of training, {step} steps")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None, help="target (default: leapdecode's default model)")
+    ap.add_argument("--stage", choices=("all", "data", "train"), default="all")
+    ap.add_argument("--work", default="/tmp/leapdecode-eagle", help="where the recorded data goes")
+    ap.add_argument("--out", default=os.path.join(REPO, "leapdecode", "assets", "eagle-smollm2-135m"))
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--gen-minutes", type=float, default=17.0)
+    ap.add_argument("--train-minutes", type=float, default=24.0)
+    ap.add_argument("--batch", type=int, default=32, help="prompts per generate() call")
+    ap.add_argument("--max-tokens", type=int, default=192, help="answer length cap")
+    ap.add_argument("--max-model-len", type=int, default=1024)
+    ap.add_argument("--magpie", type=int, default=48, help="self-generated user questions to sample")
+    ap.add_argument("--draft-vocab", type=int, default=8192, help="0: the whole vocabulary")
+    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--warmup", type=int, default=20)
+    ap.add_argument("--batch-tokens", type=int, default=4096)
+    ap.add_argument("--noise", type=float, default=0.1, help="input noise, as a fraction of the mean |feature|")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+
+    def log(msg: str) -> None:
+        print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+    if args.stage in ("all", "data"):
+        stage_data(args, log)
+    if args.stage in ("all", "train"):
+        stage_train(args, log)
+
+
+if __name__ == "__main__":
+    main()

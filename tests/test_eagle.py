@@ -1,0 +1,194 @@
+"""EAGLE draft head: its forward against a hand-written reference, incremental/tree drafting against full forwards,
+save/load, a training smoke test, and (when the engine integration is present) speculation with it end to end."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from leapdecode.spec.eagle import EagleConfig, EagleDrafter, EagleHead, HeadState, distill_loss, draft, extend_state
+from leapdecode.spec.drafter import DraftRequest
+
+
+def tiny_head(vocab: int = 384, d: int = 64, draft_vocab: int | None = None, seed: int = 0) -> EagleHead:
+    torch.manual_seed(seed)
+    cfg = EagleConfig(hidden_size=d, intermediate_size=96, num_heads=4, num_kv_heads=2, head_dim=d // 4,
+                      vocab_size=vocab, draft_vocab_size=draft_vocab, rope_theta=10000.0)
+    head = EagleHead(cfg)
+    if draft_vocab:
+        head.draft_vocab = torch.randperm(vocab)[:draft_vocab].sort().values
+    for p in head.parameters():           # non-trivial norms and biases
+        torch.nn.init.normal_(p, 0.0, 0.2)
+    embed, lm = torch.randn(vocab, d), torch.randn(vocab, d) * 0.5
+    return head.bind(embed, lm).eval()
+
+
+def reference(head: EagleHead, feats: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """One sequence, position by position, written out without the head's own code paths."""
+    c = head.cfg
+    H, Hk, D = c.num_heads, c.num_kv_heads, c.head_dim
+    sd = {k: v.double() for k, v in head.state_dict().items() if k != "draft_vocab"}
+
+    def rms(x, w):
+        return w * (x / torch.sqrt((x * x).mean(-1, keepdim=True) + c.rms_norm_eps))
+
+    def rot(x, p):   # rotate-half RoPE
+        inv = 1.0 / (c.rope_theta ** (torch.arange(0, D, 2, dtype=torch.float64) / D))
+        ang = p * inv
+        cos, sin = torch.cat([ang.cos(), ang.cos()]), torch.cat([ang.sin(), ang.sin()])
+        half = torch.cat([-x[..., D // 2:], x[..., :D // 2]], -1)
+        return x * cos + half * sin
+
+    emb = head.embed_weight.double()[tokens]
+    x = torch.cat([emb, feats.double()], -1) @ sd["fc.weight"].T + sd["fc.bias"]
+    h = rms(x, sd["input_layernorm.weight"])
+    qkv = h @ sd["qkv_proj.weight"].T
+    q, k, v = qkv[:, :H * D], qkv[:, H * D:H * D + Hk * D], qkv[:, H * D + Hk * D:]
+    outs = []
+    for t in range(len(tokens)):
+        heads = []
+        for i in range(H):
+            j = i // (H // Hk)
+            qi = rot(q[t, i * D:(i + 1) * D], positions[t].double())
+            ks = torch.stack([rot(k[s, j * D:(j + 1) * D], positions[s].double()) for s in range(t + 1)])
+            w = torch.softmax(ks @ qi / D ** 0.5, 0)
+            heads.append(w @ v[:t + 1, j * D:(j + 1) * D])
+        outs.append(torch.cat(heads))
+    x = x + torch.stack(outs) @ sd["o_proj.weight"].T
+    h = rms(x, sd["post_attention_layernorm.weight"])
+    gate, up = (h @ sd["mlp.gate_up_proj.weight"].T).chunk(2, -1)
+    return x + (torch.nn.functional.silu(gate) * up) @ sd["mlp.down_proj.weight"].T
+
+
+def test_forward_matches_reference():
+    head = tiny_head()
+    g = torch.Generator().manual_seed(3)
+    T = 11
+    feats = torch.randn(T, 64, generator=g)
+    tokens = torch.randint(0, 384, (T,), generator=g)
+    pos = torch.arange(5, 5 + T)
+    out, _, _ = head(feats[None], tokens[None], pos[None])
+    torch.testing.assert_close(out[0].double(), reference(head, feats, tokens, pos), rtol=1e-4, atol=1e-4)
+    # the same pairs appended in pieces (the drafter's committed state) give the same outputs
+    s = extend_state(head, None, feats[:4], tokens[:4].tolist(), 5)
+    s = extend_state(head, s, feats[4:9], tokens[4:9].tolist(), 9)
+    s = extend_state(head, s, feats[9:], tokens[9:].tolist(), 14)
+    assert s.base == 5 and s.next_pos == 16
+    torch.testing.assert_close(s.last_out, out[0, -1], rtol=1e-5, atol=1e-5)
+    # batched with right padding: the valid rows are the unpadded ones
+    feats2 = torch.stack([feats, torch.cat([feats[:6], torch.zeros(T - 6, 64)])])
+    tok2 = torch.stack([tokens, torch.cat([tokens[:6], torch.zeros(T - 6, dtype=torch.long)])])
+    out2, _, _ = head(feats2, tok2, pos.expand(2, -1))
+    ref6, _, _ = head(feats[None, :6], tokens[None, :6], pos[None, :6])
+    torch.testing.assert_close(out2[1, :6], ref6[0], rtol=1e-5, atol=1e-5)
+
+
+def path_logits(head: EagleHead, state: HeadState, path: list[int]) -> torch.Tensor:
+    """Draft-vocab logits after ``path`` (draft tokens from the root), computed as a plain causal chain."""
+    feat = state.last_out
+    s = state
+    for tok in path:
+        s = extend_state(head, s, feat[None], [tok], s.next_pos)
+        feat = s.last_out
+    return head.logits(feat[None])[0]
+
+
+@pytest.mark.parametrize("draft_vocab", [None, 100])
+def test_chain_and_tree_drafts_follow_the_head(draft_vocab):
+    head = tiny_head(draft_vocab=draft_vocab)
+    g = torch.Generator().manual_seed(5)
+    feats = torch.randn(9, 64, generator=g)
+    toks = torch.randint(0, 384, (9,), generator=g).tolist()
+    state = extend_state(head, None, feats, toks, 0)
+    voc = head.vocab_list()
+    chain, probs = draft(head, state, depth=5)
+    assert chain.is_chain and len(chain) == 5 and all(0 < p <= 1 for p in probs)
+    for i in range(5):                                   # greedy: each token is the argmax after its prefix
+        assert chain.tokens[i] == voc[int(path_logits(head, state, list(chain.tokens[:i])).argmax())]
+    for dynamic in (True, False):
+        tree, probs = draft(head, state, depth=4, top_k=3, budget=10, dynamic=dynamic)
+        assert 0 < len(tree) <= 10 and not tree.is_chain
+        paths = tree.node_paths()
+        for i, path in enumerate(paths):                 # each node is among the top-3 after its path (tree mask)
+            top3 = path_logits(head, state, list(path[:-1])).topk(3).indices.tolist()
+            assert voc.index(path[-1]) in top3
+            p = tree.parent(i)
+            assert p < i and (p < 0 or probs[i] <= probs[p] + 1e-9)
+        if dynamic:                                      # the kept nodes are the most probable ones proposed
+            assert probs[0] == max(probs)
+        else:
+            assert sorted(tree.depths()) == sorted([1, 1, 1, 2, 2, 2, 3, 3, 3, 4])
+
+
+def test_save_load_round_trip(tmp_path):
+    head = tiny_head(draft_vocab=50)
+    path = str(tmp_path / "head")
+    head.save_pretrained(path, dtype=torch.float32)
+    assert os.path.isfile(os.path.join(path, "config.json"))
+    back = EagleHead.from_pretrained(path).bind(head.embed_weight, torch.randn(384, 64))
+    assert back.cfg == head.cfg
+    assert torch.equal(back.draft_vocab, head.draft_vocab)
+    for (k, a), (_, b) in zip(sorted(head.state_dict().items()), sorted(back.state_dict().items())):
+        assert torch.equal(a, b), k
+    head.save_pretrained(path)                          # bf16 by default: loads back close
+    small = EagleHead.from_pretrained(path)
+    assert os.path.getsize(os.path.join(path, "model.safetensors")) < 200_000
+    torch.testing.assert_close(small.fc.weight, head.fc.weight, rtol=1e-2, atol=1e-2)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        f.write('{"architectures": ["LlamaForCausalLM"]}')
+    with pytest.raises(ValueError, match="not an EAGLE head"):
+        EagleHead.from_pretrained(path)
+
+
+def test_training_reduces_the_loss(tiny_dir):
+    """A few steps of EAGLE's loss on features recorded from a tiny target: the loss falls."""
+    from conftest import make_llm
+    import importlib.util
+    import sys
+    spec = importlib.util.spec_from_file_location(
+        "train_draft_head", os.path.join(os.path.dirname(__file__), "..", "scripts", "train_draft_head.py"))
+    tdh = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault("train_draft_head", tdh)
+    spec.loader.exec_module(tdh)
+    llm = make_llm(tiny_dir("llama_tied"), enable_prefix_caching=False)
+    g = torch.Generator().manual_seed(0)
+    seqs = []
+    for _ in range(4):
+        ids = torch.randint(2, 384, (40,), generator=g).tolist()
+        seqs.append({"ids": torch.tensor(ids), "feats": tdh.record_features(llm, ids)})
+    model = llm.engine.runner.model
+    cfg = EagleConfig.for_target(llm.engine.model_cfg, intermediate_size=64)
+    torch.manual_seed(0)
+    head = EagleHead(cfg).bind_target(model)
+    feats, toks, valid = tdh.collate(seqs, "cpu")
+    opt = torch.optim.AdamW(head.parameters(), lr=3e-3)
+    losses = []
+    for _ in range(25):
+        loss, parts = distill_loss(head, feats, toks, valid)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < 0.7 * losses[0]
+    assert set(parts) == {"reg", "ce", "top1"}
+
+
+def test_drafter_state_catches_up_and_is_dropped():
+    head = tiny_head()
+    drafter = EagleDrafter(head, depth=3)
+    g = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, 384, (8,), generator=g).tolist()
+    feats = torch.randn(8, 64, generator=g)
+    req = DraftRequest(7, tokens, 5, max_draft=3)
+    assert drafter.propose([req])[0].tokens == []        # no features yet: nothing to draft from
+    drafter.add_features(7, range(0, 7), feats[:7])       # prefill rows (the last committed token's comes later)
+    d = drafter.propose([req])[0]
+    full = extend_state(head, None, feats[:7], tokens[1:8], 0)
+    assert d.tokens == list(draft(head, full, 3)[0].tokens)
+    tokens2 = tokens + [11, 12]
+    drafter.add_features(7, [7, 8], torch.randn(2, 64, generator=g))
+    d2 = drafter.propose([DraftRequest(7, tokens2, 5, max_draft=2)])[0]
+    assert len(d2.tokens) == 2 and drafter.states[7].next_pos == 9
+    drafter.finish(7, tokens2, 5)
+    assert not drafter.states and not drafter.features
