@@ -34,6 +34,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     structured: dict[str, Any] | None = None   # OpenAI response_format shape, plus regex / grammar / choice
     grammar_aligned: bool = False        # ASAp: repeated samples converge to P(output | output in grammar)
+    logit_bias: dict[int, float] | None = None   # OpenAI's: token id -> bias in [-100, 100] added to its logit
     stop_strings: list[str] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -85,6 +86,13 @@ class SamplingParams:
             v = getattr(self, name)
             if v is not None and (not is_int(v) or not 0 <= v <= INT32_MAX):
                 raise bad(name, "must be an integer >= 0 or None")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict) or any(
+                    not is_int(t) or not 0 <= t <= INT32_MAX or not is_num(b) or not -100 <= b <= 100
+                    for t, b in self.logit_bias.items()):
+                raise bad("logit_bias", "must map token ids (non-negative integers in the vocabulary) to biases "
+                                        "in [-100, 100]")
+            self.logit_bias = {t: float(b) for t, b in self.logit_bias.items()} or None
         if self.structured is not None and not isinstance(self.structured, dict):
             raise bad("structured", "must be a dict like OpenAI's response_format")
         if self.grammar_aligned and self.structured is None:

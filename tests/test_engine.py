@@ -181,6 +181,41 @@ def test_penalties_match_a_reference_loop(llama_dir, llm):
     assert ours == seq[len(prompt):]
 
 
+def test_logit_bias_matches_a_reference_loop(llama_dir, llm):
+    """Biases added to the raw logits before penalties (OpenAI's meaning), with speculation's rows alike: greedy
+    under a bias == argmax of transformers' logits plus the bias, step by step; logprobs stay the model's."""
+    prompt = [7, 8, 9, 7, 8, 9]
+    plain = tokens(llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True),
+                                use_tqdm=False))[0]
+    bias = {plain[0]: -100.0, plain[1]: -3.5, 42: 2.5, 77: 1.0}
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logit_bias=bias, logprobs=1,
+                            repetition_penalty=1.3)
+    out = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+    model, seq = hf_model(llama_dir), list(prompt)
+    add = torch.zeros(384)
+    for t, b in bias.items():
+        add[t] += b
+    for j in range(10):
+        with torch.no_grad():
+            raw = model(torch.tensor([seq])).logits[0, -1]
+        logits = raw + add
+        seen = torch.zeros(384, dtype=torch.bool)
+        seen[seq] = True
+        logits = torch.where(seen, torch.where(logits > 0, logits / 1.3, logits * 1.3), logits)
+        seq.append(int(logits.argmax()))
+        tok = seq[-1]
+        assert abs(out.logprobs[j][tok] - raw.log_softmax(-1)[tok].item()) < 1e-4     # the model's logprob
+    assert out.token_ids == seq[len(prompt):] != plain
+    assert plain[0] not in out.token_ids[:1]
+    forced = llm.generate([prompt], SamplingParams(temperature=1.0, seed=3, max_tokens=6, ignore_eos=True,
+                                                   logit_bias={123: 100}), use_tqdm=False)[0].outputs[0]
+    assert forced.token_ids == [123] * 6
+    with pytest.raises(ValueError, match="logit_bias"):
+        llm.generate([prompt], SamplingParams(logit_bias={384: 1.0}), use_tqdm=False)
+    with pytest.raises(ValueError, match="logit_bias"):
+        SamplingParams(logit_bias={1: 101.0})
+
+
 def test_logprobs_match_transformers(llama_dir, llm):
     prompt = [11, 12, 13, 14, 15]
     out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=3,

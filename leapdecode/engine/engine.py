@@ -152,6 +152,10 @@ class Engine:
         if bad:
             raise InvalidParameter(f"SamplingParams.stop_token_ids must be in [0, {self.vocab_size}), got {bad[:5]}",
                                    param="stop_token_ids")
+        bad = [t for t in params.logit_bias or {} if not t < self.vocab_size]
+        if bad:
+            raise InvalidParameter(f"SamplingParams.logit_bias keys must be token ids in [0, {self.vocab_size}), "
+                                   f"got {bad[:5]}", param="logit_bias")
         compiled = None
         if params.structured is not None:
             if params.ignore_eos:

@@ -59,6 +59,7 @@ class SamplingBatch:
         self.use_top_p = any(p.top_p < 1.0 for p in params)
         self.use_min_p = any(p.min_p > 0.0 for p in params)
         self.use_penalties = any(p.has_penalties for p in params)
+        self.biases = [(i, p.logit_bias) for i, p in enumerate(params) if p.logit_bias]
         # the position each row draws (index of its token in the sequence), fixed now: in an overlapped step the
         # sequence's counters move while the step runs. A step in flight adds one placeholder per sampling seq.
         self.seeded = [(i, seeded_uniform(r.seq.params.seed, r.seq.index, _position(r)))
@@ -70,6 +71,21 @@ class SamplingBatch:
         self.max_logprobs = max((p.logprobs for p in params if p.logprobs is not None), default=None)
 
     # -- logits processing -------------------------------------------------------------------------------------
+    def apply_logit_bias(self, logits: torch.Tensor) -> torch.Tensor:
+        """OpenAI's logit_bias: added to the raw logits, before penalties, temperature and truncation."""
+        if not self.biases:
+            return logits
+        rows, cols, vals = [], [], []
+        for i, bias in self.biases:
+            rows += [i] * len(bias)
+            cols += bias.keys()
+            vals += bias.values()
+        logits = logits.clone()
+        packed = torch.tensor([rows, cols], dtype=torch.long).to(logits.device)
+        logits.index_put_((packed[0], packed[1]), torch.tensor(vals, dtype=logits.dtype).to(logits.device),
+                          accumulate=True)
+        return logits
+
     def apply_penalties(self, logits: torch.Tensor) -> torch.Tensor:
         if not self.use_penalties:
             return logits
@@ -121,7 +137,7 @@ class SamplingBatch:
     def process(self, logits: torch.Tensor) -> torch.Tensor:
         """Raw logits -> what each row samples from: probabilities, or, when every row is greedy, the processed
         logits themselves (argmax needs no softmax, which is most of the sampler's cost at large vocabularies)."""
-        logits = self.apply_stop_masks(self.apply_penalties(logits))
+        logits = self.apply_stop_masks(self.apply_penalties(self.apply_logit_bias(logits)))
         return logits if self.all_greedy else self.to_probs(logits)
 
     # -- drawing -----------------------------------------------------------------------------------------------

@@ -204,7 +204,7 @@ class SamplingFields(RootRequest):
     request_id: str | None = Field(None, max_length=256)
     # Accepted and ignored: bookkeeping for OpenAI's platform, meaningless here.
     user: str | None = None
-    # Validated (keys are token ids in the vocabulary, values in [-100, 100]), then refused as unsupported.
+    # Keys are token ids in the vocabulary (checked by the app, which knows it), values in [-100, 100].
     logit_bias: dict[str, float] | None = Field(None, max_length=MAX_LOGIT_BIAS)
 
     @field_validator("stop")
@@ -248,7 +248,7 @@ class SamplingFields(RootRequest):
 
     def unsupported_fields(self) -> list[str]:
         """Fields that were set to something this server cannot do; the handler turns them into a 400."""
-        bad = ["logit_bias"] if self.logit_bias else []
+        bad = []
         if self.use_beam_search:
             bad.append("use_beam_search")
         return bad
@@ -273,6 +273,8 @@ class SamplingFields(RootRequest):
                  "repetition_penalty", "seed", "stop", "stop_token_ids", "min_tokens", "ignore_eos",
                  "skip_special_tokens", "include_stop_str_in_output", "prompt_logprobs")
         kw = {k: getattr(self, k) for k in names if getattr(self, k) is not None}
+        if self.logit_bias:
+            kw["logit_bias"] = {int(k): v for k, v in self.logit_bias.items()}
         structured, _ = self.structured()
         if structured is not None:
             kw["structured"] = structured
