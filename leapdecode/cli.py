@@ -89,7 +89,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     llm = _make_llm(args)
     api_key = args.api_key or os.environ.get("LEAPDECODE_API_KEY") or None
     app = build_app(llm, api_key=api_key, max_queued_requests=args.max_queued_requests,
-                    served_model_name=args.served_model_name, drain_timeout=0.0)
+                    served_model_name=args.served_model_name, drain_timeout=0.0,
+                    on_engine_failure="exit" if args.on_engine_failure == "exit" else None)
     name = app.state.server.served_model_name
     print(f"leapdecode: serving '{name}' on http://{args.host}:{args.port}/v1 "
           f"(max_model_len={llm.engine.max_model_len}, KV blocks={llm.engine.block_manager.num_blocks}"
@@ -388,6 +389,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "Retry-After (default: 512)")
     h.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="S",
                    help="seconds in-flight requests get to finish on shutdown before being aborted (default: 30)")
+    h.add_argument("--on-engine-failure", default="exit", choices=["exit", "stay"],
+                   help="when the engine itself dies (a fault of the whole device, not of one request): 'exit' "
+                        "stops the process gracefully for a supervisor to restart it; 'stay' keeps answering 503 "
+                        "(default: exit)")
     h.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     serve.set_defaults(func=cmd_serve)
 

@@ -102,6 +102,27 @@ def test_serve_parser_defaults():
     assert args.model is None and args.speculative_method is None
 
 
+@pytest.mark.parametrize("flag,expected", [([], "exit"), (["--on-engine-failure", "stay"], None)])
+def test_serve_exits_on_engine_failure_by_default(llama_dir, monkeypatch, flag, expected):
+    """A dead engine (a device fault) stops `leapdecode serve` for its supervisor, unless told to stay up."""
+    import types
+
+    import uvicorn
+
+    import leapdecode.server as server
+    seen = {}
+    real = server.build_app
+
+    def spy(llm, **kw):
+        seen.update(kw)
+        return real(llm, **kw)
+    monkeypatch.setattr(server, "build_app", spy)
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: seen.setdefault("ran", types.SimpleNamespace(**kw)))
+    args = build_parser().parse_args(["serve", "--model", llama_dir, "--max-model-len", "128", *flag])
+    assert args.func(args) == 0
+    assert seen["on_engine_failure"] == expected and seen["ran"].port == 8000
+
+
 def test_chat_keeps_the_conversation_resets_and_exits(llama_dir, capsys, monkeypatch):
     """Non-interactive chat: each stdin line is a user turn; answers equal LLM.chat on the same history."""
     import io
