@@ -64,7 +64,8 @@ def _make_llm(args: argparse.Namespace) -> Any:
     try:
         return LLM(args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
                    max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                   kv_cache_memory=args.kv_cache_memory, seed=args.seed, speculative_config=spec)
+                   kv_cache_memory=args.kv_cache_memory, seed=args.seed, speculative_config=spec,
+                   grammar_cache_size=getattr(args, "grammar_cache_size", 256))
     except (ValueError, OSError, NotImplementedError, KeyError) as exc:
         raise CLIError(f"could not load the model from {args.model or 'the default model'}: "
                        f"{type(exc).__name__}: {exc}") from None
@@ -389,6 +390,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "Retry-After (default: 512)")
     h.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="S",
                    help="seconds in-flight requests get to finish on shutdown before being aborted (default: 30)")
+    h.add_argument("--grammar-cache-size", type=int, default=256, metavar="N",
+                   help="compiled grammars kept for reuse, least recently used evicted (about 0.2 MB per JSON "
+                        "schema; size and limit in /metrics as leapdecode_cache_entries/capacity) (default: 256)")
     h.add_argument("--on-engine-failure", default="exit", choices=["exit", "stay"],
                    help="when the engine itself dies (a fault of the whole device, not of one request): 'exit' "
                         "stops the process gracefully for a supervisor to restart it; 'stay' keeps answering 503 "

@@ -85,13 +85,14 @@ class EngineConfig:
     attention_backend: str = "auto"           # auto | torch | triton (see attention/backend.py)
     async_scheduling: bool = False            # overlap the host work of step N+1 with step N's forward
     pad_to_buckets: bool | None = None        # pad token counts to capacity buckets; None: on CUDA only
+    grammar_cache_size: int = 256             # compiled grammars kept (LRU; about 0.2 MB each for a JSON schema)
 
     def __post_init__(self) -> None:
         from leapdecode.attention.backend import BACKENDS
         self.speculative_config = SpeculativeConfig.from_any(self.speculative_config)
         if self.attention_backend not in BACKENDS:
             raise ValueError(f"attention_backend must be one of {BACKENDS}, got {self.attention_backend!r}")
-        for name in ("block_size", "max_num_batched_tokens", "max_num_seqs"):
+        for name in ("block_size", "max_num_batched_tokens", "max_num_seqs", "grammar_cache_size"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")

@@ -217,3 +217,19 @@ def test_grammar_aligned_sampling_approaches_the_conditional(llama_dir, llm):
         results[aligned] = tv(texts[-320:])
     print(f"\nexact {exact}; total variation plain {results[False]:.3f}, ASAp {results[True]:.3f}")
     assert results[True] < 0.1 < 0.5 < results[False]      # measured: ASAp 0.012, plain constrained 0.825
+
+
+def test_grammar_cache_is_bounded_by_its_configured_size(llama_dir):
+    """grammar_cache_size bounds the compiled-grammar cache (least recently used out); outputs stay valid."""
+    llm = make_llm(llama_dir, grammar_cache_size=2)
+    schemas = [{"type": "object", "properties": {f"k{i}": {"type": "integer"}}, "required": [f"k{i}"],
+                "additionalProperties": False} for i in range(4)]
+    for schema in schemas:
+        out = llm.generate(["x"], SamplingParams(temperature=0.0, max_tokens=24, structured=rf(schema)),
+                           use_tqdm=False)[0].outputs[0]
+        if out.finish_reason == "stop":
+            jsonschema.validate(json.loads(out.text), schema)
+    cache = llm.engine.structured.backend._cache
+    assert len(cache) == 2 and llm.engine.structured.backend._cache_size == 2
+    with pytest.raises(ValueError, match="grammar_cache_size"):
+        make_llm(llama_dir, grammar_cache_size=0)

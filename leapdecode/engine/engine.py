@@ -87,7 +87,7 @@ class Engine:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = eos
         self.block_manager = BlockManager(self.runner.num_blocks, cfg.block_size, cfg.enable_prefix_caching)
-        self.structured = StructuredOutput(self.tokenizer, eos)
+        self.structured = StructuredOutput(self.tokenizer, eos, cfg.grammar_cache_size)
         self.stops = StopChecker(eos, self.max_model_len, grammar=self._grammar_verdict, text=self._stop_string)
         self.scheduler = Scheduler(self.block_manager, cfg.max_num_batched_tokens, cfg.max_num_seqs, self.stops)
         self.requests: dict[str, Request] = {}

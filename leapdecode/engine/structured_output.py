@@ -29,8 +29,9 @@ MAX_ASAP_TRIES = 64
 
 
 class StructuredOutput:
-    def __init__(self, tokenizer: Any, eos_token_ids: set[int]) -> None:
+    def __init__(self, tokenizer: Any, eos_token_ids: set[int], cache_size: int = 256) -> None:
         self._tokenizer = tokenizer
+        self._cache_size = cache_size
         self._eos = sorted(eos_token_ids)
         self._backend = None
         self.matchers: dict[int, Any] = {}      # seq_id -> Matcher
@@ -45,7 +46,7 @@ class StructuredOutput:
             from leapdecode.structured import GrammarBackend
             tok_eos = self._tokenizer.eos_token_id
             eos = [tok_eos] if tok_eos is not None else self._eos[:1]
-            self._backend = GrammarBackend(self._tokenizer, eos_token_ids=eos)
+            self._backend = GrammarBackend(self._tokenizer, eos_token_ids=eos, cache_size=self._cache_size)
         return self._backend
 
     def compile(self, structured: dict[str, Any]):
