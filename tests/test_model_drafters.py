@@ -174,3 +174,62 @@ def test_draft_model_sampled_distribution_is_exact(tiny_dir, params):
     assert stats["draft_tokens"] > 1.2 * stats["accepted_tokens"], stats       # ... and rejected
     assert pvalue > 1e-3, pvalue
     assert_all_free(llm)
+
+
+# -- layer skipping ----------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("options", [dict(), dict(skip=[2], threshold=0.0)], ids=["searched", "fixed"])
+def test_layer_skip_greedy_identical_and_accepted(embedded, options):
+    target, _, prompts, params, ref = embedded
+    llm = make_llm(target, speculative_config=spec("layer_skip", k=4, window=4, **options))
+    outs = llm.generate(prompts * 2, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == ref * 2
+    assert_drafts_accepted(llm)
+    drafter = llm.engine.speculator.drafter
+    assert drafter.skip and len(drafter.skip) < drafter.L          # a real subset of the layers was skipped
+    if not options:
+        assert drafter.stats["evaluations"] > 0                     # the search ran
+    runner = llm.engine.runner
+    assert runner.num_scratch_blocks > 0 and llm.engine.block_manager.num_blocks == runner.num_blocks
+    assert_all_free(llm)
+
+
+def test_layer_skip_preemption_and_stops_lose_nothing(embedded):
+    target = embedded[0]
+    prompts = code_prompts(10, seed=2)
+    cases = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in (30, 7, 45, 13, 60)] * 2
+    kw = dict(num_kv_blocks=14, block_size=8, max_model_len=96)
+    plain = make_llm(target, **kw).generate(prompts, cases, use_tqdm=False)
+    llm = make_llm(target, speculative_config=spec("layer_skip", k=5, skip=[1, 2], threshold=0.0), **kw)
+    outs = llm.generate(prompts, cases, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in plain]
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert_drafts_accepted(llm)
+    assert_all_free(llm)
+
+
+def test_layer_skip_sampled_distribution_is_exact(tiny_dir):
+    """A tiny 3-layer target skipping its middle layer: q differs from p, drafts accepted and rejected."""
+    target = tiny_dir("llama", vocab_size=8, initializer_range=0.6, num_hidden_layers=3)
+    prompt = [3, 4, 5, 3, 4, 5, 3, 4]
+    params = dict(temperature=0.7, top_k=5)
+    expected = exact_triple_distribution(target, prompt, lambda l: _topk_topp(l, **params))
+    n = 2000
+    sp = SamplingParams(max_tokens=4, ignore_eos=True, **params)
+    llm = make_llm(target, speculative_config=spec("layer_skip", k=3, skip=[1], threshold=0.0),
+                   max_num_seqs=1024, seed=12)
+    outs = llm.generate([prompt] * n, sp, use_tqdm=False)
+    pvalue = chi2_pvalue([o.outputs[0].token_ids[1:4] for o in outs], expected)
+    stats = llm.engine.stats
+    assert llm.engine.verifier.num_prob_chains >= n
+    assert stats["accepted_tokens"] > 0.05 * stats["draft_tokens"], stats
+    assert stats["draft_tokens"] > 1.2 * stats["accepted_tokens"], stats
+    assert pvalue > 1e-3, pvalue
+    assert_all_free(llm)
+
+
+def test_layer_skip_bad_options_are_value_errors(embedded):
+    with pytest.raises(ValueError, match="skip"):
+        make_llm(embedded[0], speculative_config=spec("layer_skip", skip=[0, 1, 2, 3]))
+    with pytest.raises(ValueError, match="skip"):
+        make_llm(embedded[0], speculative_config=spec("layer_skip", skip=[9]))

@@ -37,8 +37,11 @@ class ModelRunner:
         self.model = load_model(cfg.model, model_cfg, self.backend, dtype, self.device, max_model_len)
         c = model_cfg
         self.num_blocks = self._num_blocks(max_model_len)
-        self.kv_cache = KVCache(c.num_layers, self.num_blocks, self.block_size, c.num_kv_heads, c.head_dim, dtype,
-                                self.device)
+        # blocks past the block manager's pool, written only by a drafter that runs the target itself
+        # (spec/layer_skip.py), so draft KV never lands in a slot the target owns
+        self.num_scratch_blocks = _scratch_blocks(cfg)
+        self.kv_cache = KVCache(c.num_layers, self.num_blocks + self.num_scratch_blocks, self.block_size,
+                                c.num_kv_heads, c.head_dim, dtype, self.device)
         for i, layer in enumerate(self.model.layers):
             layer.self_attn.kv_cache = self.kv_cache.layer(i)
         self.buffers = InputBuffers(self.device)
@@ -95,3 +98,11 @@ class ModelRunner:
         hidden = self.model(batch.input_ids, batch.meta, capture=capture, captured=captured)
         rows = batch.logits_indices
         return ForwardOutput(self.model.compute_logits(hidden[rows]), {i: h[rows] for i, h in captured.items()})
+
+
+def _scratch_blocks(cfg: EngineConfig) -> int:
+    spec = cfg.speculative_config
+    if spec is None or spec.drafter is not None or spec.method != "layer_skip":
+        return 0
+    from leapdecode.spec.layer_skip import scratch_blocks_needed
+    return scratch_blocks_needed(cfg.block_size, spec.num_speculative_tokens, cfg.max_num_seqs)

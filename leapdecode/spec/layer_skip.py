@@ -1,0 +1,250 @@
+"""Self-speculation by layer skipping (SWIFT-style, no training): the draft is the target itself with some of its
+decoder layers skipped.
+
+    speculative_config={"method": "layer_skip", "num_speculative_tokens": k}                  # skip set searched
+    speculative_config={"method": "layer_skip", "skip": [3, 5, 7, ...], "threshold": 0.5}     # a fixed skip set
+
+**KV: the draft reads the target's cache and writes only scratch blocks.** A decoding sequence has the target's
+(full-model) KV for every committed token but the last. The draft runs the kept layers over the last committed
+token and then over its own draft tokens, attending, at each kept layer, to the *target's* KV of the committed
+prefix (as SWIFT and Draft & Verify do: the full model's keys are the best context the draft can have, and they
+cost nothing) and to the KV its own tokens wrote. Those writes go to **scratch blocks**: extra blocks at the end of
+the target's KV pool that the block manager never hands out (``ModelRunner.num_scratch_blocks``). The draft's block
+table is the target's up to the block holding the last committed token, then scratch blocks; the target's part of
+that partly filled block is copied into the first scratch block first. So the draft never writes a slot the target
+owns: the target's KV cannot be corrupted whatever the draft does, and nothing has to be rolled back (the
+alternative, writing draft KV into the target's own future slots for verification to overwrite, would need those
+blocks allocated before the scheduler runs, and would leave a stale slot wherever a draft was cut). Scratch room is
+reused from one group of sequences to the next, so it is small: ``ceil((block_size - 1 + k) / block_size)`` blocks
+per sequence for at most 64 sequences drafting at once (a larger batch drafts in groups).
+
+**Drafting**, batched over the sequences of a group: one forward per draft position through the kept layers, the
+final norm and the LM head; each position's logits are processed like the request's sampler and the token drawn
+from that q (``DraftSampler``, shared with spec/draft_model.py), so sampled requests are verified with
+min(1, p/q) (exact), greedy ones by argmax matching (identical output). A sequence stops drafting early when the
+draft's probability of its own token falls below ``threshold`` (SpecDec++ / Kangaroo's early exit of the draft).
+
+**The skip set** (unless ``skip`` fixes it) is searched on the fly from the live acceptance of the current
+workload, as SWIFT does, with a simple local search instead of its Bayesian optimisation: the first and last
+layers are always kept; the start skips every other middle layer; each resolved draft is scored by
+how many of its tokens the committed continuation matches (exactly the accepted count when the draft was verified
+whole); after ``window`` resolved drafts the incumbent's value, tokens gained per unit of cost
+
+    (accepted + 1 per draft) / (drafts + kept/L * draft tokens)
+
+(a verification counts 1, a draft token costs the kept fraction of a full forward), is compared with a candidate
+that skips one layer more or one fewer (chosen at random) evaluated over the next window; the better one stays.
+Incumbent statistics decay, so the set follows the workload. The goodput controller, fed the drafter's measured
+time, still decides whether drafting pays at all.
+"""
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+
+from leapdecode.engine.input_batch import InputBuffers
+from leapdecode.engine.step import ScheduledSeq, lay_out
+from leapdecode.spec.draft_model import DraftSampler, _Ctx, run_layers
+from leapdecode.spec.drafter import Draft, DraftRequest
+
+MAX_GROUP = 64          # sequences drafting at once (scratch room is sized for this many)
+
+
+def scratch_blocks_needed(block_size: int, k: int, max_num_seqs: int) -> int:
+    """Scratch blocks the target's pool needs for layer-skip drafts of up to ``k`` tokens."""
+    return min(max_num_seqs, MAX_GROUP) * _per_seq(block_size, k)
+
+
+def _per_seq(block_size: int, k: int) -> int:
+    return -(-(block_size - 1 + max(k, 1)) // block_size)
+
+
+@dataclass
+class _Score:
+    drafts: float = 0.0
+    accepted: float = 0.0
+    drafted: float = 0.0
+
+    def value(self, kept_fraction: float) -> float:
+        if self.drafts <= 0:
+            return 0.0
+        return (self.accepted + self.drafts) / (self.drafts + kept_fraction * self.drafted)
+
+    def decay(self, f: float) -> None:
+        self.drafts, self.accepted, self.drafted = f * self.drafts, f * self.accepted, f * self.drafted
+
+
+class LayerSkipDrafter:
+    """See the module docstring. ``skip``: fixed layers to skip (no search); ``threshold``: early-exit
+    confidence; ``window``: resolved drafts per search evaluation; ``seed``: the search's random choices."""
+
+    def __init__(self, runner: Any, num_speculative_tokens: int = 4, skip: Sequence[int] | None = None,
+                 threshold: float = 0.3, window: int = 24, seed: int = 0) -> None:
+        self.runner = runner
+        self.model = runner.model
+        self.L = len(self.model.layers)
+        self.k = max(1, int(num_speculative_tokens))
+        self.block_size = runner.block_size
+        self.threshold = float(threshold)
+        self.window = int(window)
+        self.rng = random.Random(seed)
+        per = _per_seq(self.block_size, self.k)
+        scratch = getattr(runner, "num_scratch_blocks", 0)
+        self.group = scratch // per
+        if self.group < 1:
+            raise ValueError("the layer_skip drafter needs scratch KV blocks in the target's pool "
+                             "(ModelRunner.num_scratch_blocks); build the engine with method='layer_skip'")
+        self.per_seq = per
+        first = runner.num_blocks                      # scratch blocks follow the block manager's pool
+        self.scratch = [list(range(first + g * per, first + (g + 1) * per)) for g in range(self.group)]
+        if self.L < 3:
+            raise ValueError(f"layer_skip needs a model with at least 3 layers, this one has {self.L}")
+        if skip is not None:
+            bad = [i for i in skip if not (isinstance(i, int) and 0 <= i < self.L)]
+            if bad or not skip or len(set(skip)) >= self.L:
+                raise ValueError(f"speculative_config.skip must list layers in [0, {self.L}), skip at least one "
+                                 f"and keep at least one, got {list(skip)}")
+            self.fixed = True
+            self.skip = frozenset(skip)
+        else:
+            self.fixed = False
+            self.skip = frozenset(range(1, self.L - 1, 2))
+        self.buffers = InputBuffers(runner.device, capacity=1 << 12)
+        self.sampler = DraftSampler(runner.model_cfg.vocab_size, runner.device, runner.cfg.seed)
+        self.vocab_size = runner.model_cfg.vocab_size
+        # search state: the incumbent's score, and a candidate under evaluation
+        self.score = _Score()
+        self.candidate: frozenset | None = None
+        self.cand_score = _Score()
+        self.pending: dict[int, tuple[int, tuple[int, ...], frozenset]] = {}   # seq_id -> (start, draft, skip set)
+        self.stats = {"forwards": 0, "drafted": 0, "switches": 0, "evaluations": 0, "seconds": 0.0}
+
+    # -- the skip set ------------------------------------------------------------------------------------------
+    @property
+    def active_skip(self) -> frozenset:
+        return self.candidate if self.candidate is not None else self.skip
+
+    def _kept(self, skip: frozenset) -> list[int]:
+        return [i for i in range(self.L) if i not in skip]
+
+    def _mutate(self) -> frozenset:
+        middle = range(1, self.L - 1)
+        skipped = [i for i in middle if i in self.skip]
+        kept = [i for i in middle if i not in self.skip]
+        if kept and (len(skipped) < 2 or self.rng.random() < 0.5):     # never the full model
+            return self.skip | {self.rng.choice(kept)}
+        return self.skip - {self.rng.choice(skipped)}
+
+    def _record(self, skip: frozenset, accepted: int, drafted: int) -> None:
+        if self.fixed:
+            return
+        s = self.cand_score if skip == self.candidate else self.score if skip == self.skip else None
+        if s is None:
+            return
+        s.drafts += 1
+        s.accepted += accepted
+        s.drafted += drafted
+        if self.candidate is None and self.score.drafts >= self.window:
+            self.candidate = self._mutate()
+            self.cand_score = _Score()
+        elif self.candidate is not None and self.cand_score.drafts >= self.window:
+            self.stats["evaluations"] += 1
+            c_val = self.cand_score.value(len(self._kept(self.candidate)) / self.L)
+            s_val = self.score.value(len(self._kept(self.skip)) / self.L)
+            if c_val > s_val:
+                self.skip, self.score = self.candidate, self.cand_score
+                self.stats["switches"] += 1
+            self.candidate = None
+            self.score.decay(0.5)
+
+    # -- the forward -------------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def forward(self, chunks: list[tuple[int, Sequence[int], Sequence[int]]], layers: list[int]) -> torch.Tensor:
+        plan = lay_out(0, self.block_size, [ScheduledSeq(i, start, tuple(toks), tuple(blocks), samples=True)
+                                            for i, (start, toks, blocks) in enumerate(chunks)])
+        batch = self.buffers.build(plan, self.runner.model_cfg.sliding_window)
+        self.runner.backend.plan(batch.meta)
+        hidden = run_layers(self.model, batch.input_ids, batch.meta, layers)
+        self.stats["forwards"] += 1
+        return self.model.compute_logits(hidden[batch.logits_indices])
+
+    # -- the protocol ------------------------------------------------------------------------------------------
+    def propose(self, requests: list[DraftRequest]) -> list[Draft]:
+        t0 = time.perf_counter()
+        out = [Draft() for _ in requests]
+        live = [i for i, r in enumerate(requests)
+                if r.max_draft > 0 and len(r.token_ids) >= 2 and r.block_table]
+        skip = self.active_skip
+        layers = self._kept(skip)
+        for g in range(0, len(live), self.group):
+            self._draft_group(requests, live[g:g + self.group], layers, skip, out)
+        self.stats["seconds"] += time.perf_counter() - t0
+        return out
+
+    def _draft_group(self, requests, idx: list[int], layers: list[int], skip: frozenset, out: list[Draft]) -> None:
+        bs = self.block_size
+        tables, src, dst, chunks, ctxs = [], [], [], [], []
+        for slot, i in enumerate(idx):
+            r = requests[i]
+            last = len(r.token_ids) - 1                   # position of the last committed token: no KV yet
+            b0 = last // bs
+            scratch = self.scratch[slot]
+            table = list(r.block_table[:b0]) + scratch
+            for o in range(last - b0 * bs):               # the target's part of the block the draft writes into
+                src.append(r.block_table[b0] * bs + o)
+                dst.append(scratch[0] * bs + o)
+            tables.append(table)
+            chunks.append((last, (r.token_ids[last],), table))
+            ctxs.append(_Ctx(r))
+        if src:
+            dev = self.runner.device
+            self.runner.kv_cache.copy_slots(torch.tensor(src, device=dev), torch.tensor(dst, device=dev))
+        logits = self.forward(chunks, layers)
+        B = len(idx)
+        tokens: list[list[int]] = [[] for _ in range(B)]
+        qs: list[list[torch.Tensor]] = [[] for _ in range(B)]
+        score = [0.0] * B
+        active = list(range(B))
+        depth = 0
+        while active:
+            toks, q, conf, greedy = self.sampler.draw(logits, [ctxs[b] for b in active], [tokens[b] for b in active])
+            depth += 1
+            nxt = []
+            for a, b in enumerate(active):
+                tokens[b].append(toks[a])
+                if q is not None and not greedy[a]:
+                    qs[b].append(q[a])
+                if depth == 1:
+                    score[b] = conf[a]
+                r = requests[idx[b]]
+                if depth < min(r.max_draft, self.k) and conf[a] >= self.threshold:
+                    nxt.append(b)
+            active = nxt
+            if active:
+                logits = self.forward([(len(requests[idx[b]].token_ids) - 1 + depth, (tokens[b][-1],), tables[b])
+                                       for b in active], layers)
+        for b in range(B):
+            r = requests[idx[b]]
+            probs = torch.stack(qs[b]) if qs[b] and len(qs[b]) == len(tokens[b]) else None
+            out[idx[b]] = Draft(tokens[b], None, score=score[b], probs=probs)
+            self.pending[r.seq_id] = (len(r.token_ids), tuple(tokens[b]), skip)
+            self.stats["drafted"] += len(tokens[b])
+
+    def observe(self, seq_id: int, token_ids: Sequence[int], num_accepted: int, topk=None) -> None:
+        """Score the sequence's last draft against the tokens committed since (see the module docstring)."""
+        pending = self.pending.pop(seq_id, None)
+        if pending is None:
+            return
+        start, draft, skip = pending
+        new = token_ids[start:]
+        m = 0
+        while m < len(draft) and m < len(new) and new[m] == draft[m]:
+            m += 1
+        self._record(skip, m, len(draft))
+
+    def finish(self, seq_id: int, token_ids: Sequence[int], num_prompt_tokens: int) -> None:
+        self.pending.pop(seq_id, None)
