@@ -209,12 +209,14 @@ def collate(group: list[dict], device: str):
     feats = torch.zeros(len(group), T, d_model)
     toks = torch.zeros(len(group), T, dtype=torch.long)
     valid = torch.zeros(len(group), T, dtype=torch.bool)
+    cls_from = torch.zeros(len(group), dtype=torch.long)
     for b, d in enumerate(group):
+        cls_from[b] = max(d.get("prompt_len", 1) - 1, 0)
         n = len(d["ids"])
         feats[b, :n] = d["feats"].float()
         toks[b, :n] = d["ids"].long()
         valid[b, :n] = True
-    return feats.to(device), toks.to(device), valid.to(device)
+    return feats.to(device), toks.to(device), valid.to(device), cls_from.to(device)
 
 
 def stage_train(args, log) -> None:
@@ -259,8 +261,9 @@ def stage_train(args, log) -> None:
             lr = args.lr * min(1.0, (step + 1) / args.warmup) * max(0.02, 1 - elapsed / budget)
             for g in opt.param_groups:
                 g["lr"] = lr
-            feats, toks, valid = collate(group, args.device)
-            loss, parts = distill_loss(head, feats, toks, valid, noise=noise)
+            feats, toks, valid, cls_from = collate(group, args.device)
+            loss, parts = distill_loss(head, feats, toks, valid, noise=noise, w_cls=args.w_cls,
+                                       cls_from=cls_from if args.answer_ce_only else None)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(params, 0.5)
@@ -279,7 +282,7 @@ def stage_train(args, log) -> None:
             log(f"  {json.dumps(row)}")
     t_train = time.time() - t0
     head.cfg.training = {"data": stats, "train_seconds": round(t_train, 1), "steps": step, "epochs": epoch,
-                         "lr": args.lr, "batch_tokens": args.batch_tokens, "noise": round(noise, 4),
+                         "lr": args.lr, "w_cls": args.w_cls, "answer_ce_only": bool(args.answer_ce_only), "batch_tokens": args.batch_tokens, "noise": round(noise, 4),
                          "draft_vocab_coverage": round(covered, 4), "first_step": first, "history": hist,
                          "device": args.device, "threads": torch.get_num_threads(),
                          "split_rule": "index < 16 or index % 5 == 0 held out (scripts/train_draft_head.py)"}
@@ -307,6 +310,9 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=20)
     ap.add_argument("--batch-tokens", type=int, default=4096)
     ap.add_argument("--noise", type=float, default=0.1, help="input noise, as a fraction of the mean |feature|")
+    ap.add_argument("--w-cls", type=float, default=0.1, help="weight of the cross-entropy (EAGLE: 0.1)")
+    ap.add_argument("--answer-ce-only", type=int, default=1,
+                    help="cross-entropy on answer positions only (the regression covers every position)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)

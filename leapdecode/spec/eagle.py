@@ -198,12 +198,14 @@ class EagleHead(nn.Module):
 # -- training loss (self-distillation, EAGLE) -------------------------------------------------------------------
 
 def distill_loss(head: EagleHead, feats: torch.Tensor, tokens: torch.Tensor, valid: torch.Tensor,
-                 noise: float = 0.0, w_cls: float = 0.1) -> tuple[torch.Tensor, dict[str, float]]:
+                 noise: float = 0.0, w_cls: float = 0.1, cls_from: torch.Tensor | None = None
+                 ) -> tuple[torch.Tensor, dict[str, float]]:
     """EAGLE's loss on padded sequences: ``feats`` [B, T, d] target features f_0..f_{T-1}, ``tokens`` [B, T] the
     tokens x_0..x_{T-1}, ``valid`` [B, T] bool (right padding). Pair i = (f_i, x_{i+1}) predicts f_{i+1}: smooth-L1
     to the target's feature plus ``w_cls`` times the cross-entropy against the target's distribution (its LM head on
     f_{i+1}, over the draft vocabulary). ``noise``: uniform input noise on the features (EAGLE uses 0.1 of the
-    feature scale) so the head tolerates its own predicted features when drafting."""
+    feature scale) so the head tolerates its own predicted features when drafting. ``cls_from`` [B]: the
+    cross-entropy only on pairs i >= cls_from[b] (e.g. the answer: the LM head is the costly part on a CPU)."""
     B, T, _ = feats.shape
     inp = feats[:, :-1]
     if noise > 0:
@@ -211,16 +213,19 @@ def distill_loss(head: EagleHead, feats: torch.Tensor, tokens: torch.Tensor, val
     pos = torch.arange(T - 1, device=feats.device).expand(B, -1)
     out, _, _ = head(inp, tokens[:, 1:], pos)
     target = feats[:, 1:].to(out.dtype)
-    m = (valid[:, 1:] & valid[:, :-1]).to(out.dtype)
+    mb = valid[:, 1:] & valid[:, :-1]
+    m = mb.to(out.dtype)
     n = m.sum().clamp_min(1)
     reg = (F.smooth_l1_loss(out, target, reduction="none").mean(-1) * m).sum() / n
+    sel = mb if cls_from is None else mb & (pos >= cls_from.to(pos.device)[:, None])
     with torch.no_grad():
-        p = torch.softmax(head.logits(target), -1)
-    logq = torch.log_softmax(head.logits(out), -1)
-    ce = (-(p * logq).sum(-1) * m).sum() / n
+        p = torch.softmax(head.logits(target[sel]), -1)
+    logq = torch.log_softmax(head.logits(out[sel]), -1)
+    nc = max(int(sel.sum()), 1)
+    ce = -(p * logq).sum() / nc
     with torch.no_grad():
-        acc = ((p.argmax(-1) == logq.argmax(-1)).to(out.dtype) * m).sum() / n
-    return reg + w_cls * ce, {"reg": reg.item(), "ce": ce.item(), "top1": acc.item()}
+        acc = (p.argmax(-1) == logq.argmax(-1)).sum().item() / nc
+    return reg + w_cls * ce, {"reg": reg.item(), "ce": ce.item(), "top1": acc}
 
 
 # -- drafting ---------------------------------------------------------------------------------------------------
@@ -351,13 +356,53 @@ class EagleDrafter:
     missing (e.g. after preemption, until its recompute hands them over again) gets an empty draft. The state is
     dropped in :meth:`finish`."""
 
-    wants_hidden = True
-
-    def __init__(self, head: EagleHead, depth: int = 6, top_k: int = 1, dynamic: bool = True) -> None:
+    def __init__(self, head: EagleHead, depth: int = 6, top_k: int = 1, dynamic: bool = True,
+                 feature_layer: int | None = None) -> None:
         self.head, self.depth, self.top_k, self.dynamic = head, depth, top_k, dynamic
+        # the engine captures this hidden state (HF numbering; the target's num_layers = after the final norm)
+        self.capture_layers: tuple[int, ...] = () if feature_layer is None else (feature_layer,)
         self.states: dict[int, HeadState] = {}
         self.features: dict[int, dict[int, torch.Tensor]] = {}    # seq_id -> position -> feature [d]
         self.num_drafts = 0
+
+    @classmethod
+    def for_runner(cls, runner, model: str | None = None, num_speculative_tokens: int = 4, top_k: int = 1,
+                   depth: int | None = None, dynamic: bool = True) -> "EagleDrafter":
+        """The drafter for ``speculative_config={"method": "eagle", ...}``: the head at ``model`` (default: the
+        shipped SmolLM2-135M head) bound to the target in ``runner``; chains of ``num_speculative_tokens`` when
+        ``top_k == 1``, else EAGLE-2 trees of ``depth`` levels (default 6) and up to ``num_speculative_tokens``
+        nodes."""
+        for name, v in (("num_speculative_tokens", num_speculative_tokens), ("top_k", top_k)):
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"eagle: {name} must be a positive integer, got {v!r}")
+        if depth is None:
+            depth = num_speculative_tokens if top_k == 1 else 6
+        if not isinstance(depth, int) or depth < 1:
+            raise ValueError(f"eagle: depth must be a positive integer, got {depth!r}")
+        head = load_head_for(runner.model, model, runner.dtype, runner.device)
+        return cls(head, depth, top_k, dynamic, feature_layer=runner.model_cfg.num_layers)
+
+    def observe_step(self, plan, result, hidden: dict[int, torch.Tensor]) -> None:
+        """After a verified forward: ``hidden[layer]`` holds the target's hidden state for every token row of
+        ``plan`` (the flat batch, sequences in plan order). Keeps the committed positions' features: every
+        committed token of each chunk (prompt chunks included) and the draft nodes verification accepted."""
+        if not self.capture_layers:
+            return
+        h = hidden[self.capture_layers[0]]
+        off = 0
+        for c in plan.seqs:
+            n_committed = c.num_committed
+            positions = list(range(c.start, c.start + n_committed))
+            rows = list(range(off, off + n_committed))
+            r = result.seqs.get(c.seq_id)
+            if c.draft and r is not None and r.accepted:
+                depths = c.draft.depths()
+                last = c.start + n_committed - 1
+                positions += [last + depths[j] for j in r.accepted]
+                rows += [off + n_committed + j for j in r.accepted]
+            if c.seq_id not in result.errors:
+                self.add_features(c.seq_id, positions, h[rows])
+            off += c.num_new_tokens
 
     def add_features(self, seq_id: int, positions: Sequence[int], feats: torch.Tensor) -> None:
         """Target features (post final norm) of committed positions of one sequence (rows of ``feats``)."""
