@@ -594,3 +594,135 @@ def test_xgrammar_adapter(tokenizer: Any) -> None:
     matcher.rollback(2)
     assert matcher.accept_tokens(tokens[-2:]) == 2 and matcher.accept(tokenizer.eos_token_id)
     xgr.shutdown()
+
+
+# ----------------------------------------------------------------------------------- regressions (issue 14)
+def _recursive_schema(props: str, one_of_inside: bool = False) -> dict[str, Any]:
+    """Issue 14, defect 1: a self-referencing $defs entry plus a oneOf made anchor discovery exponential."""
+    t: dict[str, Any] = {"type": "object", "properties": {p: {"$ref": "#/$defs/t"} for p in props}}
+    if one_of_inside:
+        t["oneOf"] = [{"required": ["a"]}, {"required": ["b"]}, {"maxProperties": 0}]
+    return {"$defs": {"t": t}, "$ref": "#/$defs/t", "oneOf": [{"type": "object"}, {"required": ["zz"]}]}
+
+
+def test_hostile_recursive_schema_compiles_fast_and_blocks_nothing(tokenizer: Any) -> None:
+    import time as _time
+
+    backend = GrammarBackend(tokenizer, compile_timeout_s=5.0, compile_workers=4)
+    for i, schema in enumerate([_recursive_schema("abc"), _recursive_schema("abcdef"), _recursive_schema("abc", True)]):
+        start = _time.perf_counter()
+        try:
+            compiled = backend.compile(_schema_spec(schema))
+        except ValueError as e:
+            pytest.fail(f"hostile schema {i} refused: {e}")
+        assert _time.perf_counter() - start < 5.0
+        assert _produce(backend, compiled, tokenizer, '{"a":{"b":{}},"c":{}}')
+    assert _produce(backend, compiled, tokenizer, '{"a":{"a":{}}}')  # oneOf inside: a, b or nothing, not a and b
+    assert not _produce(backend, compiled, tokenizer, '{"a":{"a":{}},"b":{}}')
+    assert not _produce(backend, compiled, tokenizer, '{"c":{"a":{},"b":{}}}')
+    for i in range(3):  # later compiles still work, several times
+        compiled = backend.compile(_schema_spec({"type": "integer", "minimum": i}))
+        assert _produce(backend, compiled, tokenizer, str(i + 5)) and not _produce(backend, compiled, tokenizer, "-1")
+    backend.shutdown()
+
+
+def test_compile_deadline_is_cooperative_and_frees_the_worker(tokenizer: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A compile whose own Python pass runs long (here: the anchor walk with its visit bound lifted, on a diamond
+    of 40 levels, 2**40 instance paths) stops at the deadline with a ValueError, is not cached, leaves no thread
+    running, and a full pool refuses new work at once instead of queueing it."""
+    import threading
+    import time as _time
+
+    import leapdecode.structured.guard as guard_module
+
+    monkeypatch.setattr(guard_module, "MAX_ANCHOR_VISITS", 10**12)
+    defs = {f"d{i}": {"type": "object", "properties": {"x": {"$ref": f"#/$defs/d{i + 1}"}, "y": {"$ref": f"#/$defs/d{i + 1}"}}} for i in range(40)}
+    defs["d40"] = {"type": "array", "uniqueItems": True}
+    diamond = {"$defs": defs, "$ref": "#/$defs/d0"}
+    backend = GrammarBackend(tokenizer, compile_timeout_s=1.0, compile_workers=1)
+    start = _time.perf_counter()
+    with pytest.raises(ValueError, match="exceeded the time limit of 1 s"):
+        backend.compile(_schema_spec(diamond))
+    assert _time.perf_counter() - start < 3.0
+    deadline = _time.monotonic() + 3.0
+    while any(t.name == "grammar-compile" for t in threading.enumerate()) and _time.monotonic() < deadline:
+        _time.sleep(0.05)
+    assert not any(t.name == "grammar-compile" for t in threading.enumerate())
+    assert _produce(backend, backend.compile(_schema_spec({"type": "integer"})), tokenizer, "12")
+    # A timeout is never cached: the same schema is compiled afresh (and times out again) ...
+    future = backend.compile_async(_schema_spec(diamond))
+    # ... and while it holds the only slot, another miss is refused at once with a clear error.
+    with pytest.raises(ValueError, match="already running"):
+        backend.compile(_schema_spec({"type": "integer", "minimum": 3}))
+    with pytest.raises(ValueError, match="exceeded the time limit"):
+        future.result(timeout=5)
+    assert _produce(backend, backend.compile(_schema_spec({"type": "integer", "minimum": 3})), tokenizer, "4")
+    backend.shutdown()
+
+
+def test_min_properties_beside_optional_properties_can_close(backend: GrammarBackend, tokenizer: Any) -> None:
+    """Issue 14, defect 2: llguidance's lenient minProperties counted only additional properties."""
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "boolean"}}, "minProperties": 1}
+    compiled = backend.compile(_schema_spec(schema))
+    for text in ('{"a":1}', '{"b":true}', '{"a":1,"b":true}', '{"x":2}'):
+        assert _produce(backend, compiled, tokenizer, text), text
+    assert not _produce(backend, compiled, tokenizer, "{}")
+    capped = {"type": "object", "properties": {"a": {"type": "integer"}}, "maxProperties": 1}
+    compiled = backend.compile(_schema_spec(capped))
+    assert _produce(backend, compiled, tokenizer, '{"a":1}') and _produce(backend, compiled, tokenizer, '{"q":1}')
+    assert not _produce(backend, compiled, tokenizer, '{"a":1,"q":2}')
+
+
+def test_library_resource_limit_is_a_clear_error_and_not_cached(tokenizer: Any) -> None:
+    """Issue 14, defect 3: a grammar the library cannot run (its lexer limit) gave an all-zero mask, no error,
+    and a cached grammar that failed every later request. Now: a ValueError at compile time carrying llguidance's
+    message, every time; other schemas are unaffected. (A tiny lexer-fuel limit reproduces with our small test
+    tokenizer what the default limit does with Llama-3's vocabulary.)"""
+    import llguidance
+
+    backend = GrammarBackend(tokenizer, llg_limits=llguidance.LLParserLimits(step_lexer_fuel=10))
+    hostile = _schema_spec({"type": "string", "pattern": "^(?:\\S+\\s+){0,99}\\S+$", "maxLength": 5000})
+    for _ in range(2):
+        with pytest.raises(ValueError, match="too many expressions constructed"):
+            backend.compile(hostile)
+    assert _produce(backend, backend.compile(_schema_spec({"type": "integer"})), tokenizer, "7")
+
+
+def test_library_error_while_decoding_carries_its_message(backend: GrammarBackend, tokenizer: Any) -> None:
+    """If the library stops with an error mid-output, the row allows only EOS, accept(EOS) refuses, and the
+    engine finishes the request with "abort" and the library's message as the stop reason."""
+    from leapdecode.engine.stop import StopChecker
+
+    matcher = backend.matcher(backend.compile(_schema_spec({"type": "string"})))
+    assert matcher.accept_tokens(_encode(tokenizer, '"ab')) > 0
+    matcher._state.error = lambda: "lexer error: too many expressions constructed"  # type: ignore[method-assign]
+    row = allocate_token_bitmask(1, backend.vocab_size)
+    matcher.fill_bitmask(row, 0)
+    assert torch.nonzero(bitmask_to_bool(row[0], backend.vocab_size)).flatten().tolist() == [tokenizer.eos_token_id]
+    assert matcher.error == "llguidance: lexer error: too many expressions constructed"
+    assert not matcher.accept(tokenizer.eos_token_id)
+
+    class _Seq:
+        class params:
+            stop_token_ids: list[int] = []
+            ignore_eos = False
+            max_tokens = 10
+
+    checker = StopChecker({0}, 100, grammar=lambda seq, token: f"abort: {matcher.error}")
+    assert checker.check(_Seq(), 5) == ("abort", "llguidance: lexer error: too many expressions constructed")
+
+
+def test_json_text_orders_nested_objects_by_their_own_schema() -> None:
+    """Issue 14, defect 4: keys were ranked by first appearance anywhere in the schema."""
+    schema = {
+        "type": "object",
+        "properties": {
+            "b": {"type": "object", "properties": {"a": {}, "b": {}}},
+            "a": {"$ref": "#/$defs/inner"},
+            "list": {"type": "array", "items": {"properties": {"z": {}, "b": {}}}},
+        },
+        "$defs": {"inner": {"allOf": [{"properties": {"y": {}}}, {"properties": {"b": {}}}]}},
+    }
+    instance = {"list": [{"b": 1, "z": 2}], "a": {"b": 1, "y": 2}, "b": {"b": 1, "a": 2}}
+    assert json_text(instance, schema) == '{"b":{"a":2,"b":1},"a":{"y":2,"b":1},"list":[{"z":2,"b":1}]}'
+    assert json_text({"k": [1]}, {}, indent=2) == '{\n  "k": [\n    1\n  ]\n}'

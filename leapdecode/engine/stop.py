@@ -10,7 +10,7 @@ from typing import Callable
 
 from leapdecode.engine.sequence import Sequence
 
-# (seq, token) -> "stop" | "abort" | None, and (seq, token) -> the stop string hit, or None
+# (seq, token) -> "stop" | "abort" | "abort: <why>" | None, and (seq, token) -> the stop string hit, or None
 GrammarHook = Callable[[Sequence, int], "str | None"]
 TextHook = Callable[[Sequence, int], "str | None"]
 
@@ -33,8 +33,8 @@ class StopChecker:
         """Called after ``token`` was appended: (finish_reason, stop_reason) if it ends the sequence."""
         p = seq.params
         verdict = self.grammar(seq, token) if self.grammar is not None else None
-        if verdict == "abort":
-            return "abort", "no valid continuation under the structured-output grammar"
+        if verdict is not None and verdict.startswith("abort"):
+            return "abort", verdict.partition(": ")[2] or "no valid continuation under the structured-output grammar"
         if token in p.stop_token_ids:
             return "stop", token
         if (token in self.eos_token_ids and not p.ignore_eos) or verdict == "stop":

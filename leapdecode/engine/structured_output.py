@@ -131,13 +131,14 @@ class StructuredOutput:
     # -- after verification --------------------------------------------------------------------------------------
     def accept(self, seq: Sequence, token: int) -> str | None:
         """Advance the matcher; returns why the sequence must end ("stop" when the grammar is complete, "abort"
-        when no valid continuation exists), or None to go on."""
+        or "abort: <why>" (e.g. the grammar library's own error message) when no valid continuation exists), or
+        None to go on."""
         m = self.matchers[seq.seq_id]
         if not m.accept(token):
-            return "abort"
+            return f"abort: {m.error}" if m.error else "abort"
         if m.is_terminated():
             return "stop"
         if m.error is not None:
-            return "abort"
+            return f"abort: {m.error}"
         return None
 

@@ -42,6 +42,7 @@ class LibState(Protocol):
     def fill(self, bitmask: torch.Tensor, row: int) -> None: ...
     def is_accepting(self) -> bool: ...
     def forced_tokens(self) -> list[int]: ...
+    def error(self) -> str | None: ...
 
 
 class Library(Protocol):
@@ -66,6 +67,13 @@ _LLG_JSON_OPTIONS = {
 # patternProperties makes its keys fall to additionalProperties: over- or under-approximate, never unchecked.
 _DROPPABLE_ON_ERROR = (("multipleOf", "multipleOf"), ("patternProperties", "are not disjoint"))
 _UNIMPLEMENTED_RE = re.compile(r"Unimplemented keys: \[(.*?)\]")
+_MIN_MAX_PROPERTIES = "min/maxProperties only supported"
+
+
+def library_error(message: str) -> str:
+    """llguidance's error without its state dump (the text before "<state>"), on one line."""
+    text = message.split("<state>")[0].strip()
+    return " ".join(text.split())[:500] or "the grammar library stopped with an error"
 
 
 class _LLGuidanceState:
@@ -93,6 +101,10 @@ class _LLGuidanceState:
     def forced_tokens(self) -> list[int]:
         return list(self._m.compute_ff_tokens())
 
+    def error(self) -> str | None:
+        """The library's message once it stopped with an error (e.g. a lexer resource limit), else None."""
+        return library_error(self._m.get_error()) if self._m.is_error() else None
+
     @property
     def native(self) -> Any:
         """The LLMatcher, for llguidance's parallel executor."""
@@ -102,11 +114,13 @@ class _LLGuidanceState:
 class _LLGuidance:
     name = "llguidance"
 
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: Any, limits: Any = None) -> None:
         import llguidance
         import llguidance.hf
 
         self._llg = llguidance
+        self.limits = limits  # llguidance.LLParserLimits (None: the library's defaults)
+        self._regex_cache: dict[str, bool] = {}
         self.tokenizer = llguidance.hf.from_tokenizer(tokenizer)
         self.vocab_size = self.tokenizer.vocab_size
         self.eos = self.tokenizer.eos_token
@@ -125,51 +139,65 @@ class _LLGuidance:
         lark = "start: " + " | ".join(json.dumps(c) for c in spec.choices)
         return M.grammar_from_lark(lark)
 
-    def _validate(self, grammar: str) -> list[str]:
-        is_error, messages = self._llg.LLMatcher.validate_grammar_with_warnings(grammar, self.tokenizer)
-        if is_error:
-            raise ValueError(messages[0] if messages else "invalid grammar")
-        return messages
-
     def compile(self, spec: StructuredSpec) -> tuple[Any, tuple[str, ...]]:
+        """One pass: the matcher is built once (it compiles the grammar and reports lenient-mode warnings); only
+        a refusal with a safe fallback (see `_DROPPABLE_ON_ERROR`) compiles again without that keyword."""
         dropped: list[str] = []
+        schema: Any = None
         if spec.kind == "json_schema":
             schema = spec.schema
             if schema is False:
                 raise ValueError("the schema is `false`: no instance is valid")
             schema = lower(schema, self._regex_ok, dropped)
-            spec = StructuredSpec("json_schema", json.dumps(schema), spec.name, spec.strict)
             if contains_key(schema, "oneOf"):
                 dropped.append("oneOf (compiled as anyOf)")
-        grammar = self._grammar(spec)
-        messages = None
-        while messages is None:
-            try:
-                messages = self._validate(grammar)
-            except ValueError as e:
+        while True:
+            grammar = self._grammar(spec) if schema is None else self._schema_grammar(schema)
+            matcher = self._llg.LLMatcher(self.tokenizer, grammar, log_level=0, limits=self.limits)
+            if matcher.is_error():
+                error = matcher.get_error()
                 # A few refusals have a safe fallback: drop the keyword from the grammar, the guard checks it.
-                keyword = next((k for k, why in _DROPPABLE_ON_ERROR if why in str(e)), None)
-                if spec.kind != "json_schema" or keyword is None or keyword in dropped:
-                    raise
+                keyword = next((k for k, why in _DROPPABLE_ON_ERROR if why in error), None)
+                if schema is None or keyword is None or keyword in dropped:
+                    raise ValueError(error)
                 schema = drop_keyword(schema, keyword)
                 dropped.append(keyword)
-                spec = StructuredSpec("json_schema", json.dumps(schema), spec.name, spec.strict)
-                grammar = self._grammar(spec)
+                continue
+            messages = matcher.get_grammar_warnings()
+            if schema is not None and any(_MIN_MAX_PROPERTIES in m for m in messages):
+                # llguidance's lenient lowering of min/maxProperties beside optional properties can leave no way
+                # to close the object (it counts only additional properties): drop both, the guard checks them.
+                schema = drop_keyword(drop_keyword(schema, "minProperties"), "maxProperties")
+                dropped += ["minProperties", "maxProperties"]
+                continue
+            break
         for msg in messages:
             found = _UNIMPLEMENTED_RE.search(msg)
             if found:
                 dropped += [k.strip().strip('"') for k in found.group(1).split(",")]
             else:
                 dropped.append(msg.strip())
-        matcher = self._llg.LLMatcher(self.tokenizer, grammar, log_level=0)  # builds the lexer; drops the GIL
+        # Resource limits (lexer size, fuel) only bite when a mask is computed: compute the first one now, so a
+        # grammar the library cannot run is a ValueError at submission, never a silent all-zero mask later.
+        probe = torch.zeros((self.vocab_size + 31) // 32, dtype=torch.int32)
+        matcher.unsafe_compute_mask_ptr(probe.data_ptr(), probe.numel() * 4)
         if matcher.is_error():
-            raise ValueError(matcher.get_error())
+            raise ValueError(library_error(matcher.get_error()))
         return matcher, tuple(dict.fromkeys(dropped))
 
+    def _schema_grammar(self, schema: Any) -> str:
+        return self._llg.LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=_LLG_JSON_OPTIONS)
+
     def _regex_ok(self, pattern: str) -> bool:
-        grammar = self._llg.LLMatcher.grammar_from_json_schema({"type": "string", "pattern": pattern})
-        is_error, _ = self._llg.LLMatcher.validate_grammar_with_warnings(grammar)
-        return not is_error
+        ok = self._regex_cache.get(pattern)
+        if ok is None:
+            grammar = self._llg.LLMatcher.grammar_from_json_schema({"type": "string", "pattern": pattern})
+            is_error, _ = self._llg.LLMatcher.validate_grammar_with_warnings(grammar)
+            ok = not is_error
+            if len(self._regex_cache) > 4096:
+                self._regex_cache.clear()
+            self._regex_cache[pattern] = ok
+        return ok
 
     def new_state(self, handle: Any) -> LibState:
         return _LLGuidanceState(handle.deep_copy())
@@ -206,6 +234,9 @@ class _XGrammarState:
 
     def is_accepting(self) -> bool:
         return bool(self._m.is_completed())
+
+    def error(self) -> str | None:
+        return None
 
     def forced_tokens(self) -> list[int]:
         text = self._m.find_jump_forward_string()
@@ -254,7 +285,7 @@ class _XGrammar:
         return _XGrammarState(matcher, lambda s: self._hf.encode(s, add_special_tokens=False))
 
 
-def make_library(name: str, tokenizer: Any) -> Library:
+def make_library(name: str, tokenizer: Any, limits: Any = None) -> Library:
     if name not in LIBRARIES:
         raise ValueError(f"unknown grammar library {name!r}; choose one of {LIBRARIES}")
-    return _LLGuidance(tokenizer) if name == "llguidance" else _XGrammar(tokenizer)
+    return _LLGuidance(tokenizer, limits) if name == "llguidance" else _XGrammar(tokenizer)

@@ -2,10 +2,16 @@
 
 The grammar library sits behind the adapters in adapters.py (llguidance by default, xgrammar available). JSON
 schemas are lowered for it (lowering.py) and what the grammar cannot enforce is checked by the guard (guard.py).
-Compilation runs in a worker thread under a time limit, and the result (or the error) is cached by the spec's
-canonical text, so a thousand requests with the same schema compile it once. A cache hit costs only the
-spec's shape check and a dict lookup: the meta-schema check (jsonschema, the costly part of validation) runs
-only on a miss. See README.md in this folder for the per-keyword list.
+Compilation runs in a thread of its own under a time limit, and the result (or a deterministic error) is cached
+by the spec's canonical text, so a thousand requests with the same schema compile it once. A cache hit costs
+only the spec's shape check and a dict lookup: the meta-schema check (jsonschema, the costly part of
+validation) runs only on a miss, in the compile thread, and its verdict is cached by schema text too.
+
+Time limit: our own passes over the schema (lowering, the guard's anchors) check a cooperative deadline
+(`lowering.deadline`) and stop when it passes; a compilation that times out is never cached, and at most
+`compile_workers` compilations run at once: beyond that a new one is refused at once with a ValueError (a 400),
+so hostile schemas cannot queue up work or block the compilation of others. See README.md in this folder for
+the per-keyword list.
 """
 
 from __future__ import annotations
@@ -13,7 +19,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import OrderedDict
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,6 +28,7 @@ import torch
 
 from leapdecode.structured.adapters import LIBRARIES, Library, make_library
 from leapdecode.structured.guard import SchemaGuard, TokenMarks
+from leapdecode.structured.lowering import CompileTimeout, deadline
 from leapdecode.structured.matcher import Matcher
 from leapdecode.structured.spec import StructuredSpec, check_spec, parse_structured
 
@@ -55,8 +62,10 @@ class GrammarBackend:
 
     tokenizer:         a `transformers.PreTrainedTokenizerFast` (its eos_token_id is the stop token).
     library:           "llguidance" (default) or "xgrammar".
-    compile_timeout_s: a compilation that takes longer is a ValueError (the worker finishes in the background
-                       and its result still lands in the cache).
+    compile_timeout_s: a compilation that takes longer is a ValueError; its thread stops at the same deadline
+                       (cooperatively, inside our passes) and nothing is cached for it.
+    compile_workers:   compilations that may run at once; a cache miss beyond that is a ValueError right away.
+    llg_limits:        `llguidance.LLParserLimits` for every grammar (None: the library's defaults).
     guard:             enforce with jsonschema what the grammar cannot (guard.py). Only benchmarks of the raw
                        library turn it off: without it, schemas with dropped keywords can yield invalid JSON.
     """
@@ -68,11 +77,12 @@ class GrammarBackend:
         library: str = "llguidance",
         compile_timeout_s: float = 10.0,
         cache_size: int = 256,
-        compile_workers: int = 2,
+        compile_workers: int = 4,
         eos_token_ids: list[int] | None = None,
         guard: bool = True,
+        llg_limits: Any = None,
     ) -> None:
-        self._lib: Library = make_library(library, tokenizer)
+        self._lib: Library = make_library(library, tokenizer, llg_limits)
         self.library = library
         self.vocab_size: int = self._lib.vocab_size
         if eos_token_ids is None:
@@ -86,7 +96,10 @@ class GrammarBackend:
         self._cache: OrderedDict[tuple[str, str], Future[CompiledGrammar]] = OrderedDict()
         self._cache_size = cache_size
         self._lock = threading.Lock()
-        self._pool = ThreadPoolExecutor(max_workers=compile_workers, thread_name_prefix="grammar-compile")
+        self.compile_workers = compile_workers
+        self._slots = threading.BoundedSemaphore(compile_workers)
+        self._checked: OrderedDict[str, str | None] = OrderedDict()  # schema text -> meta-schema error or None
+        self._closed = False
         self._token_bytes: list[bytes] | None = None
         self._marks: TokenMarks | None = None
         self._executor: Any = None
@@ -95,23 +108,59 @@ class GrammarBackend:
 
     # -- compile -------------------------------------------------------------------------------------------
     def compile_async(self, structured: Any) -> Future[CompiledGrammar]:
-        """Start (or join) the compilation of `structured`; spec errors raise ValueError right here.
-
-        Only specs that passed `check_spec` ever enter the cache, so a hit skips it (it is the costly part)."""
+        """Start (or join) the compilation of `structured`; shape errors, and a full compile pool, raise
+        ValueError right here; everything else (meta-schema, library refusals, time limit) lands in the future."""
         spec = parse_structured(structured, check=False)
         with self._lock:
             future = self._cached(spec)
-        if future is not None:
-            return future
-        check_spec(spec)  # outside the lock: a slow meta-schema check must not hold up cache hits
+            if future is not None:
+                return future
+            if self._closed:
+                raise ValueError("the grammar backend is shut down")
+            if not self._slots.acquire(blocking=False):
+                raise ValueError(
+                    f"{_describe(spec)}: {self.compile_workers} grammar compilations are already running; "
+                    "retry later (the schema was not compiled)"
+                )
+            future = Future()
+            future.set_running_or_notify_cancel()
+            self._cache[spec.cache_key] = future
+            while len(self._cache) > self._cache_size:
+                self._cache.popitem(last=False)
+        thread = threading.Thread(target=self._run, args=(spec, future), name="grammar-compile", daemon=True)
+        try:
+            thread.start()
+        except BaseException:
+            self._forget(spec, future)
+            self._slots.release()
+            raise
+        return future
+
+    def _run(self, spec: StructuredSpec, future: Future[CompiledGrammar]) -> None:
+        result: CompiledGrammar | None = None
+        error: BaseException | None = None
+        try:
+            with deadline(self.compile_timeout_s):
+                result = self._compile_now(spec)
+        except CompileTimeout:
+            self._forget(spec, future)  # a time-out is not a property of the schema: never cache it
+            error = ValueError(self._timeout_message(spec, self.compile_timeout_s))
+        except ValueError as e:  # the schema is refused: cached, so a resubmission fails fast
+            error = e
+        except BaseException as e:  # a library bug: reported, not cached
+            self._forget(spec, future)
+            error = ValueError(f"{_describe(spec)}: {self.library} failed to compile it: {e!r}")
+        finally:
+            self._slots.release()  # before the future resolves, so whoever waits on it finds the slot free
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)
+
+    def _forget(self, spec: StructuredSpec, future: Future[CompiledGrammar]) -> None:
         with self._lock:
-            future = self._cached(spec)  # another thread may have started it meanwhile
-            if future is None:
-                future = self._pool.submit(self._compile_now, spec)
-                self._cache[spec.cache_key] = future
-                while len(self._cache) > self._cache_size:
-                    self._cache.popitem(last=False)
-            return future
+            if self._cache.get(spec.cache_key) is future:
+                del self._cache[spec.cache_key]
 
     def _cached(self, spec: StructuredSpec) -> Future[CompiledGrammar] | None:
         """The cache entry for `spec`, marked as recently used (call with the lock held)."""
@@ -128,12 +177,43 @@ class GrammarBackend:
         try:
             return future.result(timeout=limit)
         except FutureTimeout:
-            raise ValueError(f"{_describe(spec)}: grammar compilation exceeded the time limit of {limit:g} s") from None
+            if limit >= self.compile_timeout_s:
+                self._forget(spec, future)  # the thread stops at its deadline; a retry starts afresh
+            raise ValueError(self._timeout_message(spec, limit)) from None
+
+    @staticmethod
+    def _timeout_message(spec: StructuredSpec, limit: float) -> str:
+        return f"{_describe(spec)}: grammar compilation exceeded the time limit of {limit:g} s"
+
+    def _check(self, spec: StructuredSpec) -> None:
+        """The meta-schema check, its verdict cached by schema text (a cache miss of the grammar, e.g. after an
+        eviction, or a timed-out compile retried, does not pay it again)."""
+        if spec.kind != "json_schema":
+            return
+        with self._lock:
+            known = self._checked.get(spec.text, False)
+            if known is not False:
+                self._checked.move_to_end(spec.text)
+        if known is False:
+            try:
+                check_spec(spec)
+                known = None
+            except ValueError as e:
+                known = str(e)
+            with self._lock:
+                self._checked[spec.text] = known
+                while len(self._checked) > 4 * self._cache_size:
+                    self._checked.popitem(last=False)
+        if known is not None:
+            raise ValueError(known)
 
     def _compile_now(self, spec: StructuredSpec) -> CompiledGrammar:
         start = time.perf_counter()
+        self._check(spec)
         try:
             handle, dropped = self._lib.compile(spec)
+        except CompileTimeout:
+            raise
         except ValueError as e:
             raise ValueError(f"{_describe(spec)}: not supported by {self.library}: {_first_line(e)}") from None
         except Exception as e:  # a library bug must not kill the engine: surface it as bad input
@@ -185,7 +265,8 @@ class GrammarBackend:
         return allocate_token_bitmask(rows, self.vocab_size)
 
     def shutdown(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        """Refuse new compilations (running ones stop at their deadline)."""
+        self._closed = True
 
 
 def fill_bitmasks(jobs: list[tuple[Matcher, int, list[int]]], bitmask: torch.Tensor) -> list[int]:

@@ -13,7 +13,6 @@ dropped if the grammar library grows the keywords.
 
 from __future__ import annotations
 
-import functools
 import json
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Iterator
@@ -23,7 +22,7 @@ import jsonschema.validators
 import numpy as np
 import torch
 
-from leapdecode.structured.lowering import iter_subschemas
+from leapdecode.structured.lowering import check_deadline
 
 if TYPE_CHECKING:
     from leapdecode.structured.backend import GrammarBackend
@@ -360,13 +359,34 @@ def _guarded_keys(dropped: tuple[str, ...]) -> set[str]:
     return keys
 
 
+# Anchor discovery walks instance paths, which recursive `$ref`s make infinite and diamond-shaped `$defs`
+# exponential: the walk only enters subschemas from which a guarded keyword is reachable, never re-enters a
+# subschema already on the current chain (recursion), and stops after this many subschemas. What it does not
+# reach keeps rules A and B (checked when the document closes): never an invalid output, at worst a dead end.
+MAX_ANCHOR_VISITS = 2048
+
+
 def _find_anchors(schema: Any, validator: Any, dropped: tuple[str, ...]) -> list[_Anchor]:
-    """Root anchor plus one per subschema (at a fixed instance path) that uses a keyword the grammar dropped."""
+    """Root anchor plus one per subschema (at a fixed instance path) that uses a keyword the grammar dropped.
+
+    Linear in the schema's size, bounded by MAX_ANCHOR_VISITS, and cancellable (`check_deadline`)."""
     keys = _guarded_keys(dropped)
+    relevant = _relevant_nodes(schema, keys)
     anchors = [_Anchor((), None)]
-    for node, pattern in iter_subschemas(schema, functools.partial(_instance_children, schema), max_depth=32):
-        used = keys & node.keys()
-        if used:
+    seen: set[tuple[int, tuple[Any, ...]]] = set()
+    stack: list[tuple[Any, tuple[Any, ...], frozenset[int]]] = [(schema, (), frozenset())]
+    visits = 0
+    while stack:
+        node, pattern, chain = stack.pop()
+        if not isinstance(node, dict) or id(node) not in relevant or (id(node), pattern) in seen:
+            continue
+        seen.add((id(node), pattern))
+        visits += 1
+        if visits > MAX_ANCHOR_VISITS:
+            break
+        if visits & 63 == 0:
+            check_deadline()
+        if keys & node.keys():
             anchor = anchors[0] if not pattern else _Anchor(pattern, validator.evolve(schema=node))
             monotone = _monotone_part(node)
             if monotone:
@@ -375,7 +395,37 @@ def _find_anchors(schema: Any, validator: Any, dropped: tuple[str, ...]) -> list
                 anchor.names = validator.evolve(schema=node["propertyNames"])
             if pattern:
                 anchors.append(anchor)
+        inner = chain | {id(node)}
+        children = [(child, pattern + steps) for steps, child in _instance_children(schema, node)]
+        stack.extend((child, path, inner) for child, path in reversed(children) if id(child) not in inner)
     return anchors
+
+
+def _relevant_nodes(schema: Any, keys: set[str]) -> set[int]:
+    """ids of the subschemas (reached through `_instance_children`) from which a subschema using one of `keys`
+    can be reached: one pass over the schema graph plus a reverse propagation, whatever its recursion."""
+    nodes: dict[int, Any] = {}
+    parents: dict[int, set[int]] = {}
+    stack = [schema]
+    while stack:
+        node = stack.pop()
+        if not isinstance(node, dict) or id(node) in nodes:
+            continue
+        nodes[id(node)] = node
+        if len(nodes) & 255 == 0:
+            check_deadline()
+        for _, child in _instance_children(schema, node):
+            if isinstance(child, dict):
+                parents.setdefault(id(child), set()).add(id(node))
+                stack.append(child)
+    relevant = {i for i, node in nodes.items() if keys & node.keys()}
+    todo = list(relevant)
+    while todo:
+        for parent in parents.get(todo.pop(), ()):
+            if parent not in relevant:
+                relevant.add(parent)
+                todo.append(parent)
+    return relevant
 
 
 def _instance_children(root: Any, node: dict[str, Any]) -> Iterator[tuple[tuple[Any, ...], Any]]:
@@ -408,6 +458,8 @@ def _monotone_part(node: dict[str, Any]) -> dict[str, Any]:
         part.update(contains=node["contains"], maxContains=node["maxContains"], minContains=0)
     if "propertyNames" in node:
         part["propertyNames"] = node["propertyNames"]
+    if isinstance(node.get("maxProperties"), int):
+        part["maxProperties"] = node["maxProperties"]
     return part
 
 

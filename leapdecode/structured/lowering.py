@@ -7,12 +7,44 @@ is a loop over it. Values of `DATA_KEYWORDS` are instances, not subschemas, and 
 from __future__ import annotations
 
 import copy
+import threading
+import time
+from contextlib import contextmanager
 from typing import Any, Callable, Iterable, Iterator
 
-__all__ = ["DATA_KEYWORDS", "iter_subschemas", "all_keys", "contains_key", "drop_keyword", "lower"]
+__all__ = [
+    "DATA_KEYWORDS", "CompileTimeout", "check_deadline", "deadline", "iter_subschemas", "all_keys", "contains_key",
+    "drop_keyword", "lower",
+]
 
 DATA_KEYWORDS = ("enum", "const", "default", "examples")  # values, not subschemas
 _INTEGER_KEYWORDS = ("minItems", "maxItems", "minLength", "maxLength", "minProperties", "maxProperties", "minContains", "maxContains")
+
+
+class CompileTimeout(Exception):
+    """Raised inside a compilation that ran past its deadline (see `deadline`)."""
+
+
+_local = threading.local()
+
+
+@contextmanager
+def deadline(seconds: float | None) -> Iterator[None]:
+    """Within this block, `check_deadline` (called by every schema walk) raises CompileTimeout once `seconds`
+    have passed: the cooperative cancellation of our own Python passes over a schema (lowering, anchors)."""
+    previous = getattr(_local, "deadline", None)
+    _local.deadline = None if seconds is None else time.monotonic() + seconds
+    try:
+        yield
+    finally:
+        _local.deadline = previous
+
+
+def check_deadline() -> None:
+    limit = getattr(_local, "deadline", None)
+    if limit is not None and time.monotonic() > limit:
+        raise CompileTimeout("the compilation ran past its time limit")
+
 
 # children(node) -> (path steps, child) pairs; see `iter_subschemas`.
 Children = Callable[[dict[str, Any]], Iterable[tuple[tuple[Any, ...], Any]]]
@@ -45,7 +77,11 @@ def iter_subschemas(schema: Any, children: Children = _all_children, *,
     """
     seen: set[tuple[int, tuple[Any, ...]]] = set()
     stack: list[tuple[Any, tuple[Any, ...], int]] = [(schema, (), 0)]
+    visited = 0
     while stack:
+        visited += 1
+        if visited & 255 == 0:
+            check_deadline()
         node, path, depth = stack.pop()
         if not isinstance(node, dict) or (max_depth is not None and depth > max_depth) or (id(node), path) in seen:
             continue
@@ -76,6 +112,8 @@ def lower(schema: Any, regex_ok: Callable[[str], bool], dropped: list[str]) -> A
     noted in `dropped` (then the guard re-checks):
 
     * the root schema `true` becomes `{}`; counts written as 2.0 become 2 (same meaning in JSON Schema);
+    * `minProperties`/`maxProperties` beside optional `properties` are removed (llguidance would count only the
+      additional properties);
     * `pattern`s the library's regex engine rejects (look-around, back-references) are removed (over-
       approximation); a rejected patternProperties entry is removed, so its keys fall to additionalProperties
       (at worst an under-approximation, never an invalid instance).
@@ -86,6 +124,14 @@ def lower(schema: Any, regex_ok: Callable[[str], bool], dropped: list[str]) -> A
             value = node.get(key)
             if isinstance(value, float) and value.is_integer():
                 node[key] = int(value)
+        props = node.get("properties")
+        if isinstance(props, dict) and props and ("minProperties" in node or "maxProperties" in node):
+            required = node.get("required")
+            if not isinstance(required, list) or not set(props) <= set(required):
+                # llguidance counts only additional properties then, which can leave no way to close the object
+                for key in ("minProperties", "maxProperties"):
+                    if node.pop(key, None) is not None:
+                        dropped.append(key)
         pattern = node.get("pattern")
         if isinstance(pattern, str) and not regex_ok(pattern):
             del node["pattern"]

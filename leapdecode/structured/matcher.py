@@ -95,6 +95,7 @@ class Matcher:
             self._history.append(token)
             return True
         if not self._state.try_consume(token):
+            self._library_failed()
             return False
         if self._guard is not None:
             piece = self._backend.token_bytes()[token]
@@ -152,6 +153,10 @@ class Matcher:
             self._set_eos(bitmask, row, True)
             return
         self._state.fill(bitmask, row)
+        if self._library_failed():
+            bitmask[row].zero_()
+            self._set_eos(bitmask, row, True)  # keep the row samplable; the engine ends the request with `error`
+            return
         self._set_eos(bitmask, row, self._eos_allowed())
         if self._guard is not None:
             self._guard.restrict(bitmask[row], self._text, self._cursors[-1], self._backend)
@@ -186,6 +191,10 @@ class Matcher:
 
     def finish_native(self, bitmask: torch.Tensor, row: int, drafts: Sequence[int]) -> None:
         """After a native fill of rows row .. row+len(drafts): apply rule A (EOS only for a valid document)."""
+        if self._library_failed():
+            bitmask[row].zero_()
+            self._set_eos(bitmask, row, True)
+            return
         if self._guard is None:
             return
         pieces = self._backend.token_bytes()
@@ -208,6 +217,14 @@ class Matcher:
         return tokens
 
     # -- internals -------------------------------------------------------------------------------------------
+    def _library_failed(self) -> bool:
+        """True (and `error` set to the library's own message) once the library stopped with an error."""
+        message = self._state.error()
+        if message is None:
+            return False
+        self.error = f"{self._backend.library}: {message}"
+        return True
+
     def _eos_allowed(self) -> bool:
         if not self._state.is_accepting():
             return False
