@@ -26,7 +26,7 @@ draft's probability of its own token falls below ``threshold`` (SpecDec++ / Kang
 
 **The skip set** (unless ``skip`` fixes it) is searched on the fly from the live acceptance of the current
 workload, as SWIFT does, with a simple local search instead of its Bayesian optimisation: the first and last
-layers are always kept; the start skips every other middle layer; each resolved draft is scored by
+layers are always kept; the start skips every other layer of the middle half; each resolved draft is scored by
 how many of its tokens the committed continuation matches (exactly the accepted count when the draft was verified
 whole); after ``window`` resolved drafts the incumbent's value, tokens gained per unit of cost
 
@@ -112,7 +112,7 @@ class LayerSkipDrafter:
             self.skip = frozenset(skip)
         else:
             self.fixed = False
-            self.skip = frozenset(range(1, self.L - 1, 2))
+            self.skip = frozenset(range(max(1, self.L // 4), max(2, 3 * self.L // 4), 2))
         self.buffers = InputBuffers(runner.device, capacity=1 << 12)
         self.sampler = DraftSampler(runner.model_cfg.vocab_size, runner.device, runner.cfg.seed)
         self.vocab_size = runner.model_cfg.vocab_size

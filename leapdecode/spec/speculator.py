@@ -12,6 +12,7 @@ is off, at a fraction of the drafting cost, and speculation comes back when the 
 """
 from __future__ import annotations
 
+import math
 import time
 from typing import TYPE_CHECKING, Sequence as Seq
 
@@ -52,6 +53,7 @@ class Speculator:
         self._batch: tuple[int, ...] = ()
         self._quiet_steps = 0
         self.shadow_gap = 4              # steps between a request's shadow drafts (drafting is not free)
+        self._gap = self.shadow_gap      # ... at least; more for a costly drafter (see _propose_shadows)
         self._steps = 0
         self._shadow_after: dict[int, int] = {}
 
@@ -79,8 +81,9 @@ class Speculator:
         for seq, room in zip(decoding, rooms):
             room = min(self.cfg.num_speculative_tokens, room)
             if room > 0:
-                reqs.append(DraftRequest(seq.seq_id, seq.token_ids, seq.num_prompt_tokens, room, seq.params,
-                                         seq.index, tuple(seq.block_table)))
+                reqs.append(DraftRequest(seq.seq_id, seq.token_ids, seq.num_prompt_tokens, room,
+                                         getattr(seq, "params", None), getattr(seq, "index", 0),
+                                         tuple(getattr(seq, "block_table", ()))))
                 seqs.append(seq)
         self._probs = {}
         if not reqs:
@@ -95,7 +98,7 @@ class Speculator:
             if not (self._news and ctl.worth_drafting([(r.seq_id, r.max_draft) for r in reqs], base,
                                                       self.draft_seconds_ema)):
                 self._news = False
-                self._propose_shadows(reqs)
+                self._propose_shadows(reqs, base)
                 return {}
             self._quiet_steps = 0
         drafts, dt = self._draft(reqs)
@@ -125,14 +128,17 @@ class Speculator:
         probs, self._probs = self._probs, {}
         return probs
 
-    def _propose_shadows(self, reqs: list[DraftRequest]) -> None:
+    def _propose_shadows(self, reqs: list[DraftRequest], base: int) -> None:
         self._steps += 1
         after = self._shadow_after
         need = [r for r in reqs if r.seq_id not in self._shadow and after.get(r.seq_id, 0) <= self._steps]
         if not need:
             return
-        drafts, _ = self._draft(need)
+        drafts, dt = self._draft(need)
         self.num_shadow_proposals += 1
+        # a drafter that runs a model is not cheap: space shadow drafts so they cost at most ~5% of decoding
+        step = self.controller.step_time(base)
+        self._gap = max(self.shadow_gap, math.ceil(dt / (0.05 * step))) if step > 0 else self.shadow_gap
         for r, d in zip(need, drafts):
             if d.tokens:
                 self._shadow[r.seq_id] = (DraftTree.of(d.tokens, d.parents), len(r.token_ids))
@@ -144,7 +150,7 @@ class Speculator:
         accepted = tree.accepted_length(truth)
         if accepted < len(truth) or accepted >= tree.depth:
             del self._shadow[seq.seq_id]
-            self._shadow_after[seq.seq_id] = self._steps + self.shadow_gap
+            self._shadow_after[seq.seq_id] = self._steps + self._gap
             self.controller.observe(seq.seq_id, len(tree), accepted)
             self._news = True
 
