@@ -98,6 +98,7 @@ class Engine:
             from leapdecode.spec.speculator import Speculator
             probe = self._probe_step_time() if cfg.speculative_config.adaptive else StepTimeModel()
             self.speculator = Speculator(cfg.speculative_config, self.vocab_size, probe, runner=self.runner)
+        self._capture = tuple(getattr(self.speculator.drafter, "capture_layers", ())) if self.speculator else ()
         self.verifier = Verifier(self.vocab_size, self.device, eos, cfg.seed, self.structured,
                                  TOPK_FOR_DRAFTERS if self.speculator and self.speculator.wants_topk else 0)
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="leapdecode-step") if cfg.async_scheduling else None
@@ -204,9 +205,14 @@ class Engine:
         t0 = time.perf_counter()
         masks = self.structured.start_fill(plan)
         batch = self.verifier.batch(plan, self.seqs)
-        logits = self.runner.execute(plan).logits
+        fwd = self.runner.execute(plan, capture=self._capture, all_rows=bool(self._capture))
         draft_probs = self.speculator.take_probs() if self.speculator is not None else None
-        result, _ = self.verifier.verify(plan, logits, batch, masks, self.seqs, draft_probs)
+        result, _ = self.verifier.verify(plan, fwd.logits, batch, masks, self.seqs, draft_probs)
+        if self._capture:                       # a drafter that reads the target's hidden states (EAGLE)
+            try:
+                self.speculator.drafter.observe_hidden(plan, result, fwd.hidden_states)
+            except Exception:                   # noqa: BLE001 - it only costs the drafter its features
+                log.exception("drafter failed to take the step's hidden states")
         return outputs + self._commit(plan, result, t0)
 
     def _propose(self) -> dict:

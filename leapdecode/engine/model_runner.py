@@ -83,9 +83,10 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan, batch: ForwardBatch | None = None, last_sampled: torch.Tensor | None = None,
-                capture: tuple[int, ...] = ()) -> ForwardOutput:
+                capture: tuple[int, ...] = (), all_rows: bool = False) -> ForwardOutput:
         """One forward over the plan -> float32 logits for its logits rows (and the hidden states of the layers
-        in ``capture``, HF numbering: 0 = embeddings, i = after layer i, L = after the final norm).
+        in ``capture``, HF numbering: 0 = embeddings, i = after layer i, L = after the final norm; for the logits
+        rows, or with ``all_rows`` for every token of the plan in order: what an EAGLE head reads).
         ``last_sampled``: the previous step's sampled tokens, for the plan's placeholders."""
         batch = batch if batch is not None else self.prepare(plan)
         if batch.kv_moves is not None:
@@ -97,7 +98,8 @@ class ModelRunner:
         captured: dict[int, torch.Tensor] = {}
         hidden = self.model(batch.input_ids, batch.meta, capture=capture, captured=captured)
         rows = batch.logits_indices
-        return ForwardOutput(self.model.compute_logits(hidden[rows]), {i: h[rows] for i, h in captured.items()})
+        keep = slice(0, plan.num_tokens) if all_rows else rows
+        return ForwardOutput(self.model.compute_logits(hidden[rows]), {i: h[keep] for i, h in captured.items()})
 
 
 def _scratch_blocks(cfg: EngineConfig) -> int:

@@ -382,7 +382,7 @@ class EagleDrafter:
         head = load_head_for(runner.model, model, runner.dtype, runner.device)
         return cls(head, depth, top_k, dynamic, feature_layer=runner.model_cfg.num_layers)
 
-    def observe_step(self, plan, result, hidden: dict[int, torch.Tensor]) -> None:
+    def observe_hidden(self, plan, result, hidden: dict[int, torch.Tensor]) -> None:
         """After a verified forward: ``hidden[layer]`` holds the target's hidden state for every token row of
         ``plan`` (the flat batch, sequences in plan order). Keeps the committed positions' features: every
         committed token of each chunk (prompt chunks included) and the draft nodes verification accepted."""

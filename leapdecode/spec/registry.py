@@ -17,11 +17,14 @@ _FACTORIES: dict[str, Callable[..., Drafter]] = {
 DEFAULT_AUTO_METHODS = ("suffix", "recycling")
 # drafters that run a model inside the step: built with a handle to the target's runner (``runner=``), see
 # spec/draft_model.py (the seam) and docs/architecture.md
-MODEL_METHODS = ("draft_model", "layer_skip")
+MODEL_METHODS = ("draft_model", "layer_skip", "eagle")
 METHODS = (*_FACTORIES, "auto", *MODEL_METHODS)
 
 
 def _model_factory(method: str) -> Callable[..., Drafter]:
+    if method == "eagle":
+        from leapdecode.spec.eagle import EagleDrafter
+        return EagleDrafter.for_runner
     if method == "draft_model":
         from leapdecode.spec.draft_model import DraftModelDrafter
         return DraftModelDrafter
