@@ -177,6 +177,62 @@ def stage_data(args, log) -> None:
     log(f"data: {json.dumps(stats)}")
 
 
+def reference_conversations(tok) -> list[tuple[str, list[int], int]]:
+    """Training-split prompts with the *datasets'* reference answers as the assistant turn: (task, ids, prompt
+    length). Not the target's own text, but the head learns the target's features and distribution on it all the
+    same (EAGLE-1 trained on fixed ShareGPT answers); teacher forcing costs one forward, far less than generating."""
+    import re
+    out = []
+    refs = {r["question_id"]: r["choices"][0]["turns"] for r in read_jsonl("mt_bench", "reference_answer_gpt-4.jsonl")}
+    for i, q in enumerate(read_jsonl("mt_bench", "question.jsonl")):
+        if split_of(i) == "train" and q["question_id"] in refs:
+            out.append(("chat", user(q["turns"][0]), refs[q["question_id"]][0]))
+    for i, q in enumerate(read_jsonl("gsm8k", "test.jsonl")):
+        if split_of(i) == "train":
+            answer = re.sub(r"<<[^>]*>>", "", q["answer"]).replace("#### ", "The answer is ")
+            out.append(("math", user(q["question"]), answer))
+    for i, q in enumerate(read_jsonl("humaneval", "HumanEval.jsonl")):
+        if split_of(i) == "train":
+            out.append(("code", user(code_prompt(q)), "```python\n" + q["prompt"] + q["canonical_solution"] + "```"))
+    convs = []
+    for task, msgs, answer in out:
+        prompt = chat_ids(tok, msgs)
+        full = tok.encode(tok.apply_chat_template(msgs + [{"role": "assistant", "content": answer}], tokenize=False),
+                          add_special_tokens=False)
+        if full[:len(prompt)] == prompt:
+            convs.append((task, full, len(prompt)))
+    return convs
+
+
+def stage_refdata(args, log) -> None:
+    """Teacher-forced reference answers until ``--ref-minutes`` run out (round robin over the tasks)."""
+    from leapdecode import LLM
+    t0 = time.time()
+    llm = LLM(args.model, max_model_len=args.max_model_len, enable_prefix_caching=False, device=args.device)
+    convs = [c for c in reference_conversations(llm.get_tokenizer()) if len(c[1]) <= args.max_model_len]
+    rng = random.Random(1)
+    by_task = {t: [c for c in convs if c[0] == t] for t in TASKS}
+    for v in by_task.values():
+        rng.shuffle(v)
+    order = []
+    while any(by_task.values()):
+        for v in by_task.values():
+            if v:
+                order.append(v.pop(0))
+    done = []
+    for task, ids, plen in order:
+        if time.time() - t0 > args.ref_minutes * 60:
+            break
+        done.append({"task": task, "ids": torch.tensor(ids, dtype=torch.int32), "prompt_len": plen,
+                     "source": "reference", "feats": record_features(llm, ids).to(torch.bfloat16)})
+    stats = {"sequences": len(done), "tokens": sum(len(d["ids"]) for d in done),
+             "answer_tokens": sum(len(d["ids"]) - d["prompt_len"] for d in done),
+             "per_task": dict(Counter(d["task"] for d in done)), "seconds": round(time.time() - t0, 1)}
+    os.makedirs(args.work, exist_ok=True)
+    torch.save({"seqs": done, "stats": stats}, os.path.join(args.work, "data_ref.pt"))
+    log(f"reference data: {json.dumps(stats)}")
+
+
 # -- stage 2: training ----------------------------------------------------------------------------------------------
 
 def load_target_parts(model_path: str, device: str):
@@ -222,8 +278,13 @@ def collate(group: list[dict], device: str):
 def stage_train(args, log) -> None:
     from leapdecode.spec.eagle import EagleConfig, EagleHead, distill_loss
     data = torch.load(os.path.join(args.work, "data.pt"), weights_only=False)
-    seqs, stats = data["seqs"], data["stats"]
-    mc, embed, lm, model_name = load_target_parts(args.model or stats["model"], args.device)
+    seqs, stats = data["seqs"], {"generated": data["stats"]}
+    ref = os.path.join(args.work, "data_ref.pt")
+    if os.path.isfile(ref):
+        extra = torch.load(ref, weights_only=False)
+        seqs += extra["seqs"]
+        stats["reference_answers"] = extra["stats"]
+    mc, embed, lm, model_name = load_target_parts(args.model or stats["generated"]["model"], args.device)
     counts = Counter()
     for d in seqs:
         counts.update(d["ids"][1:].tolist())
@@ -294,7 +355,9 @@ def stage_train(args, log) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="target (default: leapdecode's default model)")
-    ap.add_argument("--stage", choices=("all", "data", "train"), default="all")
+    ap.add_argument("--stage", choices=("all", "data", "refdata", "train"), default="all")
+    ap.add_argument("--ref-minutes", type=float, default=0.0,
+                    help="also teacher-force the datasets' reference answers (training split) for this long")
     ap.add_argument("--work", default="/tmp/leapdecode-eagle", help="where the recorded data goes")
     ap.add_argument("--out", default=os.path.join(REPO, "leapdecode", "assets", "eagle-smollm2-135m"))
     ap.add_argument("--device", default="cpu")
@@ -322,6 +385,8 @@ def main() -> None:
 
     if args.stage in ("all", "data"):
         stage_data(args, log)
+    if args.stage == "refdata" or (args.stage == "all" and args.ref_minutes > 0):
+        stage_refdata(args, log)
     if args.stage in ("all", "train"):
         stage_train(args, log)
 
