@@ -90,3 +90,68 @@ def speculative_chains(p: torch.Tensor, sampled: torch.Tensor, u: torch.Tensor,
         residual = torch.where(empty, p[rr], residual)
         emitted[rr] = inverse_cdf_sample(residual, u[rr]).to(emitted.dtype)
     return emitted, n_acc
+
+
+# -- several candidates per position (token trees drawn from q) ---------------------------------------------------
+
+def recursive_rejection(p: torch.Tensor, q: torch.Tensor, candidates: list[int], u_accept: list[float],
+                        u_final: float) -> tuple[int, int]:
+    """Recursive rejection sampling over siblings drawn from q *without replacement* (RSD, Jeon et al. 2024; the
+    multi-draft view of SpecTr): one position, several candidates.
+
+    ``candidates`` x_1..x_m were drawn in that order from q_1 = q, q_2 = q_1 without x_1 (renormalised), ... .
+    Stage i accepts x_i with probability min(1, p_i(x_i) / q_i(x_i)); on rejection p_{i+1} = normalize(max(p_i -
+    q_i, 0)). If every candidate is rejected the token is drawn from p_{m+1} (inverse CDF at ``u_final``).
+    The output is distributed exactly as p: given the rejected x_i, stage i+1 is a speculative-sampling step with
+    target p_{i+1} (which does not depend on x_i) and any proposal, so it returns an exact sample of p_{i+1}, and
+    P(out = y) = q_i(y) min(1, p_i(y)/q_i(y)) + P(reject) p_{i+1}(y) = p_i(y); by induction from the last stage.
+    p, q: [V] probabilities (any float dtype); returns (index of the accepted candidate or -1, the token)."""
+    from leapdecode.sampling.sampler import inverse_cdf_sample
+
+    p = p.double()
+    q = q.double().clone()
+    for i, x in enumerate(candidates):
+        total = q.sum()
+        if total <= 0:
+            break
+        qi = q / total
+        if u_accept[i] * qi[x] < p[x]:
+            return i, int(x)
+        residual = (p - qi).clamp_min(0)
+        if residual.sum() > 0:             # (empty only when p == q_i up to rounding: p itself is then exact)
+            p = residual / residual.sum()
+        q[x] = 0.0
+    token = inverse_cdf_sample(p[None], torch.tensor([u_final], dtype=torch.float64, device=p.device))
+    return -1, int(token[0])
+
+
+def verify_tree_with_probs(tree, p_rows: torch.Tensor, q_rows: torch.Tensor, u_accept: torch.Tensor,
+                           u_rows: torch.Tensor) -> tuple[list[int], int]:
+    """Walk a token tree whose siblings were drawn from q without replacement, keeping p exactly.
+
+    ``tree``: a ``DraftTree`` whose children of each node are listed in the order they were drawn; ``p_rows``
+    [1 + n, V]: the target's processed probabilities after the last committed token (row 0) and after node i (row
+    1 + i); ``q_rows`` [n, V]: the distribution node i was drawn from (siblings share it); ``u_accept`` [n]: one
+    acceptance uniform per node; ``u_rows`` [1 + n]: one uniform per row for the final draw. Returns (accepted
+    nodes root first, the bonus token), like ``DraftTree.walk``."""
+    children: dict[int, list[int]] = {}
+    for i in range(len(tree)):
+        children.setdefault(tree.parent(i), []).append(i)
+    ua = u_accept.tolist()
+    path: list[int] = []
+    node = -1
+    while True:
+        kids = children.get(node, [])
+        if not kids:
+            return path, int(inverse_cdf_sample_row(p_rows[node + 1], float(u_rows[node + 1])))
+        j, token = recursive_rejection(p_rows[node + 1], q_rows[kids[0]], [tree.tokens[c] for c in kids],
+                                       [ua[c] for c in kids], float(u_rows[node + 1]))
+        if j < 0:
+            return path, token
+        node = kids[j]
+        path.append(node)
+
+
+def inverse_cdf_sample_row(p: torch.Tensor, u: float) -> int:
+    from leapdecode.sampling.sampler import inverse_cdf_sample
+    return int(inverse_cdf_sample(p[None].double(), torch.tensor([u], dtype=torch.float64, device=p.device))[0])
