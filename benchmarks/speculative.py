@@ -1,6 +1,7 @@
 """End-to-end speculative decoding: output tokens/s with and without speculation, in one run (issue 4).
 
     python benchmarks/speculative.py                      # embedded model, all methods, adaptive on and off
+    python benchmarks/speculative.py models               # model drafters (draft_model, layer_skip): see the end
     python benchmarks/speculative.py --model /tmp/leapdecode-ckpt/qwen2.5-0.5b --order sequential \
         --methods suffix,auto --adaptive on,off --workloads copy --n1 2 --batch-sizes 1,16 -o 32
 
@@ -530,5 +531,142 @@ def print_tables(header: dict, rows: list[dict], args) -> None:
                           f"plain prefill {gap}{' ' + d['why'] if d.get('why') else ''}")
 
 
+# == model drafters (issue 13): draft_model and layer_skip ==========================================================
+#
+#     python benchmarks/speculative.py models                      # SmolLM2-135M-Instruct (if installed): layer_skip
+#     python benchmarks/speculative.py models --model embedded --configs draft_model,draft_model+ctl
+#
+# Per (task, batch, temperature) every configuration runs the same chat-templated prompts (MT-Bench turn 1, GSM8K
+# questions, HumanEval prompts as a user message) with all LLMs alive, the plain one first: tokens per step
+# (generated tokens / the requests' model steps), tokens/s (generated tokens / wall time), the ratio to plain
+# decoding's tokens/s in the same run, acceptance (accepted / verified draft tokens) and, greedy only, how many
+# outputs are identical to plain decoding's. "+ctl" = the adaptive goodput controller (it may switch drafting off);
+# without it every step drafts up to k. Sampled rows (T > 0) are seeded per request; their outputs differ from
+# plain decoding's (same distribution, different draws), so their tokens/s also reflect different lengths.
+# There is no smaller model with SmolLM2's tokenizer offline, so draft_model is measured on the embedded pair
+# (leapdecode/assets: default_model as target, draft_model as draft), selected with --model embedded.
+
+MODEL_TASKS = ("mtbench", "gsm8k", "humaneval")
+
+
+def _task_messages(task: str) -> list[str]:
+    if task == "mtbench":
+        return [turns[0] for turns in mtbench_questions()]
+    if task == "gsm8k":
+        with open(os.path.join(BENCH, "gsm8k", "test.jsonl")) as f:
+            return [json.loads(line)["question"] for line in f if line.strip()]
+    if task == "humaneval":
+        return [f"Complete this Python function:\n```python\n{p}```" for p in humaneval_prompts()]
+    raise ValueError(f"unknown task {task!r}")
+
+
+def _model_config(name: str, k: int, draft: str | None, threshold: float | None) -> dict | None:
+    if name in ("plain", "plain-A/A"):          # the A/A control: a second plain LLM measured like a peer
+        return None
+    method, _, ctl = name.partition("+")
+    cfg = {"method": method, "num_speculative_tokens": k, "adaptive": ctl == "ctl"}
+    if method == "draft_model":
+        cfg["model"] = draft
+    if threshold is not None:
+        cfg["threshold"] = threshold
+    return cfg
+
+
+def model_drafters(argv: list[str]) -> int:
+    from leapdecode import LLM, SamplingParams
+    from leapdecode.assets import default_chat_model_path, default_draft_model_path, default_model_path
+
+    ap = argparse.ArgumentParser(prog="speculative.py models", description="draft_model and layer_skip, end to end")
+    ap.add_argument("--model", default=None, help="target (default: SmolLM2-135M-Instruct if installed); "
+                    "'embedded' = the embedded model, with the embedded draft model as draft")
+    ap.add_argument("--draft", default=None, help="draft model for draft_model (default: the embedded draft)")
+    ap.add_argument("--configs", default="plain-A/A,layer_skip,layer_skip+ctl")
+    ap.add_argument("--tasks", default=",".join(MODEL_TASKS))
+    ap.add_argument("--n", type=int, default=2, help="prompts per task at batch 1 (one request at a time)")
+    ap.add_argument("--batch-sizes", default="1")
+    ap.add_argument("--temperatures", default="0,0.7")
+    ap.add_argument("-o", type=int, default=64, help="max tokens per request")
+    ap.add_argument("-k", type=int, default=4)
+    ap.add_argument("--threshold", type=float, default=None, help="drafters' confidence early exit")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--max-model-len", type=int, default=2048)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    model = args.model
+    if model == "embedded":
+        model = default_model_path()
+    elif model is None:
+        model = default_chat_model_path() or default_model_path()
+    draft = args.draft or default_draft_model_path()
+    names = ["plain"] + [c for c in args.configs.split(",") if c and c != "plain"]
+    t_start = time.time()
+    llms = {n: LLM(model, max_model_len=args.max_model_len,
+                   speculative_config=_model_config(n, args.k, draft, args.threshold)) for n in names}
+    tok = llms["plain"].get_tokenizer()
+    for llm in llms.values():     # touch every configuration once before measuring
+        llm.generate(["Hi"], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)
+    rows = []
+    for task in args.tasks.split(","):
+        msgs = _task_messages(task)
+        for b in [int(x) for x in args.batch_sizes.split(",")]:
+            count = args.n if b == 1 else b
+            start = 0 if b == 1 else args.n
+            chosen = [msgs[(start + i) % len(msgs)] for i in range(count)]
+            prompts = [render_chat(tok, [{"role": "user", "content": m}]) for m in chosen]
+            for temp in [float(x) for x in args.temperatures.split(",")]:
+                params = [SamplingParams(temperature=temp, max_tokens=args.o, seed=None if temp == 0 else i)
+                          for i in range(len(prompts))]
+                acc = {n: {"wall": 0.0, "outs": [], "d": 0, "a": 0} for n in names}
+                # batch 1: the configurations take turns on each prompt (rotating who goes first), so a burst of
+                # load on the shared machine hits them alike; batch B: one call per configuration
+                groups = [[i] for i in range(len(prompts))] if b == 1 else [list(range(len(prompts)))]
+                for g, group in enumerate(groups):
+                    for name in names[g % len(names):] + names[:g % len(names)]:
+                        llm, a = llms[name], acc[name]
+                        stats0 = dict(llm.engine.stats)
+                        t0 = time.perf_counter()
+                        a["outs"] += llm.generate([prompts[i] for i in group], [params[i] for i in group],
+                                                  use_tqdm=False)
+                        a["wall"] += time.perf_counter() - t0
+                        a["d"] += llm.engine.stats["draft_tokens"] - stats0["draft_tokens"]
+                        a["a"] += llm.engine.stats["accepted_tokens"] - stats0["accepted_tokens"]
+                ref_ids = [o.outputs[0].token_ids for o in acc["plain"]["outs"]]
+                ref_rate = sum(len(x) for x in ref_ids) / acc["plain"]["wall"]
+                for name in names:
+                    a = acc[name]
+                    ids = [o.outputs[0].token_ids for o in a["outs"]]
+                    tokens = sum(len(x) for x in ids)
+                    steps = sum(o.metrics.num_steps for o in a["outs"])
+                    rows.append({"task": task, "batch": b, "T": temp, "config": name, "requests": len(ids),
+                                 "tokens": tokens, "tok_per_step": tokens / max(steps, 1),
+                                 "tok_s": tokens / a["wall"], "ratio": tokens / a["wall"] / ref_rate,
+                                 "accept": a["a"] / a["d"] if a["d"] else None,
+                                 "identical": sum(x == y for x, y in zip(ids, ref_ids)) if temp == 0 else None})
+    hw = hardware()
+    print(f"model drafters | target {os.path.basename(model)} | {hw['cpu']} ({hw['cores']} cores), torch threads "
+          f"{hw['torch_threads']}, load {hw['load_avg_1m']:.1f} | k={args.k}, max_tokens={args.o}, batch 1 = "
+          f"{args.n} requests one at a time | commit {hw['commit']} | {time.time() - t_start:.0f} s")
+    print("| task | batch | T | config | tok/step | tok/s | ratio | accept | identical |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        acc = "-" if r["accept"] is None else f"{r['accept']:.2f}"
+        same = "-" if r["identical"] is None else f"{r['identical']}/{r['requests']}"
+        print(f"| {r['task']} | {r['batch']} | {r['T']:g} | {r['config']} | {r['tok_per_step']:.2f} | "
+              f"{r['tok_s']:.1f} | {r['ratio']:.2f} | {acc} | {same} |")
+    for name in names[1:]:
+        if llms[name].engine.speculator is None:
+            continue
+        d = llms[name].engine.speculator.drafter
+        extra = f" skip set {sorted(d.skip)}" if hasattr(d, "skip") else ""
+        print(f"{name}: drafter stats {getattr(d, 'stats', {})}{extra}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"header": hw, "rows": rows}, f, indent=1)
+    return 0 if all(r["identical"] in (None, r["requests"]) for r in rows) else 1
+
+
 if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "models":
+        sys.exit(model_drafters(sys.argv[2:]))
     sys.exit(main())
