@@ -43,7 +43,8 @@ _UNICODE_PROP = "ECMA-262 \\p{...} escape: Python's re (which jsonschema, our gu
 # Compiled, but some VALID instances cannot be produced (an under-approximation; never an invalid instance):
 _INT_FLOAT = "a number with a zero fraction (1.0, [0.0]): the grammar writes the equal value in integer form only"
 _CONST_ORDER = "const/enum objects are emitted with exactly the schema's key order"
-_REF_ORDER = "llguidance fixes an order of properties merged from $ref that differs from the instance's and the schema's"
+_REF_ORDER = ("properties merged from $ref beside unevaluatedProperties keep llguidance's fixed merge order (key_order "
+              "'any' relaxes only objects the guard can check exactly)")
 _DRAFT7_REF = "draft 7 ignores keywords beside $ref; llguidance applies them (2019-09+ semantics)"
 _FORMAT = "format is asserted (grammar + jsonschema FormatChecker), stricter than the annotation-only default"
 # (file, group description[, test description]) -> reason; (file, "*") covers a whole file.
@@ -205,11 +206,14 @@ def run_suite(backend: GrammarBackend, tokenizer: Any) -> tuple[Counter, list[st
         counts["groups compiled"] += 1
         counts["groups exact"] += compiled.exact
         for i, test in enumerate(group["tests"]):
-            texts = dict.fromkeys([json.dumps(test["data"], separators=(",", ":"), ensure_ascii=False), json_text(test["data"], group["schema"])])
+            # Default output form: any key order, flexible whitespace. So each instance is tried as given, compact
+            # and indented: a valid one must be producible in both forms, an invalid one in neither.
+            texts = [json.dumps(test["data"], separators=(",", ":"), ensure_ascii=False),
+                     json.dumps(test["data"], indent=2, ensure_ascii=False)]
             # The mask-vs-accept invariant is checked on every group's first instance (it is the slow part).
-            produced = any(_produce(backend, compiled, tokenizer, t, check_mask=i == 0) for t in texts)
+            produced = [_produce(backend, compiled, tokenizer, t, check_mask=i == 0) for t in texts]
             kind = "valid" if test["valid"] else "invalid"
-            good = produced == test["valid"]
+            good = all(produced) if test["valid"] else not any(produced)
             counts[f"{kind} instances"] += 1
             counts[f"{kind} {'accepted' if test['valid'] else 'rejected'}"] += good
             if not good:
@@ -217,7 +221,7 @@ def run_suite(backend: GrammarBackend, tokenizer: Any) -> tuple[Counter, list[st
                 if _listed(*key):
                     note(key)
                 else:
-                    failures.append(f"{kind} instance {'refused' if test['valid'] else 'produced'}: {key!r} {list(texts)[0]}")
+                    failures.append(f"{kind} instance {'refused' if test['valid'] else 'produced'}: {key!r} {texts[0]} {produced}")
     return counts, failures, used
 
 
@@ -253,8 +257,29 @@ def test_json_schema(backend: GrammarBackend, tokenizer: Any) -> None:
     assert _accepts(backend, tokenizer, spec, '{"name":"Ann","age":31}')
     assert not _accepts(backend, tokenizer, spec, '{"name":"Ann","age":-1}')
     assert not _accepts(backend, tokenizer, spec, '{"name":"Ann"}')
-    assert not _accepts(backend, tokenizer, spec, '{"name":"Ann", "age":3}')  # compact JSON only
-    assert backend.compile(spec).exact
+    assert _accepts(backend, tokenizer, spec, '{"age":31, "name":"Ann"}')  # by default: any order, whitespace
+    assert _accepts(backend, tokenizer, spec, '{\n  "name": "Ann",\n  "age": 31\n}')
+    assert not _accepts(backend, tokenizer, spec, '{"name":"Ann","age":31,"name":"Bo"}')  # a key once only
+    assert not _accepts(backend, tokenizer, spec, '{"age":31}')
+    # No dead ends from the free order: with every declared key used (additionalProperties false) the comma is
+    # refused, and a key that can only become a used name is refused at its first byte.
+    matcher = backend.matcher(backend.compile(spec))
+    assert matcher.accept_tokens(_encode(tokenizer, '{"age":31,"name":"Ann"')) > 0
+    assert not matcher.accept(_encode(tokenizer, ",")[0]) and matcher.accept(_encode(tokenizer, "}")[0])
+    matcher = backend.matcher(backend.compile(spec))
+    prefix = _encode(tokenizer, '{"age":31,"')
+    assert matcher.accept_tokens(prefix) == len(prefix)
+    row = allocate_token_bitmask(1, backend.vocab_size)
+    matcher.fill_bitmask(row, 0)
+    allowed = bitmask_to_bool(row[0], backend.vocab_size)
+    assert not allowed[_encode(tokenizer, "a")[0]] and allowed[_encode(tokenizer, "n")[0]]
+    compact = {**spec, "whitespace": "compact"}
+    assert not _accepts(backend, tokenizer, compact, '{"name":"Ann", "age":3}')
+    assert _accepts(backend, tokenizer, compact, '{"age":3,"name":"Ann"}')
+    ordered = {**spec, "key_order": "schema"}
+    assert not _accepts(backend, tokenizer, ordered, '{"age":31,"name":"Ann"}')
+    assert _accepts(backend, tokenizer, ordered, '{"name": "Ann", "age": 31}')
+    assert backend.compile(ordered).exact and not backend.compile(ordered).guard.active
 
 
 def test_regex_grammar_choice(backend: GrammarBackend, tokenizer: Any) -> None:
@@ -410,7 +435,10 @@ def test_validate_rollback_and_draft_masks(backend: GrammarBackend, tokenizer: A
 
 def test_forced_tokens_fixed_keys(backend: GrammarBackend, tokenizer: Any) -> None:
     schema = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}}, "required": ["name", "age"], "additionalProperties": False}
-    matcher = backend.matcher(backend.compile(_schema_spec(schema)))
+    # Forced tokens come from the fixed output form (compact, schema key order); by default nothing is fixed.
+    assert backend.matcher(backend.compile(_schema_spec(schema))).forced_tokens() == []
+    fixed = {**_schema_spec(schema), "whitespace": "compact", "key_order": "schema"}
+    matcher = backend.matcher(backend.compile(fixed))
     # llguidance forces bytes up to where the tokenization could still differ (e.g. `":` vs `":"`).
     forced = matcher.forced_tokens()
     assert '{"name":"'.startswith(tokenizer.decode(forced)) and len(tokenizer.decode(forced)) >= len('{"name')
@@ -455,7 +483,7 @@ def test_guard_nested_unique_items_and_not(backend: GrammarBackend, tokenizer: A
 def test_guard_dead_end_is_reported(backend: GrammarBackend, tokenizer: Any) -> None:
     # The grammar cannot see `not`; the only grammatical continuation of `{"a":` is an invalid instance.
     schema = {"type": "object", "properties": {"a": {"const": 1}}, "required": ["a"], "additionalProperties": False, "not": {"required": ["a"]}}
-    compiled = backend.compile(_schema_spec(schema))
+    compiled = backend.compile({**_schema_spec(schema), "whitespace": "compact"})  # else whitespace may come first
     matcher = backend.matcher(compiled)
     assert matcher.accept_tokens(_encode(tokenizer, '{"a":1')) > 0
     row = allocate_token_bitmask(1, backend.vocab_size)

@@ -49,15 +49,16 @@ class Library(Protocol):
     name: str
     vocab_size: int
 
-    def compile(self, spec: StructuredSpec) -> tuple[Any, tuple[str, ...]]: ...
+    def compile(self, spec: StructuredSpec, schema: Any = None, relax: Any = ()) -> tuple[Any, tuple[str, ...]]: ...
     def new_state(self, handle: Any) -> LibState: ...
     def token_bytes(self) -> list[bytes]: ...
 
 
 # ----------------------------------------------------------------------------------------------- llguidance
 _LLG_JSON_OPTIONS = {
-    # Compact JSON: no free whitespace, fixed separators. Keeps masks small and makes the guard's scanner exact.
-    "whitespace_flexible": False,
+    # whitespace_flexible is set per spec (spec.whitespace): "flexible" allows JSON whitespace around every
+    # token (indented JSON), "compact" none; separators are "," and ":" either way.
+    "whitespace_flexible": True,
     "item_separator": ",",
     "key_separator": ":",
     "lenient": True,  # drop unimplemented keywords (reported as warnings) instead of refusing the schema
@@ -130,8 +131,6 @@ class _LLGuidance:
 
     def _grammar(self, spec: StructuredSpec) -> str:
         M = self._llg.LLMatcher
-        if spec.kind in ("json_object", "json_schema"):
-            return M.grammar_from_json_schema(json.dumps(spec.schema), defaults=_LLG_JSON_OPTIONS)
         if spec.kind == "regex":
             return M.grammar_from_regex(spec.text)
         if spec.kind == "grammar":
@@ -139,20 +138,23 @@ class _LLGuidance:
         lark = "start: " + " | ".join(json.dumps(c) for c in spec.choices)
         return M.grammar_from_lark(lark)
 
-    def compile(self, spec: StructuredSpec) -> tuple[Any, tuple[str, ...]]:
+    def compile(self, spec: StructuredSpec, schema: Any = None, relax: Any = ()) -> tuple[Any, tuple[str, ...]]:
         """One pass: the matcher is built once (it compiles the grammar and reports lenient-mode warnings); only
-        a refusal with a safe fallback (see `_DROPPABLE_ON_ERROR`) compiles again without that keyword."""
+        a refusal with a safe fallback (see `_DROPPABLE_ON_ERROR`) compiles again without that keyword.
+
+        schema: the spec's parsed schema (parsed here when None); relax: ids of its object subschemas whose
+        properties may come in any order (`lowering.lower`; the guard checks required and duplicate keys)."""
         dropped: list[str] = []
-        schema: Any = None
-        if spec.kind == "json_schema":
-            schema = spec.schema
+        if spec.kind in ("json_object", "json_schema"):
+            schema = spec.schema if schema is None else schema
             if schema is False:
                 raise ValueError("the schema is `false`: no instance is valid")
-            schema = lower(schema, self._regex_ok, dropped)
+            schema = lower(schema, self._regex_ok, dropped, relax=relax)
             if contains_key(schema, "oneOf"):
                 dropped.append("oneOf (compiled as anyOf)")
+        options = {**_LLG_JSON_OPTIONS, "whitespace_flexible": spec.whitespace == "flexible"}
         while True:
-            grammar = self._grammar(spec) if schema is None else self._schema_grammar(schema)
+            grammar = self._grammar(spec) if schema is None else self._schema_grammar(schema, options)
             matcher = self._llg.LLMatcher(self.tokenizer, grammar, log_level=0, limits=self.limits)
             if matcher.is_error():
                 error = matcher.get_error()
@@ -185,8 +187,8 @@ class _LLGuidance:
             raise ValueError(library_error(matcher.get_error()))
         return matcher, tuple(dict.fromkeys(dropped))
 
-    def _schema_grammar(self, schema: Any) -> str:
-        return self._llg.LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=_LLG_JSON_OPTIONS)
+    def _schema_grammar(self, schema: Any, options: dict[str, Any]) -> str:
+        return self._llg.LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=options)
 
     def _regex_ok(self, pattern: str) -> bool:
         ok = self._regex_cache.get(pattern)
@@ -262,12 +264,14 @@ class _XGrammar:
         vocab = self.info.decoded_vocab
         return [bytes(vocab[t]) if t < len(vocab) else b"" for t in range(self.vocab_size)]
 
-    def compile(self, spec: StructuredSpec) -> tuple[Any, tuple[str, ...]]:
+    def compile(self, spec: StructuredSpec, schema: Any = None, relax: Any = ()) -> tuple[Any, tuple[str, ...]]:
         try:
             if spec.kind in ("json_object", "json_schema"):
-                schema = spec.schema
+                schema = spec.schema if schema is None else schema
+                flexible = spec.whitespace == "flexible"
                 handle = self.compiler.compile_json_schema(
-                    json.dumps(schema), any_whitespace=False, separators=(",", ":"), strict_mode=True
+                    json.dumps(schema), any_whitespace=flexible, separators=(",", ": ") if flexible else (",", ":"),
+                    strict_mode=True,
                 )
                 dropped = sorted(k for k in all_keys(schema) if k not in _XGRAMMAR_CORE)
                 return handle, tuple(dropped)

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from leapdecode.structured.adapters import LIBRARIES, Library, make_library
-from leapdecode.structured.guard import SchemaGuard, TokenMarks
+from leapdecode.structured.guard import SchemaGuard, TokenMarks, free_order_sites
 from leapdecode.structured.lowering import CompileTimeout, deadline
 from leapdecode.structured.matcher import Matcher
 from leapdecode.structured.spec import StructuredSpec, check_spec, parse_structured
@@ -210,8 +210,12 @@ class GrammarBackend:
     def _compile_now(self, spec: StructuredSpec) -> CompiledGrammar:
         start = time.perf_counter()
         self._check(spec)
+        schema = spec.schema if spec.kind in ("json_object", "json_schema") else None
+        free_order = {}
+        if self.guard and spec.kind == "json_schema" and spec.key_order == "any":
+            free_order = free_order_sites(schema)  # the guard checks what the relaxed grammar lets through
         try:
-            handle, dropped = self._lib.compile(spec)
+            handle, dropped = self._lib.compile(spec, schema, relax=free_order.keys())
         except CompileTimeout:
             raise
         except ValueError as e:
@@ -221,7 +225,7 @@ class GrammarBackend:
         guard = None
         if self.guard and spec.kind in ("json_object", "json_schema"):
             try:
-                guard = SchemaGuard(spec.schema, dropped=dropped)
+                guard = SchemaGuard(schema, dropped=dropped, free_order=free_order)
             except ValueError as e:
                 raise ValueError(f"{_describe(spec)}: {e}") from None
         return CompiledGrammar(spec, self.library, handle, dropped, guard, time.perf_counter() - start)

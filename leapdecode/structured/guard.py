@@ -14,6 +14,7 @@ dropped if the grammar library grows the keywords.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Iterator
 
@@ -22,12 +23,12 @@ import jsonschema.validators
 import numpy as np
 import torch
 
-from leapdecode.structured.lowering import check_deadline
+from leapdecode.structured.lowering import check_deadline, iter_subschemas
 
 if TYPE_CHECKING:
     from leapdecode.structured.backend import GrammarBackend
 
-__all__ = ["Cursor", "SchemaGuard", "TokenMarks", "probe_schema"]
+__all__ = ["Cursor", "SchemaGuard", "TokenMarks", "free_order_sites", "probe_schema"]
 
 _OPEN = frozenset(b"[{")
 _CLOSE = frozenset(b"]}")
@@ -73,6 +74,7 @@ class _Frame:
     expect_key: bool = False  # object: the next string is a key
     value_start: int = -1  # offset of an unfinished scalar value
     has_value: bool = False  # the current element/member has a complete value
+    keys: frozenset[str] = frozenset()  # object: the keys seen so far
 
     def step(self) -> Any:
         return self.key if self.kind == ord("{") else self.index
@@ -116,6 +118,27 @@ class _Anchor:
         return all(p == s or (p == "*" and isinstance(s, int)) for p, s in zip(self.pattern, path))
 
 
+@dataclass(frozen=True)
+class _ObjectRule:
+    """An object (at a fixed instance path) whose properties the grammar takes in any order (see
+    `free_order_sites`): a key may not repeat, and the object closes only with every required key."""
+
+    pattern: tuple[Any, ...]
+    required: frozenset[str]
+    # When no other key is possible (additionalProperties false, no pattern properties): the declared names as
+    # (JSON-escaped bytes, name), so that a key is refused as soon as it can only become a used name, and a
+    # comma once every name is used (otherwise those would be dead ends).
+    closed: tuple[tuple[bytes, str], ...] | None = None
+
+    def matches(self, path: tuple[Any, ...]) -> bool:
+        return len(path) == len(self.pattern) and all(
+            p == s or (p == "*" and isinstance(s, int)) for p, s in zip(self.pattern, path)
+        )
+
+    def compatible(self, path: tuple[Any, ...]) -> bool:
+        return all(p == s or (p == "*" and isinstance(s, int)) for p, s in zip(self.pattern, path))
+
+
 class SchemaGuard:
     """Checks, with jsonschema, what the compiled grammar does not enforce (see the module docstring).
 
@@ -125,7 +148,8 @@ class SchemaGuard:
 
     max_checks = 64
 
-    def __init__(self, schema: dict[str, Any] | bool, dropped: tuple[str, ...] = ()) -> None:
+    def __init__(self, schema: dict[str, Any] | bool, dropped: tuple[str, ...] = (),
+                 free_order: dict[int, tuple[dict[str, Any], list[tuple[Any, ...]]]] | None = None) -> None:
         cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
         self.validator = cls(schema, format_checker=_format_checker(cls))
         probe_schema(self.validator)
@@ -133,6 +157,13 @@ class SchemaGuard:
         self._doc_cache: dict[bytes, bool] = {}
         self._event_cache: dict[tuple[Any, ...], bool] = {}  # mask fills and accept() see the same events
         self.anchors: list[_Anchor] = _find_anchors(schema, self.validator, dropped) if dropped else []
+        self.objects: list[_ObjectRule] = [
+            _ObjectRule(pattern, frozenset(r for r in node.get("required", ()) if isinstance(r, str)), _closed(node))
+            for node, patterns in (free_order or {}).values()
+            for pattern in patterns
+        ]
+        self._closed_objects = any(o.closed is not None for o in self.objects)
+        self.active = bool(self.anchors or self.objects)  # False: only rule A (the document check)
 
     # -- rule A --------------------------------------------------------------------------------------------
     def document_ok(self, text: bytes) -> bool:
@@ -153,18 +184,19 @@ class SchemaGuard:
     # -- rules B and C ---------------------------------------------------------------------------------------
     def advance(self, text: bytearray, cursor: Cursor, piece: bytes) -> Cursor | None:
         """Cursor after appending `piece`, or None if that closes a value/key/element the schema forbids."""
-        if not self.anchors:
+        if not self.active:
             return replace(cursor, length=cursor.length + len(piece))
         buf = bytes(text) + piece
         return _scan(buf, cursor, piece, self)
 
     def restrict(self, row: torch.Tensor, text: bytearray, cursor: Cursor, backend: GrammarBackend) -> None:
         """Clear, in one mask row, the tokens that `advance` would refuse."""
-        if not self.anchors:
+        if not self.active:
             return
         path = cursor.path(len(cursor.frames) - 1)
         relevant = [a for a in self.anchors if a.compatible(path)]
-        if not relevant:
+        objects = [o for o in self.objects if o.compatible(path)]
+        if not relevant and not objects:
             return
         words = row.numpy().view(np.uint32)  # shares memory with the tensor row
         allowed = np.unpackbits(words.view(np.uint8), bitorder="little")[: backend.vocab_size].astype(bool)
@@ -177,14 +209,22 @@ class SchemaGuard:
             # the current path or deeper (quote/comma/bracket), an element of an ancestor closing (comma), a
             # key closing (quote), or enough brackets to close the container an anchor sits on.
             here = any(len(a.pattern) >= depth for a in relevant)
-            closes = min(max(depth - len(a.pattern), 1) for a in relevant)
+            # an object rule at pattern P sits in frame len(P) + 1: it closes after depth - len(P) brackets, and
+            # its keys close (quote) while it is the innermost frame
+            closes = min([max(depth - len(a.pattern), 1) for a in relevant]
+                         + [max(depth - len(o.pattern), 1) for o in objects])
             interesting = marks.close_count >= closes
             if here or any(a.monotone is not None for a in relevant):
                 interesting = interesting | marks.comma
-            if here or any(a.names is not None for a in relevant):
+            if here or any(a.names is not None for a in relevant) or any(len(o.pattern) + 1 >= depth for o in objects):
                 interesting = interesting | marks.quote
         if cursor.in_string:
-            interesting = interesting & marks.quote  # nothing counts before the string is closed
+            if cursor.string_is_key and any(o.closed is not None and len(o.pattern) + 1 == depth for o in objects):
+                interesting = np.ones_like(marks.quote)  # every byte of the key must stay a prefix of an unused name
+            else:
+                interesting = interesting & marks.quote  # nothing counts before the string is closed
+        elif any(o.closed is not None and len(o.pattern) + 1 >= depth for o in objects):
+            interesting = interesting | marks.comma
         candidates = np.flatnonzero(allowed & interesting)
         if len(candidates) > self.max_checks:
             # Bound the work per row: check the shortest tokens (the bare quote/bracket/comma among them) and
@@ -217,8 +257,30 @@ class SchemaGuard:
     def partial_ok(self, path: tuple[Any, ...], raw: bytes) -> bool:
         return _all_valid([a.monotone for a in self.anchors if a.monotone is not None and a.matches(path)], raw)
 
-    def key_ok(self, path: tuple[Any, ...], key: str) -> bool:
+    def key_ok(self, path: tuple[Any, ...], key: str, seen: frozenset[str] = frozenset()) -> bool:
+        """May the object at `path` take the key `key` next, having `seen` keys already?"""
+        if key in seen and any(o.matches(path) for o in self.objects):
+            return False
         return all(_is_valid(a.names, key) for a in self.anchors if a.names is not None and a.matches(path))
+
+    def key_prefix_ok(self, path: tuple[Any, ...], raw: bytes, seen: frozenset[str]) -> bool:
+        """Can the key whose escaped text starts with `raw` still become an unused name (closed objects)?"""
+        for o in self.objects:
+            if o.closed is not None and o.matches(path):
+                if not any(b.startswith(raw) and name not in seen for b, name in o.closed):
+                    return False
+        return True
+
+    def more_keys_ok(self, path: tuple[Any, ...], seen: frozenset[str]) -> bool:
+        """May the object at `path` take another member (a comma) having `seen` keys?"""
+        return all(
+            any(name not in seen for _, name in o.closed)
+            for o in self.objects if o.closed is not None and o.matches(path)
+        )
+
+    def object_ok(self, path: tuple[Any, ...], keys: frozenset[str]) -> bool:
+        """May the object at `path` close with `keys`? (required keys of the free-order objects)"""
+        return all(o.required <= keys for o in self.objects if o.matches(path))
 
 
 def _all_valid(validators: list[Any], raw: bytes) -> bool:
@@ -282,11 +344,20 @@ def _scan(buf: bytes, cursor: Cursor, piece: bytes, guard: SchemaGuard) -> Curso
     for offset, c in enumerate(piece):
         pos = base + offset
         if in_string:
+            closing = False
             if escape:
                 escape = False
             elif c == 0x5C:  # backslash
                 escape = True
-            elif c == 0x22:  # closing quote
+            else:
+                closing = c == 0x22
+            if not closing:
+                if string_is_key and guard._closed_objects and not guard.key_prefix_ok(
+                    path_of(len(frames) - 2), buf[string_start + 1 : pos + 1], frames[-1].keys
+                ):
+                    return None
+                continue
+            if closing:
                 in_string = False
                 f = top()
                 raw = buf[string_start : pos + 1]
@@ -296,8 +367,9 @@ def _scan(buf: bytes, cursor: Cursor, piece: bytes, guard: SchemaGuard) -> Curso
                     except ValueError:
                         f.key = raw.decode("utf-8", "replace")
                     f.expect_key = False
-                    if not guard.key_ok(path_of(len(frames) - 2), f.key):
+                    if not guard.key_ok(path_of(len(frames) - 2), f.key, f.keys):
                         return None
+                    f.keys = f.keys | {f.key}
                 else:
                     f.has_value = True
                     if not guard.value_ok(path_of(len(frames) - 1), raw):
@@ -316,6 +388,9 @@ def _scan(buf: bytes, cursor: Cursor, piece: bytes, guard: SchemaGuard) -> Curso
                 if not guard.value_ok(path_of(depth), buf[f.value_start : pos]):
                     return None
                 f.value_start, f.has_value = -1, True
+            if c == ord(",") and f.kind == ord("{") and guard._closed_objects:
+                if not guard.more_keys_ok(path_of(depth - 1), f.keys):
+                    return None
             if c == ord(","):
                 if f.has_value and not guard.partial_ok(path_of(depth - 1), buf[f.start : pos] + bytes([f.kind + 2])):
                     return None
@@ -324,12 +399,14 @@ def _scan(buf: bytes, cursor: Cursor, piece: bytes, guard: SchemaGuard) -> Curso
             elif depth > 0:
                 frames.pop()
                 copied.pop()
+                if f.kind == ord("{") and not guard.object_ok(path_of(depth - 1), f.keys):
+                    return None
                 if not guard.value_ok(path_of(depth - 1), buf[f.start : pos + 1]):
                     return None
                 parent = top()
                 parent.has_value = True
         elif c in _WS or c == ord(":"):
-            pass  # our grammars emit compact JSON; whitespace between tokens carries no structure
+            pass  # whitespace between tokens carries no structure (a number's text is cut at its end anyway)
         else:  # part of a number or literal
             f = top()
             if f.value_start < 0:
@@ -399,6 +476,191 @@ def _find_anchors(schema: Any, validator: Any, dropped: tuple[str, ...]) -> list
         children = [(child, pattern + steps) for steps, child in _instance_children(schema, node)]
         stack.extend((child, path, inner) for child, path in reversed(children) if id(child) not in inner)
     return anchors
+
+
+# Keywords that keep an object's declared properties in schema order: combinators and conditionals beside
+# `properties` make llguidance intersect or branch schemas, and `unevaluatedProperties` depends on them.
+_ORDER_BLOCKERS = frozenset({
+    "anyOf", "oneOf", "$ref", "$dynamicRef", "$recursiveRef", "if", "then", "else", "not",
+    "dependentSchemas", "dependencies", "unevaluatedProperties", "dependentRequired", "propertyNames",
+})
+_MAX_PATTERNS_PER_OBJECT = 32
+
+
+def free_order_sites(schema: Any) -> dict[int, tuple[dict[str, Any], list[tuple[Any, ...]]]]:
+    """The object subschemas whose properties the grammar may take in any order, with the instance paths they
+    apply at: {id(node): (node, [pattern, ...])}.
+
+    A subschema qualifies when the guard can check it exactly (a repeated key, a missing required key): it is
+    reached only through fixed instance paths (properties, items, prefixItems, allOf, local $ref) - never
+    through anyOf/oneOf/not/if/additionalProperties/patternProperties/... nor recursion - at few paths, it has
+    `properties`, none of `_ORDER_BLOCKERS`, and its patternProperties match none of its property names. The
+    others keep schema order (exact in the grammar). Any unresolvable or dynamic $ref: no site at all."""
+    if not isinstance(schema, dict):
+        return {}
+    nodes: dict[int, Any] = {}
+    tainted: set[int] = set()
+    stack: list[tuple[Any, bool]] = [(schema, False)]
+    while stack:  # every subschema reached from the root, and whether some route to it is not a fixed path
+        node, taint = stack.pop()
+        if not isinstance(node, dict):
+            continue
+        known = id(node) in nodes
+        if known and (id(node) in tainted or not taint):
+            continue
+        nodes[id(node)] = node
+        if taint:
+            tainted.add(id(node))
+        if len(nodes) & 255 == 0:
+            check_deadline()
+        for steps, child in _subschema_edges(schema, node):
+            if child is _UNRESOLVED:
+                return {}
+            stack.append((child, taint or steps is None))
+    patterns: dict[int, list[tuple[Any, ...]]] = {}
+    cyclic: set[int] = set()
+    walk: list[tuple[Any, tuple[Any, ...], tuple[int, ...]]] = [(schema, (), ())]
+    visits = 0
+    while walk:  # the fixed instance paths of each subschema (acyclic walk, bounded)
+        node, pattern, chain = walk.pop()
+        visits += 1
+        if visits > MAX_ANCHOR_VISITS:
+            return {}
+        if visits & 63 == 0:
+            check_deadline()
+        patterns.setdefault(id(node), []).append(pattern)
+        chain = chain + (id(node),)
+        for steps, child in _subschema_edges(schema, node):
+            if steps is None or not isinstance(child, dict):
+                continue
+            if id(child) in chain:
+                cyclic.update(chain[chain.index(id(child)) :])
+                continue
+            walk.append((child, pattern + steps, chain))
+    bad = set(tainted) | _pointed_through_properties(schema) | _mixed_intersections(schema, nodes)
+    todo = list(cyclic)  # whatever a recursion reaches has infinitely many paths
+    while todo:
+        i = todo.pop()
+        if i in bad and i not in cyclic:
+            continue
+        bad.add(i)
+        for steps, child in _subschema_edges(schema, nodes[i]):
+            if steps is not None and isinstance(child, dict) and id(child) not in bad:
+                todo.append(id(child))
+    return {
+        i: (nodes[i], pats)
+        for i, pats in patterns.items()
+        if i not in bad and len(pats) <= _MAX_PATTERNS_PER_OBJECT and _free_order_ok(nodes[i])
+    }
+
+
+def _closed(node: dict[str, Any]) -> tuple[tuple[bytes, str], ...] | None:
+    if node.get("additionalProperties") is not False or node.get("patternProperties"):
+        return None
+    return tuple((json.dumps(name, ensure_ascii=False)[1:-1].encode(), name) for name in node["properties"])
+
+
+def _mixed_intersections(root: dict[str, Any], nodes: dict[int, Any]) -> set[int]:
+    """llguidance intersects the subschemas joined by allOf / $ref: relax all the objects of such a group or
+    none (an ordered `properties` intersected with relaxed ones refuses valid orders)."""
+    parent = {i: i for i in nodes}
+
+    def find(i: int) -> int:
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+
+    for i, node in nodes.items():
+        joined = list(node.get("allOf")) if isinstance(node.get("allOf"), list) else []
+        if isinstance(node.get("$ref"), str):
+            joined.append(_resolve_local(root, node["$ref"]))
+        for child in joined:
+            if isinstance(child, dict) and id(child) in parent:
+                parent[find(id(child))] = find(i)
+    blocked = {
+        find(i) for i, node in nodes.items()
+        if (_ORDER_BLOCKERS - {"$ref"}) & node.keys() or ("properties" in node and not _free_order_ok(node, True))
+    }
+    return {i for i in nodes if find(i) in blocked}
+
+
+def _pointed_through_properties(root: dict[str, Any]) -> set[int]:
+    """ids of the nodes whose `properties` some $ref points into (relaxing them would break the pointer)."""
+    out: set[int] = set()
+    for node, _ in iter_subschemas(root):
+        ref = node.get("$ref")
+        if not isinstance(ref, str) or not ref.startswith("#/"):
+            continue
+        here: Any = root
+        for part in ref[2:].split("/"):
+            part = part.replace("~1", "/").replace("~0", "~")
+            if part == "properties" and isinstance(here, dict):
+                out.add(id(here))
+            if isinstance(here, dict) and part in here:
+                here = here[part]
+            elif isinstance(here, list) and part.isdigit() and int(part) < len(here):
+                here = here[int(part)]
+            else:
+                break
+    return out
+
+
+def _free_order_ok(node: dict[str, Any], ignore_ref: bool = False) -> bool:
+    props = node.get("properties")
+    blockers = _ORDER_BLOCKERS - {"$ref"} if ignore_ref else _ORDER_BLOCKERS
+    if not isinstance(props, dict) or not props or blockers & node.keys():
+        return False
+    if not isinstance(node.get("required", []), list):
+        return False
+    patterns = node.get("patternProperties", {})
+    if not isinstance(patterns, dict):
+        return False
+    for pattern in patterns:
+        try:
+            if any(re.search(pattern, name) for name in props):
+                return False  # a name matching a pattern property must satisfy both: keep llguidance's form
+        except re.error:
+            return False
+    return True
+
+
+_UNRESOLVED = object()
+_SINGLE_NONFIXED = ("additionalProperties", "propertyNames", "contains", "not", "if", "then", "else",
+                    "unevaluatedItems", "unevaluatedProperties", "additionalItems")
+
+
+def _subschema_edges(root: Any, node: dict[str, Any]) -> Iterator[tuple[tuple[Any, ...] | None, Any]]:
+    """Every subschema applying below `node` with its instance steps, or None where the location is not a fixed
+    path; `_UNRESOLVED` for a $ref we cannot follow."""
+    props = node.get("properties")
+    for name, sub in props.items() if isinstance(props, dict) else ():
+        yield (name,), sub
+    for key in ("patternProperties", "dependentSchemas", "dependencies"):
+        value = node.get(key)
+        for sub in value.values() if isinstance(value, dict) else ():
+            yield None, sub
+    items, prefix = node.get("items"), node.get("prefixItems")
+    if isinstance(items, dict):
+        yield (None if prefix else ("*",)), items
+    elif isinstance(items, list):
+        for i, sub in enumerate(items):
+            yield (i,), sub
+    for i, sub in enumerate(prefix if isinstance(prefix, list) else ()):
+        yield (i,), sub
+    for key in _SINGLE_NONFIXED:
+        yield None, node.get(key)
+    for sub in node.get("allOf") if isinstance(node.get("allOf"), list) else ():
+        yield (), sub  # llguidance intersects the branches; each relaxed branch has its own object rule
+    for key in ("anyOf", "oneOf"):
+        for sub in node.get(key) if isinstance(node.get(key), list) else ():
+            yield None, sub
+    if "$dynamicRef" in node or "$recursiveRef" in node:
+        yield (), _UNRESOLVED
+    ref = node.get("$ref")
+    if isinstance(ref, str):
+        target = _resolve_local(root, ref)
+        yield (), (_UNRESOLVED if target is None else target)
 
 
 def _relevant_nodes(schema: Any, keys: set[str]) -> set[int]:

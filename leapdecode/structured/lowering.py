@@ -107,7 +107,15 @@ def drop_keyword(schema: Any, keyword: str) -> Any:
     return schema
 
 
-def lower(schema: Any, regex_ok: Callable[[str], bool], dropped: list[str]) -> Any:
+def exact_name_regex(name: str) -> str:
+    """A regex matching exactly the string `name` (in the library's regex syntax: every metacharacter escaped)."""
+    return "^" + "".join("\\" + c if c in _REGEX_META else c for c in name) + "$"
+
+
+_REGEX_META = frozenset("\\.+*?()|[]{}^$#&-~")
+
+
+def lower(schema: Any, regex_ok: Callable[[str], bool], dropped: list[str], relax: Iterable[int] = ()) -> Any:
     """Rewrite `schema` into a form the library takes, without changing which instances are valid, except where
     noted in `dropped` (then the guard re-checks):
 
@@ -116,9 +124,21 @@ def lower(schema: Any, regex_ok: Callable[[str], bool], dropped: list[str]) -> A
       additional properties);
     * `pattern`s the library's regex engine rejects (look-around, back-references) are removed (over-
       approximation); a rejected patternProperties entry is removed, so its keys fall to additionalProperties
-      (at worst an under-approximation, never an invalid instance).
+      (at worst an under-approximation, never an invalid instance);
+    * the object subschemas whose ids are in `relax` (chosen by `guard.free_order_sites`) take their
+      properties in any order: each declared property becomes an exact-name pattern property (llguidance fixes
+      the order of `properties`, not of pattern properties) and `required` is removed; the guard refuses a
+      repeated key and closes the object only with every required key (over-approximation, checked).
     """
-    schema = {} if schema is True else copy.deepcopy(schema)
+    memo: dict[int, Any] = {}
+    schema = {} if schema is True else copy.deepcopy(schema, memo)
+    for key in relax:
+        node = memo.get(key)
+        if isinstance(node, dict):
+            props = node.pop("properties")
+            node.pop("required", None)
+            node["patternProperties"] = {**{exact_name_regex(name): sub for name, sub in props.items()},
+                                         **node.get("patternProperties", {})}
     for node, _ in iter_subschemas(schema):
         for key in _INTEGER_KEYWORDS:
             value = node.get(key)

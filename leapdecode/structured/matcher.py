@@ -53,7 +53,7 @@ class Matcher:
         self._native_ok = (
             hasattr(state, "native")
             and self._eos == (backend.native_eos,)
-            and (self._guard is None or not self._guard.anchors)
+            and (self._guard is None or not self._guard.active)
         )
         self._history: list[int] = []  # accepted tokens, EOS included
         self._terminated = False

@@ -8,6 +8,15 @@ The accepted shapes are exactly OpenAI's `response_format` plus three extras:
     {"type": "grammar", "grammar": str}             # Lark (llguidance dialect) or GBNF/EBNF
     {"type": "choice", "choice": [str, ...]}
 
+The JSON kinds also take two output-form options (defaults: every valid document is accepted):
+
+    "whitespace": "flexible" (default: any JSON whitespace between tokens, e.g. indented JSON) | "compact"
+    "key_order":  "any" (default: object properties in any order) | "schema" (declared properties first, in the
+                  schema's order)
+
+"compact" and "schema" narrow what the model may write beyond what the schema says (models are mostly trained
+on indented JSON in free key order), which can lower answer quality; use them when the consumer needs that form.
+
 Everything that can be checked without a tokenizer is checked here, so bad input fails at submission with a
 ValueError that names the field; what only the grammar library can judge (regex syntax, grammar syntax,
 unsupported schema features) fails in `GrammarBackend.compile`, also as a ValueError.
@@ -17,7 +26,7 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 import jsonschema
@@ -27,9 +36,12 @@ import jsonschema.validators
 SpecKind = Literal["json_object", "json_schema", "regex", "grammar", "choice"]
 
 _KINDS: tuple[str, ...] = ("json_object", "json_schema", "regex", "grammar", "choice")
+_FORM_KEYS = {"whitespace", "key_order"}
+_WHITESPACE = ("flexible", "compact")
+_KEY_ORDER = ("any", "schema")
 _ALLOWED_KEYS: dict[str, set[str]] = {
-    "json_object": {"type"},
-    "json_schema": {"type", "json_schema"},
+    "json_object": {"type"} | _FORM_KEYS,
+    "json_schema": {"type", "json_schema"} | _FORM_KEYS,
     "regex": {"type", "regex"},
     "grammar": {"type", "grammar"},
     "choice": {"type", "choice"},
@@ -44,13 +56,16 @@ class StructuredSpec:
 
     `text` is canonical (compact JSON for schemas, a sorted JSON list for choices) so that requests asking for
     the same constraint share one compiled grammar in the backend cache whatever their whitespace. Schema key
-    order is significant (it fixes the order of emitted properties), so it is preserved.
+    order is preserved (with key_order="schema" it fixes the order of emitted properties).
+    `whitespace` and `key_order` (JSON kinds only) choose the output form; see the module docstring.
     """
 
     kind: SpecKind
     text: str
     name: str | None = None
     strict: bool | None = None
+    whitespace: str = "flexible"
+    key_order: str = "any"
 
     @property
     def schema(self) -> dict[str, Any] | bool:
@@ -68,9 +83,9 @@ class StructuredSpec:
         return json.loads(self.text)
 
     @property
-    def cache_key(self) -> tuple[str, str]:
+    def cache_key(self) -> tuple[str, ...]:
         """What determines the compiled grammar (name/strict do not)."""
-        return (self.kind, self.text)
+        return (self.kind, self.text, self.whitespace, self.key_order)
 
 
 def parse_structured(structured: Any, *, check: bool = True) -> StructuredSpec:
@@ -91,10 +106,11 @@ def parse_structured(structured: Any, *, check: bool = True) -> StructuredSpec:
     if extra:
         raise ValueError(f"structured of type {kind!r} does not take the field(s) {sorted(extra)}")
 
-    if kind == "json_object":
-        return StructuredSpec("json_object", json.dumps({"type": "object"}))
-    if kind == "json_schema":
-        spec = _parse_json_schema(structured.get("json_schema"))
+    if kind in ("json_object", "json_schema"):
+        form = _parse_form(structured)
+        if kind == "json_object":
+            return StructuredSpec("json_object", json.dumps({"type": "object"}), **form)
+        spec = replace(_parse_json_schema(structured.get("json_schema")), **form)
         if check:
             check_spec(spec)
         return spec
@@ -104,6 +120,16 @@ def parse_structured(structured: Any, *, check: bool = True) -> StructuredSpec:
             raise ValueError(f"structured[{kind!r}] must be a non-empty string, got {text!r:.80}")
         return StructuredSpec(kind, text)
     return _parse_choice(structured.get("choice"))
+
+
+def _parse_form(structured: dict[str, Any]) -> dict[str, str]:
+    whitespace = structured.get("whitespace", "flexible")
+    if whitespace not in _WHITESPACE:
+        raise ValueError(f"structured['whitespace'] must be one of {', '.join(_WHITESPACE)}; got {whitespace!r:.80}")
+    key_order = structured.get("key_order", "any")
+    if key_order not in _KEY_ORDER:
+        raise ValueError(f"structured['key_order'] must be one of {', '.join(_KEY_ORDER)}; got {key_order!r:.80}")
+    return {"whitespace": whitespace, "key_order": key_order}
 
 
 def _parse_json_schema(block: Any) -> StructuredSpec:
