@@ -754,3 +754,27 @@ def test_json_text_orders_nested_objects_by_their_own_schema() -> None:
     instance = {"list": [{"b": 1, "z": 2}], "a": {"b": 1, "y": 2}, "b": {"b": 1, "a": 2}}
     assert json_text(instance, schema) == '{"b":{"a":2,"b":1},"a":{"y":2,"b":1},"list":[{"z":2,"b":1}]}'
     assert json_text({"k": [1]}, {}, indent=2) == '{\n  "k": [\n    1\n  ]\n}'
+
+
+def test_guard_checks_every_candidate(backend: GrammarBackend, tokenizer: Any) -> None:
+    """Issue 14: the guard checked at most 64 candidate tokens per row and masked the rest (canonical tokens such
+    as `"},` among them). Now a guarded row is exactly: what the grammar allows, minus what the guard refuses."""
+    schema = {"type": "object", "properties": {"w": {"type": "string", "not": {"const": "no"}}, "n": {"type": "integer"}},
+              "required": ["w"], "additionalProperties": False}
+    compiled = backend.compile(_schema_spec(schema))
+    for prefix in ('{"w":"ab', '{"w":"n', '{"n":1', '{"n":1,"w":"x"'):
+        matcher = backend.matcher(compiled)
+        assert matcher.accept_tokens(_encode(tokenizer, prefix)) == len(_encode(tokenizer, prefix))
+        row = allocate_token_bitmask(1, backend.vocab_size)
+        matcher.fill_bitmask(row, 0)
+        allowed = bitmask_to_bool(row[0], backend.vocab_size)
+        raw = allocate_token_bitmask(1, backend.vocab_size)
+        matcher._state.fill(raw, 0)
+        grammar = bitmask_to_bool(raw[0], backend.vocab_size)
+        for t in torch.nonzero(grammar).flatten().tolist():
+            if t == tokenizer.eos_token_id:
+                continue
+            ok = matcher.accept(t)
+            if ok:
+                matcher.rollback(1)
+            assert bool(allowed[t]) == ok, (prefix, tokenizer.decode([t]))

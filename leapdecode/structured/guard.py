@@ -44,23 +44,38 @@ _GUARDED_KEYWORDS = {
 
 @dataclass(frozen=True)
 class TokenMarks:
-    """Per-token bool/int arrays over the vocabulary: what JSON structure a token's bytes contain."""
+    """Per-token arrays over the vocabulary: what JSON structure a token's bytes contain, each also packed into
+    bitmask words (bit t of word t // 32), so a mask row's candidates are found with a few word-wise ANDs."""
 
     quote: np.ndarray
     comma: np.ndarray
     close_count: np.ndarray
     literal_end: np.ndarray
     length: np.ndarray
+    packed: dict[str, np.ndarray]  # "quote", "comma", "literal_end", "all", "close>=k" for k = 1..8
 
     @staticmethod
     def build(pieces: list[bytes]) -> "TokenMarks":
-        return TokenMarks(
-            quote=np.array([b'"' in p for p in pieces], dtype=bool),
-            comma=np.array([b"," in p for p in pieces], dtype=bool),
-            close_count=np.array([p.count(b"]") + p.count(b"}") for p in pieces], dtype=np.int32),
-            literal_end=np.array([p[-1:] in (b"e", b"l") for p in pieces], dtype=bool),
-            length=np.array([len(p) for p in pieces], dtype=np.int32),
-        )
+        quote = np.array([b'"' in p for p in pieces], dtype=bool)
+        comma = np.array([b"," in p for p in pieces], dtype=bool)
+        close_count = np.array([p.count(b"]") + p.count(b"}") for p in pieces], dtype=np.int32)
+        literal_end = np.array([p[-1:] in (b"e", b"l") for p in pieces], dtype=bool)
+        packed = {"quote": _pack(quote), "comma": _pack(comma), "literal_end": _pack(literal_end),
+                  "all": _pack(np.ones(len(pieces), dtype=bool))}
+        for k in range(1, 9):
+            packed[f"close>={k}"] = _pack(close_count >= k)
+        return TokenMarks(quote, comma, close_count, literal_end, np.array([len(p) for p in pieces], dtype=np.int32),
+                          packed)
+
+    def closes(self, k: int) -> np.ndarray:
+        return self.packed[f"close>={min(k, 8)}"]
+
+
+def _pack(flags: np.ndarray) -> np.ndarray:
+    """bool per token -> uint32 words, little-endian bit order (the bitmask layout)."""
+    padded = np.zeros(-(-len(flags) // 32) * 32, dtype=bool)
+    padded[: len(flags)] = flags
+    return np.packbits(padded, bitorder="little").view(np.uint32)
 
 
 @dataclass
@@ -142,11 +157,9 @@ class _ObjectRule:
 class SchemaGuard:
     """Checks, with jsonschema, what the compiled grammar does not enforce (see the module docstring).
 
-    max_checks bounds the candidate tokens checked per mask row (each costs a jsonschema validation); beyond
-    it, the longest candidates are masked out, which keeps every row's cost bounded on large vocabularies.
+    Every candidate token of a mask row is checked (tokens that can close something the guard looks at); there
+    is no bound on their number, so exactness never depends on one.
     """
-
-    max_checks = 64
 
     def __init__(self, schema: dict[str, Any] | bool, dropped: tuple[str, ...] = (),
                  free_order: dict[int, tuple[dict[str, Any], list[tuple[Any, ...]]]] | None = None) -> None:
@@ -199,11 +212,11 @@ class SchemaGuard:
         if not relevant and not objects:
             return
         words = row.numpy().view(np.uint32)  # shares memory with the tensor row
-        allowed = np.unpackbits(words.view(np.uint8), bitorder="little")[: backend.vocab_size].astype(bool)
         depth = len(cursor.frames) - 1
         marks = backend.byte_marks()
+        packed = marks.packed
         if depth == 0:  # top-level scalar: a string closes on its quote, a literal on its last letter
-            interesting = marks.quote | marks.literal_end
+            interesting = packed["quote"] | packed["literal_end"]
         else:
             # A token matters only if it produces an event that a relevant anchor looks at: a value closing at
             # the current path or deeper (quote/comma/bracket), an element of an ancestor closing (comma), a
@@ -213,33 +226,43 @@ class SchemaGuard:
             # its keys close (quote) while it is the innermost frame
             closes = min([max(depth - len(a.pattern), 1) for a in relevant]
                          + [max(depth - len(o.pattern), 1) for o in objects])
-            interesting = marks.close_count >= closes
+            interesting = marks.closes(closes)
             if here or any(a.monotone is not None for a in relevant):
-                interesting = interesting | marks.comma
+                interesting = interesting | packed["comma"]
             if here or any(a.names is not None for a in relevant) or any(len(o.pattern) + 1 >= depth for o in objects):
-                interesting = interesting | marks.quote
+                interesting = interesting | packed["quote"]
+        closed_key = False
         if cursor.in_string:
             if cursor.string_is_key and any(o.closed is not None and len(o.pattern) + 1 == depth for o in objects):
-                interesting = np.ones_like(marks.quote)  # every byte of the key must stay a prefix of an unused name
+                interesting = packed["all"]  # every byte of the key must stay a prefix of an unused name
+                closed_key = True
             else:
-                interesting = interesting & marks.quote  # nothing counts before the string is closed
+                interesting = interesting & packed["quote"]  # nothing counts before the string is closed
         elif any(o.closed is not None and len(o.pattern) + 1 >= depth for o in objects):
-            interesting = interesting | marks.comma
-        candidates = np.flatnonzero(allowed & interesting)
-        if len(candidates) > self.max_checks:
-            # Bound the work per row: check the shortest tokens (the bare quote/bracket/comma among them) and
-            # mask out the rest. Only an under-approximation: the model can still close the value with the
-            # short tokens; it never lets an invalid token through.
-            order = np.argsort(marks.length[candidates], kind="stable")
-            for t in candidates[order[self.max_checks :]]:
-                words[t >> 5] &= np.uint32(~(1 << int(t & 31)) & 0xFFFFFFFF)
-            candidates = candidates[order[: self.max_checks]]
+            interesting = interesting | packed["comma"]
+        hit = words & interesting[: words.shape[0]]
+        nonzero = np.flatnonzero(hit)
+        if not nonzero.size:
+            return
+        bits = np.unpackbits(hit[nonzero].view(np.uint8), bitorder="little").reshape(-1, 32)
+        rows, cols = np.nonzero(bits)
+        candidates = (nonzero[rows] * 32 + cols).tolist()
+        # Every candidate is checked (no bound): the verdict depends only on the piece up to its last byte that
+        # can close something (quote, comma, bracket), so candidates sharing that prefix are scanned once.
         token_bytes = backend.token_bytes()
         buf = bytes(text)
+        verdicts: dict[bytes, bool] = {}
         for t in candidates:
             piece = token_bytes[t]
-            if _scan(buf + piece, cursor, piece, self) is None:
-                words[t >> 5] &= np.uint32(~(1 << int(t & 31)) & 0xFFFFFFFF)
+            if closed_key or depth == 0 or self._closed_objects:  # there, every key byte can matter
+                key = piece
+            else:
+                key = piece[: max(piece.rfind(b'"'), piece.rfind(b","), piece.rfind(b"]"), piece.rfind(b"}")) + 1]
+            ok = verdicts.get(key)
+            if ok is None:
+                ok = verdicts[key] = _scan(buf + key, cursor, key, self) is not None
+            if not ok:
+                words[t >> 5] &= np.uint32(~(1 << (t & 31)) & 0xFFFFFFFF)
 
     # -- event checks ----------------------------------------------------------------------------------------
     def value_ok(self, path: tuple[Any, ...], raw: bytes) -> bool:
@@ -626,6 +649,24 @@ def _free_order_ok(node: dict[str, Any], ignore_ref: bool = False) -> bool:
 
 
 _UNRESOLVED = object()
+
+
+def _may_be_object(root: Any, sub: Any, hops: int = 0) -> bool:
+    """Can an object instance satisfy `sub`? (False only when its type, const or enum rule objects out.)"""
+    if not isinstance(sub, dict):
+        return sub is not False
+    if isinstance(sub.get("$ref"), str) and hops < 8:
+        target = _resolve_local(root, sub["$ref"])
+        if target is None or not _may_be_object(root, target, hops + 1):
+            return target is None
+    kind = sub.get("type")
+    if isinstance(kind, str) and kind != "object" or isinstance(kind, list) and "object" not in kind:
+        return False
+    if "const" in sub and not isinstance(sub["const"], dict):
+        return False
+    if isinstance(sub.get("enum"), list) and not any(isinstance(v, dict) for v in sub["enum"]):
+        return False
+    return True
 _SINGLE_NONFIXED = ("additionalProperties", "propertyNames", "contains", "not", "if", "then", "else",
                     "unevaluatedItems", "unevaluatedProperties", "additionalItems")
 
@@ -653,8 +694,12 @@ def _subschema_edges(root: Any, node: dict[str, Any]) -> Iterator[tuple[tuple[An
     for sub in node.get("allOf") if isinstance(node.get("allOf"), list) else ():
         yield (), sub  # llguidance intersects the branches; each relaxed branch has its own object rule
     for key in ("anyOf", "oneOf"):
-        for sub in node.get(key) if isinstance(node.get(key), list) else ():
-            yield None, sub
+        branches = node.get(key) if isinstance(node.get(key), list) else []
+        objects = [i for i, sub in enumerate(branches) if _may_be_object(root, sub)]
+        for i, sub in enumerate(branches):
+            # The one branch that admits objects (e.g. Optional[Model] = anyOf [object, null]) is where every
+            # object at this location is checked, so for objects the location is fixed.
+            yield ((), sub) if objects == [i] else (None, sub)
     if "$dynamicRef" in node or "$recursiveRef" in node:
         yield (), _UNRESOLVED
     ref = node.get("$ref")

@@ -1,0 +1,110 @@
+"""Fuzz: random JSON schemas and instances, judged by `jsonschema`; the matcher must agree token by token.
+
+For each generated schema the backend compiles (default output form: any key order, flexible whitespace), every
+instance `jsonschema` calls valid must be producible (each token accepted, mask consistent, then EOS) written
+compact and indented, with its keys in a random order; every invalid one must be refused in both forms.
+Bounded (fixed seed, max_examples, no per-example deadline) so the file runs in well under a minute on a CPU.
+"""
+from __future__ import annotations
+
+import json
+import random
+from typing import Any
+
+import jsonschema
+import pytest
+
+hypothesis = pytest.importorskip("hypothesis")
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from test_structured_conformance import _produce, _schema_spec, backend, tokenizer  # noqa: E402,F401
+
+NAMES = ["id", "name", "tags", "a", "b", "count", "x_y", "val"]
+
+
+def _leaf() -> st.SearchStrategy[dict[str, Any]]:
+    integer = st.fixed_dictionaries({"type": st.just("integer")}, optional={
+        "minimum": st.integers(-5, 5), "maximum": st.integers(5, 50)})
+    number = st.fixed_dictionaries({"type": st.just("number")}, optional={"minimum": st.integers(-3, 0)})
+    string = st.fixed_dictionaries({"type": st.just("string")}, optional={
+        "maxLength": st.integers(1, 6), "minLength": st.integers(0, 2)})
+    enum = st.lists(st.one_of(st.integers(-3, 3), st.sampled_from(["red", "blue", "x y"]), st.booleans()),
+                    min_size=1, max_size=4, unique_by=lambda v: (type(v), v)).map(lambda e: {"enum": e})
+    return st.one_of(integer, number, string, enum, st.just({"type": "boolean"}), st.just({"type": "null"}))
+
+
+def _container(inner: st.SearchStrategy[dict[str, Any]]) -> st.SearchStrategy[dict[str, Any]]:
+    @st.composite
+    def obj(draw: Any) -> dict[str, Any]:
+        names = draw(st.lists(st.sampled_from(NAMES), min_size=1, max_size=4, unique=True))
+        props = {n: draw(inner) for n in names}
+        schema: dict[str, Any] = {"type": "object", "properties": props}
+        required = [n for n in names if draw(st.booleans())]
+        if required:
+            schema["required"] = required
+        extra = draw(st.sampled_from([None, False, {"type": "integer"}]))
+        if extra is not None:
+            schema["additionalProperties"] = extra
+        return schema
+
+    @st.composite
+    def arr(draw: Any) -> dict[str, Any]:
+        schema: dict[str, Any] = {"type": "array", "items": draw(inner)}
+        if draw(st.booleans()):
+            schema["maxItems"] = draw(st.integers(1, 4))
+        if draw(st.booleans()):
+            schema["uniqueItems"] = True
+        return schema
+
+    nullable = inner.map(lambda s: {"anyOf": [s, {"type": "null"}]})
+    return st.one_of(obj(), arr(), nullable)
+
+
+SCHEMAS = st.recursive(_leaf(), _container, max_leaves=6)
+
+
+def _instance(schema: Any, rng: random.Random, depth: int = 0) -> Any:
+    """A value shaped by the schema: usually valid, sometimes not (jsonschema decides which)."""
+    if "enum" in schema:
+        return rng.choice(schema["enum"])
+    if "anyOf" in schema:
+        return _instance(rng.choice(schema["anyOf"]), rng, depth)
+    kind = schema.get("type")
+    if kind == "object":
+        props = schema["properties"]
+        out = {n: _instance(s, rng, depth + 1) for n, s in props.items() if rng.random() < 0.8}
+        if rng.random() < 0.2:
+            out["extra"] = rng.choice([1, "s"])
+        keys = list(out)
+        rng.shuffle(keys)  # any key order
+        return {k: out[k] for k in keys}
+    if kind == "array":
+        return [_instance(schema["items"], rng, depth + 1) for _ in range(rng.randint(0, 3))]
+    if kind == "integer":
+        return rng.randint(-8, 60)
+    if kind == "number":
+        return rng.choice([0.5, -2.25, 3, 1e-3, -1.5e2])
+    if kind == "string":
+        return "".join(rng.choice("ab z") for _ in range(rng.randint(0, 7)))
+    if kind == "boolean":
+        return rng.random() < 0.5
+    return None if rng.random() < 0.9 else 0
+
+
+@settings(max_examples=100, deadline=None, derandomize=True, database=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture, HealthCheck.data_too_large])
+@given(schema=SCHEMAS, seed=st.integers(0, 2**16))
+def test_fuzz_schemas_agree_with_jsonschema(backend: Any, tokenizer: Any, schema: dict[str, Any], seed: int) -> None:
+    try:
+        compiled = backend.compile(_schema_spec(schema))
+    except ValueError as e:
+        pytest.fail(f"refused {json.dumps(schema)}: {e}")
+    validator = jsonschema.Draft202012Validator(schema)
+    rng = random.Random(seed)
+    for _ in range(4):
+        value = _instance(schema, rng)
+        valid = validator.is_valid(value)
+        for text in (json.dumps(value, separators=(",", ":")), json.dumps(value, indent=2)):
+            produced = _produce(backend, compiled, tokenizer, text, check_mask=True)
+            assert produced == valid, f"{'valid' if valid else 'invalid'} {text!r} for {json.dumps(schema)}"
