@@ -7,6 +7,7 @@ Every server here serves the tiny random-weight Llama from conftest.py, so outpu
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import json
 import re
@@ -477,7 +478,9 @@ def test_api_key(llama_dir):
 
 
 def test_schemathesis_no_server_errors(llama_dir):
-    """Fuzz every operation of the app's own OpenAPI schema, valid and invalid inputs: never a 5xx."""
+    """Fuzz every operation of the app's own OpenAPI schema, valid and invalid inputs: never a 5xx.
+    ``LEAPDECODE_FUZZ_SCALE=N`` multiplies the number of examples (a longer fuzz run outside CI)."""
+    import os
     schemathesis = pytest.importorskip("schemathesis")
     from hypothesis import HealthCheck, given, settings
     from hypothesis.errors import Unsatisfiable
@@ -488,17 +491,20 @@ def test_schemathesis_no_server_errors(llama_dir):
     schema = schemathesis.openapi.from_dict(app.openapi())
     with serve(app) as (url, _):
         operations = [result.ok() for result in schema.get_all_operations()]
+        scale = int(os.environ.get("LEAPDECODE_FUZZ_SCALE", "1"))
+        calls = collections.Counter()
         assert {op.path for op in operations} >= {"/v1/completions", "/v1/chat/completions", "/v1/models"}
         for op in operations:
             for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE):
                 # 30 examples per POST operation (20 valid, 10 invalid); the GETs have little to vary.
-                examples = (20 if mode == GenerationMode.POSITIVE else 10) if op.method.upper() == "POST" else 5
+                examples = scale * ((20 if mode == GenerationMode.POSITIVE else 10) if op.method.upper() == "POST" else 5)
 
                 @settings(max_examples=examples, derandomize=True, deadline=None, database=None,
                           suppress_health_check=list(HealthCheck))
                 @given(case=op.as_strategy(generation_mode=mode))
                 def check(case):
                     response = case.call(base_url=url, timeout=60)
+                    calls[response.status_code // 100 * 100] += 1
                     assert response.status_code < 500, (case.method, case.path, case.body, response.text[:500])
 
                 try:
@@ -506,6 +512,7 @@ def test_schemathesis_no_server_errors(llama_dir):
                 except Unsatisfiable:
                     # An operation without parameters or body (GET /health) has no invalid input to make.
                     assert mode == GenerationMode.NEGATIVE, op.label
+        print(f"schemathesis: {sum(calls.values())} requests by status class {dict(calls)}")
         wait_idle(app)
         assert_pool_free(app)
 
