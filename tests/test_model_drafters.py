@@ -344,3 +344,66 @@ def test_recursive_rejection_one_position_against_exact_enumeration():
         u = torch.rand(m + 1, generator=g, dtype=torch.float64).tolist()
         counts[recursive_rejection(p, q, cands, u[:m], u[m])[1]] += 1
     assert chisquare(counts.numpy(), (p * n).numpy()).pvalue > 1e-3
+
+
+class TreeWithProbsDrafter:
+    """A tree drawn from a second tiny model's distribution q (via transformers): 2 root candidates drawn without
+    replacement, one child under each; ``probs`` holds the row each node was drawn from."""
+
+    def __init__(self, path, temperature):
+        import transformers
+        self.model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        self.t = temperature
+        self.g = torch.Generator().manual_seed(7)
+        self.cache = {}
+
+    def q(self, ctx):
+        key = tuple(ctx)
+        if key not in self.cache:
+            with torch.no_grad():
+                logits = self.model(torch.tensor([list(ctx)])).logits[0, -1]
+            self.cache[key] = (logits / self.t).softmax(-1)
+        return self.cache[key]
+
+    def propose(self, requests):
+        from leapdecode.spec.drafter import Draft
+        out = []
+        for r in requests:
+            if r.max_draft < 4:
+                out.append(Draft())
+                continue
+            q0 = self.q(r.token_ids)
+            roots = torch.multinomial(q0, 2, replacement=False, generator=self.g).tolist()
+            kids, rows = [], [q0, q0]
+            for a in roots:
+                qa = self.q(list(r.token_ids) + [a])
+                kids.append(int(torch.multinomial(qa, 1, generator=self.g)))
+                rows.append(qa)
+            out.append(Draft(roots + kids, [-1, -1, 0, 1], score=0.9, probs=torch.stack(rows)))
+        return out
+
+    def observe(self, *args, **kwargs):
+        pass
+
+    def finish(self, *args, **kwargs):
+        pass
+
+
+def test_tree_drafts_with_probs_keep_the_distribution_end_to_end(tiny_dir):
+    """Engine level: trees with several candidates per position, verified by recursive rejection, keep the
+    target's distribution of the 2nd..4th tokens exactly (chi-square p > 1e-3 against enumeration), with second
+    root candidates accepted."""
+    target = tiny_dir("llama", vocab_size=8, initializer_range=0.6)
+    draft = tiny_dir("llama", vocab_size=8, initializer_range=0.6, seed=1)
+    prompt = [3, 4, 5, 3, 4, 5, 3, 4]
+    expected = exact_triple_distribution(target, prompt, lambda l: _topk_topp(l, 1.0))
+    n = 2000
+    drafter = TreeWithProbsDrafter(draft, 1.0)
+    llm = make_llm(target, speculative_config=spec("ngram", k=4, drafter=drafter), max_num_seqs=1024, seed=13)
+    outs = llm.generate([prompt] * n, SamplingParams(max_tokens=6, ignore_eos=True, temperature=1.0), use_tqdm=False)
+    pvalue = chi2_pvalue([o.outputs[0].token_ids[1:4] for o in outs], expected)
+    stats = llm.engine.stats
+    assert llm.engine.verifier.num_prob_trees >= n
+    assert stats["accepted_tokens"] > 0.1 * stats["draft_tokens"], stats
+    assert pvalue > 1e-3, pvalue
+    assert_pool_free(llm)

@@ -1,8 +1,9 @@
 """Logits rows in, a ``StepResult`` out: every verified position is sampled exactly as plain decoding would sample
 it (penalties, grammar mask, temperature, top-k/p, seeds), then each draft is walked (sample-then-match, see
 ``DraftTree.walk`` and sampling/rejection.py); a chain drawn from a model's distribution q is verified with
-min(1, p/q) and the residual instead (sampling/rejection.py) unless its request is greedy. A sequence with no
-draft has one row, and that is plain decoding.
+min(1, p/q) and the residual instead, and a tree drawn from q (siblings without replacement) by recursive rejection
+over siblings (sampling/rejection.py), unless its request is greedy. A sequence with no draft has one row, and that
+is plain decoding.
 
 The plan already says which logits row is which sequence and draft node (``ScheduledSeq.sample_start``), so this
 module reads the layout and never derives it. It runs wherever the forward ran last (the engine thread, or the
@@ -16,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Mapping
 import torch
 
 from leapdecode.engine.step import ScheduledSeq, SeqResult, StepPlan, StepResult, lay_out
-from leapdecode.sampling.rejection import ACCEPT_SALT, speculative_chains
+from leapdecode.sampling.rejection import ACCEPT_SALT, speculative_chains, verify_tree_with_probs
 from leapdecode.sampling.sampler import (Row, SamplingBatch, _position, compute_logprobs, inverse_cdf_sample,
                                          seeded_uniform)
 
@@ -32,6 +33,7 @@ class Verifier:
         self.structured = structured     # the grammar's part of sampling: mask rows and ASAp (engine/structured_output.py)
         self.topk = topk                 # > 0: report the target's top-k at each used row (drafters learn from it)
         self.num_prob_chains = 0         # drafts verified with min(1, p/q) (drafts that carry their distributions)
+        self.num_prob_trees = 0          # ... trees, by recursive rejection over siblings
 
     def batch(self, plan: StepPlan, seqs: Mapping[int, "Sequence"]) -> SamplingBatch | None:
         """The sampling rows of a plan, in its order: per sampling sequence, its last token then each draft node."""
@@ -95,11 +97,14 @@ class Verifier:
         else:
             u = batch.uniforms(probs.shape[0], self.generator)
             sampled_t = inverse_cdf_sample(probs, u)
-            chains = _chains_with_probs(plan, seqs, draft_probs) if draft_probs else []
+            chains, trees = _drafts_with_probs(plan, seqs, draft_probs) if draft_probs else ([], [])
             if chains:
                 self.num_prob_chains += len(chains)
                 sampled_t, _ = speculative_chains(probs, sampled_t, u, chains,
                                                   self._accept_uniforms(batch, chains, probs.device))
+            if trees:
+                self.num_prob_trees += len(trees)
+                sampled_t = self._verify_trees(probs, sampled_t, u, trees, batch)
         sampled = sampled_t.tolist()                    # the step's one device -> host synchronisation
         lps = None
         if batch.max_logprobs is not None:
@@ -121,6 +126,27 @@ class Verifier:
                 logprobs=tuple(lps[r] for r in used) if lps else None,
                 topk=tuple(topk[r] for r in used) if topk else None)
         return StepResult(plan.step_id, results, prompt), sampled_t
+
+    def _verify_trees(self, probs: torch.Tensor, sampled_t: torch.Tensor, u: torch.Tensor, trees: list,
+                      batch: SamplingBatch) -> torch.Tensor:
+        """Token trees drawn from q (siblings without replacement): recursive rejection per sequence, written
+        back as the emitted token of each used row so that ``DraftTree.walk`` finds the same branch."""
+        emitted = sampled_t.clone()
+        for r0, tree, q in trees:
+            n = len(tree)
+            ua = torch.rand(n, dtype=torch.float64, generator=self.generator, device=probs.device)
+            seq = batch.rows[r0].seq
+            if seq.params.seed is not None:
+                ua = torch.tensor([seeded_uniform(seq.params.seed ^ ACCEPT_SALT ^ ((i + 1) * 0x9E3779B1), seq.index,
+                                                  _position(batch.rows[r0 + 1 + tree.parent(i)]))
+                                   for i in range(n)], dtype=torch.float64, device=probs.device)
+            path, bonus = verify_tree_with_probs(tree, probs[r0:r0 + 1 + n], q, ua, u[r0:r0 + 1 + n])
+            parent = -1
+            for node in path:
+                emitted[r0 + 1 + parent] = tree.tokens[node]
+                parent = node
+            emitted[r0 + 1 + parent] = bonus
+        return emitted
 
     def _accept_uniforms(self, batch: SamplingBatch, chains: list, device: torch.device) -> torch.Tensor:
         """One uniform per draft node of ``chains``: a seeded request's keyed by (seed, sample index, position)
@@ -163,20 +189,32 @@ class Verifier:
         return out
 
 
-def _chains_with_probs(plan: StepPlan, seqs: Mapping[int, "Sequence"], draft_probs: Mapping[int, tuple]) -> list:
-    """(first sample row, chain, q rows) for each sampled (not greedy) sequence whose planned draft is a prefix of
-    a chain drawn with probabilities; any other draft keeps sample-then-match (lossless for every draft)."""
-    out = []
+def _drafts_with_probs(plan: StepPlan, seqs: Mapping[int, "Sequence"], draft_probs: Mapping[int, tuple]
+                       ) -> tuple[list, list]:
+    """(first sample row, chain tokens, q rows) per chain and (first sample row, tree, q rows) per tree, for each
+    sampled (not greedy) sequence whose planned draft is a topological prefix of a draft drawn with probabilities;
+    any other draft keeps sample-then-match (lossless for every draft)."""
+    chains, trees = [], []
     for c in plan.seqs:
         entry = draft_probs.get(c.seq_id)
-        if entry is None or not c.samples or not c.draft or not c.draft.is_chain:
+        if entry is None or not c.samples or not c.draft:
             continue
-        tokens, q = entry
+        tree, q = entry
         k = len(c.draft)
-        if tuple(tokens[:k]) != c.draft.tokens or q is None or q.shape[0] < k or seqs[c.seq_id].params.greedy:
+        if q is None or q.shape[0] < k or tree.prefix(k) != c.draft or seqs[c.seq_id].params.greedy:
             continue
-        out.append((c.sample_start, c.draft.tokens, q[:k]))
-    return out
+        if c.draft.is_chain:
+            chains.append((c.sample_start, c.draft.tokens, q[:k]))
+        elif all(len(kids) == len(set(kids)) for kids in _sibling_tokens(c.draft)):
+            trees.append((c.sample_start, c.draft, q[:k]))
+    return chains, trees
+
+
+def _sibling_tokens(tree) -> list[list[int]]:
+    kids: dict[int, list[int]] = {}
+    for i, t in enumerate(tree.tokens):
+        kids.setdefault(tree.parent(i), []).append(t)
+    return list(kids.values())
 
 
 def _rows_of(masks: Future | None, c: ScheduledSeq) -> Future | None:

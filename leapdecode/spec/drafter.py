@@ -19,8 +19,9 @@ class Draft:
     tokens: list[int] = field(default_factory=list)
     parents: list[int] | None = None  # None: a chain
     score: float = 0.0                # drafter's confidence in [0, 1] that its first token is accepted
-    # optional, chains only: q as a [len(tokens), vocab] tensor on the target's device, row j the distribution
-    # token j was drawn from; verification then uses min(1, p/q) and the residual (sampling/rejection.py)
+    # optional: q as a [len(tokens), vocab] tensor on the target's device, row j the distribution token j was drawn
+    # from (siblings of a tree: drawn without replacement from their shared row, listed in the order drawn);
+    # verification then uses min(1, p/q) and the residual, recursively over siblings (sampling/rejection.py)
     probs: object | None = None
 
     @staticmethod

@@ -40,7 +40,7 @@ class Speculator:
             if cfg.method in MODEL_METHODS:
                 options.setdefault("num_speculative_tokens", cfg.num_speculative_tokens)
             self.drafter = make_drafter(cfg.method, runner=runner, **options)
-        self._probs: dict[int, tuple[tuple[int, ...], object]] = {}   # this step's drafts' q (model drafters)
+        self._probs: dict[int, tuple[DraftTree, object]] = {}   # this step's drafts' q (model drafters)
         self.controller = Controller(cfg.num_speculative_tokens, step_time) if cfg.adaptive else None
         self.num_proposals = 0
         self.num_shadow_proposals = 0
@@ -105,8 +105,8 @@ class Speculator:
         self.num_proposals += 1
         self.draft_seconds_ema = dt if self.num_proposals == 1 else 0.8 * self.draft_seconds_ema + 0.2 * dt
         for s, d in zip(seqs, drafts):
-            if d.probs is not None and d.tokens and d.parents is None:
-                self._probs[s.seq_id] = (tuple(d.tokens), d.probs)
+            if d.probs is not None and d.tokens:
+                self._probs[s.seq_id] = (DraftTree.of(d.tokens, d.parents), d.probs)
         if ctl is None:
             return {s.seq_id: DraftTree.of(d.tokens, d.parents) for s, d in zip(seqs, drafts) if d.tokens}
         keep = ctl.draft_lengths([(s.seq_id, len(d), d.score) for s, d in zip(seqs, drafts)], base,
@@ -122,9 +122,9 @@ class Speculator:
                 self._shadow[s.seq_id] = (tree, len(s.token_ids))
         return out
 
-    def take_probs(self) -> dict[int, tuple[tuple[int, ...], object]]:
-        """The draft distributions of the drafts the last ``propose`` returned: seq_id -> (the drafter's tokens,
-        q rows); the verifier uses the rows of the nodes the plan kept (a prefix) and otherwise sample-then-match."""
+    def take_probs(self) -> dict[int, tuple[DraftTree, object]]:
+        """The draft distributions of the drafts the last ``propose`` returned: seq_id -> (the drafter's tree, q
+        rows); the verifier uses the rows of the nodes the plan kept (a prefix) and otherwise sample-then-match."""
         probs, self._probs = self._probs, {}
         return probs
 
