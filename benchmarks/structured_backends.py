@@ -1,21 +1,43 @@
-"""llguidance vs xgrammar on the official JSON-Schema-Test-Suite (draft2020-12 + draft7).
+"""Structured-output conformance and speed: leapdecode's backend beside raw llguidance, same schemas, same tokenizer,
+one process, interleaved schema by schema.
 
-For each library, through the same adapter (`GrammarBackend`), with and without our jsonschema guard:
-  compiled   fraction of schema groups that compile (the rest are refused with a ValueError)
-  valid ok   valid instances whose tokens are all accepted and that can then end (EOS allowed)
-  invalid ok invalid instances that are refused (a token refused, or EOS not allowed at the end)
-  compile    p50 / p99 compile time per schema (ms)
-  mask       time to fill one bitmask row (µs per token; mean and median), over the valid instances' tokens
+Schema sets
+  suite      the official JSON-Schema-Test-Suite (draft2020-12 + draft7, required and optional files) with its own
+             valid / invalid instances.
+  realistic  schemas collected from installed Python packages, never tuned to: configuration files
+             (setuptools / distutils pyproject tables, schemathesis config), API specs (OpenAPI 2.0 / 3.0 /
+             3.1 document schemas), AWS CloudFormation resource schemas (cfn-lint's provider data, a fixed
+             stride sample), and function-calling / response schemas (pydantic `model_json_schema()` of the
+             `openai` package's models). Their instances are generated from the schema by a small seeded
+             generator and judged by `jsonschema` (valid ones are kept as valid, mutated ones that `jsonschema`
+             refuses as invalid), so "valid" always means valid for `jsonschema`.
 
-Instances are serialized the way the grammars emit JSON (compact, keys in schema order: see `json_text`).
-Usage: python benchmarks/structured_backends.py [--suite DIR] [--tokenizer DIR] [--limit N]
+Rows
+  leapdecode         GrammarBackend defaults (guard on, flexible whitespace, any key order).
+  leapdecode fixed   whitespace="compact", key_order="schema" (the narrowed form; for reference).
+  llguidance         the library alone: `LLMatcher(grammar_from_json_schema(schema))` with its own defaults.
+
+Columns
+  compiled           schemas compiled (the rest refused with an error)
+  (instance columns count the instances of the schemas that row compiled)
+  valid compact      valid instances accepted token by token, then EOS, written compact with keys as given
+  valid indented     the same written with indent=2
+  invalid rejected   invalid instances refused (some token, or EOS), in both forms
+  compile p50/p99    process CPU time per compilation (ours: spec check, meta-schema check, lowering,
+                     llguidance, guard, the first-mask probe; llguidance: grammar + matcher construction)
+  mask p50/p99       process CPU time of one mask row, over the tokens of the valid compact instances
+
+Usage: python benchmarks/structured_backends.py [--tokenizer DIR] [--sets suite,realistic] [--limit N]
 """
 
 from __future__ import annotations
 
 import argparse
+import glob
 import json
+import os
 import pathlib
+import random
 import statistics
 import sys
 import time
@@ -24,97 +46,373 @@ from typing import Any
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+import torch  # noqa: E402
+
+torch.set_num_threads(1)
+
+import jsonschema  # noqa: E402
 from transformers import PreTrainedTokenizerFast  # noqa: E402
 
-from leapdecode.structured.backend import GrammarBackend, json_text  # noqa: E402
+from leapdecode.structured.backend import GrammarBackend  # noqa: E402
 
 DRAFTS = {"draft2020-12": "https://json-schema.org/draft/2020-12/schema", "draft7": "http://json-schema.org/draft-07/schema#"}
 
 
-def load_groups(suite: pathlib.Path) -> list[tuple[str, dict[str, Any]]]:
-    groups = []
+# ------------------------------------------------------------------------------------------------ schema sets
+def suite_cases(suite: pathlib.Path) -> list[tuple[str, Any, list[tuple[Any, bool]]]]:
+    cases = []
     for draft, meta in DRAFTS.items():
         for path in sorted((suite / "tests" / draft).rglob("*.json")):
             for group in json.loads(path.read_text()):
                 schema = group["schema"]
                 if isinstance(schema, dict) and "$schema" not in schema:
                     schema = {"$schema": meta, **schema}
-                groups.append((f"{draft}/{path.relative_to(suite / 'tests' / draft)}", {**group, "schema": schema}))
-    return groups
+                cases.append((f"{draft}/{path.name}", schema, [(t["data"], t["valid"]) for t in group["tests"]]))
+    return cases
 
 
-def run_instance(backend: GrammarBackend, compiled: Any, tokenizer: Any, text: str, fill_times: list[float]) -> bool:
-    """True when the whole text is accepted and EOS is allowed after it."""
-    matcher = backend.matcher(compiled)
-    bitmask = backend.allocate_bitmask(1)
-    for token in tokenizer.encode(text, add_special_tokens=False):
-        start = time.perf_counter()
-        matcher.fill_bitmask(bitmask, 0)
-        fill_times.append(time.perf_counter() - start)
-        if not matcher.accept(token):
-            return False
-    return matcher.accept(backend.eos_token_ids[0])
+def _site_packages() -> list[str]:
+    import site
+    import sysconfig
+
+    roots = {sysconfig.get_paths()["purelib"], *site.getsitepackages()}
+    roots |= set(glob.glob("/root/.pyenv/versions/*/lib/python3*/site-packages"))
+    return sorted(r for r in roots if os.path.isdir(r))
 
 
-def measure(library: str, guard: bool, groups: list, tokenizer: Any) -> dict[str, Any]:
-    backend = GrammarBackend(tokenizer, library=library, guard=guard, compile_timeout_s=30.0)
-    compiled_n = valid_ok = valid_n = invalid_ok = invalid_n = 0
-    compile_ms: list[float] = []
-    fill_times: list[float] = []
-    for i, (_, group) in enumerate(groups):
-        spec = {"type": "json_schema", "json_schema": {"name": f"g{i}", "schema": group["schema"]}}
+def realistic_schemas(limit_cfn: int) -> list[tuple[str, Any]]:
+    found: list[tuple[str, Any]] = []
+    seen: set[str] = set()
+
+    def add(name: str, schema: Any) -> None:
+        text = json.dumps(schema, sort_keys=True)
+        if isinstance(schema, dict) and text not in seen:
+            seen.add(text)
+            found.append((name, schema))
+
+    files = []
+    for root in _site_packages():
+        files += glob.glob(f"{root}/setuptools/config/*.schema.json")
+        files += glob.glob(f"{root}/schemathesis/*/schema.json")
+        files += sorted(glob.glob(f"{root}/openapi_spec_validator/resources/schemas/v*/schema.json"))
+    for path in files:
         try:
-            compiled = backend.compile(spec)
-        except ValueError:
+            add("config/api: " + "/".join(pathlib.Path(path).parts[-3:]), json.loads(pathlib.Path(path).read_text()))
+        except (OSError, ValueError):
+            pass
+    cfn: list[str] = []
+    for root in _site_packages():
+        cfn = sorted(glob.glob(f"{root}/cfnlint/data/schemas/providers/us_east_1/*.json"))
+        if cfn:
+            break
+    stride = max(1, len(cfn) // max(limit_cfn, 1))
+    for path in cfn[::stride][:limit_cfn]:
+        try:
+            schema = json.loads(pathlib.Path(path).read_text())
+        except (OSError, ValueError):
             continue
-        compiled_n += 1
-        compile_ms.append(compiled.compile_s * 1e3)
-        for test in group["tests"]:
-            texts = [json.dumps(test["data"], separators=(",", ":"), ensure_ascii=False)]
-            texts.append(json_text(test["data"], group["schema"]))
-            if test["valid"]:
-                valid_n += 1
-                valid_ok += any(run_instance(backend, compiled, tokenizer, t, fill_times) for t in dict.fromkeys(texts))
+        add(f"cloudformation: {schema.get('typeName', path)}", {k: v for k, v in schema.items() if k in (
+            "type", "properties", "definitions", "required", "additionalProperties", "oneOf", "anyOf", "allOf")})
+    try:
+        import pydantic
+        import openai.types as ot
+        import openai.types.chat as oc
+
+        for module in (ot, oc):
+            for name in sorted(dir(module)):
+                cls = getattr(module, name)
+                if isinstance(cls, type) and issubclass(cls, pydantic.BaseModel):
+                    try:
+                        add(f"openai model: {name}", cls.model_json_schema())
+                    except Exception:  # noqa: BLE001 - some models are not schema-able
+                        pass
+    except ImportError:
+        pass
+    return found
+
+
+# --------------------------------------------------------------------------------------- instance generator
+class _Gen:
+    """A small seeded instance generator: usually valid values, judged afterwards by jsonschema."""
+
+    def __init__(self, root: Any, rng: random.Random) -> None:
+        self.root, self.rng = root, rng
+
+    def resolve(self, ref: str) -> Any:
+        node = self.root
+        for part in ref[2:].split("/") if ref.startswith("#/") else []:
+            part = part.replace("~1", "/").replace("~0", "~")
+            node = node.get(part) if isinstance(node, dict) else None
+        return node if ref.startswith("#") else None
+
+    def value(self, s: Any, depth: int = 0) -> Any:
+        rng = self.rng
+        if not isinstance(s, dict) or depth > 6:
+            return None if depth > 6 else rng.choice([1, "x", None])
+        if "$ref" in s and isinstance(s["$ref"], str):
+            target = self.resolve(s["$ref"])
+            return self.value(target, depth + 1) if target is not None else None
+        for key in ("examples",):
+            if isinstance(s.get(key), list) and s[key] and rng.random() < 0.5:
+                return rng.choice(s[key])
+        if "const" in s:
+            return s["const"]
+        if isinstance(s.get("enum"), list) and s["enum"]:
+            return rng.choice(s["enum"])
+        for key in ("anyOf", "oneOf"):
+            if isinstance(s.get(key), list) and s[key]:
+                return self.value(rng.choice(s[key]), depth + 1)
+        if isinstance(s.get("allOf"), list) and s["allOf"]:
+            merged: dict[str, Any] = {}
+            for sub in [s, *s["allOf"]]:
+                sub = self.resolve(sub["$ref"]) if isinstance(sub, dict) and "$ref" in sub else sub
+                if isinstance(sub, dict):
+                    for k, v in sub.items():
+                        if k == "properties":
+                            merged.setdefault("properties", {}).update(v)
+                        elif k == "required":
+                            merged.setdefault("required", []).extend(v)
+                        elif k != "allOf":
+                            merged.setdefault(k, v)
+            return self.value(merged, depth + 1)
+        kind = s.get("type")
+        if isinstance(kind, list):
+            kind = rng.choice(kind) if kind else None
+        if kind is None:
+            kind = "object" if "properties" in s else "array" if "items" in s else rng.choice(["string", "integer"])
+        if kind == "object":
+            props = s.get("properties") if isinstance(s.get("properties"), dict) else {}
+            required = [r for r in s.get("required", []) if isinstance(r, str)]
+            out = {}
+            for name, sub in props.items():
+                if name in required or rng.random() < 0.4:
+                    out[name] = self.value(sub, depth + 1)
+            for name in required:
+                out.setdefault(name, "x")
+            keys = list(out)
+            rng.shuffle(keys)  # any key order
+            return {k: out[k] for k in keys}
+        if kind == "array":
+            items = s.get("items")
+            n = rng.randint(max(0, int(s.get("minItems", 0) or 0)), max(int(s.get("minItems", 0) or 0), 2))
+            return [self.value(items if isinstance(items, dict) else {}, depth + 1) for _ in range(n)]
+        if kind == "string":
+            fmt = s.get("format")
+            fixed = {"date-time": "2024-05-01T12:30:00Z", "date": "2024-05-01", "email": "a@example.com",
+                     "uri": "https://example.com/x", "uuid": "123e4567-e89b-12d3-a456-426614174000",
+                     "ipv4": "10.0.0.1", "hostname": "example.com"}
+            if fmt in fixed:
+                return fixed[fmt]
+            lo = int(s.get("minLength", 0) or 0)
+            hi = max(lo, min(int(s.get("maxLength", 8) or 8), lo + 8))
+            return "".join(rng.choice("abcxyz_ 09") for _ in range(rng.randint(lo, hi)))
+        if kind in ("integer", "number"):
+            lo, hi = s.get("minimum", -20), s.get("maximum", 100)
+            lo = lo if isinstance(lo, (int, float)) else -20
+            hi = hi if isinstance(hi, (int, float)) and hi >= lo else lo + 100
+            v = rng.randint(int(lo) if lo == int(lo) else int(lo) + 1, max(int(hi), int(lo) + 1) if hi > lo else int(lo))
+            return v if kind == "integer" or rng.random() < 0.5 else v + 0.5 if v + 0.5 <= hi else v
+        if kind == "boolean":
+            return rng.random() < 0.5
+        return None
+
+    def mutate(self, value: Any) -> Any:
+        rng = self.rng
+        if isinstance(value, dict) and value and rng.random() < 0.7:
+            key = rng.choice(list(value))
+            choice = rng.random()
+            out = dict(value)
+            if choice < 0.3:
+                del out[key]
+            elif choice < 0.5:
+                out["unexpected_key"] = 1
             else:
-                invalid_n += 1
-                invalid_ok += not any(run_instance(backend, compiled, tokenizer, t, []) for t in dict.fromkeys(texts))
-    backend.shutdown()
-    compile_ms.sort()
-    return {
-        "library": library + (" + guard" if guard else ""),
-        "compiled": f"{compiled_n}/{len(groups)} ({100 * compiled_n / len(groups):.1f}%)",
-        "valid ok": f"{valid_ok}/{valid_n} ({100 * valid_ok / max(valid_n, 1):.1f}%)",
-        "invalid rejected": f"{invalid_ok}/{invalid_n} ({100 * invalid_ok / max(invalid_n, 1):.1f}%)",
-        "compile p50/p99 ms": f"{statistics.median(compile_ms):.2f} / {compile_ms[int(0.99 * (len(compile_ms) - 1))]:.2f}",
-        "mask µs/token mean/p50": f"{1e6 * statistics.mean(fill_times):.0f} / {1e6 * statistics.median(fill_times):.0f}",
-    }
+                out[key] = self.mutate(value[key])
+            return out
+        if isinstance(value, list) and value and rng.random() < 0.7:
+            i = rng.randrange(len(value))
+            return value[:i] + [self.mutate(value[i])] + value[i + 1 :]
+        return rng.choice([{"x": 1}, [1], "str", 12345678, -1, True, None, 1.5])
+
+
+def realistic_cases(limit_cfn: int, per_schema: int, seed: int = 0) -> list[tuple[str, Any, list[tuple[Any, bool]]]]:
+    cases = []
+    for name, schema in realistic_schemas(limit_cfn):
+        try:
+            cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
+            validator = cls(schema)
+        except Exception:  # noqa: BLE001
+            continue
+        gen = _Gen(schema, random.Random(f"{seed}:{name}"))
+        valid, invalid = [], []
+        for _ in range(12 * per_schema):
+            try:
+                value = gen.value(schema)
+                ok = validator.is_valid(value)
+                bad = gen.mutate(value)
+                bad_ok = validator.is_valid(bad)
+            except Exception:  # noqa: BLE001 - unresolvable refs etc.
+                break
+            if ok and len(valid) < per_schema and value not in valid:
+                valid.append(value)
+            if not bad_ok and len(invalid) < per_schema and bad not in invalid:
+                invalid.append(bad)
+            if len(valid) >= per_schema and len(invalid) >= per_schema:
+                break
+        cases.append((name, schema, [(v, True) for v in valid] + [(v, False) for v in invalid]))
+    return cases
+
+
+# ------------------------------------------------------------------------------------------------- runners
+class Ours:
+    def __init__(self, name: str, tokenizer: Any, form: dict[str, str]) -> None:
+        self.name, self.form = name, form
+        self.backend = GrammarBackend(tokenizer, compile_timeout_s=30.0, cache_size=4096)
+        self.eos = self.backend.eos_token_ids[0]
+        self.bitmask = self.backend.allocate_bitmask(1)
+
+    def compile(self, schema: Any) -> Any:
+        return self.backend.compile({"type": "json_schema", "json_schema": {"name": "b", "schema": schema}, **self.form})
+
+    def walk(self, compiled: Any, tokens: list[int], times: list[float] | None) -> bool:
+        m = self.backend.matcher(compiled)
+        for t in tokens:
+            if times is not None:
+                start = time.process_time()
+                m.fill_bitmask(self.bitmask, 0)
+                times.append(time.process_time() - start)
+            if not m.accept(t):
+                return False
+        return m.accept(self.eos)
+
+
+class RawLLGuidance:
+    name = "llguidance (raw)"
+
+    def __init__(self, tokenizer: Any) -> None:
+        import llguidance
+        import llguidance.hf
+
+        self.llg = llguidance
+        self.tok = llguidance.hf.from_tokenizer(tokenizer)
+        self.eos = self.tok.eos_token
+        self.bitmask = torch.zeros((self.tok.vocab_size + 31) // 32, dtype=torch.int32)
+
+    def compile(self, schema: Any) -> Any:
+        M = self.llg.LLMatcher
+        matcher = M(self.tok, M.grammar_from_json_schema(json.dumps(schema)), log_level=0)
+        if matcher.is_error():
+            raise ValueError(matcher.get_error())
+        return matcher
+
+    def walk(self, compiled: Any, tokens: list[int], times: list[float] | None) -> bool:
+        m = compiled.deep_copy()
+        ptr, size = self.bitmask.data_ptr(), self.bitmask.numel() * 4
+        for t in tokens:
+            if times is not None:
+                start = time.process_time()
+                m.unsafe_compute_mask_ptr(ptr, size)
+                times.append(time.process_time() - start)
+            if m.try_consume_tokens([t]) != 1:
+                return False
+        return m.is_accepting() and m.consume_token(self.eos)
+
+
+def measure(cases: list, runners: list, tokenizer: Any, mask_tokens_cap: int) -> dict[str, dict[str, Any]]:
+    stats = {r.name: {"compiled": 0, "valid_c": 0, "valid_i": 0, "invalid": 0, "valid_n": 0, "invalid_n": 0,
+                      "compile": [], "mask": []} for r in runners}
+    totals = {"schemas": len(cases), "valid": 0, "invalid": 0}
+    for _, schema, instances in cases:
+        totals["valid"] += sum(v for _, v in instances)
+        totals["invalid"] += sum(not v for _, v in instances)
+        encoded = []
+        for value, valid in instances:
+            forms = (json.dumps(value, separators=(",", ":"), ensure_ascii=False), json.dumps(value, indent=2, ensure_ascii=False))
+            encoded.append(([tokenizer.encode(f, add_special_tokens=False) for f in forms], valid))
+        for runner in runners:  # interleaved: every runner on this schema before the next schema
+            st = stats[runner.name]
+            start = time.process_time()
+            try:
+                compiled = runner.compile(schema)
+            except ValueError:
+                continue
+            except Exception:  # noqa: BLE001 - a library crash counts as a refusal
+                continue
+            st["compile"].append(time.process_time() - start)
+            st["compiled"] += 1
+            for (compact, indented), valid in encoded:
+                times = st["mask"] if valid and len(compact) <= mask_tokens_cap else None
+                got_c = runner.walk(compiled, compact, times)
+                got_i = runner.walk(compiled, indented, None)
+                st["valid_n" if valid else "invalid_n"] += 1
+                if valid:
+                    st["valid_c"] += got_c
+                    st["valid_i"] += got_i
+                else:
+                    st["invalid"] += not got_c and not got_i
+    return {"totals": totals, **stats}
+
+
+def pct(n: int, d: int) -> str:
+    return f"{n}/{d} ({100 * n / max(d, 1):.1f}%)"
+
+
+def quantile(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * (len(xs) - 1) + 0.5))] if xs else float("nan")
+
+
+def table(title: str, result: dict[str, Any]) -> str:
+    t = result["totals"]
+    lines = [f"{title}: {t['schemas']} schemas, {t['valid']} valid + {t['invalid']} invalid instances", "",
+             "| | compiled | valid accepted (compact) | valid accepted (indented) | invalid rejected | compile p50 / p99 ms | mask p50 / p99 µs |",
+             "|---|---|---|---|---|---|---|"]
+    for name, st in result.items():
+        if name == "totals":
+            continue
+        lines.append(
+            f"| {name} | {pct(st['compiled'], t['schemas'])} | {pct(st['valid_c'], st['valid_n'])} | "
+            f"{pct(st['valid_i'], st['valid_n'])} | {pct(st['invalid'], st['invalid_n'])} | "
+            f"{1e3 * quantile(st['compile'], 0.5):.2f} / {1e3 * quantile(st['compile'], 0.99):.1f} | "
+            f"{1e6 * quantile(st['mask'], 0.5):.0f} / {1e6 * quantile(st['mask'], 0.99):.0f} |"
+        )
+    return "\n".join(lines)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--suite", default=str(ROOT.parent / "shared/bench/json_schema_test_suite"))
-    parser.add_argument("--tokenizer", default=str(ROOT.parent / "shared/models/gpt2-tokenizer"))
-    parser.add_argument("--limit", type=int, default=0, help="only the first N schema groups")
-    parser.add_argument("--libraries", default="llguidance,xgrammar")
-    parser.add_argument("--guard", default="llguidance", help="libraries to also measure with our jsonschema guard")
+    parser.add_argument("--tokenizer", default=str(ROOT.parent / "shared/models/llama3-tokenizer"))
+    parser.add_argument("--sets", default="suite,realistic")
+    parser.add_argument("--limit", type=int, default=0, help="only the first N schemas of each set")
+    parser.add_argument("--cfn", type=int, default=120, help="CloudFormation resource schemas to sample")
+    parser.add_argument("--per-schema", type=int, default=3, help="valid and invalid instances per realistic schema")
+    parser.add_argument("--mask-tokens-cap", type=int, default=400, help="time masks only on instances this short")
+    parser.add_argument("--no-fixed", action="store_true", help="skip the compact + schema-order row")
+    parser.add_argument("--json", default="", help="also write the raw numbers here")
     args = parser.parse_args()
     tokenizer = PreTrainedTokenizerFast.from_pretrained(args.tokenizer)
-    groups = load_groups(pathlib.Path(args.suite))
-    if args.limit:
-        groups = groups[: args.limit]
-    rows = []
-    for library in args.libraries.split(","):
-        for guard in (False, True):
-            if guard and library not in args.guard.split(","):
-                continue
-            rows.append(measure(library, guard, groups, tokenizer))
-    print(f"JSON-Schema-Test-Suite draft2020-12 + draft7: {len(groups)} schema groups; tokenizer {args.tokenizer}; CPU")
-    headers = list(rows[0])
-    widths = [max(len(h), *(len(r[h]) for r in rows)) for h in headers]
-    print(" | ".join(h.ljust(w) for h, w in zip(headers, widths)))
-    print("-|-".join("-" * w for w in widths))
-    for r in rows:
-        print(" | ".join(r[h].ljust(w) for h, w in zip(headers, widths)))
+    runners: list[Any] = [Ours("leapdecode", tokenizer, {})]
+    if not args.no_fixed:
+        runners.append(Ours("leapdecode fixed (compact, schema order)", tokenizer, {"whitespace": "compact", "key_order": "schema"}))
+    runners.append(RawLLGuidance(tokenizer))
+    print(f"tokenizer {args.tokenizer} (vocab {runners[0].backend.vocab_size}); CPU, torch threads 1; "
+          f"{os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}", flush=True)
+    out = {}
+    for name in args.sets.split(","):
+        cases = suite_cases(pathlib.Path(args.suite)) if name == "suite" else realistic_cases(args.cfn, args.per_schema)
+        if args.limit:
+            cases = cases[: args.limit]
+        started = time.time()
+        result = measure(cases, runners, tokenizer, args.mask_tokens_cap)
+        out[name] = result
+        title = ("JSON-Schema-Test-Suite draft2020-12 + draft7 (incl. optional/)" if name == "suite"
+                 else "Realistic schemas (configs, API specs, CloudFormation, openai pydantic models)")
+        print(table(title, result) + f"\n({time.time() - started:.0f} s)\n", flush=True)
+    if args.json:
+        pathlib.Path(args.json).write_text(json.dumps(
+            {k: {n: ({kk: vv for kk, vv in st.items() if kk not in ("compile", "mask")} if n != "totals" else st)
+                 for n, st in v.items()} for k, v in out.items()}, indent=1))
 
 
 if __name__ == "__main__":

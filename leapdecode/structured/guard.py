@@ -13,6 +13,7 @@ dropped if the grammar library grows the keywords.
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from dataclasses import dataclass, replace
@@ -42,7 +43,7 @@ _GUARDED_KEYWORDS = {
 }
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class TokenMarks:
     """Per-token arrays over the vocabulary: what JSON structure a token's bytes contain, each also packed into
     bitmask words (bit t of word t // 32), so a mask row's candidates are found with a few word-wise ANDs."""
@@ -52,7 +53,8 @@ class TokenMarks:
     close_count: np.ndarray
     literal_end: np.ndarray
     length: np.ndarray
-    packed: dict[str, np.ndarray]  # "quote", "comma", "literal_end", "all", "close>=k" for k = 1..8
+    packed: dict[str, np.ndarray]  # "quote", "comma", "literal_end", "open_close", "all", "close>=k" (k = 1..8)
+    pieces: list[bytes]
 
     @staticmethod
     def build(pieces: list[bytes]) -> "TokenMarks":
@@ -60,15 +62,44 @@ class TokenMarks:
         comma = np.array([b"," in p for p in pieces], dtype=bool)
         close_count = np.array([p.count(b"]") + p.count(b"}") for p in pieces], dtype=np.int32)
         literal_end = np.array([p[-1:] in (b"e", b"l") for p in pieces], dtype=bool)
+        open_close = np.array([b"{" in p and b"}" in p[p.index(b"{"):] for p in pieces], dtype=bool)
         packed = {"quote": _pack(quote), "comma": _pack(comma), "literal_end": _pack(literal_end),
+                  "open_close": _pack(open_close),
                   "all": _pack(np.ones(len(pieces), dtype=bool))}
         for k in range(1, 9):
             packed[f"close>={k}"] = _pack(close_count >= k)
         return TokenMarks(quote, comma, close_count, literal_end, np.array([len(p) for p in pieces], dtype=np.int32),
-                          packed)
+                          packed, pieces)
 
     def closes(self, k: int) -> np.ndarray:
         return self.packed[f"close>={min(k, 8)}"]
+
+    def containing(self, needle: bytes, anywhere: bool) -> np.ndarray:
+        """Ids of the tokens whose bytes contain `needle` (anywhere, or at their start), found with bytes.find
+        over all tokens joined (a C loop, not a Python one over the vocabulary)."""
+        blob, starts = self.joined
+        found: set[int] = set()
+        pos = blob.find(needle)
+        while pos >= 0:
+            token = int(np.searchsorted(starts, pos, side="right")) - 1
+            if pos + len(needle) <= starts[token] + self.length[token] and (anywhere or pos == starts[token]):
+                found.add(token)
+            pos = blob.find(needle, pos + 1)
+        return np.array(sorted(found), dtype=np.int64)
+
+    @functools.cached_property
+    def joined(self) -> tuple[bytes, np.ndarray]:
+        pieces = self.pieces
+        starts = np.zeros(len(pieces), dtype=np.int64)
+        np.cumsum([len(p) + 1 for p in pieces[:-1]], out=starts[1:])
+        return b"\x00".join(pieces), starts
+
+
+_NO_TOKENS = np.zeros(0, dtype=np.int64)
+
+
+def _union(a: np.ndarray | None, b: np.ndarray) -> np.ndarray:
+    return b if a is None else a | b
 
 
 def _pack(flags: np.ndarray) -> np.ndarray:
@@ -176,6 +207,7 @@ class SchemaGuard:
             for pattern in patterns
         ]
         self._closed_objects = any(o.closed is not None for o in self.objects)
+        self._repeat_cache: dict[tuple[bytes, bool], np.ndarray] = {}
         self.active = bool(self.anchors or self.objects)  # False: only rule A (the document check)
 
     # -- rule A --------------------------------------------------------------------------------------------
@@ -215,38 +247,64 @@ class SchemaGuard:
         depth = len(cursor.frames) - 1
         marks = backend.byte_marks()
         packed = marks.packed
-        if depth == 0:  # top-level scalar: a string closes on its quote, a literal on its last letter
-            interesting = packed["quote"] | packed["literal_end"]
-        else:
-            # A token matters only if it produces an event that a relevant anchor looks at: a value closing at
-            # the current path or deeper (quote/comma/bracket), an element of an ancestor closing (comma), a
-            # key closing (quote), or enough brackets to close the container an anchor sits on.
-            here = any(len(a.pattern) >= depth for a in relevant)
-            # an object rule at pattern P sits in frame len(P) + 1: it closes after depth - len(P) brackets, and
-            # its keys close (quote) while it is the innermost frame
-            closes = min([max(depth - len(a.pattern), 1) for a in relevant]
-                         + [max(depth - len(o.pattern), 1) for o in objects])
-            interesting = marks.closes(closes)
-            if here or any(a.monotone is not None for a in relevant):
-                interesting = interesting | packed["comma"]
-            if here or any(a.names is not None for a in relevant) or any(len(o.pattern) + 1 >= depth for o in objects):
-                interesting = interesting | packed["quote"]
+        interesting: np.ndarray | None = None
+        extra: list[np.ndarray] = []  # token ids found by content (repeated keys), checked beside `interesting`
         closed_key = False
-        if cursor.in_string:
-            if cursor.string_is_key and any(o.closed is not None and len(o.pattern) + 1 == depth for o in objects):
-                interesting = packed["all"]  # every byte of the key must stay a prefix of an unused name
-                closed_key = True
+        if relevant:  # jsonschema anchors
+            if depth == 0:  # top-level scalar: a string closes on its quote, a literal on its last letter
+                interesting = packed["quote"] | packed["literal_end"]
             else:
+                # A token matters only if it produces an event that a relevant anchor looks at: a value closing
+                # at the current path or deeper (quote/comma/bracket), an element of an ancestor closing (comma),
+                # a key closing (quote), or enough brackets to close the container an anchor sits on.
+                here = any(len(a.pattern) >= depth for a in relevant)
+                interesting = marks.closes(min(max(depth - len(a.pattern), 1) for a in relevant))
+                if here or any(a.monotone is not None for a in relevant):
+                    interesting = interesting | packed["comma"]
+                if here or any(a.names is not None for a in relevant):
+                    interesting = interesting | packed["quote"]
+            if cursor.in_string:
                 interesting = interesting & packed["quote"]  # nothing counts before the string is closed
-        elif any(o.closed is not None and len(o.pattern) + 1 >= depth for o in objects):
-            interesting = interesting | packed["comma"]
+        for o in objects:  # free-order objects: only what can break their rules is looked at
+            level = len(o.pattern) + 1  # the frame the object sits in
+            if level > depth:  # not open yet: a token holding a whole object ("{}") may close it
+                if o.required and not cursor.in_string:
+                    interesting = _union(interesting, packed["open_close"])
+                continue
+            frame = cursor.frames[level]
+            if frame.kind != ord("{"):
+                continue
+            if o.required - frame.keys:  # closing it now would miss a required key
+                closes = marks.closes(depth - level + 1)
+                interesting = _union(interesting, closes & packed["quote"] if cursor.in_string else closes)
+            in_key = cursor.in_string and cursor.string_is_key and level == depth
+            if o.closed is not None:
+                if in_key:
+                    closed_key = True
+                    interesting = packed["all"]  # every byte of the key must stay a prefix of an unused name
+                elif not cursor.in_string and level == depth:  # between members: a comma or a key may come
+                    interesting = _union(interesting, packed["comma"] | packed["quote"])
+                elif level < depth:  # tokens that return to it may bring a comma or a key
+                    closes = marks.closes(depth - level)
+                    interesting = _union(interesting, closes & packed["quote"] if cursor.in_string else closes)
+            if frame.keys:  # tokens that would write a key it already has
+                typed = bytes(text[cursor.string_start + 1 :]) if in_key else None
+                extra += [self._repeat_tokens(key, typed, backend) for key in frame.keys]
+        if interesting is None and not extra:
+            return
+        if interesting is None:
+            interesting = np.zeros_like(packed["quote"])
         hit = words & interesting[: words.shape[0]]
         nonzero = np.flatnonzero(hit)
-        if not nonzero.size:
-            return
         bits = np.unpackbits(hit[nonzero].view(np.uint8), bitorder="little").reshape(-1, 32)
         rows, cols = np.nonzero(bits)
         candidates = (nonzero[rows] * 32 + cols).tolist()
+        for ids in extra:
+            if ids.size:
+                allowed = (words[ids >> 5] >> (ids & 31).astype(np.uint32)) & 1
+                candidates += ids[allowed.astype(bool)].tolist()
+        if not candidates:
+            return
         # Every candidate is checked (no bound): the verdict depends only on the piece up to its last byte that
         # can close something (quote, comma, bracket), so candidates sharing that prefix are scanned once.
         token_bytes = backend.token_bytes()
@@ -263,6 +321,24 @@ class SchemaGuard:
                 ok = verdicts[key] = _scan(buf + key, cursor, key, self) is not None
             if not ok:
                 words[t >> 5] &= np.uint32(~(1 << (t & 31)) & 0xFFFFFFFF)
+
+    def _repeat_tokens(self, key: str, typed: bytes | None, backend: GrammarBackend) -> np.ndarray:
+        """Token ids that can write the key `key` again: inside the key (`typed` so far), those starting with
+        the rest of it and its closing quote; elsewhere, those containing it whole with both quotes."""
+        escaped = json.dumps(key, ensure_ascii=False)[1:-1].encode()
+        if typed is not None:
+            if not escaped.startswith(typed):
+                return _NO_TOKENS
+            needle, anywhere = escaped[len(typed) :] + b'"', False
+        else:
+            needle, anywhere = b'"' + escaped + b'"', True
+        ids = self._repeat_cache.get((needle, anywhere))
+        if ids is None:
+            ids = backend.byte_marks().containing(needle, anywhere)
+            if len(self._repeat_cache) > 4096:
+                self._repeat_cache.clear()
+            self._repeat_cache[(needle, anywhere)] = ids
+        return ids
 
     # -- event checks ----------------------------------------------------------------------------------------
     def value_ok(self, path: tuple[Any, ...], raw: bytes) -> bool:
