@@ -307,14 +307,3 @@ def _describe(spec: StructuredSpec) -> str:
 def _first_line(e: Exception) -> str:
     text = str(e).strip()
     return text if len(text) < 500 else text[:500] + "..."
-
-
-def __getattr__(name: str) -> Any:
-    # json_text (a test and benchmark helper) moved to tests/structured_helpers.py. Thin re-export for
-    # benchmarks/structured_backends.py, which puts the repository root on sys.path; remove once it imports
-    # `from tests.structured_helpers import json_text`.
-    if name == "json_text":
-        from tests.structured_helpers import json_text
-
-        return json_text
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
