@@ -266,7 +266,7 @@ def test_recursive_rejection_over_a_tree_keeps_p_exactly(truncate):
     expected = p1[:, None] * p2                                         # [a, b]
     counts = torch.zeros(V, V)
     later_sibling = 0
-    n = 4000
+    n = 2000
     for _ in range(n):
         m1 = min(3, int((q1 > 0).sum()))
         roots = torch.multinomial(q1, m1, replacement=False, generator=g).tolist()
@@ -397,7 +397,7 @@ def test_tree_drafts_with_probs_keep_the_distribution_end_to_end(tiny_dir):
     draft = tiny_dir("llama", vocab_size=8, initializer_range=0.6, seed=1)
     prompt = [3, 4, 5, 3, 4, 5, 3, 4]
     expected = exact_triple_distribution(target, prompt, lambda l: _topk_topp(l, 1.0))
-    n = 2000
+    n = 1500
     drafter = TreeWithProbsDrafter(draft, 1.0)
     llm = make_llm(target, speculative_config=spec("ngram", k=4, drafter=drafter), max_num_seqs=1024, seed=13)
     outs = llm.generate([prompt] * n, SamplingParams(max_tokens=6, ignore_eos=True, temperature=1.0), use_tqdm=False)
