@@ -30,9 +30,10 @@ layers are always kept; the start skips every other layer of the middle half; ea
 how many of its tokens the committed continuation matches (exactly the accepted count when the draft was verified
 whole); after ``window`` resolved drafts the incumbent's value, tokens gained per unit of cost
 
-    (accepted + 1 per draft) / (drafts + kept/L * draft tokens)
+    (accepted + 1 per draft) / (drafts + c(kept) * draft tokens),   c = (kept + H) / (L + H)
 
-(a verification counts 1, a draft token costs the kept fraction of a full forward), is compared with a candidate
+(a verification counts 1, a draft token costs the kept fraction of a full forward, where the LM head counts as H
+layers by its parameters: 8 of SmolLM2-135M's 30, so its cost is not forgotten), is compared with a candidate
 that skips one layer more or one fewer (chosen at random) evaluated over the next window; the better one stays.
 Incumbent statistics decay, so the set follows the workload. The goodput controller, fed the drafter's measured
 time, still decides whether drafting pays at all.
@@ -116,6 +117,8 @@ class LayerSkipDrafter:
         self.buffers = InputBuffers(runner.device, capacity=1 << 12)
         self.sampler = DraftSampler(runner.model_cfg.vocab_size, runner.device, runner.cfg.seed)
         self.vocab_size = runner.model_cfg.vocab_size
+        per_layer = sum(p.numel() for p in self.model.layers[0].parameters())
+        self.head_layers = runner.model_cfg.vocab_size * runner.model_cfg.hidden_size / max(per_layer, 1)
         # search state: the incumbent's score, and a candidate under evaluation
         self.score = _Score()
         self.candidate: frozenset | None = None
@@ -130,6 +133,10 @@ class LayerSkipDrafter:
 
     def _kept(self, skip: frozenset) -> list[int]:
         return [i for i in range(self.L) if i not in skip]
+
+    def _cost(self, skip: frozenset) -> float:
+        """A draft token's cost as a fraction of a full forward: kept layers plus the LM head (in layers)."""
+        return (len(self._kept(skip)) + self.head_layers) / (self.L + self.head_layers)
 
     def _mutate(self) -> frozenset:
         middle = range(1, self.L - 1)
@@ -153,8 +160,8 @@ class LayerSkipDrafter:
             self.cand_score = _Score()
         elif self.candidate is not None and self.cand_score.drafts >= self.window:
             self.stats["evaluations"] += 1
-            c_val = self.cand_score.value(len(self._kept(self.candidate)) / self.L)
-            s_val = self.score.value(len(self._kept(self.skip)) / self.L)
+            c_val = self.cand_score.value(self._cost(self.candidate))
+            s_val = self.score.value(self._cost(self.skip))
             if c_val > s_val:
                 self.skip, self.score = self.candidate, self.cand_score
                 self.stats["switches"] += 1
