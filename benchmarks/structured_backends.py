@@ -102,7 +102,7 @@ def realistic_schemas(limit_cfn: int) -> list[tuple[str, Any]]:
             pass
     cfn: list[str] = []
     for root in _site_packages():
-        cfn = sorted(glob.glob(f"{root}/cfnlint/data/schemas/providers/us_east_1/*.json"))
+        cfn = sorted(glob.glob(f"{root}/cfnlint/data/schemas/resources/*.json"))
         if cfn:
             break
     stride = max(1, len(cfn) // max(limit_cfn, 1))

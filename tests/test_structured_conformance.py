@@ -778,3 +778,20 @@ def test_guard_checks_every_candidate(backend: GrammarBackend, tokenizer: Any) -
             if ok:
                 matcher.rollback(1)
             assert bool(allowed[t]) == ok, (prefix, tokenizer.decode([t]))
+
+
+def test_free_key_order_in_unions_of_objects(backend: GrammarBackend, tokenizer: Any) -> None:
+    """A pydantic-style discriminated union (anyOf of object branches) at a fixed path takes its keys in any order;
+    which branch applies is only known at the close, where the whole union is validated."""
+    cat = {"type": "object", "properties": {"kind": {"const": "cat"}, "lives": {"type": "integer"}},
+           "required": ["kind", "lives"], "additionalProperties": False}
+    dog = {"type": "object", "properties": {"kind": {"const": "dog"}, "good": {"type": "boolean"}},
+           "required": ["kind"], "additionalProperties": False}
+    schema = {"type": "object", "properties": {"pet": {"anyOf": [{"$ref": "#/$defs/cat"}, {"$ref": "#/$defs/dog"}]},
+                                               "n": {"type": "integer"}},
+              "required": ["pet"], "$defs": {"cat": cat, "dog": dog}}
+    compiled = backend.compile(_schema_spec(schema))
+    for text in ('{"pet":{"lives":9,"kind":"cat"}}', '{"n":1,"pet":{"good":true,"kind":"dog"}}', '{"pet":{"kind":"dog"}}'):
+        assert _produce(backend, compiled, tokenizer, text), text
+    for text in ('{"pet":{"kind":"cat"}}', '{"pet":{"lives":9,"kind":"dog"}}', '{"pet":{"kind":"dog","kind":"dog"}}', '{"n":1}'):
+        assert not _produce(backend, compiled, tokenizer, text), text

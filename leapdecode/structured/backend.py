@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from leapdecode.structured.adapters import LIBRARIES, Library, make_library
-from leapdecode.structured.guard import SchemaGuard, TokenMarks, free_order_sites
+from leapdecode.structured.guard import FreeOrder, SchemaGuard, TokenMarks, free_order_sites
 from leapdecode.structured.lowering import CompileTimeout, deadline
 from leapdecode.structured.matcher import Matcher
 from leapdecode.structured.spec import StructuredSpec, check_spec, parse_structured
@@ -211,7 +211,7 @@ class GrammarBackend:
         start = time.perf_counter()
         self._check(spec)
         schema = spec.schema if spec.kind in ("json_object", "json_schema") else None
-        free_order = {}
+        free_order = FreeOrder({}, [])
         if self.guard and spec.kind == "json_schema" and spec.key_order == "any":
             free_order = free_order_sites(schema)  # the guard checks what the relaxed grammar lets through
         try:

@@ -29,7 +29,7 @@ from leapdecode.structured.lowering import check_deadline, iter_subschemas
 if TYPE_CHECKING:
     from leapdecode.structured.backend import GrammarBackend
 
-__all__ = ["Cursor", "SchemaGuard", "TokenMarks", "free_order_sites", "probe_schema"]
+__all__ = ["Cursor", "FreeOrder", "SchemaGuard", "TokenMarks", "free_order_sites", "probe_schema"]
 
 _OPEN = frozenset(b"[{")
 _CLOSE = frozenset(b"]}")
@@ -193,7 +193,7 @@ class SchemaGuard:
     """
 
     def __init__(self, schema: dict[str, Any] | bool, dropped: tuple[str, ...] = (),
-                 free_order: dict[int, tuple[dict[str, Any], list[tuple[Any, ...]]]] | None = None) -> None:
+                 free_order: FreeOrder | None = None) -> None:
         cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
         self.validator = cls(schema, format_checker=_format_checker(cls))
         probe_schema(self.validator)
@@ -201,11 +201,17 @@ class SchemaGuard:
         self._doc_cache: dict[bytes, bool] = {}
         self._event_cache: dict[tuple[Any, ...], bool] = {}  # mask fills and accept() see the same events
         self.anchors: list[_Anchor] = _find_anchors(schema, self.validator, dropped) if dropped else []
+        free_order = free_order or FreeOrder({}, [])
         self.objects: list[_ObjectRule] = [
             _ObjectRule(pattern, frozenset(r for r in node.get("required", ()) if isinstance(r, str)), _closed(node))
-            for node, patterns in (free_order or {}).values()
+            if not in_union else _ObjectRule(pattern, frozenset())  # the union's anchor checks the rest
+            for node, patterns, in_union in free_order.sites.values()
             for pattern in patterns
         ]
+        self.anchors += [_Anchor(pattern, self.validator.evolve(schema=node)) for node, patterns in free_order.unions
+                         for pattern in patterns if pattern]
+        if any(not pattern for _, patterns in free_order.unions for pattern in patterns) and not self.anchors:
+            self.anchors.append(_Anchor((), None))  # a union at the root: the document check (rule B) covers it
         self._closed_objects = any(o.closed is not None for o in self.objects)
         self._repeat_cache: dict[tuple[bytes, bool], np.ndarray] = {}
         self.active = bool(self.anchors or self.objects)  # False: only rule A (the document check)
@@ -586,71 +592,112 @@ _ORDER_BLOCKERS = frozenset({
 _MAX_PATTERNS_PER_OBJECT = 32
 
 
-def free_order_sites(schema: Any) -> dict[int, tuple[dict[str, Any], list[tuple[Any, ...]]]]:
+@dataclass
+class FreeOrder:
+    """What `free_order_sites` found: sites {id(node): (node, [pattern, ...], in_union)} and the unions of
+    objects (anyOf/oneOf nodes at fixed paths) one of whose branches is a site: [(union node, [pattern, ...])]."""
+
+    sites: dict[int, tuple[dict[str, Any], list[tuple[Any, ...]], bool]]
+    unions: list[tuple[dict[str, Any], list[tuple[Any, ...]]]]
+
+    def keys(self) -> Any:
+        return self.sites.keys()
+
+
+def free_order_sites(schema: Any) -> FreeOrder:
     """The object subschemas whose properties the grammar may take in any order, with the instance paths they
-    apply at: {id(node): (node, [pattern, ...])}.
+    apply at.
 
     A subschema qualifies when the guard can check it exactly (a repeated key, a missing required key): it is
     reached only through fixed instance paths (properties, items, prefixItems, allOf, local $ref) - never
     through anyOf/oneOf/not/if/additionalProperties/patternProperties/... nor recursion - at few paths, it has
     `properties`, none of `_ORDER_BLOCKERS`, and its patternProperties match none of its property names. The
-    others keep schema order (exact in the grammar). Any unresolvable or dynamic $ref: no site at all."""
+    others keep schema order (exact in the grammar). Any unresolvable or dynamic $ref: no site at all.
+    The branches of a union of objects at a fixed path (anyOf/oneOf with several object branches, e.g. a
+    pydantic discriminated union) qualify too, with `in_union` set: which branch applies is known only at the
+    end, so their `required` is checked by validating the whole union when its value closes."""
     if not isinstance(schema, dict):
-        return {}
+        return FreeOrder({}, [])
     nodes: dict[int, Any] = {}
-    tainted: set[int] = set()
-    stack: list[tuple[Any, bool]] = [(schema, False)]
-    while stack:  # every subschema reached from the root, and whether some route to it is not a fixed path
-        node, taint = stack.pop()
-        if not isinstance(node, dict):
-            continue
-        known = id(node) in nodes
-        if known and (id(node) in tainted or not taint):
+    mode: dict[int, int] = {}  # 0: fixed paths only; 1: also as a branch of a union of objects; 2: elsewhere too
+    stack: list[tuple[Any, int]] = [(schema, 0)]
+    while stack:  # every subschema reached from the root, and the worst kind of route to it
+        node, how = stack.pop()
+        if not isinstance(node, dict) or mode.get(id(node), -1) >= how:
             continue
         nodes[id(node)] = node
-        if taint:
-            tainted.add(id(node))
+        mode[id(node)] = how
         if len(nodes) & 255 == 0:
             check_deadline()
         for steps, child in _subschema_edges(schema, node):
             if child is _UNRESOLVED:
-                return {}
-            stack.append((child, taint or steps is None))
+                return FreeOrder({}, [])
+            if steps is None:
+                stack.append((child, 2))
+            elif steps is _UNION:
+                stack.append((child, 1 if how == 0 else 2))
+            else:  # same location ($ref, allOf) keeps the mode; a property or item of a union branch: elsewhere
+                stack.append((child, how if not steps or how == 0 else 2))
+    tainted = {i for i, how in mode.items() if how == 2}
+    union_members = {i for i, how in mode.items() if how == 1}
     patterns: dict[int, list[tuple[Any, ...]]] = {}
+    unions: dict[int, tuple[dict[str, Any], list[tuple[Any, ...]]]] = {}
     cyclic: set[int] = set()
+    overflow: set[int] = set()
     walk: list[tuple[Any, tuple[Any, ...], tuple[int, ...]]] = [(schema, (), ())]
     visits = 0
     while walk:  # the fixed instance paths of each subschema (acyclic walk, bounded)
         node, pattern, chain = walk.pop()
         visits += 1
-        if visits > MAX_ANCHOR_VISITS:
-            return {}
+        if visits > 16 * MAX_ANCHOR_VISITS:
+            return FreeOrder({}, [])
         if visits & 63 == 0:
             check_deadline()
-        patterns.setdefault(id(node), []).append(pattern)
+        seen_at = patterns.setdefault(id(node), [])
+        seen_at.append(pattern)
+        if len(seen_at) > _MAX_PATTERNS_PER_OBJECT:  # too many paths: neither it nor what is below is relaxed
+            overflow.add(id(node))
+            continue
         chain = chain + (id(node),)
         for steps, child in _subschema_edges(schema, node):
             if steps is None or not isinstance(child, dict):
                 continue
+            if steps is _UNION:
+                steps = ()
+                if mode.get(id(node)) == 0:
+                    unions.setdefault(id(node), (node, []))[1].append(pattern)
             if id(child) in chain:
                 cyclic.update(chain[chain.index(id(child)) :])
                 continue
             walk.append((child, pattern + steps, chain))
-    bad = set(tainted) | _pointed_through_properties(schema) | _mixed_intersections(schema, nodes)
-    todo = list(cyclic)  # whatever a recursion reaches has infinitely many paths
+    local = _pointed_through_properties(schema) | _mixed_intersections(schema, nodes)  # about the node itself
+    bad = set(tainted) | local
+    spread: set[int] = set()  # whatever a recursion reaches has infinitely many paths (an overflow, too many)
+    todo = list(cyclic | overflow)
     while todo:
         i = todo.pop()
-        if i in bad and i not in cyclic:
+        if i in spread:
             continue
-        bad.add(i)
+        spread.add(i)
         for steps, child in _subschema_edges(schema, nodes[i]):
-            if steps is not None and isinstance(child, dict) and id(child) not in bad:
+            if steps is not None and isinstance(child, dict) and id(child) not in spread:
                 todo.append(id(child))
-    return {
-        i: (nodes[i], pats)
+    bad |= spread
+    sites = {
+        i: (nodes[i], pats, i in union_members)
         for i, pats in patterns.items()
         if i not in bad and len(pats) <= _MAX_PATTERNS_PER_OBJECT and _free_order_ok(nodes[i])
     }
+    # A relaxed union branch leaves `required` (of whichever branch applies) to a check of the whole union at
+    # the close of its value: one jsonschema anchor per union with a relaxed branch.
+    relaxed_unions = [
+        (node, pats) for i, (node, pats) in unions.items()
+        if i not in tainted and i not in spread and any(
+            id(b) in sites or (isinstance(b.get("$ref"), str) and id(_resolve_local(schema, b["$ref"])) in sites)
+            for b in _branches(node)
+        )
+    ]
+    return FreeOrder(sites, relaxed_unions) if sites else FreeOrder({}, [])
 
 
 def _closed(node: dict[str, Any]) -> tuple[tuple[bytes, str], ...] | None:
@@ -725,6 +772,11 @@ def _free_order_ok(node: dict[str, Any], ignore_ref: bool = False) -> bool:
 
 
 _UNRESOLVED = object()
+_UNION = ("<union>",)  # edge marker: a branch of a union of objects (same location, checked as a whole)
+
+
+def _branches(node: dict[str, Any]) -> list[Any]:
+    return [b for key in ("anyOf", "oneOf") for b in (node.get(key) or []) if isinstance(b, dict)]
 
 
 def _may_be_object(root: Any, sub: Any, hops: int = 0) -> bool:
@@ -774,8 +826,9 @@ def _subschema_edges(root: Any, node: dict[str, Any]) -> Iterator[tuple[tuple[An
         objects = [i for i, sub in enumerate(branches) if _may_be_object(root, sub)]
         for i, sub in enumerate(branches):
             # The one branch that admits objects (e.g. Optional[Model] = anyOf [object, null]) is where every
-            # object at this location is checked, so for objects the location is fixed.
-            yield ((), sub) if objects == [i] else (None, sub)
+            # object at this location is checked, so for objects the location is fixed; several object
+            # branches make a union (checked as a whole).
+            yield ((), sub) if objects == [i] else (_UNION, sub) if i in objects else (None, sub)
     if "$dynamicRef" in node or "$recursiveRef" in node:
         yield (), _UNRESOLVED
     ref = node.get("$ref")
