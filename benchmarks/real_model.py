@@ -263,8 +263,11 @@ def spec_batches(path: str, tasks: dict[str, list[list[int]]], batches: list[int
     in one process, every configuration's LLM alive, repeats interleaved in a rotating order. Batch 1 runs each
     task's prompts one at a time (a row per task); batch B > 1 submits B prompts drawn round-robin from the tasks
     at once. Per repeat the ratio to plain is taken against plain's run in the same repeat; the table gives the
-    median over repeats and the pooled ratio."""
+    median over repeats and the pooled ratio, by wall time and by the process's CPU time (with one torch thread,
+    CPU time is the work done: on a machine shared with other jobs it is far less noisy than wall time, which
+    also counts the time spent waiting for a core)."""
     from leapdecode import LLM, SamplingParams
+    from leapdecode.spec.registry import make_drafter
     configs = ("plain", *methods)
     llms = {}
     for method in configs:
@@ -272,40 +275,62 @@ def spec_batches(path: str, tasks: dict[str, list[list[int]]], batches: list[int
         llms[method] = LLM(path, kv_cache_memory=kv, speculative_config=spec, max_num_seqs=max(batches))
         llms[method].generate([tasks["GSM8K"][0][:8]], SamplingParams(max_tokens=2), use_tqdm=False)
     mixed = [p for group in zip(*tasks.values()) for p in group]
-    jobs = []                                   # (batch, task label, prompts)
+
+    def take(pool: list, count: int, rep: int) -> list:
+        """Repeat ``rep``'s ``count`` prompts: the next slice of the pool (wrapping round when it is short)."""
+        start = (rep * count) % len(pool)
+        return [pool[(start + i) % len(pool)] for i in range(count)]
+
+    jobs = []                                   # (batch, task label, per repeat: groups of prompts run together)
     for b in batches:
         if b == 1:
-            jobs += [(1, task, [[p] for p in prompts[:per_task_b1]]) for task, prompts in tasks.items()]
+            jobs += [(1, task, [[[p] for p in take(prompts, per_task_b1, r)] for r in range(repeats)])
+                     for task, prompts in tasks.items()]
         else:
             if len(mixed) < b:
                 raise SystemExit(f"batch {b} needs {b} prompts, have {len(mixed)} (raise --batch-prompts)")
-            jobs.append((b, "mixed", [mixed[:b]]))
+            jobs.append((b, "mixed", [[take(mixed, b, r)] for r in range(repeats)]))
     rows = []
-    for b, task, groups in jobs:
+    for b, task, per_rep in jobs:
         params = SamplingParams(temperature=0.0, max_tokens=n[b])
-        runs = {m: [] for m in configs}        # per repeat: (tokens, wall, steps, accepted, drafted, ids)
+        runs = {m: [] for m in configs}        # per repeat: (tokens, wall, steps, accepted, drafted, ids, cpu)
         for rep in range(repeats):
+            groups = per_rep[rep]
             order = configs[rep % len(configs):] + configs[:rep % len(configs)]
             for method in order:
                 llm = llms[method]
                 llm.generate([groups[0][0][:8]], SamplingParams(max_tokens=1), use_tqdm=False)   # touch it first
-                tok = wall = steps = acc = drafted = 0
+                spec = llm.engine.speculator
+                if spec is not None:
+                    # a fresh drafter for every measured run: a repeat must not draft from the global cache of
+                    # outputs that an earlier repeat produced for the same prompt (greedy outputs repeat exactly)
+                    spec.drafter = make_drafter(method, **({"vocab_size": llm.engine.vocab_size}
+                                                           if method in ("recycling", "auto") else {}))
+                    d0, s0 = spec.drafter_seconds, spec.num_proposals
+                tok = wall = cpu = steps = acc = drafted = 0
                 ids = []
                 for g in groups:
-                    t = time.perf_counter()
+                    t, c = time.perf_counter(), time.process_time()
                     outs = llm.generate(g, params, use_tqdm=False)
                     wall += time.perf_counter() - t
+                    cpu += time.process_time() - c
                     for o in outs:
                         tok += len(o.outputs[0].token_ids)
                         steps += o.metrics.num_steps
                         acc += o.metrics.num_accepted_tokens
                         drafted += o.metrics.num_draft_tokens
                         ids.append(o.outputs[0].token_ids)
-                runs[method].append((tok, wall, steps, acc, drafted, ids))
+                runs[method].append((tok, wall, steps, acc, drafted, ids, cpu))
+                if spec is not None:
+                    print(f"    rep {rep} batch {b} {task} {method}: {(steps + acc) / max(steps, 1):.2f} tok/step, "
+                          f"drafter {1000 * (spec.drafter_seconds - d0):.0f} ms over "
+                          f"{spec.num_proposals - s0} drafting steps, wall {wall:.1f} s, cpu {cpu:.1f} s",
+                          file=sys.stderr, flush=True)
         plain = runs["plain"]
         for method in configs:
             r = runs[method]
             ratios = [(x[0] / x[1]) / (p[0] / p[1]) for x, p in zip(r, plain)]
+            cpu_ratios = [(x[0] / x[6]) / (p[0] / p[6]) for x, p in zip(r, plain)]
             tok = sum(x[0] for x in r)
             wall = sum(x[1] for x in r)
             steps = sum(x[2] for x in r)
@@ -314,12 +339,15 @@ def spec_batches(path: str, tasks: dict[str, list[list[int]]], batches: list[int
             same = sum(a == b for x, p in zip(r, plain) for a, b in zip(x[5], p[5]))
             row = {"batch": b, "task": task, "method": method, "tok/s": tok / wall,
                    "ratio median": statistics.median(ratios), "ratios": ratios,
+                   "cpu ratio median": statistics.median(cpu_ratios), "cpu ratios": cpu_ratios,
+                   "cpu tok/s": sum(x[0] for x in r) / sum(x[6] for x in r),
                    "ratio pooled": (tok / wall) / (sum(p[0] for p in plain) / sum(p[1] for p in plain)),
                    "tokens/step": (steps + acc) / max(steps, 1), "verified/out": (steps + drafted) / max(tok, 1),
                    "identical": f"{same}/{sum(len(x[5]) for x in r)}"}
             rows.append(row)
             print(f"  batch {b:3d} {task:16s} {method:10s} {row['tok/s']:7.1f} tok/s  x{row['ratio median']:.3f} "
-                  f"(runs {' '.join(f'{x:.2f}' for x in ratios)})  {row['tokens/step']:.2f} tok/step  "
+                  f"(runs {' '.join(f'{x:.2f}' for x in ratios)})  cpu x{row['cpu ratio median']:.3f} "
+                  f"(runs {' '.join(f'{x:.2f}' for x in cpu_ratios)})  {row['tokens/step']:.2f} tok/step  "
                   f"verified/out {row['verified/out']:.2f}  identical {row['identical']}", file=sys.stderr,
                   flush=True)
     return rows
@@ -405,12 +433,14 @@ def spec_batches_main(args) -> None:
                         args.repeats, tuple(args.methods.split(",")), args.prompts_per_task)
     print(f"\nmodel: {path}; machine: {platform.machine()}, {os.cpu_count()} CPUs, load average {load0:.1f} -> "
           f"{os.getloadavg()[0]:.1f}; {args.threads} threads; k={k_spec}; {args.repeats} interleaved repeats\n")
-    print("| batch | task | method | tok/s | ratio to plain (median of repeats; pooled) | per repeat | tokens/step | "
-          "verified/output token | identical greedy |\n|---|---|---|---:|---:|---|---:|---:|---:|")
+    print("| batch | task | method | tok/s wall | wall ratio to plain (median of repeats; pooled) | per repeat | "
+          "tok per CPU-s | CPU-time ratio (median) | per repeat | tokens/step | verified/output token | "
+          "identical greedy |\n|---|---|---|---:|---:|---|---:|---:|---|---:|---:|---:|")
     for r in rows:
         print(f"| {r['batch']} | {r['task']} | {r['method']} | {r['tok/s']:.1f} | {r['ratio median']:.2f}; "
-              f"{r['ratio pooled']:.2f} | {' '.join(f'{x:.2f}' for x in r['ratios'])} | {r['tokens/step']:.2f} | "
-              f"{r['verified/out']:.2f} | {r['identical']} |")
+              f"{r['ratio pooled']:.2f} | {' '.join(f'{x:.2f}' for x in r['ratios'])} | {r['cpu tok/s']:.1f} | "
+              f"{r['cpu ratio median']:.2f} | {' '.join(f'{x:.2f}' for x in r['cpu ratios'])} | "
+              f"{r['tokens/step']:.2f} | {r['verified/out']:.2f} | {r['identical']} |")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"model": path, "rows": rows, "k": k_spec}, f, indent=1)

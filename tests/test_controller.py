@@ -61,21 +61,38 @@ class FakeDrafter:
         pass
 
 
-def simulate(step_time, q, batch=1, steps=300, k=8, adaptive=True, noise=0.03, q_after=None, switch=None, seed=0):
-    """Run the speculator on a fabricated machine; returns (tokens/s, draft tokens per request per step)."""
+DRAFT_SECONDS = 20e-6     # fabricated drafting time per request (the fake drafter's real time depends on the load)
+
+
+def fabricated_drafting(spec):
+    """The speculator charges drafting by the wall clock; replace it by DRAFT_SECONDS per request, so that what a
+    test asserts does not depend on how loaded the machine running it is."""
+    def draft(reqs):
+        spec.drafter_seconds += DRAFT_SECONDS * len(reqs)
+        return spec.drafter.propose(reqs), DRAFT_SECONDS * len(reqs)
+    spec._draft = draft
+    return spec
+
+
+def simulate(step_time, q, batch=1, steps=300, k=8, adaptive=True, noise=0.03, q_after=None, switch=None, seed=0,
+             probe_time=None):
+    """Run the speculator on a fabricated machine; returns (tokens/s, draft tokens per request per step).
+    ``probe_time``: what the start-up probe measures (default: the machine's own curve)."""
     drafter = FakeDrafter(q, seed)
     cfg = SpeculativeConfig(method="ngram", num_speculative_tokens=k, adaptive=adaptive, drafter=drafter)
     probe = StepTimeModel()
-    for n in (1, 64, 1, 64):
-        probe.observe(n, step_time(n))
-    spec = Speculator(cfg, 50_000, probe)
+    for n in (1, 2, 4, 8, 16, 64, 1, 64):
+        probe.observe(n, (probe_time or step_time)(n))
+    spec = fabricated_drafting(Speculator(cfg, 50_000, probe))
     rng = random.Random(seed + 1)
     seqs = [Seq(i) for i in range(batch)]
     seconds, tokens, per_step = 0.0, 0, []
     for step in range(steps):
         if switch is not None and step == switch:
             drafter.q = q_after
+        drafted_before = spec.drafter_seconds
         drafts = spec.propose(seqs, [k] * batch, 0)
+        seconds += spec.drafter_seconds - drafted_before       # drafting is on the step's critical path
         n = batch + sum(len(d) for d in drafts.values())
         for s in seqs:
             d = drafts.get(s.seq_id)
@@ -172,3 +189,31 @@ def test_step_time_model_follows_a_knee_and_is_robust_to_outliers():
     for n in (3, 8, 100, 300, 700):
         assert st(n) == pytest.approx(gpu_like(n), rel=0.1), n
     assert st(1) <= st(2) <= st(300)
+
+
+def test_probe_is_the_shape_and_real_steps_set_the_scale():
+    """The start-up probe runs over an empty cache; real steps at batch 16 cost twice as much (long contexts). The
+    cost of extra tokens must be the probe's shape scaled to the real steps, not a line from the real 16-token
+    step to the probe's cheap 64-token one (which made extra tokens look nearly free)."""
+    st = StepTimeModel()
+    for n in (1, 2, 4, 8, 16, 64, 1, 64):
+        st.observe(n, cpu_like(n))
+    Controller(8, st)                       # the controller takes what the model holds as the prior shape
+    for _ in range(5):
+        st.observe(16, 2 * cpu_like(16))
+    for n in (17, 24, 40, 64, 100):
+        assert st(n) == pytest.approx(2 * cpu_like(n), rel=0.05), n
+    marginal = st(24) - st(16)
+    assert marginal == pytest.approx(2 * (cpu_like(24) - cpu_like(16)), rel=0.1)
+
+
+def test_no_loss_at_batch_16_when_real_steps_cost_more_than_the_probe():
+    """Batch 16 on a machine whose real steps cost 2x the probe's: drafts with a 45% first-token hit rate do not
+    pay (each verified token costs ~4% of a step), and the controller must not be fooled into drafting by the
+    probe's cheaper points (with the probe mixed in as measurements: 0.27 draft tokens per request per step over
+    the first 50 steps, 0.964x plain)."""
+    def real(n):
+        return 2 * cpu_like(n)
+    rate, per_step, _ = simulate(real, 0.45, batch=16, steps=150, probe_time=cpu_like)
+    assert np.mean(per_step[:50]) < 0.1                   # from the first steps on, not after learning the hard way
+    assert rate >= 0.985 * plain_rate(real, 16)

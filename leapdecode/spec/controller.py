@@ -11,8 +11,13 @@ where B is one bonus token per decoding request and ``base`` the tokens the step
   count. Times are kept per token-count bucket (exact counts up to 32, then ~12% wide buckets) as the median of
   the last few steps, so a CPU whose cost grows with every token, a GPU that is flat until a knee, the jump from a
   1-token to a multi-token forward, and garbage-collection outliers are all what they really are. Between observed
-  buckets T is interpolated, beyond them extrapolated with a forgetting least-squares line (seeded by the engine's
-  start-up probe), and made non-decreasing in m.
+  buckets T is interpolated, beyond them extrapolated with a forgetting least-squares line, and made
+  non-decreasing in m. The engine's start-up probe (forwards of 1-64 tokens over an empty cache) is kept apart as
+  the curve's *shape* (:meth:`StepTimeModel.mark_prior`): real steps cost more than the probe's (their tokens
+  attend to long contexts, the batch's rows are scattered), so where no real step of a size was seen, T is the
+  probe's value times the ratio real/probe observed at the nearest sizes. Mixed naively, a real 16-token step next
+  to the probe's cheaper 17..64-token points made extra tokens look free (the curve is flattened to stay
+  non-decreasing), and speculation at batch 16 ran below plain decoding.
 - **Value, learned per request** (SpecDec++-like): the j-th draft token is worth P(tokens 1..j accepted) =
   p1 * prod c(d), with p1 the request's own fast-decaying first-token acceptance shrunk toward the drafter's score and
   the global rate, and c(d) the conditional acceptance at depth d (the request's own, shrunk toward the global
@@ -57,7 +62,26 @@ class StepTimeModel:
         self._sw = self._sx = self._sy = self._sxx = self._sxy = 0.0
         self._buckets: dict[int, _Bucket] = {}
         self.num_observed = 0
-        self._points: tuple[np.ndarray, np.ndarray] | None = None
+        self._points: tuple | None = None
+        self._prior: tuple[np.ndarray, np.ndarray, float] | None = None    # (xs, ys, slope beyond): the shape
+
+    def mark_prior(self) -> None:
+        """Keep what has been observed so far (the start-up probe) as the shape of the curve, not as measurements:
+        from now on T(n) = prior(n) * (observed / prior), the ratio interpolated between observed sizes and held
+        beyond them. Does nothing when nothing was observed, or when a prior is already set."""
+        if self._prior is not None or not self._buckets:
+            return
+        xs, ys, slope = self._curve()[:3]
+        self._prior = (xs, np.maximum.accumulate(ys), slope)
+        self._buckets = {}
+        self._points = None
+
+    def _prior_at(self, ns: np.ndarray) -> np.ndarray:
+        xs, ys, slope = self._prior
+        out = np.interp(ns, xs, ys)
+        if len(ns) and ns[-1] > xs[-1]:
+            out = out + np.maximum(ns - xs[-1], 0.0) * slope
+        return out
 
     def observe(self, num_tokens: int, seconds: float) -> None:
         if num_tokens <= 0 or not seconds > 0.0:
@@ -86,20 +110,26 @@ class StepTimeModel:
         b = self._buckets.get(_bucket(num_tokens))
         return self.num_observed - b.last_seen if b is not None else 1 << 30
 
-    def _curve(self) -> tuple[np.ndarray, np.ndarray, float]:
+    def _curve(self) -> tuple:
         if self._points is None:
             pts = sorted(b.point() for b in self._buckets.values())
             xs, ys = np.array([p[0] for p in pts]), np.array([p[1] for p in pts])
             slope = self.c1             # beyond the largest observed size: the line, or the last segment if steeper
             if len(xs) > 1 and xs[-1] > xs[-2]:
                 slope = max(slope, (ys[-1] - ys[-2]) / (xs[-1] - xs[-2]))
-            self._points = (xs, ys, slope)
+            ratios = ys / np.maximum(self._prior_at(xs), 1e-12) if self._prior is not None and len(xs) else None
+            self._points = (xs, ys, slope, ratios)
         return self._points
 
     def predict(self, ns: np.ndarray) -> np.ndarray:
         """T at each token count of ``ns``, an increasing numpy array; the result is non-decreasing."""
         ns = np.asarray(ns, dtype=np.float64)
-        xs, ys, slope = self._curve()
+        xs, ys, slope, ratios = self._curve()
+        if self._prior is not None:
+            out = self._prior_at(ns)
+            if len(xs):
+                out = out * np.interp(ns, xs, ratios)
+            return np.maximum.accumulate(out)
         if len(xs) == 0:
             return self.c0 + self.c1 * ns
         out = np.interp(ns, xs, ys)
@@ -132,6 +162,7 @@ class Controller:
                  explore_every: int = 32, explore_tolerance: float = 0.1, stale_after: int = 128) -> None:
         self.max_draft = max_draft
         self.step_time = step_time or StepTimeModel()
+        self.step_time.mark_prior()      # what it holds now (the start-up probe) is the curve's shape
         self.run_alarm = run_alarm
         self.decay, self.first_decay, self.prior_strength, self.min_gain = decay, first_decay, prior_strength, min_gain
         self.global_decay = global_decay
