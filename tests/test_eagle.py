@@ -262,6 +262,7 @@ def test_eagle_bad_head_is_a_clear_error(tiny_dir, tmp_path):
         make_llm(tiny_dir("llama"), speculative_config={"method": "eagle", "model": str(tmp_path)})
 
 
+@pytest.mark.slow
 def test_shipped_head_on_the_default_model():
     """SmolLM2-135M-Instruct with the shipped head: greedy output identical to plain decoding, drafts accepted."""
     from leapdecode import LLM, SamplingParams
