@@ -307,16 +307,16 @@ def test_spec_normalization_and_cache(backend: GrammarBackend) -> None:
 def test_compile_cache_hit_skips_metaschema_check(backend: GrammarBackend, monkeypatch: pytest.MonkeyPatch) -> None:
     """The meta-schema check (jsonschema, the costly part of validating a spec) runs once per distinct schema: a
     cache hit costs only the shape checks, which still refuse a malformed request around a cached schema."""
-    import jsonschema
+    import leapdecode.structured.backend as backend_module
 
     calls = []
-    check = jsonschema.Draft202012Validator.check_schema.__func__
+    check = backend_module.check_spec
 
-    def counted(cls: Any, schema: Any, *args: Any, **kwargs: Any) -> None:
-        calls.append(schema)
-        return check(cls, schema, *args, **kwargs)
+    def counted(spec: Any) -> None:
+        calls.append(spec)
+        return check(spec)
 
-    monkeypatch.setattr(jsonschema.Draft202012Validator, "check_schema", classmethod(counted))
+    monkeypatch.setattr(backend_module, "check_spec", counted)
     schema = {"type": "object", "properties": {"cache_probe": {"type": "string"}}}
     first = backend.compile(_schema_spec(schema, "one"))
     assert len(calls) == 1
@@ -327,6 +327,23 @@ def test_compile_cache_hit_skips_metaschema_check(backend: GrammarBackend, monke
     with pytest.raises(ValueError, match="invalid JSON schema at type"):  # a miss is still checked
         backend.compile(_schema_spec({"type": "strnig"}))
     assert len(calls) == 2
+    backend._cache.clear()  # an evicted grammar recompiles; the meta-schema verdict is cached by schema text
+    assert backend.compile(_schema_spec(schema, "four")) is not first and len(calls) == 2
+
+
+def test_fast_metaschema_check_agrees_with_jsonschema() -> None:
+    """The fast path (jsonschema_rs, when installed) accepts only what jsonschema accepts; errors keep
+    jsonschema's message."""
+    from leapdecode.structured.spec import check_schema
+
+    for good in ({"type": "object", "properties": {"a": {"pattern": "^[a-z]+$"}}},
+                 {"$schema": "http://json-schema.org/draft-07/schema#", "items": [{}], "additionalItems": False}):
+        check_schema(good)
+    for bad, message in (({"type": "strnig"}, "at type"), ({"minLength": -1}, "at minLength"),
+                         ({"pattern": "(unclosed"}, "is not a 'regex'"),
+                         ({"patternProperties": {"(": {}}}, "is not a 'regex'")):
+        with pytest.raises(ValueError, match=re.escape(message)):
+            check_schema(bad)
 
 
 @pytest.mark.parametrize(
