@@ -33,6 +33,26 @@ def accepted_length(draft: Draft, truth: Sequence[int]) -> int:
     return draft.tree.accepted_length(truth)
 
 
+def _depth(draft: Draft) -> int:
+    """``draft.tree.depth`` without building the tree (a chain's depth is its length)."""
+    if draft.parents is None:
+        return len(draft.tokens)
+    depth: list[int] = []
+    for p in draft.parents:
+        depth.append(1 if p < 0 else depth[p] + 1)
+    return max(depth, default=0)
+
+
+def _accepted(draft: Draft, truth: Sequence[int]) -> int:
+    """``draft.tree.accepted_length(truth)``; a chain is compared directly."""
+    if draft.parents is None:
+        toks, n = draft.tokens, 0
+        while n < len(toks) and n < len(truth) and toks[n] == truth[n]:
+            n += 1
+        return n
+    return draft.tree.accepted_length(truth)
+
+
 @dataclass
 class _Stats:
     """Moving averages of one drafter's results (on one request, or over all requests)."""
@@ -72,7 +92,7 @@ class AutoDrafter:
             return 0.0
         stats = self._stats.get(seq_id, {}).get(name) or self._prior[name]
         p_first = self.score_weight * draft.score + (1.0 - self.score_weight) * stats.first_hit
-        return p_first * min(stats.depth, float(draft.tree.depth))
+        return p_first * min(stats.depth, float(_depth(draft)))
 
     # -- Drafter protocol ------------------------------------------------------------------------------------------
     def propose(self, requests: list[DraftRequest]) -> list[Draft]:
@@ -103,7 +123,7 @@ class AutoDrafter:
             for name, draft in drafts.items():
                 if not draft.tokens:
                     continue
-                accepted = draft.tree.accepted_length(committed)
+                accepted = _accepted(draft, committed)
                 if name not in per_request:
                     prior = self._prior[name]
                     per_request[name] = _Stats(prior.first_hit, prior.depth)

@@ -127,6 +127,12 @@ class NgramIndex:
             if first_f > start:                 # followers of n-grams that would cross a sentinel: none
                 previous.extend(_NONE * (first_f - start))
             lo, hi = first_f - base - n, end - base - n
+            if hi - lo <= 4:                    # a decode step's few tokens: direct slices beat building a zip
+                for i in range(lo, hi):
+                    key = tuple(toks[i:i + n])
+                    previous.append(table.get(key, -1))
+                    table[key] = i + n + base
+                continue
             keys = zip(*(toks[lo + j:hi + j] for j in range(n)))     # the n-gram before each f, built in C
             get, append = table.get, previous.append
             for f, key in zip(range(first_f, end), keys):

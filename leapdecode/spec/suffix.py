@@ -39,7 +39,6 @@ import numpy as np
 
 from leapdecode.spec.drafter import Draft, DraftRequest, PerRequestDrafter
 from leapdecode.spec.index import SENTINEL, NgramIndex, as_int_list, continuation, sync_index
-from leapdecode.spec.tree import DraftTree
 
 
 @dataclass
@@ -184,7 +183,9 @@ class SuffixDrafter(PerRequestDrafter):
                 best = other
         if not best.tokens:
             return Draft()
-        return Draft.from_tree(DraftTree.of(best.tokens, best.parents), score=best.first_token_prob)
+        parents = best.parents
+        chain = all(p == i - 1 for i, p in enumerate(parents))       # parents are topological by construction
+        return Draft(best.tokens, None if chain else parents, best.first_token_prob)
 
     def finish(self, seq_id: int, token_ids: Sequence[int], num_prompt_tokens: int) -> None:
         """Drop the request's index and add its output to the global cache (evicting the oldest outputs)."""
