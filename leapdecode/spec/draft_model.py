@@ -92,7 +92,8 @@ class DraftSampler:
         q = processed
         u = torch.rand(len(rows), dtype=torch.float64, generator=self.generator, device=self.device)
         seeded = [(i, seeded_uniform(c.params.seed ^ DRAFT_SALT, c.index, len(c.token_ids) + len(h)))
-                  for i, (c, h) in enumerate(zip(ctxs, histories)) if c.params is not None and c.params.seed is not None]
+                  for i, (c, h) in enumerate(zip(ctxs, histories))
+                  if c.params is not None and c.params.seed is not None]
         if seeded:
             idx, vals = zip(*seeded)
             u[torch.tensor(idx, device=self.device)] = torch.tensor(vals, dtype=torch.float64, device=self.device)
