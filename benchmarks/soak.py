@@ -7,7 +7,9 @@ Starts ``leapdecode serve`` as a subprocess (the embedded model unless ``--model
 send a mix for ``--minutes``: completions and chat, streamed and not, a fifth of the streams closed after a few
 events, n=2, logprobs, stop strings, seeds, and structured output with a never-seen JSON schema in one request
 of ten (each compiles and enters the grammar cache, whose bound is ``--grammar-cache-size``). The server's RSS
-(``/proc/PID/status``) is sampled every 5 s. Reported: requests done and failed, RSS after the warm-up (the first
+(``/proc/PID/status``) is sampled every 5 s. The KV pool is small (``--kv-cache-memory``, 64 MiB): its pages
+are allocated untouched and count in RSS only once a block is first used, and the prefix cache hands out the least
+recently used free block, so a large pool keeps adding RSS for a long time (up to its size) without any leak. Reported: requests done and failed, RSS after the warm-up (the first
 quarter), at the end, the slope over the last half (MB per 1,000 requests), and the bounded caches' sizes from
 ``/metrics`` at the end. Flat means the slope is near zero once the caches are full.
 """
@@ -72,7 +74,8 @@ def one_request(http: httpx.Client, rng: random.Random, counter: list[int]) -> b
 def soak(args: argparse.Namespace, spec: str | None) -> dict:
     port = args.port
     cmd = [sys.executable, "-m", "leapdecode.cli", "serve", "--port", str(port), "--dtype", "float32",
-           "--max-model-len", "1024", "--served-model-name", "m", "--grammar-cache-size", str(args.grammar_cache_size), "--log-level", "warning"]
+           "--max-model-len", "1024", "--served-model-name", "m", "--grammar-cache-size", str(args.grammar_cache_size),
+           "--kv-cache-memory", args.kv_cache_memory, "--log-level", "warning"]
     if args.model:
         cmd += ["--model", args.model]
     if spec:
@@ -137,13 +140,18 @@ def main() -> None:
     ap.add_argument("--model", default=None, help="default: the embedded model")
     ap.add_argument("--spec", nargs="+", default=["none", "suffix"], help="speculative methods to soak, or none")
     ap.add_argument("--grammar-cache-size", type=int, default=256)
+    ap.add_argument("--kv-cache-memory", default="64MiB",
+                    help="the KV pool's size: its pages are allocated untouched and enter RSS as blocks are first "
+                         "used, so a small pool is fully touched during the warm-up and its growth is not "
+                         "mistaken for a leak (default: 64MiB)")
     ap.add_argument("--port", type=int, default=8765)
     args = ap.parse_args()
     if not args.model:
         import leapdecode
         args.model = os.path.join(os.path.dirname(leapdecode.__file__), "assets", "default_model")
     print(f"# soak: {os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}, {os.path.basename(args.model)}, "
-          f"{args.minutes:g} min, {args.clients} clients, grammar cache {args.grammar_cache_size}")
+          f"{args.minutes:g} min, {args.clients} clients, grammar cache {args.grammar_cache_size}, "
+          f"KV pool {args.kv_cache_memory}")
     print("| speculation | requests | failed | new schemas | RSS start / after warm-up / half / end (MB) | "
           "slope over the 2nd half (MB per 1k requests) | caches at the end |")
     print("|---|---|---|---|---|---|---|")
