@@ -32,7 +32,6 @@ import numpy as np
 
 from leapdecode.spec.drafter import Draft, DraftRequest, PerRequestDrafter
 from leapdecode.spec.index import as_int_list
-from leapdecode.spec.tree import DraftTree
 
 _COUNT_MAX = int(np.iinfo(np.uint16).max)
 
@@ -239,4 +238,5 @@ class RecyclingDrafter(PerRequestDrafter):
                 score += self.rank_probs[rank]
         if not out_tokens:
             return Draft()
-        return Draft.from_tree(DraftTree.of(out_tokens, out_parents), score=min(1.0, score))
+        chain = all(p == i - 1 for i, p in enumerate(out_parents))   # topological by construction (BFS order)
+        return Draft(out_tokens, None if chain else out_parents, min(1.0, score))
