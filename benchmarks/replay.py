@@ -23,6 +23,11 @@ Peers in the same run:
                     only its sdist (0.3.0); it builds for CPU without build isolation (which would pull a CUDA
                     torch) in a venv with nanobind==2.9.2, cmake, ninja, protobuf, grpcio-tools:
                     CMAKE_ARGS=-DPython_EXECUTABLE=$VENV/bin/python pip install --no-build-isolation --no-deps .
+                    Only the suffix cache is needed, and it builds alone, outside the project's venv: in a scratch
+                    venv with nanobind==2.9.2, ``cmake <sdist>/csrc/suffix_decoding -G Ninja
+                    -DPython_EXECUTABLE=<that venv>/bin/python && ninja``, then a folder holding
+                    ``arctic_inference/__init__.py`` (empty) and ``arctic_inference/suffix_decoding/`` (the sdist's
+                    ``__init__.py`` and ``cache.py`` plus the built ``_C*.so``) on PYTHONPATH.
 
     python benchmarks/replay.py --data out/replay_stories260k.jsonl --k 10
 """
