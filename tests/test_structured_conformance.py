@@ -273,6 +273,15 @@ def test_json_schema(backend: GrammarBackend, tokenizer: Any) -> None:
     matcher.fill_bitmask(row, 0)
     allowed = bitmask_to_bool(row[0], backend.vocab_size)
     assert not allowed[_encode(tokenizer, "a")[0]] and allowed[_encode(tokenizer, "n")[0]]
+    # ... and in the last value, a token that closes it and brings a comma ('",') is masked too (found by the
+    # server test: the mask allowed it, accept() refused it, the request aborted).
+    for prefix in ('{"age":31,"name":"Ann', '{"name":"Ann","age":3'):
+        matcher = backend.matcher(backend.compile(spec))
+        assert matcher.accept_tokens(_encode(tokenizer, prefix)) == len(_encode(tokenizer, prefix))
+        matcher.fill_bitmask(row, 0)
+        for t in bitmask_to_bool(row[0], backend.vocab_size).nonzero().flatten().tolist():
+            assert t == tokenizer.eos_token_id or matcher.accept_tokens([t]) == 1, (prefix, tokenizer.decode([t]))
+            matcher.rollback(matcher.num_tokens - len(_encode(tokenizer, prefix)))
     compact = {**spec, "whitespace": "compact"}
     assert not _accepts(backend, tokenizer, compact, '{"name":"Ann", "age":3}')
     assert _accepts(backend, tokenizer, compact, '{"age":3,"name":"Ann"}')

@@ -102,9 +102,29 @@ def test_fuzz_schemas_agree_with_jsonschema(backend: Any, tokenizer: Any, schema
         pytest.fail(f"refused {json.dumps(schema)}: {e}")
     validator = jsonschema.Draft202012Validator(schema)
     rng = random.Random(seed)
+    first = _instance(schema, random.Random(seed + 1))
+    if validator.is_valid(first):  # along one valid instance: every token the mask allows is accepted
+        _every_allowed_token_is_accepted(backend, compiled, tokenizer, json.dumps(first, indent=1))
     for _ in range(4):
         value = _instance(schema, rng)
         valid = validator.is_valid(value)
         for text in (json.dumps(value, separators=(",", ":")), json.dumps(value, indent=2)):
             produced = _produce(backend, compiled, tokenizer, text, check_mask=True)
             assert produced == valid, f"{'valid' if valid else 'invalid'} {text!r} for {json.dumps(schema)}"
+
+
+def _every_allowed_token_is_accepted(backend: Any, compiled: Any, tokenizer: Any, text: str) -> None:
+    from leapdecode.structured import allocate_token_bitmask, bitmask_to_bool
+
+    matcher = backend.matcher(compiled)
+    row = allocate_token_bitmask(1, backend.vocab_size)
+    for token in tokenizer.encode(text, add_special_tokens=False):
+        matcher.fill_bitmask(row, 0)
+        allowed = bitmask_to_bool(row[0], backend.vocab_size).nonzero().flatten().tolist()
+        for t in allowed:
+            if t == tokenizer.eos_token_id:
+                continue
+            assert matcher.accept(t), f"mask allows {tokenizer.decode([t])!r} after {matcher.text!r}, accept refuses"
+            matcher.rollback(1)
+        if not matcher.accept(token):
+            return

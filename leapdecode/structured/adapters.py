@@ -64,6 +64,10 @@ _LLG_JSON_OPTIONS = {
     "lenient": True,  # drop unimplemented keywords (reported as warnings) instead of refusing the schema
     "coerce_one_of": True,  # oneOf -> anyOf (over-approximation); the guard enforces "exactly one"
 }
+# "flexible" whitespace between tokens: any JSON whitespace, bounded per gap (up to 16 spaces/tabs, then up to two
+# line breaks each followed by up to 48 spaces/tabs: indented JSON to depth 24 at 2 spaces), so that a model
+# cannot spend its whole budget on whitespace, a known failure mode of unbounded `[ \t\n\r]+`.
+FLEXIBLE_WHITESPACE = r"[\x20\x09]{0,16}(?:\x0D?\x0A[\x20\x09]{0,48}){0,2}"
 # (keyword, part of llguidance's error): refusals we lower by dropping the keyword from the grammar. A dropped
 # patternProperties makes its keys fall to additionalProperties: over- or under-approximate, never unchecked.
 _DROPPABLE_ON_ERROR = (("multipleOf", "multipleOf"), ("patternProperties", "are not disjoint"))
@@ -153,6 +157,8 @@ class _LLGuidance:
             if contains_key(schema, "oneOf"):
                 dropped.append("oneOf (compiled as anyOf)")
         options = {**_LLG_JSON_OPTIONS, "whitespace_flexible": spec.whitespace == "flexible"}
+        if spec.whitespace == "flexible":
+            options["whitespace_pattern"] = FLEXIBLE_WHITESPACE
         while True:
             grammar = self._grammar(spec) if schema is None else self._schema_grammar(schema, options)
             matcher = self._llg.LLMatcher(self.tokenizer, grammar, log_level=0, limits=self.limits)

@@ -288,8 +288,9 @@ class SchemaGuard:
                 if in_key:
                     closed_key = True
                     interesting = packed["all"]  # every byte of the key must stay a prefix of an unused name
-                elif not cursor.in_string and level == depth:  # between members: a comma or a key may come
-                    interesting = _union(interesting, packed["comma"] | packed["quote"])
+                elif level == depth:  # between members a comma or a key may come; in a value, after its quote
+                    interesting = _union(interesting, packed["quote"] if cursor.in_string
+                                         else packed["comma"] | packed["quote"])
                 elif level < depth:  # tokens that return to it may bring a comma or a key
                     closes = marks.closes(depth - level)
                     interesting = _union(interesting, closes & packed["quote"] if cursor.in_string else closes)
