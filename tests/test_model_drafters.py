@@ -16,6 +16,16 @@ from leapdecode import SamplingParams
 from leapdecode.assets import default_draft_model_path, default_model_path
 
 
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """These models are tiny: one intra-op thread is as fast as two, and does not spin against a busy neighbour
+    (a shared 2-core machine took 5x longer with two)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 def spec(method, k=4, adaptive=False, **options):
     return {"method": method, "num_speculative_tokens": k, "adaptive": adaptive, **options}
 
