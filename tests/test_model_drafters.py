@@ -80,6 +80,21 @@ def test_draft_model_greedy_identical_and_accepted(embedded):
     assert_all_free(llm)
 
 
+def test_draft_model_long_catch_up_is_sliced_and_the_same(embedded, monkeypatch):
+    """A catch-up longer than CATCH_UP_TOKENS runs in slices: same drafts (same counts), same output."""
+    import leapdecode.spec.draft_model as dm
+    target, draft, prompts, params, ref = embedded
+    counts = []
+    for limit in (dm.CATCH_UP_TOKENS, 3):
+        monkeypatch.setattr(dm, "CATCH_UP_TOKENS", limit)
+        llm = make_llm(target, speculative_config=spec("draft_model", k=4, model=draft))
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts[:3], params, use_tqdm=False)] == ref[:3]
+        s = llm.engine.stats
+        counts.append((s["draft_tokens"], s["accepted_tokens"], llm.engine.speculator.drafter.stats["forwards"]))
+        assert_all_free(llm)
+    assert counts[0][:2] == counts[1][:2] and counts[1][2] > counts[0][2], counts
+
+
 def test_draft_model_preemption_and_stops_lose_nothing(embedded):
     target, draft, _, _, _ = embedded
     prompts = code_prompts(10, seed=1)

@@ -18,7 +18,8 @@ length it last saw plus the drafted tokens that were accepted), then runs, **bat
 sequence**:
 
 1. one *catch-up* forward feeding each sequence the committed tokens its KV lacks (the whole prompt the first time,
-   then usually the bonus token, or the last accepted draft token and the bonus) -> q_1;
+   then usually the bonus token, or the last accepted draft token and the bonus) -> q_1; a catch-up longer than
+   ``CATCH_UP_TOKENS`` is fed in slices first, like the target's chunked prefill;
 2. k - 1 single-token forwards, one per draft position for the whole batch -> q_2..q_k.
 
 Rollback is implicit: positions past the valid length are simply overwritten later. A preempted target sequence
@@ -51,6 +52,9 @@ from leapdecode.engine.step import ScheduledSeq, lay_out
 from leapdecode.sampling.rejection import DRAFT_SALT
 from leapdecode.sampling.sampler import Row, SamplingBatch, inverse_cdf_sample, seeded_uniform
 from leapdecode.spec.drafter import Draft, DraftRequest
+
+
+CATCH_UP_TOKENS = 2048   # most tokens one catch-up forward of the draft model computes
 
 
 class _Ctx:
@@ -213,6 +217,24 @@ class DraftModelDrafter:
         self.stats["forwards"] += 1
         return _fit_vocab(logits, self.vocab_size)
 
+    def _catch_up(self, chunks: list[tuple[int, Sequence[int], Sequence[int]]]):
+        """Feed long catch-ups (a new sequence's prompt) in slices of ``CATCH_UP_TOKENS`` per forward, as the
+        target's chunked prefill does, so no forward holds more than that many tokens; returns the chunks' last
+        slices (the ones whose logits are needed)."""
+        while sum(len(t) for _, t, _ in chunks) > CATCH_UP_TOKENS and any(len(t) > 1 for _, t, _ in chunks):
+            budget, head, rest = CATCH_UP_TOKENS, [], []
+            for start, toks, blocks in chunks:
+                n = min(len(toks) - 1, budget)            # keep each chunk's last token for the sampling forward
+                if n > 0:
+                    head.append((start, toks[:n], blocks))
+                    budget -= n
+                rest.append((start + max(n, 0), toks[max(n, 0):], blocks))
+            if not head:
+                break
+            self.forward(head)
+            chunks = rest
+        return chunks
+
     # -- the protocol ------------------------------------------------------------------------------------------
     def propose(self, requests: list[DraftRequest]) -> list[Draft]:
         t0 = time.perf_counter()
@@ -244,6 +266,7 @@ class DraftModelDrafter:
         return out
 
     def _draft(self, requests, chunks, ctxs, idx, out) -> None:
+        chunks = self._catch_up(chunks)
         logits = self.forward(chunks)
         B = len(idx)
         tokens: list[list[int]] = [[] for _ in range(B)]
