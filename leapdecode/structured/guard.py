@@ -194,7 +194,7 @@ class SchemaGuard:
 
     def __init__(self, schema: dict[str, Any] | bool, dropped: tuple[str, ...] = (),
                  free_order: FreeOrder | None = None) -> None:
-        cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
+        cls = _with_regex_module(jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator))
         self.validator = cls(schema, format_checker=_format_checker(cls))
         probe_schema(self.validator)
         self.dropped = dropped
@@ -403,6 +403,55 @@ def _all_valid(validators: list[Any], raw: bytes) -> bool:
 # Formats whose jsonschema checker is too slow to run per candidate token (rfc3987-syntax parses IRIs with a
 # general Earley parser: up to ~100 ms a string). They are left to the grammar (which does not know them).
 _SLOW_FORMATS = frozenset({"iri", "iri-reference"})
+
+
+@functools.lru_cache(maxsize=None)
+def _with_regex_module(cls: Any) -> Any:
+    """`cls` with `pattern`, `patternProperties` and `additionalProperties` evaluated by `_search`: Python's `re`,
+    or the `regex` module for patterns only it compiles (Unicode property escapes); the meta-schema check
+    (spec.regex_compiles) admits exactly those."""
+    from jsonschema.exceptions import ValidationError
+
+    def pattern(validator: Any, patrn: str, instance: Any, schema: Any) -> Any:
+        if validator.is_type(instance, "string") and not _search(patrn, instance):
+            yield ValidationError(f"{instance!r} does not match {patrn!r}")
+
+    def pattern_properties(validator: Any, patterns: dict[str, Any], instance: Any, schema: Any) -> Any:
+        if validator.is_type(instance, "object"):
+            for patrn, subschema in patterns.items():
+                for key, value in instance.items():
+                    if _search(patrn, key):
+                        yield from validator.descend(value, subschema, path=key, schema_path=patrn)
+
+    def additional_properties(validator: Any, extra: Any, instance: Any, schema: Any) -> Any:
+        if not validator.is_type(instance, "object"):
+            return
+        props = schema.get("properties", {})
+        patterns = list(schema.get("patternProperties", {}))
+        extras = [k for k in instance if k not in props and not any(_search(p, k) for p in patterns)]
+        if validator.is_type(extra, "object"):
+            for key in extras:
+                yield from validator.descend(instance[key], extra, path=key)
+        elif extra is False and extras:
+            yield ValidationError(f"additional properties are not allowed ({', '.join(map(repr, extras))})")
+
+    return jsonschema.validators.extend(cls, validators={
+        "pattern": pattern, "patternProperties": pattern_properties, "additionalProperties": additional_properties,
+    })
+
+
+@functools.lru_cache(maxsize=4096)
+def _compiled(patrn: str) -> Any:
+    try:
+        return re.compile(patrn)
+    except re.error:
+        import regex
+
+        return regex.compile(patrn)
+
+
+def _search(patrn: str, text: str) -> bool:
+    return _compiled(patrn).search(text) is not None
 
 
 def _format_checker(cls: Any) -> jsonschema.FormatChecker:

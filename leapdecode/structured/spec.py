@@ -177,7 +177,8 @@ def check_schema(schema: dict[str, Any] | bool) -> None:
     if _fast_check(schema, cls):
         return
     try:
-        cls.check_schema(schema)  # includes `format: regex` on patterns (Python `re`, which the guard also uses)
+        # includes `format: regex` on patterns, judged by `regex_compiles` (what the guard can evaluate)
+        cls.check_schema(schema, format_checker=_meta_format_checker(cls))
     except jsonschema.exceptions.SchemaError as e:
         where = "/".join(str(p) for p in e.absolute_path) or "(root)"
         raise ValueError(f"invalid JSON schema at {where}: {e.message}") from None
@@ -204,16 +205,40 @@ def _fast_check(schema: Any, cls: Any) -> bool:
         return False
     from leapdecode.structured.lowering import iter_subschemas
 
-    try:
-        for node, _ in iter_subschemas(schema):
-            if isinstance(node.get("pattern"), str):
-                re.compile(node["pattern"])
-            if isinstance(node.get("patternProperties"), dict):
-                for pattern in node["patternProperties"]:
-                    re.compile(pattern)
-    except (re.error, RecursionError, TypeError):
-        return False
+    for node, _ in iter_subschemas(schema):
+        patterns = [node["pattern"]] if isinstance(node.get("pattern"), str) else []
+        if isinstance(node.get("patternProperties"), dict):
+            patterns += list(node["patternProperties"])
+        if not all(regex_compiles(p) for p in patterns):
+            return False
     return True
+
+
+def regex_compiles(pattern: str) -> bool:
+    """Can the guard evaluate this pattern? Python's `re`, or else the `regex` module (a superset that also
+    knows Unicode property escapes such as `\\p{L}`, common in real schemas), when it is installed."""
+    try:
+        re.compile(pattern)
+        return True
+    except (re.error, RecursionError, TypeError, OverflowError):
+        pass
+    try:
+        import regex
+    except ImportError:
+        return False
+    try:
+        regex.compile(pattern)
+        return True
+    except Exception:  # noqa: BLE001 - regex.error and friends
+        return False
+
+
+def _meta_format_checker(cls: Any) -> jsonschema.FormatChecker:
+    """The meta-schema's format checker with `regex` judged by `regex_compiles`."""
+    checker = jsonschema.FormatChecker(formats=())
+    checker.checkers = dict(cls.FORMAT_CHECKER.checkers)
+    checker.checkers["regex"] = (lambda instance: not isinstance(instance, str) or regex_compiles(instance), ())
+    return checker
 
 
 def _parse_choice(choice: Any) -> StructuredSpec:
