@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -106,6 +106,37 @@ class DraftSampler:
         conf_src = torch.where(torch.tensor(greedy, device=self.device)[:, None], logits.softmax(-1), q)
         conf = conf_src.gather(1, tokens_t[:, None]).squeeze(1)
         return tokens_t.tolist(), q, conf.tolist(), greedy
+
+
+def draft_chains(sampler: DraftSampler, logits: torch.Tensor, ctxs: list[_Ctx], limits: list[int],
+                 threshold: float, step: Callable[[list[int], int, list[int]], torch.Tensor]) -> list[Draft]:
+    """Draft one chain per row, autoregressively and batched: draw from ``logits`` (one row per context), keep
+    going for the rows under their length limit whose drawn token had confidence >= ``threshold``, and ask
+    ``step(active rows, depth, their last tokens)`` for those rows' next logits. Each draft carries its q rows
+    when every token of it was sampled (not greedy), and its first token's confidence as its score."""
+    B = len(ctxs)
+    tokens: list[list[int]] = [[] for _ in range(B)]
+    qs: list[list[torch.Tensor]] = [[] for _ in range(B)]
+    score = [0.0] * B
+    active = list(range(B))
+    depth = 0
+    while active:
+        toks, q, conf, greedy = sampler.draw(logits, [ctxs[b] for b in active], [tokens[b] for b in active])
+        depth += 1
+        nxt = []
+        for a, b in enumerate(active):
+            tokens[b].append(toks[a])
+            if q is not None and not greedy[a]:
+                qs[b].append(q[a])
+            if depth == 1:
+                score[b] = conf[a]
+            if depth < limits[b] and conf[a] >= threshold:
+                nxt.append(b)
+        active = nxt
+        if active:
+            logits = step(active, depth, [tokens[b][-1] for b in active])
+    return [Draft(tokens[b], None, score=score[b],
+                  probs=torch.stack(qs[b]) if qs[b] and len(qs[b]) == len(tokens[b]) else None) for b in range(B)]
 
 
 def run_layers(model, input_ids: torch.Tensor, meta, layers: Sequence[int] | None = None) -> torch.Tensor:
@@ -267,40 +298,21 @@ class DraftModelDrafter:
 
     def _draft(self, requests, chunks, ctxs, idx, out) -> None:
         chunks = self._catch_up(chunks)
-        logits = self.forward(chunks)
-        B = len(idx)
-        tokens: list[list[int]] = [[] for _ in range(B)]
-        qs: list[list[torch.Tensor]] = [[] for _ in range(B)]
-        score = [0.0] * B
-        active = list(range(B))
-        depth = 0
-        while active:
-            toks, q, conf, greedy = self.sampler.draw(logits, [ctxs[b] for b in active], [tokens[b] for b in active])
-            depth += 1
+
+        def step(active: list[int], depth: int, last: list[int]) -> torch.Tensor:
             nxt = []
-            for a, b in enumerate(active):
-                tokens[b].append(toks[a])
-                if q is not None and not greedy[a]:
-                    qs[b].append(q[a])
-                if depth == 1:
-                    score[b] = conf[a]
-                r = requests[idx[b]]
-                if depth < min(r.max_draft, self.k) and conf[a] >= self.threshold:
-                    nxt.append(b)
-            active = nxt
-            if not active:
-                break
-            chunks = []
-            for b in active:
+            for b, token in zip(active, last):
                 r = requests[idx[b]]
                 st = self.states[r.seq_id]
-                st.drafted.append(tokens[b][-1])                   # its KV is written by this forward
-                chunks.append((len(r.token_ids) + depth - 1, (tokens[b][-1],), st.blocks))
-            logits = self.forward(chunks)
-        for b in range(B):
-            probs = torch.stack(qs[b]) if qs[b] and len(qs[b]) == len(tokens[b]) else None
-            out[idx[b]] = Draft(tokens[b], None, score=score[b], probs=probs)
-            self.stats["drafted"] += len(tokens[b])
+                st.drafted.append(token)                            # its KV is written by this forward
+                nxt.append((len(r.token_ids) + depth - 1, (token,), st.blocks))
+            return self.forward(nxt)
+
+        limits = [min(requests[i].max_draft, self.k) for i in idx]
+        for b, draft in enumerate(draft_chains(self.sampler, self.forward(chunks), ctxs, limits, self.threshold,
+                                               step)):
+            out[idx[b]] = draft
+            self.stats["drafted"] += len(draft.tokens)
 
     def observe(self, seq_id: int, token_ids: Sequence[int], num_accepted: int, topk=None) -> None:
         """Nothing to learn: the KV catches up with the committed tokens in :meth:`propose`."""

@@ -49,7 +49,7 @@ import torch
 
 from leapdecode.engine.input_batch import InputBuffers
 from leapdecode.engine.step import ScheduledSeq, lay_out
-from leapdecode.spec.draft_model import DraftSampler, _Ctx, run_layers
+from leapdecode.spec.draft_model import DraftSampler, _Ctx, draft_chains, run_layers
 from leapdecode.spec.drafter import Draft, DraftRequest
 
 MAX_GROUP = 64          # sequences drafting at once (scratch room is sized for this many)
@@ -210,36 +210,17 @@ class LayerSkipDrafter:
         if src:
             dev = self.runner.device
             self.runner.kv_cache.copy_slots(torch.tensor(src, device=dev), torch.tensor(dst, device=dev))
-        logits = self.forward(chunks, layers)
-        B = len(idx)
-        tokens: list[list[int]] = [[] for _ in range(B)]
-        qs: list[list[torch.Tensor]] = [[] for _ in range(B)]
-        score = [0.0] * B
-        active = list(range(B))
-        depth = 0
-        while active:
-            toks, q, conf, greedy = self.sampler.draw(logits, [ctxs[b] for b in active], [tokens[b] for b in active])
-            depth += 1
-            nxt = []
-            for a, b in enumerate(active):
-                tokens[b].append(toks[a])
-                if q is not None and not greedy[a]:
-                    qs[b].append(q[a])
-                if depth == 1:
-                    score[b] = conf[a]
-                r = requests[idx[b]]
-                if depth < min(r.max_draft, self.k) and conf[a] >= self.threshold:
-                    nxt.append(b)
-            active = nxt
-            if active:
-                logits = self.forward([(len(requests[idx[b]].token_ids) - 1 + depth, (tokens[b][-1],), tables[b])
-                                       for b in active], layers)
-        for b in range(B):
-            r = requests[idx[b]]
-            probs = torch.stack(qs[b]) if qs[b] and len(qs[b]) == len(tokens[b]) else None
-            out[idx[b]] = Draft(tokens[b], None, score=score[b], probs=probs)
-            self.pending[r.seq_id] = (len(r.token_ids), tuple(tokens[b]), skip)
-            self.stats["drafted"] += len(tokens[b])
+        def step(active: list[int], depth: int, last: list[int]) -> torch.Tensor:
+            return self.forward([(len(requests[idx[b]].token_ids) - 1 + depth, (t,), tables[b])
+                                 for b, t in zip(active, last)], layers)
+
+        limits = [min(requests[i].max_draft, self.k) for i in idx]
+        drafts = draft_chains(self.sampler, self.forward(chunks, layers), ctxs, limits, self.threshold, step)
+        for i, draft in zip(idx, drafts):
+            r = requests[i]
+            out[i] = draft
+            self.pending[r.seq_id] = (len(r.token_ids), tuple(draft.tokens), skip)
+            self.stats["drafted"] += len(draft.tokens)
 
     def observe(self, seq_id: int, token_ids: Sequence[int], num_accepted: int, topk=None) -> None:
         """Score the sequence's last draft against the tokens committed since (see the module docstring)."""
