@@ -831,3 +831,16 @@ def test_unicode_property_escapes(backend: GrammarBackend, tokenizer: Any) -> No
     assert not _produce(backend, compiled, tokenizer, '{"tag":"ab1"}')
     assert not _produce(backend, compiled, tokenizer, '{"x":1}')
     assert not _produce(backend, compiled, tokenizer, '{"X":"s"}')
+
+
+def test_pattern_llguidance_cannot_decide_falls_back_to_the_guard(backend: GrammarBackend, tokenizer: Any) -> None:
+    """llguidance refuses some pattern + length combinations ("Unable to determine if regex is empty", 4 of 119
+    CloudFormation schemas); the pattern then goes to the guard instead of refusing the schema."""
+    schema = {"type": "string", "pattern": "^aws\\.partner(/[\\.\\-_A-Za-z0-9]+){2,}$", "minLength": 1, "maxLength": 256}
+    try:
+        compiled = backend.compile(_schema_spec(schema))
+    except ValueError as e:
+        pytest.fail(f"refused: {e}")
+    assert "pattern" in compiled.dropped
+    assert _produce(backend, compiled, tokenizer, '"aws.partner/a/b"')
+    assert not _produce(backend, compiled, tokenizer, '"aws.partner/a"')

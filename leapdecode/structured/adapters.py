@@ -70,7 +70,8 @@ _LLG_JSON_OPTIONS = {
 FLEXIBLE_WHITESPACE = r"[\x20\x09]{0,16}(?:\x0D?\x0A[\x20\x09]{0,48}){0,2}"
 # (keyword, part of llguidance's error): refusals we lower by dropping the keyword from the grammar. A dropped
 # patternProperties makes its keys fall to additionalProperties: over- or under-approximate, never unchecked.
-_DROPPABLE_ON_ERROR = (("multipleOf", "multipleOf"), ("patternProperties", "are not disjoint"))
+_DROPPABLE_ON_ERROR = (("multipleOf", "multipleOf"), ("patternProperties", "are not disjoint"),
+                       ("pattern", "Unable to determine if regex is empty"))
 _UNIMPLEMENTED_RE = re.compile(r"Unimplemented keys: \[(.*?)\]")
 _MIN_MAX_PROPERTIES = "min/maxProperties only supported"
 
