@@ -94,13 +94,15 @@ def named_structured(f: Any) -> dict[str, Any]:
 
 def required_structured(functions: list[Any], parallel: bool = True) -> dict[str, Any]:
     """At least one call (exactly one when ``parallel`` is false: OpenAI's parallel_tool_calls), each to one of
-    the functions with arguments valid for it."""
+    the functions with arguments valid for it. The list is the server's own format, parsed back into
+    ``tool_calls``, so it is written compact, names first (no model was trained on its whitespace)."""
     items = [{"type": "object", "properties": {"name": {"const": f.name}, "arguments": _parameters_schema(f)},
               "required": ["name", "arguments"], "additionalProperties": False} for f in functions]
     schema = {"type": "array", "minItems": 1, "items": items[0] if len(items) == 1 else {"anyOf": items}}
     if not parallel:
         schema["maxItems"] = 1
-    return {"type": "json_schema", "json_schema": {"name": "tool_calls", "schema": schema}}
+    return {"type": "json_schema", "json_schema": {"name": "tool_calls", "schema": schema},
+            "whitespace": "compact", "key_order": "schema"}
 
 
 def parse_required(text: str) -> list[tuple[str, str]]:
