@@ -247,7 +247,8 @@ def main() -> None:
     t0 = time.time()
     rows = acceptance(llm, head, tasks, args.max_tokens)
     machine = f"{platform.machine()}, {os.cpu_count()} cores, torch threads {args.threads}"
-    print(f"\nheld-out acceptance ({machine}; {time.time() - t0:.0f} s), model {os.path.basename(llm.engine.cfg.model)},"
+    print(f"\nheld-out acceptance ({machine}; {time.time() - t0:.0f} s), "
+          f"model {os.path.basename(llm.engine.cfg.model)},"
           f" head {head.num_parameters() / 1e6:.2f}M params, {args.per_task} prompts/task, <= {args.max_tokens} "
           "tokens, greedy\n")
     configs = list(dict.fromkeys(r["config"] for r in rows))

@@ -343,7 +343,8 @@ def stage_train(args, log) -> None:
             log(f"  {json.dumps(row)}")
     t_train = time.time() - t0
     head.cfg.training = {"data": stats, "train_seconds": round(t_train, 1), "steps": step, "epochs": epoch,
-                         "lr": args.lr, "w_cls": args.w_cls, "answer_ce_only": bool(args.answer_ce_only), "batch_tokens": args.batch_tokens, "noise": round(noise, 4),
+                         "lr": args.lr, "w_cls": args.w_cls, "answer_ce_only": bool(args.answer_ce_only),
+                         "batch_tokens": args.batch_tokens, "noise": round(noise, 4),
                          "draft_vocab_coverage": round(covered, 4), "first_step": first, "history": hist,
                          "device": args.device, "threads": torch.get_num_threads(),
                          "split_rule": "index < 16 or index % 5 == 0 held out (scripts/train_draft_head.py)"}
