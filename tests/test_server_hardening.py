@@ -257,13 +257,14 @@ def test_slow_grammar_compile_never_stalls_other_streams(llama_dir):
     a huge or pathological schema would be), another stream runs to its end and /health answers."""
     app = build_app(tiny_llm(llama_dir, max_model_len=CONTEXT), served_model_name=MODEL)
     entered, release = hold(app.state.server.prep, "compile", lambda structured: "held" in json.dumps(structured))
-    schema = {"type": "object", "properties": {"held": {"enum": [1, 2]}}, "required": ["held"]}
+    schema = {"type": "object", "properties": {"held": {"enum": [1, 2]}}, "required": ["held"],
+              "additionalProperties": False}
     with serve(app) as (url, _), httpx.Client(base_url=url, timeout=60) as http:
         held: dict = {}
 
         def post_held():
             with httpx.Client(base_url=url, timeout=60) as h:
-                held["r"] = h.post("/v1/chat/completions", json=_chat(guided_json=schema, max_tokens=20))
+                held["r"] = h.post("/v1/chat/completions", json=_chat(guided_json=schema, max_tokens=80))
 
         t = threading.Thread(target=post_held)
         t.start()
