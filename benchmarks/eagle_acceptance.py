@@ -233,6 +233,8 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--e2e", type=int, default=0, help="prompts per task for the end-to-end run (0: skip)")
+    ap.add_argument("--no-controller", action="store_true",
+                    help="end to end: also each eagle configuration with the adaptive controller off (always drafts)")
     ap.add_argument("--big-tree", action="store_true", help="also a 32-node dynamic tree (slow on a CPU)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
@@ -266,6 +268,9 @@ def main() -> None:
                        "eagle chain k=4": {"method": "eagle", "num_speculative_tokens": 4},
                        "eagle tree (16)": {"method": "eagle", "num_speculative_tokens": 16, "top_k": 4,
                                            "depth": 6}}
+        if args.no_controller:
+            configs_e2e.update({f"{name}, controller off": {**spec, "adaptive": False}
+                                for name, spec in list(configs_e2e.items()) if spec is not None})
         e2e = end_to_end(args.model, args.head, tasks, args.e2e, args.max_tokens, configs_e2e)
         print(f"\nend to end, batch 1, greedy, {args.e2e} held-out prompts/task, same run\n")
         print("| task | config | tok/s | tokens/step | ratio to plain | identical |")
