@@ -110,3 +110,38 @@ def assert_pool_free(llm):
     assert bm.num_free_blocks == bm.num_blocks
     assert not engine.scheduler.running and not engine.scheduler.waiting
     assert not engine.seqs and not engine.requests
+
+
+class OracleDrafter:
+    """Drafts the continuation of whichever reference output (from a plain run: ``truth`` maps a prompt to its
+    references, one per sample) extends the request's committed tokens, corrupted on purpose: every
+    ``wrong_every``-th draft position is wrong (rejections, rollbacks), and with ``tree`` the first branch is a
+    wrong sibling, so the accepted path is not a prefix of the slots and its KV must be compacted."""
+
+    def __init__(self, truth: dict[tuple, list[list[int]]], wrong_every: int = 4, tree: bool = False,
+                 vocab_size: int = 384):
+        self.truth, self.wrong_every, self.tree, self.vocab_size = truth, wrong_every, tree, vocab_size
+        self.calls = 0
+
+    def propose(self, requests):
+        from leapdecode.spec.drafter import Draft
+        V = self.vocab_size
+        drafts = []
+        for r in requests:
+            self.calls += 1
+            prompt, out = tuple(r.token_ids[:r.num_prompt_tokens]), list(r.token_ids[r.num_prompt_tokens:])
+            cont = next((ref[len(out):] for ref in self.truth.get(prompt, []) if ref[:len(out)] == out), [])
+            n = r.max_draft - (1 if self.tree else 0)
+            chain = [t if (i + self.calls) % self.wrong_every else (t + 1) % V for i, t in enumerate(cont[:n])]
+            if self.tree and chain:
+                tokens = [(chain[0] + 2) % V] + chain                         # wrong first child, then the chain
+                drafts.append(Draft(tokens, [-1, -1] + list(range(1, len(chain))), score=0.9))
+            else:
+                drafts.append(Draft(chain, None, score=0.9))
+        return drafts
+
+    def observe(self, *args, **kwargs):
+        pass
+
+    def finish(self, *args, **kwargs):
+        pass

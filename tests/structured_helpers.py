@@ -5,6 +5,8 @@ import json
 import re
 from typing import Any
 
+from leapdecode.structured.guard import resolve_local_ref
+
 
 def json_text(instance: Any, schema: Any = None, *, indent: int | None = None) -> str:
     """`instance` as JSON text with object keys in the order the schema declares them *at that instance
@@ -15,22 +17,6 @@ def json_text(instance: Any, schema: Any = None, *, indent: int | None = None) -
     The subschemas that apply at a location are followed through local `$ref`, `allOf`, `anyOf`, `oneOf`,
     `if`/`then`/`else`, `properties`, `patternProperties`, `additionalProperties`, `items` and `prefixItems`."""
     root = schema
-
-    def resolve(ref: str) -> Any:
-        if ref == "#":
-            return root
-        if not ref.startswith("#/"):
-            return None
-        node = root
-        for part in ref[2:].split("/"):
-            part = part.replace("~1", "/").replace("~0", "~")
-            if isinstance(node, dict) and part in node:
-                node = node[part]
-            elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
-                node = node[int(part)]
-            else:
-                return None
-        return node
 
     def expand(nodes: list[Any]) -> list[dict[str, Any]]:
         """The nodes and every subschema applying at the same location (ref, allOf, anyOf, ...), each once."""
@@ -45,7 +31,7 @@ def json_text(instance: Any, schema: Any = None, *, indent: int | None = None) -
             out.append(node)
             same_place: list[Any] = []
             if isinstance(node.get("$ref"), str):
-                same_place.append(resolve(node["$ref"]))
+                same_place.append(resolve_local_ref(root, node["$ref"]))
             for key in ("allOf", "anyOf", "oneOf"):
                 if isinstance(node.get(key), list):
                     same_place += node[key]

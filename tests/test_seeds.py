@@ -6,42 +6,11 @@ import random
 import pytest
 import torch
 
-from conftest import assert_pool_free, make_llm
+from conftest import OracleDrafter, assert_pool_free, make_llm
 from leapdecode import SamplingParams
 from leapdecode.sampling.sampler import Row, SamplingBatch, inverse_cdf_sample, seeded_uniform
-from leapdecode.spec.drafter import Draft
 
 VOCAB = 384
-
-
-class PrefixOracle:
-    """Drafts the continuation of whichever reference output (from a plain run) extends the request's committed
-    tokens, so drafts really are accepted when the seeded draw matches plain decoding's; every ``wrong_every``-th
-    draft position is corrupted (rejections, rollbacks), and with ``tree`` a wrong sibling comes first."""
-
-    def __init__(self, truth: dict[tuple, list[list[int]]], wrong_every: int = 3, tree: bool = False):
-        self.truth, self.wrong_every, self.tree = truth, wrong_every, tree
-        self.calls = 0
-
-    def propose(self, requests):
-        drafts = []
-        for r in requests:
-            self.calls += 1
-            prompt, out = tuple(r.token_ids[:r.num_prompt_tokens]), list(r.token_ids[r.num_prompt_tokens:])
-            cont = next((ref[len(out):] for ref in self.truth.get(prompt, []) if ref[:len(out)] == out), [])
-            n = r.max_draft - (1 if self.tree else 0)
-            chain = [t if (i + self.calls) % self.wrong_every else (t + 1) % VOCAB for i, t in enumerate(cont[:n])]
-            if self.tree and chain:
-                drafts.append(Draft([(chain[0] + 2) % VOCAB] + chain, [-1, -1] + list(range(1, len(chain))), 0.9))
-            else:
-                drafts.append(Draft(chain, None, 0.9))
-        return drafts
-
-    def observe(self, *args, **kwargs):
-        pass
-
-    def finish(self, *args, **kwargs):
-        pass
 
 
 def prompts(n, seed=0):
@@ -72,7 +41,7 @@ def test_seeded_output_identical_with_speculation_alone(llama_dir, tree):
     ps = prompts(3, seed=1)
     for p, params in zip(ps, SEEDED):
         _, plain = run(llama_dir, [p], params)
-        oracle = PrefixOracle({tuple(p): plain[0]}, tree=tree)
+        oracle = OracleDrafter({tuple(p): plain[0]}, wrong_every=3, tree=tree)
         llm, spec = run(llama_dir, [p], params, drafter=oracle)
         assert spec == plain
         assert llm.engine.stats["accepted_tokens"] > 0, llm.engine.stats
@@ -89,7 +58,7 @@ def test_seeded_output_identical_with_speculation_in_a_batch(llama_dir):
     seeded = [i for i, sp in enumerate(params) if sp.seed is not None]
     alone = {i: run(llama_dir, [ps[i]], params[i])[1][0] for i in seeded}
     truth = {tuple(ps[i]): alone[i] for i in seeded}
-    oracle = PrefixOracle(truth)
+    oracle = OracleDrafter(truth, wrong_every=3)
     llm, mixed = run(llama_dir, ps, params, drafter=oracle, seed=5, max_num_batched_tokens=32, num_kv_blocks=24, max_model_len=64,
                      block_size=4)
     assert {i: mixed[i] for i in seeded} == alone

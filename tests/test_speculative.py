@@ -6,7 +6,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from conftest import assert_pool_free, make_llm
+from conftest import OracleDrafter, assert_pool_free, make_llm
 from leapdecode import LLM, SamplingParams
 from leapdecode.sampling.rejection import verify_with_draft_probs
 from leapdecode.spec.controller import Controller, StepTimeModel
@@ -33,37 +33,6 @@ def mixed_prompts(seed=0, vocab=384):
     return copy_heavy + random_ones
 
 
-class OracleDrafter:
-    """Proposes the true greedy continuation (known from a reference run), corrupted on purpose: every
-    ``wrong_every``-th draft position is wrong, and as a tree the first branch is always a wrong sibling, so the
-    accepted path is not a prefix of the slots and its KV must be compacted."""
-
-    def __init__(self, truth: dict[tuple, list[int]], wrong_every: int = 4, tree: bool = False):
-        self.truth, self.wrong_every, self.tree = truth, wrong_every, tree
-        self.calls = 0
-
-    def propose(self, requests):
-        drafts = []
-        for r in requests:
-            self.calls += 1
-            cont = self.truth[tuple(r.token_ids[:r.num_prompt_tokens])][len(r.token_ids) - r.num_prompt_tokens:]
-            n = r.max_draft - (1 if self.tree else 0)
-            chain = [t if (i + self.calls) % self.wrong_every else (t + 1) % 384 for i, t in enumerate(cont[:n])]
-            if self.tree and chain:
-                tokens = [(chain[0] + 2) % 384] + chain                       # wrong first child, then the chain
-                parents = [-1, -1] + list(range(1, len(chain)))
-                drafts.append(Draft(tokens, parents, score=0.9))
-            else:
-                drafts.append(Draft(chain, None, score=0.9))
-        return drafts
-
-    def observe(self, *args, **kwargs):
-        pass
-
-    def finish(self, *args, **kwargs):
-        pass
-
-
 @pytest.fixture(scope="module")
 def reference(llama_dir):
     llm = make_llm(llama_dir)
@@ -86,7 +55,7 @@ def test_greedy_identical_for_every_drafter(llama_dir, reference, method):
 @pytest.mark.parametrize("tree", [False, True])
 def test_oracle_drafts_are_accepted_and_output_is_identical(llama_dir, reference, tree):
     prompts, params, ref = reference
-    drafter = OracleDrafter({tuple(p): r for p, r in zip(prompts, ref)}, tree=tree)
+    drafter = OracleDrafter({tuple(p): [r] for p, r in zip(prompts, ref)}, tree=tree)
     llm = make_llm(llama_dir, speculative_config=spec("ngram", k=6, drafter=drafter))
     outs = llm.generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == ref
@@ -97,7 +66,7 @@ def test_oracle_drafts_are_accepted_and_output_is_identical(llama_dir, reference
 def test_stops_limits_n_prefix_cache_and_preemption_inside_drafts(llama_dir, tiny_dir, reference):
     """max_tokens, eos, stop strings and stop ids landing inside an accepted draft; n > 1; a tiny KV pool."""
     prompts, _, ref = reference
-    truth = {tuple(p): r for p, r in zip(prompts, ref)}
+    truth = {tuple(p): [r] for p, r in zip(prompts, ref)}
     tok_text = make_llm(llama_dir).get_tokenizer()
     cases = []
     for p, r in zip(prompts, ref):

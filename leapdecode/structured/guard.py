@@ -743,7 +743,7 @@ def free_order_sites(schema: Any) -> FreeOrder:
     relaxed_unions = [
         (node, pats) for i, (node, pats) in unions.items()
         if i not in tainted and i not in spread and any(
-            id(b) in sites or (isinstance(b.get("$ref"), str) and id(_resolve_local(schema, b["$ref"])) in sites)
+            id(b) in sites or (isinstance(b.get("$ref"), str) and id(resolve_local_ref(schema, b["$ref"])) in sites)
             for b in _branches(node)
         )
     ]
@@ -770,7 +770,7 @@ def _mixed_intersections(root: dict[str, Any], nodes: dict[int, Any]) -> set[int
     for i, node in nodes.items():
         joined = list(node.get("allOf")) if isinstance(node.get("allOf"), list) else []
         if isinstance(node.get("$ref"), str):
-            joined.append(_resolve_local(root, node["$ref"]))
+            joined.append(resolve_local_ref(root, node["$ref"]))
         for child in joined:
             if isinstance(child, dict) and id(child) in parent:
                 parent[find(id(child))] = find(i)
@@ -834,7 +834,7 @@ def _may_be_object(root: Any, sub: Any, hops: int = 0) -> bool:
     if not isinstance(sub, dict):
         return sub is not False
     if isinstance(sub.get("$ref"), str) and hops < 8:
-        target = _resolve_local(root, sub["$ref"])
+        target = resolve_local_ref(root, sub["$ref"])
         if target is None or not _may_be_object(root, target, hops + 1):
             return target is None
     kind = sub.get("type")
@@ -883,7 +883,7 @@ def _subschema_edges(root: Any, node: dict[str, Any]) -> Iterator[tuple[tuple[An
         yield (), _UNRESOLVED
     ref = node.get("$ref")
     if isinstance(ref, str):
-        target = _resolve_local(root, ref)
+        target = resolve_local_ref(root, ref)
         yield (), (_UNRESOLVED if target is None else target)
 
 
@@ -932,7 +932,7 @@ def _instance_children(root: Any, node: dict[str, Any]) -> Iterator[tuple[tuple[
         yield (), sub
     ref = node.get("$ref")
     if isinstance(ref, str) and ref.startswith("#"):
-        yield (), _resolve_local(root, ref)
+        yield (), resolve_local_ref(root, ref)
 
 
 def _monotone_part(node: dict[str, Any]) -> dict[str, Any]:
@@ -949,7 +949,7 @@ def _monotone_part(node: dict[str, Any]) -> dict[str, Any]:
     return part
 
 
-def _resolve_local(root: Any, ref: str) -> Any:
+def resolve_local_ref(root: Any, ref: str) -> Any:
     """Resolve "#/a/b" inside `root` (JSON pointer); None when it is not a plain local pointer."""
     if ref == "#":
         return root
