@@ -33,6 +33,7 @@ class Seq:
     def __init__(self, seq_id, prompt_len=16):
         self.seq_id, self.num_prompt_tokens = seq_id, prompt_len
         self.token_ids = [truth(seq_id, p) for p in range(prompt_len)]
+        self.params, self.index, self.block_table = None, 0, []
 
 
 class FakeDrafter:

@@ -81,9 +81,8 @@ class Speculator:
         for seq, room in zip(decoding, rooms):
             room = min(self.cfg.num_speculative_tokens, room)
             if room > 0:
-                reqs.append(DraftRequest(seq.seq_id, seq.token_ids, seq.num_prompt_tokens, room,
-                                         getattr(seq, "params", None), getattr(seq, "index", 0),
-                                         tuple(getattr(seq, "block_table", ()))))
+                reqs.append(DraftRequest(seq.seq_id, seq.token_ids, seq.num_prompt_tokens, room, seq.params,
+                                         seq.index, seq.block_table))
                 seqs.append(seq)
         self._probs = {}
         if not reqs:
