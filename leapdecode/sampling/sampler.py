@@ -151,11 +151,6 @@ class SamplingBatch:
             u[torch.tensor(idx, device=self.device)] = torch.tensor(vals, dtype=torch.float64, device=self.device)
         return u
 
-    def sample(self, probs: torch.Tensor, default: torch.Generator | None = None) -> torch.Tensor:
-        if self.all_greedy:
-            return argmax_rows(probs)
-        return inverse_cdf_sample(probs, self.uniforms(probs.shape[0], default))
-
 
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     """``x.argmax(-1)`` for a 2-D tensor (the first maximum of each row, NaN counting as the maximum). On CPU

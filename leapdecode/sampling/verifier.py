@@ -18,8 +18,8 @@ import torch
 
 from leapdecode.engine.step import ScheduledSeq, SeqResult, StepPlan, StepResult, lay_out
 from leapdecode.sampling.rejection import ACCEPT_SALT, speculative_chains, verify_tree_with_probs
-from leapdecode.sampling.sampler import (Row, SamplingBatch, _position, compute_logprobs, inverse_cdf_sample,
-                                         seeded_uniform)
+from leapdecode.sampling.sampler import (Row, SamplingBatch, _position, argmax_rows, compute_logprobs,
+                                         inverse_cdf_sample, seeded_uniform)
 
 if TYPE_CHECKING:
     from leapdecode.engine.sequence import Sequence
@@ -93,7 +93,7 @@ class Verifier:
         if not batch.all_greedy:
             probs = self.structured.align(batch.rows, probs, lambda: batch.process(raw), masks)
         if batch.all_greedy:
-            sampled_t = probs.argmax(-1)
+            sampled_t = argmax_rows(probs)
         else:
             u = batch.uniforms(probs.shape[0], self.generator)
             sampled_t = inverse_cdf_sample(probs, u)

@@ -50,7 +50,7 @@ import torch
 from leapdecode.engine.input_batch import InputBuffers
 from leapdecode.engine.step import ScheduledSeq, lay_out
 from leapdecode.sampling.rejection import DRAFT_SALT
-from leapdecode.sampling.sampler import Row, SamplingBatch, inverse_cdf_sample, seeded_uniform
+from leapdecode.sampling.sampler import Row, SamplingBatch, argmax_rows, inverse_cdf_sample, seeded_uniform
 from leapdecode.spec.drafter import Draft, DraftRequest
 
 
@@ -90,7 +90,7 @@ class DraftSampler:
         processed = batch.process(logits)
         greedy = [c.params is None or c.params.greedy for c in ctxs]
         if batch.all_greedy:
-            tokens_t = processed.argmax(-1)
+            tokens_t = argmax_rows(processed)
             conf = logits.softmax(-1).gather(1, tokens_t[:, None]).squeeze(1)
             return tokens_t.tolist(), None, conf.tolist(), greedy
         q = processed
