@@ -289,3 +289,60 @@ def test_random_traffic_keeps_the_pool_consistent(seed):
     for q in live:
         s.finish(q)
     assert s.bm.num_free_blocks == s.bm.num_blocks
+
+
+def test_a_step_that_chooses_no_token_computes_the_last_token_again():
+    s = make()
+    a = seq([2, 3, 4, 5, 6], max_tokens=4)
+    by_id = {a.seq_id: a}
+    s.add(a)
+    plan = s.schedule()
+    s.update(plan, StepResult(plan.step_id, {a.seq_id: SeqResult(a.seq_id, (), ())}), by_id)
+    assert a.output_token_ids == [] and a.num_computed_tokens == 4 and a.is_decoding
+    plan, _ = run_step(s, by_id)                       # the prompt's last token again, and now a token
+    assert [(c.start, c.token_ids, c.samples) for c in plan.seqs] == [(4, (6,), True)]
+    assert a.output_token_ids == [7]
+
+
+@pytest.mark.parametrize("prompt_len", [8, 10])      # the prompt fills whole blocks, or ends inside one
+def test_fork_shares_full_blocks_and_copies_the_partial_one(prompt_len):
+    s = make(num_blocks=16)
+    a = seq(range(2, 2 + prompt_len), max_tokens=6)
+    by_id = {a.seq_id: a}
+    s.add(a)
+    plan = s.schedule()
+    child = s.fork(a, 9, index=1)                      # between the step and its update
+    by_id[child.seq_id] = child
+    s.update(plan, result(plan), by_id)
+    full, tail = divmod(prompt_len, BS)
+    assert child.token_ids == a.token_ids[:-1] + [9] and a.output_token_ids == [7]
+    assert child.block_table[:full] == a.block_table[:full]          # shared, reference counted
+    assert child.num_computed_tokens == prompt_len and child.is_decoding
+    nxt = s.schedule()
+    if tail:
+        assert child.block_table[full] != a.block_table[full]         # its own copy of the partial block
+        src, dst = a.block_table[full] * BS, child.block_table[full] * BS
+        assert nxt.kv_moves == tuple((src + i, dst + i) for i in range(tail))
+    else:
+        assert nxt.kv_moves == ()
+    assert sorted((c.seq_id, c.token_ids) for c in nxt.seqs) == sorted([(a.seq_id, (7,)), (child.seq_id, (9,))])
+    assert_pool_consistent(s, [a, child])
+    s.update(nxt, result(nxt), by_id)
+    s.finish(a)
+    assert_pool_consistent(s, [child])
+    s.finish(child)
+    assert s.bm.num_free_blocks == s.bm.num_blocks
+
+
+def test_fork_without_a_free_block_recomputes_the_tail():
+    s = make(num_blocks=3)
+    a = seq(range(2, 12), max_tokens=2)                # 10 tokens: 3 blocks, the last one partial
+    by_id = {a.seq_id: a}
+    s.add(a)
+    plan = s.schedule()
+    child = s.fork(a, 9, index=1)
+    assert child.num_computed_tokens == 8 and len(child.block_table) == 2
+    assert_pool_consistent(s, [a, child])
+    s.finish(child)
+    s.finish(a)
+    assert s.bm.num_free_blocks == s.bm.num_blocks

@@ -216,6 +216,14 @@ class Scheduler:
         if c.draft and seq.status == SequenceStatus.RUNNING:
             seq.num_computed_tokens -= len(c.draft) - len(r.accepted)
             self._compact_tree(c, r)
+        if not r.tokens:
+            # No token chosen this step (a decoding strategy that decides later: beam search waiting for its
+            # whole group, contrastive search's first candidates): the last known token is computed again next
+            # step, which gives its row again (its KV slot is rewritten with the same values).
+            if seq.status == SequenceStatus.RUNNING:
+                seq.num_computed_tokens = min(seq.num_computed_tokens, seq.num_tokens - 1)
+                self.bm.commit(seq, seq.num_computed_tokens)
+            return None
         self._fork(seq)
         out.touched.append(seq)
         stop = self._append(seq, r)
@@ -261,6 +269,27 @@ class Scheduler:
         for child in siblings:
             child.num_computed_tokens = self.bm.share_prefix(parent, child, shared)
             self.waiting.appendleft(child)
+
+    def fork(self, parent: Sequence, token: int, index: int) -> Sequence:
+        """Beam search: a new running sequence that is ``parent`` followed by ``token``, called between a step and
+        its ``update`` (the parent's KV is computed for all its tokens, its own next token still pending). The
+        child shares the parent's full blocks (reference counts) and gets its own copy of the partial last block
+        (copy-on-write: slot copies applied before the next forward); if the pool has no block to spare, it shares
+        the full blocks only and computes the tail again."""
+        computed = parent.num_computed_tokens
+        assert computed == parent.num_tokens and parent.status == SequenceStatus.RUNNING, parent
+        child = Sequence(parent.request_id, index, parent.token_ids[:parent.num_prompt_tokens], parent.params)
+        child.token_ids = parent.token_ids + [token]
+        bs = self.bm.block_size
+        full, tail = divmod(computed, bs)
+        child.num_computed_tokens = self.bm.share_prefix(parent, child, full)
+        if tail and self.bm.allocate(child, computed):
+            src, dst = parent.block_table[full] * bs, child.block_table[full] * bs
+            self._kv_moves += [(src + i, dst + i) for i in range(tail)]
+            child.num_computed_tokens = computed
+        child.status = SequenceStatus.RUNNING
+        self.running.append(child)
+        return child
 
     def finish(self, seq: Sequence, reason: str | None = None, stop_reason: int | str | None = None) -> None:
         """Remove a finished or aborted sequence wherever it is and return its blocks; ``reason`` (with its
