@@ -7,6 +7,7 @@ from typing import Any, Iterable, Iterator, Sequence
 from tqdm.auto import tqdm
 
 from leapdecode.config import EngineConfig, SpeculativeConfig
+from leapdecode.decoding.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from leapdecode.engine.engine import Engine
 from leapdecode.outputs import RequestOutput
 from leapdecode.sampling_params import SamplingParams
@@ -67,15 +68,25 @@ class LLM:
                   else list(sampling_params))
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
-        ids = self._add_all(prompts, params)
-        results: dict[str, RequestOutput] = {}
-        with tqdm(total=len(ids), desc="Generating", disable=not use_tqdm, unit="req") as bar:
-            while self.engine.has_unfinished():
-                for out in self.engine.step():
-                    if out.finished:
-                        results[out.request_id] = out
-                        bar.update(1)
-        return [results[i] for i in ids]
+        return self._run(self._add_all(prompts, params), "Generating", use_tqdm)
+
+    def beam_search(self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams,
+                    use_tqdm: bool = False) -> list[BeamSearchOutput]:
+        """Beam search (or diverse beam search, ``num_beam_groups``) for each prompt, all in one continuous batch;
+        each output holds ``beam_width`` hypotheses, best score first (transformers' ``num_beams`` rules, see
+        decoding/beam_search.py). Beams share their common prefix's KV blocks."""
+        prompts = _as_prompt_list(prompts)
+        added = self._add_all(prompts, [params] * len(prompts), self.engine.add_beam_request)
+        outputs = []
+        for out in self._run(added, "Beam search", use_tqdm):
+            errors = [c for c in out.outputs if c.finish_reason == "error"]
+            if errors:
+                raise RuntimeError(f"beam search failed: {errors[0].stop_reason}")
+            outputs.append(BeamSearchOutput([
+                BeamSearchSequence(out.prompt_token_ids + c.token_ids, c.token_ids, c.cumulative_logprob,
+                                   c.cumulative_logprob / len(c.token_ids) ** params.length_penalty, c.text,
+                                   c.finish_reason, c.stop_reason) for c in out.outputs]))
+        return outputs
 
     def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> Iterator[RequestOutput]:
         """Yield the request's output after every step that changed it (text and token_ids are cumulative).
@@ -108,13 +119,26 @@ class LLM:
                                        chat_template=chat_template)
         return tok.encode(text, add_special_tokens=False)
 
-    def _add_all(self, prompts: list[Prompt], params: list[SamplingParams]) -> list[str]:
-        """Submit all or nothing: if one request is invalid, those already added are withdrawn."""
+    def _run(self, ids: list[str], desc: str, use_tqdm: bool) -> list[RequestOutput]:
+        """Step the engine until every request in ``ids`` is done; their final outputs in that order."""
+        results: dict[str, RequestOutput] = {}
+        with tqdm(total=len(ids), desc=desc, disable=not use_tqdm, unit="req") as bar:
+            while self.engine.has_unfinished():
+                for out in self.engine.step():
+                    if out.finished:
+                        results[out.request_id] = out
+                        bar.update(1)
+        return [results[i] for i in ids]
+
+    def _add_all(self, prompts: list[Prompt], params: list, add=None) -> list[str]:
+        """Submit all or nothing (``add``: the engine's add_request, or add_beam_request): if one request is
+        invalid, those already added are withdrawn."""
+        add = add or self.engine.add_request
         added: list[str] = []
         try:
             for prompt, p in zip(prompts, params):
                 request_id = str(next(self._ids))
-                self.engine.add_request(request_id, prompt, p)
+                add(request_id, prompt, p)
                 added.append(request_id)
         except Exception:
             for request_id in added:

@@ -25,6 +25,8 @@ from dataclasses import dataclass, field
 import torch
 
 from leapdecode.config import EngineConfig, parse_dtype
+from leapdecode.decoding.beam_search import BeamSearch, BeamSearchParams
+from leapdecode.engine.beams import BeamRequests, beam_sampling_params
 from leapdecode.engine.block_manager import BlockManager
 from leapdecode.errors import InvalidParameter
 from leapdecode.engine.detokenizer import Detokenizer
@@ -57,6 +59,8 @@ class Request:
     metrics: RequestMetrics
     detoks: dict[int, Detokenizer] = field(default_factory=dict)
     overlap_safe: bool = True       # needs no host-side token before its next step (see the module docstring)
+    draftable: bool = True          # its sequences may take speculative drafts
+    beam: BeamSearch | None = None  # a beam search request: its seqs are the live beams
 
     @property
     def finished(self) -> bool:
@@ -90,6 +94,7 @@ class Engine:
         self.structured = StructuredOutput(self.tokenizer, eos, cfg.grammar_cache_size)
         self.stops = StopChecker(eos, self.max_model_len, grammar=self._grammar_verdict, text=self._stop_string)
         self.scheduler = Scheduler(self.block_manager, cfg.max_num_batched_tokens, cfg.max_num_seqs, self.stops)
+        self.beams = BeamRequests(self.scheduler)
         self.requests: dict[str, Request] = {}
         self.seqs: dict[int, Sequence] = {}          # every unfinished sequence, by id
         self.speculator = None
@@ -129,19 +134,24 @@ class Engine:
             raise InvalidParameter(f"prompt token ids must be in [0, {self.vocab_size}), got {bad[:5]}", param="prompt")
         return None, ids
 
-    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                    arrival_time: float | None = None) -> None:
-        """Validate and enqueue; every problem is a ValueError raised here, before anything is scheduled."""
+    def _admit(self, request_id: str, prompt: str | list[int], params, kind: type) -> tuple[str | None, list[int]]:
+        """The checks every request passes: a fresh id, parameters of the right kind, a prompt that fits."""
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        if not isinstance(params, SamplingParams):
-            raise ValueError("params must be a SamplingParams")
+        if not isinstance(params, kind):
+            raise ValueError(f"params must be a {kind.__name__}")
         text, ids = self.tokenize(prompt)
         if not ids:
             raise ValueError("prompt must not be empty")
         if len(ids) >= self.max_model_len:
             raise InvalidParameter(f"prompt is {len(ids)} tokens long; max_model_len is {self.max_model_len} "
                                    "(the prompt must leave room for at least one generated token)", param="prompt")
+        return text, ids
+
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                    arrival_time: float | None = None) -> None:
+        """Validate and enqueue; every problem is a ValueError raised here, before anything is scheduled."""
+        text, ids = self._admit(request_id, prompt, params, SamplingParams)
         for name in ("logprobs", "prompt_logprobs"):
             v = getattr(params, name)
             if v is not None and v > MAX_LOGPROBS:
@@ -178,11 +188,40 @@ class Engine:
         self.stats["prompt_tokens"] += len(ids)
         self.scheduler.add(seqs[0], seqs[1:])
 
+    def add_beam_request(self, request_id: str, prompt: str | list[int], params: BeamSearchParams,
+                         arrival_time: float | None = None) -> None:
+        """Enqueue a beam search (engine/beams.py); its output, when the search ends, has one completion per
+        hypothesis, best first. Every problem is a ValueError raised here."""
+        text, ids = self._admit(request_id, prompt, params, BeamSearchParams)
+        bad = [t for t in params.stop_token_ids if not t < self.vocab_size]
+        if bad:
+            raise InvalidParameter(f"BeamSearchParams.stop_token_ids must be in [0, {self.vocab_size}), got "
+                                   f"{bad[:5]}", param="stop_token_ids")
+        bs = self.cfg.block_size
+        max_new = min(params.max_tokens, self.max_model_len - len(ids))
+        worst = -(-len(ids) // bs) + params.beam_width * (-(-max_new // bs) + 1)
+        if worst > self.block_manager.num_blocks:
+            raise InvalidParameter(f"beam_width={params.beam_width} beams of up to {max_new} tokens after a "
+                                   f"{len(ids)}-token prompt may need {worst} KV blocks; the cache has "
+                                   f"{self.block_manager.num_blocks}", param="beam_width")
+        seq = Sequence(request_id, 0, ids, SamplingParams())
+        search = self.beams.add(request_id, params, seq, self.eos_token_ids, max_new)
+        seq.params = beam_sampling_params(search)
+        seq.logprobs = []
+        req = Request(request_id, text, ids, seq.params, [seq], RequestMetrics(arrival_time or time.time()),
+                      overlap_safe=False, draftable=False, beam=search)
+        self.seqs[seq.seq_id] = seq
+        self.requests[request_id] = req
+        self._unscheduled.add(request_id)
+        self.stats["prompt_tokens"] += len(ids)
+        self.scheduler.add(seq)
+
     def abort(self, request_id: str) -> bool:
         """Stop a request now and free its KV blocks. False if it is unknown or already done."""
         req = self.requests.pop(request_id, None)
         if req is None:
             return False
+        self.beams.remove(request_id)
         self._unscheduled.discard(request_id)
         for seq in req.seqs:
             if not seq.is_finished:
@@ -208,6 +247,8 @@ class Engine:
         fwd = self.runner.execute(plan, capture=self._capture, all_rows=bool(self._capture))
         draft_probs = self.speculator.take_probs() if self.speculator is not None else None
         result, _ = self.verifier.verify(plan, fwd.logits, batch, masks, self.seqs, draft_probs)
+        if self.beams:
+            result = self._decide_beams(plan, result)
         if self._capture:                       # a drafter that reads the target's hidden states (EAGLE)
             try:
                 self.speculator.drafter.observe_hidden(plan, result, fwd.hidden_states)
@@ -215,9 +256,24 @@ class Engine:
                 log.exception("drafter failed to take the step's hidden states")
         return outputs + self._commit(plan, result, t0)
 
+    def _decide_beams(self, plan: StepPlan, result: StepResult) -> StepResult:
+        """Beam search requests choose their beams (forks and prunes happen here, before the update)."""
+        out = self.beams.decide(plan, result, self.seqs)
+        for seq in out.forks:
+            self.seqs[seq.seq_id] = seq
+            self.requests[seq.request_id].seqs.append(seq)
+        for seq in out.pruned:
+            self._finished(seq)
+        for request_id in out.done:
+            self._ended_outside_a_step.append(request_id)
+        for req in {self.requests[s.request_id].request_id: self.requests[s.request_id]
+                    for s in out.forks + out.pruned}.values():
+            req.seqs = [s for s in req.seqs if not s.is_finished] or req.seqs[-1:]   # keep one to report from
+        return out.result
+
     def _propose(self) -> dict:
         """Draft proposals for this step: the drafter's, then the grammar's (forced tokens, or cut drafts)."""
-        decoding = self.scheduler.decoding()
+        decoding = [s for s in self.scheduler.decoding() if self.requests[s.request_id].draftable]
         if not decoding:
             return {}
         drafts = {}
@@ -315,14 +371,17 @@ class Engine:
             self.stats["draft_tokens"] += k
             self.stats["accepted_tokens"] += accepted
             self.stats["generation_tokens"] += len(r.tokens)
-            if self.speculator is not None and not seq.is_finished:
+            if self.speculator is not None and not seq.is_finished and req.draftable:
                 self.speculator.observe(seq, k, accepted, r.topk)
         for seq in upd.finished:
             self._finished(seq)
         self.stats["steps"] += 1
         if self.speculator is not None:
             self.speculator.observe_step(plan.num_tokens, time.perf_counter() - started)
-        outputs = [self._output(req) for req in touched.values()]
+        outputs = [self._output(req) for req in touched.values() if req.beam is None or req.finished]
+        if self._ended_outside_a_step:          # beam searches that ended in this step
+            self._ended_outside_a_step = [r for r in self._ended_outside_a_step if r not in touched]
+            outputs += self._outputs_of_ended()
         for out in outputs:
             if out.finished:
                 self.requests.pop(out.request_id, None)
@@ -334,12 +393,13 @@ class Engine:
 
     def _stop_string(self, seq: Sequence, token: int) -> str | None:
         req = self.requests.get(seq.request_id)
-        return req.detoks[seq.seq_id].add(token) if req is not None else None
+        detok = req.detoks.get(seq.seq_id) if req is not None else None
+        return detok.add(token) if detok is not None else None
 
     def _finished(self, seq: Sequence) -> None:
         self.seqs.pop(seq.seq_id, None)
         req = self.requests.get(seq.request_id)
-        if req is not None and not isinstance(seq.stop_reason, str):
+        if req is not None and not isinstance(seq.stop_reason, str) and seq.seq_id in req.detoks:
             req.detoks[seq.seq_id].flush()
         self.structured.detach(seq)
         if req is not None and req.finished:
@@ -348,6 +408,8 @@ class Engine:
             self.speculator.finish(seq)
 
     def _output(self, req: Request) -> RequestOutput:
+        if req.beam is not None:
+            return self._beam_output(req)
         outs = []
         for seq in req.seqs:
             detok = req.detoks[seq.seq_id]
@@ -361,6 +423,19 @@ class Engine:
             req.metrics.finished_time = time.time()
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outs, finished,
                              req.seqs[0].prompt_logprobs, req.metrics)
+
+    def _beam_output(self, req: Request) -> RequestOutput:
+        """A beam search's hypotheses, best first, as completions (an error, if a beam failed, as the only one)."""
+        outs = []
+        for i, h in enumerate(req.beam.results(req.prompt_token_ids)):
+            text = self.tokenizer.decode(h.output_token_ids, skip_special_tokens=req.beam.params.skip_special_tokens)
+            outs.append(CompletionOutput(i, text, h.output_token_ids, h.finish_reason, h.stop_reason,
+                                         cumulative_logprob=h.cum_logprob))
+        failed = [s for s in req.seqs if s.finish_reason == "error"]
+        if not outs and req.finished:
+            reason = failed[0].stop_reason if failed else "the search ended without a hypothesis"
+            outs.append(CompletionOutput(0, "", [], "error", reason))
+        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outs, req.finished, None, req.metrics)
 
     # -- start-up ----------------------------------------------------------------------------------------------
     def _probe_step_time(self):
