@@ -35,6 +35,9 @@ class SamplingParams:
     structured: dict[str, Any] | None = None   # OpenAI response_format shape, plus regex / grammar / choice
     grammar_aligned: bool = False        # ASAp: repeated samples converge to P(output | output in grammar)
     logit_bias: dict[int, float] | None = None   # OpenAI's: token id -> bias in [-100, 100] added to its logit
+    mirostat: int = 0                    # llama.cpp's: 0 off, 1 or 2: Mirostat v1/v2 (sampling/mirostat.py)
+    mirostat_tau: float = 5.0            # target surprise, bits per token
+    mirostat_eta: float = 0.1            # learning rate of the surprise threshold mu
     stop_strings: list[str] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -97,6 +100,22 @@ class SamplingParams:
             raise bad("structured", "must be a dict like OpenAI's response_format")
         if self.grammar_aligned and self.structured is None:
             raise bad("grammar_aligned", "needs structured= (it reweights a grammar's masked distribution)")
+        # Mirostat does its own truncation: it refuses the others rather than silently mixing with them, and it
+        # needs a distribution to control (not greedy).
+        if not is_int(self.mirostat) or self.mirostat not in (0, 1, 2):
+            raise bad("mirostat", "must be 0 (off), 1 (Mirostat v1) or 2 (Mirostat v2)")
+        for name in ("mirostat_tau", "mirostat_eta"):
+            if not is_num(getattr(self, name)) or getattr(self, name) <= 0:
+                raise bad(name, "must be a finite number > 0")
+        if self.mirostat:
+            truncates = "Mirostat chooses the tokens to keep itself"
+            for name, clash, why in (
+                    ("top_k", self.top_k > 0, truncates), ("top_p", self.top_p < 1.0, truncates),
+                    ("min_p", self.min_p > 0.0, truncates),
+                    ("temperature", self.greedy, "greedy decoding leaves no distribution to control"),
+                    ("grammar_aligned", self.grammar_aligned, "ASAp reweights a fixed sampling distribution")):
+                if clash:
+                    raise bad(name, f"cannot be combined with mirostat={self.mirostat} ({why})")
 
     @property
     def greedy(self) -> bool:

@@ -10,8 +10,8 @@ With ``async_scheduling`` the step is overlapped (as in mini-sglang's overlap lo
 step N+1 is planned and its inputs prepared while step N runs on the executor's worker thread, and step N's
 tokens are committed (detokenized, stop-checked) while step N+1 runs. A sequence whose token is still in flight
 has a placeholder that the next forward reads on the device. This is done only where it is safe, when no request
-needs host-side tokens before the next step (no drafts, no grammar, no penalties or min_tokens); otherwise the
-engine drains and runs the plain synchronous step. Either way the tokens are identical.
+needs host-side tokens or state before the next step (no drafts, no grammar, no penalties or min_tokens, no
+Mirostat); otherwise the engine drains and runs the plain synchronous step. Either way the tokens are identical.
 """
 from __future__ import annotations
 
@@ -178,7 +178,8 @@ class Engine:
             for seq in seqs:
                 self.structured.attach(seq, compiled)
         req = Request(request_id, text, ids, params, seqs, RequestMetrics(arrival_time or time.time()),
-                      overlap_safe=compiled is None and not params.has_penalties and params.min_tokens == 0)
+                      overlap_safe=(compiled is None and not params.has_penalties and params.min_tokens == 0
+                                    and not params.mirostat))   # the next batch reads Mirostat's mu
         for seq in seqs:
             req.detoks[seq.seq_id] = Detokenizer(self.tokenizer, ids, params.stop_strings,
                                                  params.skip_special_tokens, params.include_stop_str_in_output)

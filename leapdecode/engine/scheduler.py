@@ -63,8 +63,11 @@ class Scheduler:
         return [s for s in self.running if s.is_decoding]
 
     def draft_room(self, seq: Sequence) -> int:
-        """Most draft tokens ``seq`` may verify now: its remaining budget less the bonus token."""
-        return max(0, self.stops.room(seq) - 1)
+        """Most draft tokens ``seq`` may verify now: its remaining budget less the bonus token. None for a
+        Mirostat request (neither a drafter's nor a grammar's; ``schedule`` drops any proposal for one): the
+        truncation at a draft position depends on the threshold mu after the tokens before it, that is on their
+        acceptance."""
+        return 0 if seq.params.mirostat else max(0, self.stops.room(seq) - 1)
 
     # -- planning ----------------------------------------------------------------------------------------------
     def schedule(self, drafts: Mapping[int, DraftTree] | None = None) -> StepPlan:
@@ -84,7 +87,7 @@ class Scheduler:
                 break
             if seq.num_placeholders and self.stops.room(seq) <= 0:
                 continue                                  # its last token is in flight: nothing more to compute
-            draft = drafts.get(seq.seq_id, EMPTY) if seq.is_decoding else EMPTY
+            draft = drafts.get(seq.seq_id, EMPTY) if seq.is_decoding and not seq.params.mirostat else EMPTY
             owed = seq.num_tokens + seq.num_placeholders + len(draft) - seq.num_computed_tokens
             if owed <= 0:
                 continue
@@ -226,6 +229,8 @@ class Scheduler:
             return None
         self._fork(seq)
         out.touched.append(seq)
+        if r.mirostat_mu is not None:
+            seq.mirostat_mu = r.mirostat_mu
         stop = self._append(seq, r)
         if seq.status == SequenceStatus.RUNNING:
             self.bm.commit(seq, c.start + c.num_committed + len(r.accepted))

@@ -41,6 +41,8 @@ class Sequence:
         self.cumulative_logprob = 0.0
         self.prompt_logprobs: list[dict[int, float] | None] | None = (
             [None] if params.prompt_logprobs is not None else None)
+        # Mirostat's surprise threshold for the next token (sampling/mirostat.py): 2 * tau at the start
+        self.mirostat_mu: float | None = 2.0 * params.mirostat_tau if params.mirostat else None
 
     # -- token counts -----------------------------------------------------------------------------------------
     @property

@@ -101,12 +101,14 @@ def lay_out(step_id: int, block_size: int, chunks: list[ScheduledSeq], **extra) 
 @dataclass(frozen=True, slots=True)
 class SeqResult:
     """One sequence's outcome: accepted draft nodes (root first), the tokens to append (accepted + bonus), and
-    per appended token its logprobs (chosen, top-N) and the target's top-k (for drafters that learn from it)."""
+    per appended token its logprobs (chosen, top-N) and the target's top-k (for drafters that learn from it);
+    for a Mirostat request, its threshold mu after this step's token (the scheduler stores it)."""
     seq_id: int
     accepted: tuple[int, ...]
     tokens: tuple[int, ...]
     logprobs: tuple | None = None
     topk: tuple | None = None
+    mirostat_mu: float | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -24,6 +24,8 @@ from typing import TYPE_CHECKING, Sequence as Seq
 
 import torch
 
+from leapdecode.sampling.mirostat import MirostatRows
+
 if TYPE_CHECKING:
     from leapdecode.engine.sequence import Sequence
 
@@ -69,6 +71,7 @@ class SamplingBatch:
             (i, sorted(set(r.seq.params.stop_token_ids) | (set() if r.seq.params.ignore_eos else eos_ids)))
             for i, r in enumerate(rows) if r.num_output < r.seq.params.min_tokens]
         self.max_logprobs = max((p.logprobs for p in params if p.logprobs is not None), default=None)
+        self.mirostat = _mirostat_rows(rows, device)
 
     # -- logits processing -------------------------------------------------------------------------------------
     def apply_logit_bias(self, logits: torch.Tensor) -> torch.Tensor:
@@ -115,7 +118,8 @@ class SamplingBatch:
         return logits
 
     def to_probs(self, logits: torch.Tensor) -> torch.Tensor:
-        """Temperature, top-k, top-p and min-p, then softmax. Greedy rows come out one-hot."""
+        """Temperature, top-k, top-p and min-p, then softmax. Greedy rows come out one-hot; Mirostat rows come out
+        truncated (unnormalised: the draw renormalises)."""
         logits = logits / self.temperature[:, None]
         if self.use_top_k or self.use_top_p:
             sorted_logits, order = logits.sort(dim=-1, descending=True)
@@ -132,7 +136,8 @@ class SamplingBatch:
             keep = probs >= self.min_p[:, None] * probs.max(-1, keepdim=True).values
             probs = (probs * keep).div_((probs * keep).sum(-1, keepdim=True))
         greedy_probs = torch.zeros_like(probs).scatter_(1, argmax_rows(logits)[:, None], 1.0)
-        return torch.where(self.greedy[:, None], greedy_probs, probs)
+        probs = torch.where(self.greedy[:, None], greedy_probs, probs)
+        return probs if self.mirostat is None else self.mirostat.truncate(probs)
 
     def process(self, logits: torch.Tensor) -> torch.Tensor:
         """Raw logits -> what each row samples from: probabilities, or, when every row is greedy, the processed
@@ -206,6 +211,16 @@ def inverse_cdf_sample(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     # float64 rounding may put x - before at or past the block's own sum: take its last token with mass
     last = torch.where(p > 0, torch.arange(_BLOCK, device=probs.device), -1).amax(1, keepdim=True)
     return (block * _BLOCK + torch.minimum(j, last)).squeeze(1)
+
+
+def _mirostat_rows(rows: list[Row], device: torch.device) -> MirostatRows | None:
+    """The batch's Mirostat rows, each with its sequence's current mu (None if there are none)."""
+    picked = [(i, r.seq) for i, r in enumerate(rows) if r.seq.params.mirostat]
+    if not picked:
+        return None
+    return MirostatRows([i for i, _ in picked], [s.params.mirostat for _, s in picked],
+                        [s.mirostat_mu for _, s in picked], [s.params.mirostat_tau for _, s in picked],
+                        [s.params.mirostat_eta for _, s in picked], device)
 
 
 def _padded(lists: list[list[int]], pad: int, device: torch.device) -> torch.Tensor:

@@ -7,7 +7,8 @@ is plain decoding.
 
 The plan already says which logits row is which sequence and draft node (``ScheduledSeq.sample_start``), so this
 module reads the layout and never derives it. It runs wherever the forward ran last (the engine thread, or the
-worker thread of an overlapped step) and touches no sequence state: it only reads parameters and histories.
+worker thread of an overlapped step) and touches no sequence state: it only reads parameters and histories (a
+Mirostat request's next threshold mu goes back in its ``SeqResult`` for the scheduler to store).
 """
 from __future__ import annotations
 
@@ -106,6 +107,9 @@ class Verifier:
                 self.num_prob_trees += len(trees)
                 sampled_t = self._verify_trees(probs, sampled_t, u, trees, batch)
         sampled = sampled_t.tolist()                    # the step's one device -> host synchronisation
+        mu: dict[int, float] = {}                       # first sample row -> Mirostat's next mu (no drafts there)
+        if batch.mirostat is not None:
+            mu = dict(zip(batch.mirostat.rows, batch.mirostat.next_mu(probs, sampled_t)))
         lps = None
         if batch.max_logprobs is not None:
             chosen, top = compute_logprobs(raw, sampled_t, batch.max_logprobs)
@@ -124,7 +128,7 @@ class Verifier:
             results[c.seq_id] = SeqResult(
                 c.seq_id, tuple(path), tuple(c.draft.tokens[i] for i in path) + (bonus,),
                 logprobs=tuple(lps[r] for r in used) if lps else None,
-                topk=tuple(topk[r] for r in used) if topk else None)
+                topk=tuple(topk[r] for r in used) if topk else None, mirostat_mu=mu.get(r0))
         return StepResult(plan.step_id, results, prompt), sampled_t
 
     def _verify_trees(self, probs: torch.Tensor, sampled_t: torch.Tensor, u: torch.Tensor, trees: list,

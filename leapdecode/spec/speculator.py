@@ -75,8 +75,9 @@ class Speculator:
         return drafts, dt
 
     def propose(self, decoding: list["Sequence"], rooms: list[int], other_tokens: int) -> dict[int, DraftTree]:
-        """One draft per decoding sequence that has room for one; ``other_tokens``: tokens the step computes
-        anyway besides the decodes' own (prefill chunks), for the controller's cost model."""
+        """One draft per decoding sequence that has room for one (``Scheduler.draft_room``: never a Mirostat
+        request); ``other_tokens``: tokens the step computes anyway besides the decodes' own (prefill chunks), for
+        the controller's cost model."""
         reqs, seqs = [], []
         for seq, room in zip(decoding, rooms):
             room = min(self.cfg.num_speculative_tokens, room)
