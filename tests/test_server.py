@@ -193,6 +193,21 @@ def test_n_seed_and_stop(srv, client, offline):
         assert text == ref.text and finish == "stop" and stop not in text
 
 
+def test_beam_search_matches_offline(srv, client, offline):
+    """vLLM's use_beam_search: the beam width is best_of (else n), the n best hypotheses come back, best first."""
+    from leapdecode.decoding.beam_search import BeamSearchParams
+    want = offline.beam_search("The dog", BeamSearchParams(beam_width=3, max_tokens=8, length_penalty=0.5))[0]
+    r = client.completions.create(model=MODEL, prompt="The dog", max_tokens=8, n=2, best_of=3,
+                                  extra_body={"use_beam_search": True, "length_penalty": 0.5})
+    assert [c.text for c in r.choices] == [s.text for s in want.sequences[:2]]
+    assert [c.index for c in r.choices] == [0, 1]
+    ids = offline.apply_chat_template([{"role": "user", "content": "hi"}])
+    want = offline.beam_search(ids, BeamSearchParams(beam_width=2, max_tokens=6))[0]
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], n=2,
+                                          max_tokens=6, extra_body={"use_beam_search": True})
+    assert [c.message.content for c in chat.choices] == [s.text for s in want.sequences]
+
+
 def test_logprobs_and_batch_prompts(srv, client, offline):
     r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=5,
                                        logprobs=True, top_logprobs=3, **GREEDY)

@@ -37,6 +37,7 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
+from leapdecode.decoding.beam_search import BeamSearchParams
 from leapdecode.outputs import CompletionOutput, RequestOutput
 from leapdecode.sampling_params import SamplingParams
 from leapdecode.server.async_engine import (AsyncEngine, EngineUnavailableError, PromptLike, QueueFullError,
@@ -121,6 +122,13 @@ class OpenAIServer:
         if body.min_tokens >= self.max_model_len:
             raise APIError(400, f"min_tokens must be below max_model_len ({self.max_model_len})",
                            param="min_tokens", code="invalid_value")
+        if body.use_beam_search:
+            logprobs = getattr(body, "logprobs", None)
+            for name, given in (("stream", body.stream), ("logprobs", logprobs not in (None, False)),
+                                ("stop", bool(body.stop)), ("response_format", body.structured()[0] is not None)):
+                if given:
+                    raise APIError(400, f"use_beam_search cannot be combined with {name}", param=name,
+                                   code="invalid_value")
         unsupported = body.unsupported_fields()
         if unsupported:
             raise APIError(400, f"'{unsupported[0]}' is not supported by this server yet", param=unsupported[0],
@@ -138,6 +146,18 @@ class OpenAIServer:
             return SamplingParams(**kw)
         except ValueError as exc:
             raise invalid_value(exc, fields, "prompt") from None
+
+    @staticmethod
+    def beam_params(body: SamplingFields, params: SamplingParams, width: int) -> BeamSearchParams:
+        """use_beam_search: the request's limits as a beam search of ``width`` beams (sampling fields ignored)."""
+        try:
+            return BeamSearchParams(beam_width=width, max_tokens=params.max_tokens, ignore_eos=params.ignore_eos,
+                                    length_penalty=body.length_penalty, early_stopping=body.early_stopping,
+                                    min_tokens=params.min_tokens, stop_token_ids=params.stop_token_ids,
+                                    skip_special_tokens=params.skip_special_tokens)
+        except ValueError as exc:
+            param = getattr(exc, "param", None)
+            raise APIError(400, str(exc), param={"beam_width": "n"}.get(param, param), code="invalid_value") from None
 
     def fit(self, ids: list[int], params: SamplingParams, requested: int | None, truncate: int | None,
             prompt_field: str) -> tuple[list[int], SamplingParams]:
@@ -267,6 +287,8 @@ class OpenAIServer:
                                               fields=fields, prompt_field="prompt"))
         ids_list = [next(encoded) if isinstance(p, str) else self.check_prompt_ids(list(p), "prompt") for p in raw]
         fitted = [self.fit(ids, base, body.max_tokens, body.truncate_prompt_tokens, "prompt") for ids in ids_list]
+        if body.use_beam_search:
+            fitted = [(ids, self.beam_params(body, p, n_gen)) for ids, p in fitted]
         await self.compile_structured(base, body, fields)
         rid = random_id("cmpl")
         ids = [rid] if len(raw) == 1 else [f"{rid}-{i}" for i in range(len(raw))]
@@ -297,7 +319,9 @@ class OpenAIServer:
         for p, out in enumerate(snap):
             head = prefix(out) if body.echo else ""
             outs = out.outputs
-            if n_gen > n_out:
+            if body.use_beam_search:
+                outs = outs[:n_out]                  # hypotheses come best first
+            elif n_gen > n_out:
                 outs = sorted(outs, key=lambda c: -(c.cumulative_logprob or 0.0))[:n_out]
             plp = self.fmt.prompt_logprobs(out) if body.prompt_logprobs is not None else None
             for i, c in enumerate(outs):
@@ -357,7 +381,12 @@ class OpenAIServer:
         params = self.sampling_params(body, fields, max_tokens=body.max_new_tokens, logprobs=top_n, **extra)
         ids = await self.render_conversation(body, fields, functions, mode not in (None, "none"))
         ids, params = self.fit(ids, params, body.max_new_tokens, body.truncate_prompt_tokens, "messages")
-        if "structured" in extra:
+        if body.use_beam_search:
+            if "structured" in extra:
+                raise APIError(400, "use_beam_search cannot be combined with a forced tool call",
+                               param="tool_choice", code="invalid_value")
+            params = self.beam_params(body, params, body.n)
+        elif "structured" in extra:
             try:
                 await self.prep.run(self.prep.compile, params.structured)
             except (ValueError, PreprocessTimeout) as exc:

@@ -21,6 +21,7 @@ import time
 from collections import deque
 from typing import Any, Callable, Sequence
 
+from leapdecode.decoding.beam_search import BeamSearchParams
 from leapdecode.outputs import RequestOutput
 from leapdecode.sampling_params import SamplingParams
 from leapdecode.server.metrics import ServerMetrics
@@ -259,7 +260,8 @@ class AsyncEngine:
             for request_id, prompt, p in zip(handle.request_ids, prompts, params):
                 if callable(prompt):
                     prompt = prompt()
-                self.engine.add_request(request_id, prompt, p, arrival_time=arrival)
+                add = self.engine.add_beam_request if isinstance(p, BeamSearchParams) else self.engine.add_request
+                add(request_id, prompt, p, arrival_time=arrival)
                 added.append(request_id)
         except Exception as exc:
             for request_id in added:

@@ -200,7 +200,9 @@ class SamplingFields(RootRequest):
     structured_outputs: StructuredOutputs | None = None
     truncate_prompt_tokens: int | None = Field(None, ge=-1, le=INT32_MAX)
     priority: int = Field(0, ge=INT64_MIN, le=INT64_MAX)  # accepted, ignored: the scheduler is first-come
-    use_beam_search: bool = False
+    use_beam_search: bool = False                         # beam width: best_of (completions) or n
+    length_penalty: float = Field(1.0, ge=-100.0, le=100.0)   # beam search only, transformers' meaning
+    early_stopping: bool = False                               # beam search only
     request_id: str | None = Field(None, max_length=256)
     # Accepted and ignored: bookkeeping for OpenAI's platform, meaningless here.
     user: str | None = None
@@ -248,10 +250,7 @@ class SamplingFields(RootRequest):
 
     def unsupported_fields(self) -> list[str]:
         """Fields that were set to something this server cannot do; the handler turns them into a 400."""
-        bad = []
-        if self.use_beam_search:
-            bad.append("use_beam_search")
-        return bad
+        return []
 
     def structured(self) -> tuple[dict[str, Any] | None, str | None]:
         """The output constraint (the engine's ``structured`` dict) and the request field it came from."""
