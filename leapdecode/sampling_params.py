@@ -35,6 +35,7 @@ class SamplingParams:
     structured: dict[str, Any] | None = None   # OpenAI response_format shape, plus regex / grammar / choice
     grammar_aligned: bool = False        # ASAp: repeated samples converge to P(output | output in grammar)
     logit_bias: dict[int, float] | None = None   # OpenAI's: token id -> bias in [-100, 100] added to its logit
+    penalty_alpha: float = 0.0           # > 0 with top_k > 1: contrastive search over top_k candidates (_validate)
     stop_strings: list[str] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -97,10 +98,31 @@ class SamplingParams:
             raise bad("structured", "must be a dict like OpenAI's response_format")
         if self.grammar_aligned and self.structured is None:
             raise bad("grammar_aligned", "needs structured= (it reweights a grammar's masked distribution)")
+        # Contrastive search (decoding/contrastive.py), as transformers' generate(penalty_alpha, top_k): on when
+        # penalty_alpha > 0 and top_k > 1 (top_k == 1 is plain greedy, as there). It is deterministic, so
+        # temperature, top_p, min_p and seed are ignored (as transformers ignores them without do_sample); n must
+        # be 1 (every sample would be the same); a grammar's masks are built for one chain of drafts, not for k
+        # candidate siblings, so it does not combine with structured output.
+        if not is_num(self.penalty_alpha) or not 0.0 <= self.penalty_alpha <= 1.0:
+            raise bad("penalty_alpha", "must be a number in [0, 1] (0: off; > 0 with top_k > 1: contrastive search)")
+        if self.penalty_alpha > 0 and self.top_k <= 0:
+            raise bad("top_k", "must be > 1 with penalty_alpha > 0 (contrastive search chooses among top_k "
+                               "candidates)")
+        if self.contrastive and self.n != 1:
+            raise bad("n", "must be 1 with contrastive search (penalty_alpha > 0): it is deterministic, so every "
+                           "sample would be the same")
+        if self.contrastive and self.structured is not None:
+            raise bad("structured", "cannot be combined with contrastive search (penalty_alpha > 0)")
+
+    @property
+    def contrastive(self) -> bool:
+        """Contrastive search: choose among the top_k candidates by probability and a degeneration penalty."""
+        return self.penalty_alpha > 0 and self.top_k > 1
 
     @property
     def greedy(self) -> bool:
-        return self.temperature < 1e-5 or self.top_k == 1
+        """Deterministic: no random draw (contrastive search included, whatever its temperature)."""
+        return self.temperature < 1e-5 or self.top_k == 1 or self.contrastive
 
     @property
     def has_penalties(self) -> bool:
