@@ -38,6 +38,7 @@ class SamplingParams:
     mirostat: int = 0                    # llama.cpp's: 0 off, 1 or 2: Mirostat v1/v2 (sampling/mirostat.py)
     mirostat_tau: float = 5.0            # target surprise, bits per token
     mirostat_eta: float = 0.1            # learning rate of the surprise threshold mu
+    penalty_alpha: float = 0.0           # > 0 with top_k > 1: contrastive search over top_k candidates (_validate)
     stop_strings: list[str] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -116,10 +117,31 @@ class SamplingParams:
                     ("grammar_aligned", self.grammar_aligned, "ASAp reweights a fixed sampling distribution")):
                 if clash:
                     raise bad(name, f"cannot be combined with mirostat={self.mirostat} ({why})")
+        # Contrastive search (decoding/contrastive.py), as transformers' generate(penalty_alpha, top_k): on when
+        # penalty_alpha > 0 and top_k > 1 (top_k == 1 is plain greedy, as there). It is deterministic, so
+        # temperature, top_p, min_p and seed are ignored (as transformers ignores them without do_sample); n must
+        # be 1 (every sample would be the same); a grammar's masks are built for one chain of drafts, not for k
+        # candidate siblings, so it does not combine with structured output.
+        if not is_num(self.penalty_alpha) or not 0.0 <= self.penalty_alpha <= 1.0:
+            raise bad("penalty_alpha", "must be a number in [0, 1] (0: off; > 0 with top_k > 1: contrastive search)")
+        if self.penalty_alpha > 0 and self.top_k <= 0:
+            raise bad("top_k", "must be > 1 with penalty_alpha > 0 (contrastive search chooses among top_k "
+                               "candidates)")
+        if self.contrastive and self.n != 1:
+            raise bad("n", "must be 1 with contrastive search (penalty_alpha > 0): it is deterministic, so every "
+                           "sample would be the same")
+        if self.contrastive and self.structured is not None:
+            raise bad("structured", "cannot be combined with contrastive search (penalty_alpha > 0)")
+
+    @property
+    def contrastive(self) -> bool:
+        """Contrastive search: choose among the top_k candidates by probability and a degeneration penalty."""
+        return self.penalty_alpha > 0 and self.top_k > 1
 
     @property
     def greedy(self) -> bool:
-        return self.temperature < 1e-5 or self.top_k == 1
+        """Deterministic: no random draw (contrastive search included, whatever its temperature)."""
+        return self.temperature < 1e-5 or self.top_k == 1 or self.contrastive
 
     @property
     def has_penalties(self) -> bool:

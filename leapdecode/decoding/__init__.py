@@ -1,1 +1,2 @@
-"""Decoding strategies beyond sampling one token per step: beam search (and more), built on the engine's step."""
+"""Decoding strategies that choose tokens by other rules than sampling one token from the processed distribution:
+beam search, contrastive search, built on the engine's step."""

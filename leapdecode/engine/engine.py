@@ -27,6 +27,7 @@ import torch
 from leapdecode.config import EngineConfig, parse_dtype
 from leapdecode.decoding.beam_search import BeamSearch, BeamSearchParams
 from leapdecode.engine.beams import BeamRequests, beam_sampling_params
+from leapdecode.decoding.contrastive import ContrastiveSearch
 from leapdecode.engine.block_manager import BlockManager
 from leapdecode.errors import InvalidParameter
 from leapdecode.engine.detokenizer import Detokenizer
@@ -104,6 +105,9 @@ class Engine:
             probe = self._probe_step_time() if cfg.speculative_config.adaptive else StepTimeModel()
             self.speculator = Speculator(cfg.speculative_config, self.vocab_size, probe, runner=self.runner)
         self._capture = tuple(getattr(self.speculator.drafter, "capture_layers", ())) if self.speculator else ()
+        self.contrastive = ContrastiveSearch(self.vocab_size, eos, self.model_cfg.num_layers,
+                                             cfg.max_num_batched_tokens, self.runner.num_blocks * cfg.block_size,
+                                             self.max_model_len)
         self.verifier = Verifier(self.vocab_size, self.device, eos, cfg.seed, self.structured,
                                  TOPK_FOR_DRAFTERS if self.speculator and self.speculator.wants_topk else 0)
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="leapdecode-step") if cfg.async_scheduling else None
@@ -173,14 +177,17 @@ class Engine:
                 raise ValueError("SamplingParams.ignore_eos cannot be combined with structured output "
                                  "(the grammar ends the output with eos)")
             compiled = self.structured.compile(params.structured)
+        self.contrastive.check(params, len(ids))
         seqs = [Sequence(request_id, i, ids, params) for i in range(params.n)]
         if compiled is not None:
             for seq in seqs:
                 self.structured.attach(seq, compiled)
         req = Request(request_id, text, ids, params, seqs, RequestMetrics(arrival_time or time.time()),
                       overlap_safe=(compiled is None and not params.has_penalties and params.min_tokens == 0
-                                    and not params.mirostat))   # the next batch reads Mirostat's mu
+                                    and not params.mirostat      # the next batch reads Mirostat's mu
+                                    and not params.contrastive))
         for seq in seqs:
+            self.contrastive.add(seq)
             req.detoks[seq.seq_id] = Detokenizer(self.tokenizer, ids, params.stop_strings,
                                                  params.skip_special_tokens, params.include_stop_str_in_output)
             self.seqs[seq.seq_id] = seq
@@ -245,9 +252,11 @@ class Engine:
         t0 = time.perf_counter()
         masks = self.structured.start_fill(plan)
         batch = self.verifier.batch(plan, self.seqs)
-        fwd = self.runner.execute(plan, capture=self._capture, all_rows=bool(self._capture))
+        capture = self._capture + self.contrastive.capture(plan)
+        fwd = self.runner.execute(plan, capture=capture, all_rows=bool(capture))
         draft_probs = self.speculator.take_probs() if self.speculator is not None else None
         result, _ = self.verifier.verify(plan, fwd.logits, batch, masks, self.seqs, draft_probs)
+        result = self.contrastive.choose(plan, result, fwd.logits, fwd.hidden_states, self.seqs)
         if self.beams:
             result = self._decide_beams(plan, result)
         if self._capture:                       # a drafter that reads the target's hidden states (EAGLE)
@@ -273,18 +282,20 @@ class Engine:
         return out.result
 
     def _propose(self) -> dict:
-        """Draft proposals for this step: the drafter's, then the grammar's (forced tokens, or cut drafts)."""
+        """Draft proposals for this step: contrastive search's candidates for its sequences, the drafter's for the
+        others, then the grammar's (forced tokens, or cut drafts)."""
         decoding = [s for s in self.scheduler.decoding() if self.requests[s.request_id].draftable]
         if not decoding:
             return {}
-        drafts = {}
+        drafts = self.contrastive.drafts(decoding)
         if self.speculator is not None:
+            others = [s for s in decoding if s.seq_id not in self.contrastive]
             prefill = sum(s.num_tokens - s.num_computed_tokens for s in self.scheduler.running if s.is_prefill)
             try:
-                drafts = self.speculator.propose(decoding, [self.scheduler.draft_room(s) for s in decoding], prefill)
+                drafts.update(self.speculator.propose(others, [self.scheduler.draft_room(s) for s in others],
+                                                      prefill))
             except Exception:                   # noqa: BLE001 - a drafter fault costs this step its drafts, no more
                 log.exception("drafter failed; this step runs without drafts")
-                drafts = {}
         for seq in decoding:
             if seq in self.structured:
                 try:
@@ -344,7 +355,7 @@ class Engine:
     def _commit(self, plan: StepPlan, result: StepResult, started: float) -> list[RequestOutput]:
         """Hand the result to the scheduler, then do the per-request bookkeeping it does not own."""
         now = time.time()
-        drafted = {c.seq_id: len(c.draft) for c in plan.seqs if c.draft}
+        drafted = {c.seq_id: len(c.draft) for c in plan.seqs if c.draft and c.seq_id not in self.contrastive}
         if self._unscheduled:
             for c in plan.seqs:
                 seq = self.seqs.get(c.seq_id)
@@ -403,6 +414,7 @@ class Engine:
         if req is not None and not isinstance(seq.stop_reason, str) and seq.seq_id in req.detoks:
             req.detoks[seq.seq_id].flush()
         self.structured.detach(seq)
+        self.contrastive.finish(seq.seq_id)
         if req is not None and req.finished:
             req.metrics.finished_time = time.time()
         if self.speculator is not None:

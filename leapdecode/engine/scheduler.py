@@ -111,7 +111,9 @@ class Scheduler:
             seq = self.waiting[0]
             if seq.num_placeholders:                      # preempted with a token in flight: wait for it
                 break
-            if not seq.block_table and seq.num_computed_tokens == 0 and seq.params.prompt_logprobs is None:
+            # prompt logprobs and contrastive search need every prompt row computed: no prefix-cache adoption
+            if (not seq.block_table and seq.num_computed_tokens == 0 and seq.params.prompt_logprobs is None
+                    and not seq.params.contrastive):
                 seq.num_computed_tokens = self.bm.match_prefix(seq)
                 seq.num_cached_tokens = seq.num_computed_tokens
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)

@@ -139,10 +139,15 @@ class SamplingBatch:
         probs = torch.where(self.greedy[:, None], greedy_probs, probs)
         return probs if self.mirostat is None else self.mirostat.truncate(probs)
 
+    def processed_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """The request's processing of raw logits, before any truncation or temperature: logit bias, penalties,
+        min_tokens (what contrastive search ranks its candidates by)."""
+        return self.apply_stop_masks(self.apply_penalties(self.apply_logit_bias(logits)))
+
     def process(self, logits: torch.Tensor) -> torch.Tensor:
         """Raw logits -> what each row samples from: probabilities, or, when every row is greedy, the processed
         logits themselves (argmax needs no softmax, which is most of the sampler's cost at large vocabularies)."""
-        logits = self.apply_stop_masks(self.apply_penalties(self.apply_logit_bias(logits)))
+        logits = self.processed_logits(logits)
         return logits if self.all_greedy else self.to_probs(logits)
 
     # -- drawing -----------------------------------------------------------------------------------------------
