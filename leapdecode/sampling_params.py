@@ -35,6 +35,7 @@ class SamplingParams:
     structured: dict[str, Any] | None = None   # OpenAI response_format shape, plus regex / grammar / choice
     grammar_aligned: bool = False        # ASAp: repeated samples converge to P(output | output in grammar)
     logit_bias: dict[int, float] | None = None   # OpenAI's: token id -> bias in [-100, 100] added to its logit
+    dola_layers: str | tuple[int, ...] | None = None   # DoLa (sampling/dola.py): "low", "high" or layer indices
     stop_strings: list[str] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -97,6 +98,19 @@ class SamplingParams:
             raise bad("structured", "must be a dict like OpenAI's response_format")
         if self.grammar_aligned and self.structured is None:
             raise bad("grammar_aligned", "needs structured= (it reweights a grammar's masked distribution)")
+        if self.dola_layers is not None:
+            if isinstance(self.dola_layers, str):
+                if self.dola_layers not in ("low", "high"):
+                    raise bad("dola_layers", 'must be "low", "high" or a non-empty list of layer indices')
+            elif not isinstance(self.dola_layers, (list, tuple)) or not self.dola_layers or any(
+                    not is_int(i) or i < 0 for i in self.dola_layers):
+                raise bad("dola_layers", 'must be "low", "high" or a non-empty list of layer indices (>= 0; the '
+                                         "model's layer count is checked when the request is added)")
+            else:
+                self.dola_layers = tuple(self.dola_layers)
+            if self.grammar_aligned:
+                raise bad("grammar_aligned", "cannot be combined with dola_layers (ASAp reweights the model's "
+                                             "distribution, DoLa replaces it)")
 
     @property
     def greedy(self) -> bool:

@@ -10,8 +10,8 @@ With ``async_scheduling`` the step is overlapped (as in mini-sglang's overlap lo
 step N+1 is planned and its inputs prepared while step N runs on the executor's worker thread, and step N's
 tokens are committed (detokenized, stop-checked) while step N+1 runs. A sequence whose token is still in flight
 has a placeholder that the next forward reads on the device. This is done only where it is safe, when no request
-needs host-side tokens before the next step (no drafts, no grammar, no penalties or min_tokens); otherwise the
-engine drains and runs the plain synchronous step. Either way the tokens are identical.
+needs host-side tokens or hidden states before the next step (no drafts, no grammar, no penalties or min_tokens, no
+DoLa); otherwise the engine drains and runs the plain synchronous step. Either way the tokens are identical.
 """
 from __future__ import annotations
 
@@ -37,6 +37,7 @@ from leapdecode.engine.stop import StopChecker
 from leapdecode.engine.structured_output import StructuredOutput
 from leapdecode.model.loader import load_generation_defaults, load_model_config, load_tokenizer
 from leapdecode.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from leapdecode.sampling.dola import LayerContrast
 from leapdecode.sampling.verifier import Verifier
 from leapdecode.sampling_params import SamplingParams
 from leapdecode.spec.tree import EMPTY
@@ -99,6 +100,8 @@ class Engine:
             probe = self._probe_step_time() if cfg.speculative_config.adaptive else StepTimeModel()
             self.speculator = Speculator(cfg.speculative_config, self.vocab_size, probe, runner=self.runner)
         self._capture = tuple(getattr(self.speculator.drafter, "capture_layers", ())) if self.speculator else ()
+        self.dola = LayerContrast(self.runner.model.compute_logits, self.model_cfg.num_layers,
+                                  self.model_cfg.tie_word_embeddings)
         self.verifier = Verifier(self.vocab_size, self.device, eos, cfg.seed, self.structured,
                                  TOPK_FOR_DRAFTERS if self.speculator and self.speculator.wants_topk else 0)
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="leapdecode-step") if cfg.async_scheduling else None
@@ -163,12 +166,15 @@ class Engine:
                 raise ValueError("SamplingParams.ignore_eos cannot be combined with structured output "
                                  "(the grammar ends the output with eos)")
             compiled = self.structured.compile(params.structured)
+        if params.dola_layers is not None:
+            self.dola.layers(params.dola_layers)        # InvalidParameter unless the model has those layers
         seqs = [Sequence(request_id, i, ids, params) for i in range(params.n)]
         if compiled is not None:
             for seq in seqs:
                 self.structured.attach(seq, compiled)
         req = Request(request_id, text, ids, params, seqs, RequestMetrics(arrival_time or time.time()),
-                      overlap_safe=compiled is None and not params.has_penalties and params.min_tokens == 0)
+                      overlap_safe=compiled is None and not params.has_penalties and params.min_tokens == 0
+                      and params.dola_layers is None)
         for seq in seqs:
             req.detoks[seq.seq_id] = Detokenizer(self.tokenizer, ids, params.stop_strings,
                                                  params.skip_special_tokens, params.include_stop_str_in_output)
@@ -205,9 +211,11 @@ class Engine:
         t0 = time.perf_counter()
         masks = self.structured.start_fill(plan)
         batch = self.verifier.batch(plan, self.seqs)
-        fwd = self.runner.execute(plan, capture=self._capture, all_rows=bool(self._capture))
+        dola = self.dola.capture(plan, self.seqs)       # hidden states DoLa rows contrast with; () without any
+        fwd = self.runner.execute(plan, capture=self._capture + dola, all_rows=bool(self._capture))
+        premature = self.dola.premature(plan, self.seqs, fwd, bool(self._capture)) if dola else None
         draft_probs = self.speculator.take_probs() if self.speculator is not None else None
-        result, _ = self.verifier.verify(plan, fwd.logits, batch, masks, self.seqs, draft_probs)
+        result, _ = self.verifier.verify(plan, fwd.logits, batch, masks, self.seqs, draft_probs, premature)
         if self._capture:                       # a drafter that reads the target's hidden states (EAGLE)
             try:
                 self.speculator.drafter.observe_hidden(plan, result, fwd.hidden_states)
