@@ -39,6 +39,7 @@ class SamplingParams:
     mirostat_tau: float = 5.0            # target surprise, bits per token
     mirostat_eta: float = 0.1            # learning rate of the surprise threshold mu
     penalty_alpha: float = 0.0           # > 0 with top_k > 1: contrastive search over top_k candidates (_validate)
+    dola_layers: str | tuple[int, ...] | None = None   # DoLa (sampling/dola.py): "low", "high" or layer indices
     stop_strings: list[str] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -132,6 +133,22 @@ class SamplingParams:
                            "sample would be the same")
         if self.contrastive and self.structured is not None:
             raise bad("structured", "cannot be combined with contrastive search (penalty_alpha > 0)")
+        # DoLa (sampling/dola.py): the layer indices are checked against the model when the request is added.
+        if self.dola_layers is not None:
+            if isinstance(self.dola_layers, str):
+                if self.dola_layers not in ("low", "high"):
+                    raise bad("dola_layers", 'must be "low", "high" or a non-empty list of layer indices')
+            elif not isinstance(self.dola_layers, (list, tuple)) or not self.dola_layers or any(
+                    not is_int(i) or i < 0 for i in self.dola_layers):
+                raise bad("dola_layers", 'must be "low", "high" or a non-empty list of layer indices (>= 0; the '
+                                         "model's layer count is checked when the request is added)")
+            else:
+                self.dola_layers = tuple(self.dola_layers)
+            if self.grammar_aligned:
+                raise bad("grammar_aligned", "cannot be combined with dola_layers (ASAp reweights the model's "
+                                             "distribution, DoLa replaces it)")
+            if self.contrastive or self.mirostat:
+                raise bad("dola_layers", "cannot be combined with contrastive search or mirostat")
 
     @property
     def contrastive(self) -> bool:

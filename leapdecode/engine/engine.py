@@ -10,8 +10,9 @@ With ``async_scheduling`` the step is overlapped (as in mini-sglang's overlap lo
 step N+1 is planned and its inputs prepared while step N runs on the executor's worker thread, and step N's
 tokens are committed (detokenized, stop-checked) while step N+1 runs. A sequence whose token is still in flight
 has a placeholder that the next forward reads on the device. This is done only where it is safe, when no request
-needs host-side tokens or state before the next step (no drafts, no grammar, no penalties or min_tokens, no
-Mirostat); otherwise the engine drains and runs the plain synchronous step. Either way the tokens are identical.
+needs host-side tokens, state or hidden states before the next step (no drafts, no grammar, no penalties or
+min_tokens, no Mirostat, contrastive search or DoLa); otherwise the engine drains and runs the plain synchronous
+step. Either way the tokens are identical.
 """
 from __future__ import annotations
 
@@ -40,6 +41,7 @@ from leapdecode.engine.stop import StopChecker
 from leapdecode.engine.structured_output import StructuredOutput
 from leapdecode.model.loader import load_generation_defaults, load_model_config, load_tokenizer
 from leapdecode.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from leapdecode.sampling.dola import LayerContrast
 from leapdecode.sampling.verifier import Verifier
 from leapdecode.sampling_params import SamplingParams
 from leapdecode.spec.tree import EMPTY
@@ -108,6 +110,8 @@ class Engine:
         self.contrastive = ContrastiveSearch(self.vocab_size, eos, self.model_cfg.num_layers,
                                              cfg.max_num_batched_tokens, self.runner.num_blocks * cfg.block_size,
                                              self.max_model_len)
+        self.dola = LayerContrast(self.runner.model.compute_logits, self.model_cfg.num_layers,
+                                  self.model_cfg.tie_word_embeddings)
         self.verifier = Verifier(self.vocab_size, self.device, eos, cfg.seed, self.structured,
                                  TOPK_FOR_DRAFTERS if self.speculator and self.speculator.wants_topk else 0)
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="leapdecode-step") if cfg.async_scheduling else None
@@ -178,6 +182,8 @@ class Engine:
                                  "(the grammar ends the output with eos)")
             compiled = self.structured.compile(params.structured)
         self.contrastive.check(params, len(ids))
+        if params.dola_layers is not None:
+            self.dola.layers(params.dola_layers)        # InvalidParameter unless the model has those layers
         seqs = [Sequence(request_id, i, ids, params) for i in range(params.n)]
         if compiled is not None:
             for seq in seqs:
@@ -185,7 +191,7 @@ class Engine:
         req = Request(request_id, text, ids, params, seqs, RequestMetrics(arrival_time or time.time()),
                       overlap_safe=(compiled is None and not params.has_penalties and params.min_tokens == 0
                                     and not params.mirostat      # the next batch reads Mirostat's mu
-                                    and not params.contrastive))
+                                    and not params.contrastive and params.dola_layers is None))
         for seq in seqs:
             self.contrastive.add(seq)
             req.detoks[seq.seq_id] = Detokenizer(self.tokenizer, ids, params.stop_strings,
@@ -252,10 +258,14 @@ class Engine:
         t0 = time.perf_counter()
         masks = self.structured.start_fill(plan)
         batch = self.verifier.batch(plan, self.seqs)
-        capture = self._capture + self.contrastive.capture(plan)
-        fwd = self.runner.execute(plan, capture=capture, all_rows=bool(capture))
+        contrastive = self.contrastive.capture(plan)
+        dola = self.dola.capture(plan, self.seqs)       # hidden states DoLa rows contrast with; () without any
+        all_rows = bool(self._capture or contrastive)
+        fwd = self.runner.execute(plan, capture=tuple(dict.fromkeys(self._capture + contrastive + dola)),
+                                  all_rows=all_rows)
+        premature = self.dola.premature(plan, self.seqs, fwd, all_rows) if dola else None
         draft_probs = self.speculator.take_probs() if self.speculator is not None else None
-        result, _ = self.verifier.verify(plan, fwd.logits, batch, masks, self.seqs, draft_probs)
+        result, _ = self.verifier.verify(plan, fwd.logits, batch, masks, self.seqs, draft_probs, premature)
         result = self.contrastive.choose(plan, result, fwd.logits, fwd.hidden_states, self.seqs)
         if self.beams:
             result = self._decide_beams(plan, result)

@@ -24,6 +24,7 @@ from leapdecode.sampling.sampler import (Row, SamplingBatch, _position, argmax_r
 
 if TYPE_CHECKING:
     from leapdecode.engine.sequence import Sequence
+    from leapdecode.sampling.dola import Premature
 
 
 class Verifier:
@@ -48,25 +49,29 @@ class Verifier:
         return SamplingBatch(rows, self.vocab_size, self.device, self.eos_token_ids) if rows else None
 
     def verify(self, plan: StepPlan, logits: torch.Tensor, batch: SamplingBatch | None, masks: Any,
-               seqs: Mapping[int, "Sequence"], draft_probs: Mapping[int, tuple] | None = None
-               ) -> tuple[StepResult, torch.Tensor | None]:
+               seqs: Mapping[int, "Sequence"], draft_probs: Mapping[int, tuple] | None = None,
+               premature: "Premature | None" = None) -> tuple[StepResult, torch.Tensor | None]:
         """-> (the step's result, the sampled tokens per sample row on the device).
 
         ``draft_probs``: seq_id -> (the drafter's chain, its q rows) for drafts drawn from a model's distribution
         (``Speculator.take_probs``); such a chain, when the plan kept a prefix of it, is verified with
         min(1, p/q) and the residual (sampling/rejection.py) unless its request is greedy.
 
+        ``premature``: the early exits of DoLa rows (sampling/dola.py); those rows sample from the layer contrast
+        instead of the logits (draft rows too), and report the model's own logprobs.
+
         If sampling the batch raises, each sequence is sampled alone so the fault stays with the request that
         causes it (``StepResult.errors``); the others get their tokens as usual."""
         try:
-            return self._verify(plan, logits, batch, masks, seqs, draft_probs)
+            return self._verify(plan, logits, batch, masks, seqs, draft_probs, premature)
         except Exception:
             if sum(c.samples or c.prompt_logprobs for c in plan.seqs) <= 1:
                 raise
-            return self._isolate(plan, logits, masks, seqs, draft_probs), None
+            return self._isolate(plan, logits, masks, seqs, draft_probs, premature), None
 
     def _isolate(self, plan: StepPlan, logits: torch.Tensor, masks: Any, seqs: Mapping[int, "Sequence"],
-                 draft_probs: Mapping[int, tuple] | None = None) -> StepResult:
+                 draft_probs: Mapping[int, tuple] | None = None, premature: "Premature | None" = None
+                 ) -> StepResult:
         out = StepResult(plan.step_id)
         for c in plan.seqs:
             if not (c.samples or c.prompt_logprobs):
@@ -74,7 +79,8 @@ class Verifier:
             alone = lay_out(plan.step_id, plan.block_size, [c])
             try:
                 r, _ = self._verify(alone, logits[c.logits_start:c.logits_start + c.num_logits],
-                                    self.batch(alone, seqs), _rows_of(masks, c), seqs, draft_probs)
+                                    self.batch(alone, seqs), _rows_of(masks, c), seqs, draft_probs,
+                                    premature.of(c) if premature is not None else None)
             except Exception as e:          # noqa: BLE001 - the request ends with this error; the others go on
                 out.errors[c.seq_id] = f"{type(e).__name__}: {e}"
                 continue
@@ -83,16 +89,17 @@ class Verifier:
         return out
 
     def _verify(self, plan: StepPlan, logits: torch.Tensor, batch: SamplingBatch | None, masks: Any,
-                seqs: Mapping[int, "Sequence"], draft_probs: Mapping[int, tuple] | None = None
-                ) -> tuple[StepResult, torch.Tensor | None]:
+                seqs: Mapping[int, "Sequence"], draft_probs: Mapping[int, tuple] | None = None,
+                premature: "Premature | None" = None) -> tuple[StepResult, torch.Tensor | None]:
         prompt = self._prompt_logprobs(plan, logits, seqs)
         if batch is None:
             return StepResult(plan.step_id, {}, prompt), None
         whole = plan.num_samples == plan.num_logits     # no prompt-logprob rows: the sample rows are all rows
         raw = logits if whole else logits[torch.tensor(plan.sample_logits_rows(), device=logits.device)]
-        probs = batch.process(self.structured.apply(raw, masks))
+        scores = raw if premature is None else premature.apply(raw, self.structured.apply(raw, masks))
+        probs = batch.process(self.structured.apply(scores, masks))
         if not batch.all_greedy:
-            probs = self.structured.align(batch.rows, probs, lambda: batch.process(raw), masks)
+            probs = self.structured.align(batch.rows, probs, lambda: batch.process(scores), masks)
         if batch.all_greedy:
             sampled_t = argmax_rows(probs)
         else:
