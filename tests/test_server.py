@@ -208,6 +208,15 @@ def test_beam_search_matches_offline(srv, client, offline):
     assert [c.message.content for c in chat.choices] == [s.text for s in want.sequences]
 
 
+@pytest.mark.parametrize("extra", [dict(mirostat=2, mirostat_tau=3.0, seed=5), dict(penalty_alpha=0.6, top_k=4),
+                                   dict(dola_layers="high", temperature=0.0, repetition_penalty=1.2)])
+def test_decoding_strategy_fields_match_offline(srv, client, offline, extra):
+    """Mirostat, contrastive search and DoLa through the server: the same text as the offline API."""
+    want = offline.generate("The dog", SamplingParams(max_tokens=8, **extra), use_tqdm=False)[0].outputs[0].text
+    r = client.completions.create(model=MODEL, prompt="The dog", max_tokens=8, extra_body=extra)
+    assert r.choices[0].text == want
+
+
 def test_logprobs_and_batch_prompts(srv, client, offline):
     r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=5,
                                        logprobs=True, top_logprobs=3, **GREEDY)

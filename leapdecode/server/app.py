@@ -138,7 +138,10 @@ class OpenAIServer:
                         logprobs: int | None, **extra: Any) -> SamplingParams:
         """The model's generation_config defaults, overridden by whatever the request set."""
         try:
-            kw = {**self.sampling_defaults, **body.sampling_kwargs(), "max_tokens": max_tokens,
+            defaults = self.sampling_defaults
+            if body.mirostat:                   # Mirostat truncates by itself: the model's top-k/p defaults go
+                defaults = {k: v for k, v in defaults.items() if k not in ("top_k", "top_p", "min_p")}
+            kw = {**defaults, **body.sampling_kwargs(), "max_tokens": max_tokens,
                   "logprobs": logprobs, **extra}
         except ValueError as exc:              # a guided_* / structured_outputs spec that cannot be read
             raise APIError(400, str(exc), param=str(exc).split(":")[0], code="invalid_value") from None

@@ -187,6 +187,13 @@ class SamplingFields(RootRequest):
     skip_special_tokens: bool | None = None
     spaces_between_special_tokens: bool | None = None    # accepted; the tokenizer's own decoding decides
     include_stop_str_in_output: bool = False
+    # Decoding strategies (leapdecode extras; see the README): Mirostat (llama.cpp's names), contrastive search
+    # (transformers' penalty_alpha with top_k), DoLa (transformers' dola_layers).
+    mirostat: int | None = Field(None, ge=0, le=2)
+    mirostat_tau: float | None = Field(None, gt=0.0, le=100.0)
+    mirostat_eta: float | None = Field(None, gt=0.0, le=10.0)
+    penalty_alpha: float | None = Field(None, ge=0.0, le=1.0)
+    dola_layers: Literal["low", "high"] | list[int] | None = Field(None, max_length=256)
     stream: bool = False
     stream_options: StreamOptions | None = None
     response_format: ResponseFormat | None = None
@@ -270,7 +277,8 @@ class SamplingFields(RootRequest):
         """Fields that map one to one onto SamplingParams (only those the client set, so model defaults apply)."""
         names = ("n", "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
                  "repetition_penalty", "seed", "stop", "stop_token_ids", "min_tokens", "ignore_eos",
-                 "skip_special_tokens", "include_stop_str_in_output", "prompt_logprobs")
+                 "skip_special_tokens", "include_stop_str_in_output", "prompt_logprobs", "mirostat",
+                 "mirostat_tau", "mirostat_eta", "penalty_alpha", "dola_layers")
         kw = {k: getattr(self, k) for k in names if getattr(self, k) is not None}
         if self.logit_bias:
             kw["logit_bias"] = {int(k): v for k, v in self.logit_bias.items()}
