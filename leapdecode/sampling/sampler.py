@@ -154,12 +154,18 @@ class SamplingBatch:
     def uniforms(self, num_rows: int | None = None, default: torch.Generator | None = None) -> torch.Tensor:
         """U[0, 1) per row, float64: a seeded row's is keyed by (seed, index, position); others from ``default``."""
         R = len(self.rows) if num_rows is None else num_rows
-        u = torch.rand(R, dtype=torch.float64, generator=default, device=self.device)
-        seeded = [(i, x) for i, x in self.seeded if i < R]
-        if seeded:
-            idx, vals = zip(*seeded)
-            u[torch.tensor(idx, device=self.device)] = torch.tensor(vals, dtype=torch.float64, device=self.device)
-        return u
+        return keyed_uniforms(R, [(i, x) for i, x in self.seeded if i < R], default, self.device)
+
+
+def keyed_uniforms(n: int, seeded: list[tuple[int, float]], generator: torch.Generator | None,
+                   device: torch.device) -> torch.Tensor:
+    """``n`` float64 uniforms from ``generator``, except at the indices of ``seeded`` (index, value): the draws of
+    seeded requests, keyed by :func:`seeded_uniform` so they do not depend on the batch."""
+    u = torch.rand(n, dtype=torch.float64, generator=generator, device=device)
+    if seeded:
+        idx, vals = zip(*seeded)
+        u[torch.tensor(idx, device=device)] = torch.tensor(vals, dtype=torch.float64, device=device)
+    return u
 
 
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:

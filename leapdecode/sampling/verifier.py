@@ -20,7 +20,7 @@ import torch
 from leapdecode.engine.step import ScheduledSeq, SeqResult, StepPlan, StepResult, lay_out
 from leapdecode.sampling.rejection import ACCEPT_SALT, speculative_chains, verify_tree_with_probs
 from leapdecode.sampling.sampler import (Row, SamplingBatch, _position, argmax_rows, compute_logprobs,
-                                         inverse_cdf_sample, seeded_uniform)
+                                         inverse_cdf_sample, keyed_uniforms, seeded_uniform)
 
 if TYPE_CHECKING:
     from leapdecode.engine.sequence import Sequence
@@ -162,8 +162,6 @@ class Verifier:
     def _accept_uniforms(self, batch: SamplingBatch, chains: list, device: torch.device) -> torch.Tensor:
         """One uniform per draft node of ``chains``: a seeded request's keyed by (seed, sample index, position)
         under the acceptance salt, the others from the engine's generator."""
-        n = sum(len(x) for _, x, _ in chains)
-        u = torch.rand(n, dtype=torch.float64, generator=self.generator, device=device)
         seeded, i = [], 0
         for r0, x, _ in chains:
             row = batch.rows[r0]
@@ -172,10 +170,7 @@ class Verifier:
                 seeded += [(i + j, seeded_uniform(seed ^ ACCEPT_SALT, row.seq.index, _position(batch.rows[r0 + j])))
                            for j in range(len(x))]
             i += len(x)
-        if seeded:
-            idx, vals = zip(*seeded)
-            u[torch.tensor(idx, device=device)] = torch.tensor(vals, dtype=torch.float64, device=device)
-        return u
+        return keyed_uniforms(i, seeded, self.generator, device)
 
     @staticmethod
     def _prompt_logprobs(plan: StepPlan, logits: torch.Tensor, seqs: Mapping[int, "Sequence"]) -> dict:

@@ -50,7 +50,8 @@ import torch
 from leapdecode.engine.input_batch import InputBuffers
 from leapdecode.engine.step import ScheduledSeq, lay_out
 from leapdecode.sampling.rejection import DRAFT_SALT
-from leapdecode.sampling.sampler import Row, SamplingBatch, argmax_rows, inverse_cdf_sample, seeded_uniform
+from leapdecode.sampling.sampler import (Row, SamplingBatch, argmax_rows, inverse_cdf_sample, keyed_uniforms,
+                                         seeded_uniform)
 from leapdecode.spec.drafter import Draft, DraftRequest
 
 
@@ -94,13 +95,10 @@ class DraftSampler:
             conf = logits.softmax(-1).gather(1, tokens_t[:, None]).squeeze(1)
             return tokens_t.tolist(), None, conf.tolist(), greedy
         q = processed
-        u = torch.rand(len(rows), dtype=torch.float64, generator=self.generator, device=self.device)
         seeded = [(i, seeded_uniform(c.params.seed ^ DRAFT_SALT, c.index, len(c.token_ids) + len(h)))
                   for i, (c, h) in enumerate(zip(ctxs, histories))
                   if c.params is not None and c.params.seed is not None]
-        if seeded:
-            idx, vals = zip(*seeded)
-            u[torch.tensor(idx, device=self.device)] = torch.tensor(vals, dtype=torch.float64, device=self.device)
+        u = keyed_uniforms(len(rows), seeded, self.generator, self.device)
         tokens_t = inverse_cdf_sample(q, u)
         # a greedy row's q is one-hot: its confidence comes from the raw distribution instead
         conf_src = torch.where(torch.tensor(greedy, device=self.device)[:, None], logits.softmax(-1), q)
