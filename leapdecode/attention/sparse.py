@@ -1,0 +1,133 @@
+"""Position-persistent sparse attention for decode rows: LOSSY, opt-in (``EngineConfig.sparse_attention``).
+
+TidalDecode (Yang, Zhang, Chen, Li and Jia, "TidalDecode: Fast and Accurate LLM Decoding with Position Persistent
+Sparse Attention", 2024, arXiv:2410.05076) observes that the positions a decoding query attends to most overlap
+strongly from one layer to the next. So, within one decode step, a few *token-selection layers* attend fully and
+keep the positions with the highest attention scores, and every layer above a selection layer (until the next one)
+attends only to those positions: it reads k keys instead of n. The paper attends fully in layers 0-1, selects at
+layer 2 and re-selects at one middle layer (layer 13 of Llama-3-8B's 32); layers below the first selection layer
+attend fully here too (nothing is selected yet).
+
+Selection rule. The paper ranks keys by the current query's attention scores q.k (the same order as its softmax
+probabilities, head by head). With grouped-query attention the query heads that share a KV head are combined by
+summing their softmax probabilities (the attention mass the group gives each key), so a group reads one set of
+keys and GQA's memory saving is kept: positions are chosen per sequence, per KV head, per step. The ``window``
+most recent positions (the current token included, as in the paper's reference, which always keeps the last one)
+are always read; the top ``budget`` of the earlier positions join them. A row whose context is no longer than
+budget + window is not sparse at all: it stays in the backend's ordinary full-attention batch, so its outputs are
+exact. Only decode rows (one query, no token tree) are sparse; prefill and verification rows attend fully.
+
+Positions are logical token indices, turned into cache slots through the sequence's block table once per selection,
+so paged KV and shared prefix-cache blocks need nothing special. The state of one step (which rows, what was
+selected) lives in the ``SparseStep`` the backend puts into ``meta.plan``: per step, never global. Not done here:
+the paper's KV-cache correction (re-filling the KV of sparsely decoded tokens with full attention); their KV,
+computed with sparse attention, is cached and prefix-shared like any other.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from leapdecode.attention.backend import AttentionMetadata
+from leapdecode.config import SparseAttentionConfig
+
+
+class SparseAttention:
+    """One model's resolved settings; plans each step's sparse decode rows (``SparseStep``)."""
+
+    def __init__(self, cfg: SparseAttentionConfig, num_layers: int) -> None:
+        self.budget, self.window = cfg.budget, cfg.window
+        self.selection_layers = frozenset(cfg.layers_for(num_layers))
+        self.first_selection = min(self.selection_layers)
+
+    def num_selected(self, context_len: int) -> int:
+        """Positions chosen by score (besides the window) for a context of ``context_len`` keys."""
+        if isinstance(self.budget, float):
+            return math.ceil(self.budget * context_len)
+        return self.budget
+
+    def is_sparse(self, context_len: int) -> bool:
+        return self.num_selected(context_len) + self.window < context_len
+
+    def step(self, meta: AttentionMetadata, rows: list[int]) -> "SparseStep | None":
+        """The step's sparse rows among ``rows`` (decodes whose context exceeds budget + window), or None."""
+        take = [i for i in rows if meta.query_lens[i] == 1 and meta.tree(i) is None
+                and self.is_sparse(meta.seq_lens_host[i])]
+        return SparseStep(self, meta, take) if take else None
+
+
+class SparseStep:
+    """One step's sparse decode rows: dense attention below the first selection layer, dense attention plus a new
+    selection at each selection layer, attention over the selected positions everywhere else."""
+
+    def __init__(self, policy: SparseAttention, meta: AttentionMetadata, rows: list[int]) -> None:
+        dev = meta.positions.device
+        self.policy, self.rows = policy, rows
+        lens = [meta.seq_lens_host[i] for i in rows]
+        chosen = [policy.num_selected(n) for n in lens]
+        self.max_len, self.num_chosen = max(lens), max(chosen)
+        idx = torch.tensor(rows, device=dev)
+        self.out_index = meta.query_start_loc[idx]                                    # the rows' query tokens
+        self.block_size = meta.block_size
+        self.blocks = meta.block_tables[idx, :-(-self.max_len // meta.block_size)]    # [B, nblocks]
+        seq_lens = torch.tensor(lens, device=dev)
+        key = torch.arange(self.max_len, device=dev)
+        self.key_valid = key[None, :] < seq_lens[:, None]                             # [B, max_len]
+        w = policy.window
+        self.candidate = key[None, :] < (seq_lens[:, None] - w)                       # scored: before the window
+        self.window_pos = seq_lens[:, None] - w + torch.arange(w, device=dev)        # [B, w]
+        # the padded top-k slots of rows with fewer chosen positions are masked; the window is always valid
+        chosen_valid = torch.arange(self.num_chosen, device=dev)[None, :] < torch.tensor(chosen, device=dev)[:, None]
+        self.selected_valid = torch.cat([chosen_valid, torch.ones(len(rows), w, dtype=torch.bool, device=dev)], 1)
+        self.positions: torch.Tensor | None = None     # [B, Hkv, num_chosen + window] logical positions selected
+        self._slots: torch.Tensor | None = None        # the same as cache slots
+
+    def attend(self, q: torch.Tensor, kv_cache: torch.Tensor, scale: float, layer: int | None) -> torch.Tensor:
+        """q: the step's [T, H, D] queries -> [B, H, D] outputs of this step's sparse rows at ``layer``."""
+        if layer is None:
+            raise ValueError("sparse attention needs the layer index: call attend(..., layer=i)")
+        q = q[self.out_index]
+        if layer < self.policy.first_selection:
+            return self._dense(q, kv_cache, scale)
+        if layer in self.policy.selection_layers or self._slots is None:   # (a forward may skip a selection layer)
+            return self._select(q, kv_cache, scale)
+        return self._sparse(q, kv_cache, scale)
+
+    def _gather_blocks(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every key and value of the rows' contexts: [B, Hkv, max_len, D] each."""
+        k = kv_cache[0][self.blocks].flatten(1, 2)[:, :self.max_len].transpose(1, 2)
+        v = kv_cache[1][self.blocks].flatten(1, 2)[:, :self.max_len].transpose(1, 2)
+        return k, v
+
+    def _dense(self, q: torch.Tensor, kv_cache: torch.Tensor, scale: float) -> torch.Tensor:
+        k, v = self._gather_blocks(kv_cache)
+        o = F.scaled_dot_product_attention(q[:, :, None], k, v, attn_mask=self.key_valid[:, None, None],
+                                           scale=scale, enable_gqa=True)
+        return o[:, :, 0]
+
+    def _select(self, q: torch.Tensor, kv_cache: torch.Tensor, scale: float) -> torch.Tensor:
+        """Full attention with its probabilities, from which the positions of the layers above are chosen."""
+        k, v = self._gather_blocks(kv_cache)
+        B, hkv, _, d = k.shape
+        qg = q.view(B, hkv, -1, d).float()                                           # [B, Hkv, group, D]
+        logits = torch.matmul(qg, k.float().transpose(-1, -2)) * scale               # [B, Hkv, group, max_len]
+        probs = logits.masked_fill_(~self.key_valid[:, None, None], float("-inf")).softmax(-1)
+        out = torch.matmul(probs, v.float()).view(B, -1, d).to(q.dtype)
+        score = probs.sum(2).masked_fill_(~self.candidate[:, None], float("-inf"))   # [B, Hkv, max_len]
+        top = score.topk(self.num_chosen, -1).indices
+        self.positions = torch.cat([top, self.window_pos[:, None].expand(B, hkv, -1)], -1)
+        blk = self.blocks.gather(1, (self.positions // self.block_size).flatten(1)).view_as(self.positions)
+        self._slots = blk * self.block_size + self.positions % self.block_size
+        return out
+
+    def _sparse(self, q: torch.Tensor, kv_cache: torch.Tensor, scale: float) -> torch.Tensor:
+        """Attention over the selected positions only: k + window keys are read, not the whole context."""
+        _, nb, bs, hkv, d = kv_cache.shape
+        flat = kv_cache.view(2, nb * bs, hkv, d)
+        heads = torch.arange(hkv, device=q.device)[None, :, None]
+        k, v = flat[0][self._slots, heads], flat[1][self._slots, heads]             # [B, Hkv, K, D]
+        o = F.scaled_dot_product_attention(q[:, :, None], k, v, attn_mask=self.selected_valid[:, None, None],
+                                           scale=scale, enable_gqa=True)
+        return o[:, :, 0]
