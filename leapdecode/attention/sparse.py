@@ -82,7 +82,7 @@ class SparseStep:
         chosen_valid = torch.arange(self.num_chosen, device=dev)[None, :] < torch.tensor(chosen, device=dev)[:, None]
         self.selected_valid = torch.cat([chosen_valid, torch.ones(len(rows), w, dtype=torch.bool, device=dev)], 1)
         self.positions: torch.Tensor | None = None     # [B, Hkv, num_chosen + window] logical positions selected
-        self._slots: torch.Tensor | None = None        # the same as cache slots
+        self._rows: torch.Tensor | None = None         # the same as rows of the cache viewed [slots * Hkv, D]
 
     def attend(self, q: torch.Tensor, kv_cache: torch.Tensor, scale: float, layer: int | None) -> torch.Tensor:
         """q: the step's [T, H, D] queries -> [B, H, D] outputs of this step's sparse rows at ``layer``."""
@@ -91,21 +91,21 @@ class SparseStep:
         q = q[self.out_index]
         if layer < self.policy.first_selection:
             return self._dense(q, kv_cache, scale)
-        if layer in self.policy.selection_layers or self._slots is None:   # (a forward may skip a selection layer)
+        if layer in self.policy.selection_layers or self._rows is None:   # (a forward may skip a selection layer)
             return self._select(q, kv_cache, scale)
         return self._sparse(q, kv_cache, scale)
 
     def _gather_blocks(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Every key and value of the rows' contexts: [B, Hkv, max_len, D] each."""
-        k = kv_cache[0][self.blocks].flatten(1, 2)[:, :self.max_len].transpose(1, 2)
-        v = kv_cache[1][self.blocks].flatten(1, 2)[:, :self.max_len].transpose(1, 2)
-        return k, v
+        B, nb = self.blocks.shape
+        _, _, bs, hkv, d = kv_cache.shape
+        k, v = (kv_cache[i].index_select(0, self.blocks.flatten()).view(B, nb * bs, hkv, d)[:, :self.max_len]
+                for i in (0, 1))
+        return k.transpose(1, 2), v.transpose(1, 2)
 
     def _dense(self, q: torch.Tensor, kv_cache: torch.Tensor, scale: float) -> torch.Tensor:
         k, v = self._gather_blocks(kv_cache)
-        o = F.scaled_dot_product_attention(q[:, :, None], k, v, attn_mask=self.key_valid[:, None, None],
-                                           scale=scale, enable_gqa=True)
-        return o[:, :, 0]
+        return _grouped_attention(q, k, v, self.key_valid, scale)
 
     def _select(self, q: torch.Tensor, kv_cache: torch.Tensor, scale: float) -> torch.Tensor:
         """Full attention with its probabilities, from which the positions of the layers above are chosen."""
@@ -119,15 +119,23 @@ class SparseStep:
         top = score.topk(self.num_chosen, -1).indices
         self.positions = torch.cat([top, self.window_pos[:, None].expand(B, hkv, -1)], -1)
         blk = self.blocks.gather(1, (self.positions // self.block_size).flatten(1)).view_as(self.positions)
-        self._slots = blk * self.block_size + self.positions % self.block_size
+        slots = blk * self.block_size + self.positions % self.block_size
+        self._rows = (slots * hkv + torch.arange(hkv, device=q.device)[None, :, None]).flatten()
         return out
 
     def _sparse(self, q: torch.Tensor, kv_cache: torch.Tensor, scale: float) -> torch.Tensor:
-        """Attention over the selected positions only: k + window keys are read, not the whole context."""
-        _, nb, bs, hkv, d = kv_cache.shape
-        flat = kv_cache.view(2, nb * bs, hkv, d)
-        heads = torch.arange(hkv, device=q.device)[None, :, None]
-        k, v = flat[0][self._slots, heads], flat[1][self._slots, heads]             # [B, Hkv, K, D]
-        o = F.scaled_dot_product_attention(q[:, :, None], k, v, attn_mask=self.selected_valid[:, None, None],
-                                           scale=scale, enable_gqa=True)
-        return o[:, :, 0]
+        """Attention over the selected positions only: budget + window keys are read, not the whole context."""
+        B, hkv, K = self.positions.shape
+        d = kv_cache.shape[-1]
+        flat = kv_cache.view(2, -1, d)                                     # one row per (slot, KV head)
+        k, v = (flat[i].index_select(0, self._rows).view(B, hkv, K, d) for i in (0, 1))
+        return _grouped_attention(q, k, v, self.selected_valid, scale)
+
+
+def _grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor,
+                       scale: float) -> torch.Tensor:
+    """One query per row: q [B, H, D] over k, v [B, Hkv, K, D] with keys ``valid`` [B, K] -> [B, H, D]. The query
+    heads of a KV group are laid out as that group's queries, so keys are never repeated per head."""
+    B, hkv, _, d = k.shape
+    o = F.scaled_dot_product_attention(q.view(B, hkv, -1, d), k, v, attn_mask=valid[:, None, None], scale=scale)
+    return o.view(B, -1, d)
