@@ -55,29 +55,23 @@ def context(cache_layer, table, n):
     return k.double(), v.double()
 
 
-def ref_attention(q, k, v, keep_per_group=None):
-    """q [H, D] over k, v [n, Hkv, D] (float64), each KV group restricted to the positions in keep_per_group[g]."""
+def ref_attention(q, k, v, keep=None):
+    """q [H, D] over k, v [n, Hkv, D] (float64), restricted to the positions in ``keep`` when given."""
+    idx = torch.tensor(sorted(keep)) if keep is not None else torch.arange(k.shape[0])
     out = []
     for h in range(H):
         g = h // (H // HKV)
-        idx = sorted(keep_per_group[g]) if keep_per_group is not None else range(k.shape[0])
-        idx = torch.tensor(list(idx))
         p = torch.softmax(k[idx, g] @ q[h].double() * SCALE, 0)
         out.append(p @ v[idx, g])
     return torch.stack(out)
 
 
 def ref_selection(q, k, n_chosen, window):
-    """The paper's rule with GQA groups: per KV group, the top ``n_chosen`` earlier positions by the attention
-    probability summed over the group's query heads, plus the ``window`` most recent positions."""
+    """The paper's rule, one set shared by the heads: the top ``n_chosen`` earlier positions by the attention
+    probability summed over all query heads, plus the ``window`` most recent positions."""
     n = k.shape[0]
-    keep = []
-    for g in range(HKV):
-        heads = range(g * (H // HKV), (g + 1) * (H // HKV))
-        score = sum(torch.softmax(k[:, g] @ q[h].double() * SCALE, 0) for h in heads)
-        top = score[:n - window].topk(n_chosen).indices.tolist()
-        keep.append(set(top) | set(range(n - window, n)))
-    return keep
+    score = sum(torch.softmax(k[:, h // (H // HKV)] @ q[h].double() * SCALE, 0) for h in range(H))
+    return set(score[:n - window].topk(n_chosen).indices.tolist()) | set(range(n - window, n))
 
 
 def run_layers(backend, cache, meta, seed=1):
@@ -128,10 +122,9 @@ def test_selection_and_sparse_layers_follow_the_papers_rule(monkeypatch):
                 ref = ref_attention(q, k_all, v_all)
                 keep = ref_selection(q, k_all, math.ceil(budget * n), window)
                 if layer == sel[-1]:
-                    for g in range(HKV):
-                        got = step.positions[b, g][step.selected_valid[b]].tolist()
-                        assert len(got) == len(set(got)) == math.ceil(budget * n) + window
-                        assert set(got) == keep[g]
+                    got = step.positions[b][step.selected_valid[b]].tolist()
+                    assert len(got) == len(set(got)) == math.ceil(budget * n) + window
+                    assert set(got) == keep
             else:
                 ref = ref_attention(q, k_all, v_all, keep)
             torch.testing.assert_close(outs[layer][row].double(), ref, rtol=1e-5, atol=1e-5)
