@@ -246,3 +246,14 @@ def test_bad_parameters_at_engine_start(deep_dir, tiny_dir):
     with pytest.raises(ValueError, match="sparse_attention runs on the torch"):
         get_backend("triton", torch.device("cpu"), SparseAttention(SparseAttentionConfig(), 6))
     assert SparseAttentionConfig().layers_for(30) == (2, 12) and SparseAttentionConfig().layers_for(32) == (2, 13)
+
+
+def test_cli_flags(capsys):
+    from leapdecode.cli import _sparse_attention, build_parser, main
+    args = build_parser().parse_args(["generate", "--sparse-attention", "0.1", "--sparse-selection-layers", "2", "9",
+                                      "--sparse-window", "8", "x"])
+    assert _sparse_attention(args) == SparseAttentionConfig(budget=0.1, selection_layers=(2, 9), window=8)
+    assert _sparse_attention(build_parser().parse_args(["generate", "--sparse-attention", "256", "x"])).budget == 256
+    assert _sparse_attention(build_parser().parse_args(["generate", "x"])) is None
+    assert main(["generate", "--sparse-attention", "0", "x"]) == 2
+    assert "sparse_attention.budget" in capsys.readouterr().err
