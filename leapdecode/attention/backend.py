@@ -16,9 +16,12 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from leapdecode.attention.sparse import SparseAttention
 
 
 @dataclass
@@ -71,11 +74,12 @@ class AttentionBackend(ABC):
 BACKENDS = ("auto", "torch", "triton")
 
 
-def get_backend(name: str = "auto", device: torch.device | None = None, sparse: Any = None) -> AttentionBackend:
+def get_backend(name: str = "auto", device: torch.device | None = None,
+                sparse: SparseAttention | None = None) -> AttentionBackend:
     """"torch": the portable reference backend; "triton": the Triton GPU kernels (CUDA only).
     "auto" is the torch backend until the Triton kernels have been verified and measured on a real GPU (so far they
     are verified under the Triton interpreter only); LEAPDECODE_ATTENTION_BACKEND=triton opts in for "auto".
-    ``sparse``: a ``sparse.SparseAttention`` for lossy sparse decoding, which only the torch backend implements."""
+    ``sparse``: lossy sparse decoding's settings (attention/sparse.py), which only the torch backend implements."""
     import os
     if name == "auto":
         name = os.environ.get("LEAPDECODE_ATTENTION_BACKEND", "torch").strip().lower() or "torch"

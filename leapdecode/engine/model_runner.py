@@ -7,6 +7,7 @@ token of its chunk and each draft node) and, when asked, every prompt position f
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -17,6 +18,9 @@ from leapdecode.engine.input_batch import ForwardBatch, InputBuffers
 from leapdecode.engine.step import StepPlan
 from leapdecode.model.config import ModelConfig
 from leapdecode.model.loader import load_model
+
+if TYPE_CHECKING:
+    from leapdecode.attention.sparse import SparseAttention
 
 CPU_KV_CAP = 2 << 30    # CPU default: at most 2 GiB of KV (pages are only touched when used)
 
@@ -102,7 +106,7 @@ class ModelRunner:
         return ForwardOutput(self.model.compute_logits(hidden[rows]), {i: h[keep] for i, h in captured.items()})
 
 
-def _sparse_attention(cfg: EngineConfig, model_cfg: ModelConfig):
+def _sparse_attention(cfg: EngineConfig, model_cfg: ModelConfig) -> SparseAttention | None:
     """The model's lossy sparse decoding settings (attention/sparse.py), or None when off."""
     if cfg.sparse_attention is None:
         return None
