@@ -223,6 +223,18 @@ def test_verification_rows_keep_full_attention(deep_dir, full_outputs):
     assert_pool_free(llm)
 
 
+def test_layer_skip_drafting_runs_on_the_sparse_backend(deep_dir):
+    """The layer-skip drafter runs the target's layers (its selection layer skipped) through the same backend."""
+    spec = {"method": "layer_skip", "num_speculative_tokens": 3, "adaptive": False, "skip": [1, 2],
+            "threshold": 0.0}
+    llm = make_llm(deep_dir, max_model_len=512, sparse_attention=SPARSE, speculative_config=spec)
+    outs = llm.generate(long_prompts((150, 60)), SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True),
+                        use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in outs] == [8, 8]
+    assert llm.engine.stats["draft_tokens"] > 0
+    assert_pool_free(llm)
+
+
 @pytest.mark.parametrize("cfg, field", [
     ({"budget": 0}, "budget"), ({"budget": -3}, "budget"), ({"budget": 1.5}, "budget"), ({"budget": 0.0}, "budget"),
     ({"budget": True}, "budget"), ({"budget": "10%"}, "budget"),
