@@ -9,8 +9,14 @@ SDPA code over the whole context) are timed beside the ordinary full path, so th
 shows apart from that of its gather (``index_select``) and grouped-query SDPA. ``time_decode_attention`` returns
 the rows for other scripts (benchmarks/kv_compression.py).
 
+``--quality P J`` measures the quality cost instead, on a real model (default: SmolLM2-135M-Instruct): prefill
+P tokens of a long text with full attention, then decode its next J tokens one at a time (teacher-forced decode
+rows) with full and with sparse attention; top-1 agreement with full attention's next-token argmax, mean
+KL(full || sparse) and the text's NLL (``teacher_forced_quality``).
+
     python benchmarks/sparse_attention.py                          # 2k/4k/8k, budget 0.1, window 32, batch 1
     python benchmarks/sparse_attention.py --contexts 8192 --budget 256 --batch 4 --threads 2
+    python benchmarks/sparse_attention.py --quality 3000 64 --selection-layers 2 12
 """
 from __future__ import annotations
 
@@ -94,6 +100,52 @@ def time_decode_attention(contexts: tuple[int, ...] = (2048, 4096, 8192), budget
     return rows
 
 
+LICENSE_TEXTS = ("/usr/share/common-licenses/GPL-3", "/usr/share/common-licenses/GFDL-1.3")
+
+
+def teacher_forced_quality(context: int, positions: int, configs: dict[str, SparseAttentionConfig],
+                           model: str | None = None, text: str | None = None) -> list[dict]:
+    """Per config: top-1 agreement with full attention, mean KL(full || sparse) and NLL over ``positions``
+    teacher-forced decodes after a ``context``-token prefill of ``text`` (default: the GPL-3 and GFDL-1.3 texts)."""
+    from leapdecode import LLM
+    text = text if text is not None else "".join(open(p).read() for p in LICENSE_TEXTS)
+    llm = LLM(model, max_model_len=context + positions + 1, max_num_seqs=1, dtype="float32")
+    runner = llm.engine.runner
+    net, backend, bs = runner.model, runner.backend, runner.block_size
+    ids = llm.get_tokenizer().encode(text)[:context + positions + 1]
+    if len(ids) < context + positions + 1:
+        raise ValueError(f"the text has {len(ids)} tokens, fewer than context + positions + 1")
+    table = torch.arange(-(-len(ids) // bs))
+
+    def forward(start: int, n: int) -> torch.Tensor:
+        pos = torch.arange(start, start + n)
+        meta = AttentionMetadata(
+            positions=pos, slot_mapping=table[pos // bs] * bs + pos % bs, block_tables=table[None],
+            seq_lens=torch.tensor([start + n]), query_start_loc=torch.tensor([0, n]), query_lens=[n],
+            seq_lens_host=[start + n], block_size=bs, num_actual_tokens=n)
+        backend.plan(meta)
+        return net(torch.tensor(ids[start:start + n]), meta)
+
+    def decode(cfg: SparseAttentionConfig | None) -> torch.Tensor:
+        """Next-token log-probs after each of the ``positions`` decodes (they rewrite the same KV slots)."""
+        backend.sparse = SparseAttention(cfg, runner.model_cfg.num_layers) if cfg is not None else None
+        return torch.stack([torch.log_softmax(net.compute_logits(forward(context + j, 1))[0].double(), -1)
+                            for j in range(positions)])
+
+    with torch.inference_mode():
+        for start in range(0, context, 512):
+            forward(start, min(512, context - start))
+        full = decode(None)
+        target = torch.tensor(ids[context + 1:])[:, None]
+        rows = [{"config": "full", "top1": 1.0, "kl": 0.0, "nll": -full.gather(1, target).mean().item()}]
+        for name, cfg in configs.items():
+            lp = decode(cfg)
+            rows.append({"config": name, "top1": (lp.argmax(-1) == full.argmax(-1)).double().mean().item(),
+                         "kl": (full.exp() * (full - lp)).sum(-1).mean().item(),
+                         "nll": -lp.gather(1, target).mean().item()})
+    return rows
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--contexts", type=int, nargs="+", default=[2048, 4096, 8192])
@@ -108,9 +160,21 @@ def main() -> None:
     p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--quality", type=int, nargs=2, default=None, metavar=("P", "J"),
+                   help="measure quality on a real model instead: P context tokens, J teacher-forced decodes")
+    p.add_argument("--model", default=None, help="for --quality (default: SmolLM2-135M-Instruct)")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     sel = tuple(args.selection_layers) if args.selection_layers else None
+    if args.quality:
+        cfg = SparseAttentionConfig(budget=args.budget, window=args.window, selection_layers=sel)
+        name = f"budget {args.budget}, window {args.window}, selection layers {sel or 'default'}"
+        print(f"# teacher-forced quality: {args.quality[0]} context tokens, {args.quality[1]} decodes, "
+              f"model {args.model or 'SmolLM2-135M-Instruct'}")
+        print("| attention | top-1 agreement with full | KL(full || sparse) | NLL |\n|---|---|---|---|")
+        for r in teacher_forced_quality(*args.quality, {name: cfg}, model=args.model):
+            print(f"| {r['config']} | {r['top1']:.3f} | {r['kl']:.4f} | {r['nll']:.4f} |")
+        return
     rows = time_decode_attention(tuple(args.contexts), args.budget, args.window, sel, args.batch, args.layers,
                                  args.heads, args.kv_heads, args.head_dim, repeats=args.repeats)
     layers = SparseAttentionConfig(selection_layers=sel).layers_for(args.layers)
