@@ -137,7 +137,7 @@ def test_selecting_every_position_reproduces_full_attention():
     backend = sparse_backend(budget=1, window=1, selection_layers=(0,))
     backend.plan(meta)
     (step,) = [p for p in meta.plan if isinstance(p, SparseStep)]
-    q = torch.randn(2, H, D)
+    q = torch.randn(2, H, D, generator=torch.Generator().manual_seed(5))
     step.num_chosen = max(lens) - 1                            # widen the selection to every position
     step.selected_valid = torch.cat([torch.arange(max(lens) - 1)[None] < torch.tensor(lens)[:, None] - 1,
                                      torch.ones(2, 1, dtype=torch.bool)], 1)
@@ -153,7 +153,7 @@ def test_a_forward_that_skips_the_selection_layer_selects_at_its_first_sparse_la
     cache, meta, _ = paged_batch([80], [1], seed=4)
     backend = sparse_backend(budget=8, window=2, selection_layers=(1,))
     backend.plan(meta)
-    q = torch.randn(1, H, D)
+    q = torch.randn(1, H, D, generator=torch.Generator().manual_seed(6))
     out = backend.attend(q, cache[3], meta, SCALE, layer=3)      # layer 1 skipped (layer-skip drafting)
     assert meta.plan[-1].positions is not None
     with pytest.raises(ValueError, match="layer index"):
