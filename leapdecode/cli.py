@@ -52,6 +52,15 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                         "(default: off)")
     s.add_argument("--num-speculative-tokens", type=int, default=4, metavar="K",
                    help="most draft tokens per request per step (default: 4)")
+    z = p.add_argument_group("sparse long-context decoding (lossy: changes outputs at long contexts)")
+    z.add_argument("--sparse-attention", default=None, metavar="BUDGET",
+                   help="TidalDecode-style sparse decode attention: layers above a selection layer read only BUDGET "
+                        "positions it chose plus the recent window; a fraction of the context (0.1) or a token "
+                        "count (256) (default: off)")
+    z.add_argument("--sparse-selection-layers", type=int, nargs="+", default=None, metavar="L",
+                   help="the layers that attend fully and choose positions (default: 2 and the layer at 40%% depth)")
+    z.add_argument("--sparse-window", type=int, default=32, metavar="W",
+                   help="recent positions every sparse layer also reads (default: 32)")
 
 
 def _make_llm(args: argparse.Namespace) -> Any:
@@ -61,14 +70,32 @@ def _make_llm(args: argparse.Namespace) -> Any:
     spec = None
     if args.speculative_method is not None:
         spec = {"method": args.speculative_method, "num_speculative_tokens": args.num_speculative_tokens}
+    sparse = _sparse_attention(args)
     try:
         return LLM(args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
                    max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                    kv_cache_memory=args.kv_cache_memory, seed=args.seed, speculative_config=spec,
-                   grammar_cache_size=getattr(args, "grammar_cache_size", 256))
+                   grammar_cache_size=getattr(args, "grammar_cache_size", 256), sparse_attention=sparse)
     except (ValueError, OSError, NotImplementedError, KeyError) as exc:
         raise CLIError(f"could not load the model from {args.model or 'the default model'}: "
                        f"{type(exc).__name__}: {exc}") from None
+
+
+def _sparse_attention(args: argparse.Namespace) -> Any:
+    """The --sparse-* flags as a SparseAttentionConfig, or None when --sparse-attention is not given."""
+    from leapdecode.config import SparseAttentionConfig
+    if args.sparse_attention is None:
+        return None
+    try:
+        text = args.sparse_attention.strip()
+        budget = float(text) if any(c in text for c in ".eE") else int(text)
+        layers = tuple(args.sparse_selection_layers) if args.sparse_selection_layers else None
+        return SparseAttentionConfig(budget=budget, selection_layers=layers, window=args.sparse_window)
+    except ValueError as exc:
+        if "sparse_attention" in str(exc):
+            raise CLIError(str(exc)) from None
+        raise CLIError(f"--sparse-attention must be a fraction (0.1) or a token count (256), "
+                       f"got {args.sparse_attention!r}") from None
 
 
 def _sampling(args: argparse.Namespace, **extra: Any) -> Any:

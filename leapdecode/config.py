@@ -67,6 +67,63 @@ class SpeculativeConfig:
         raise ValueError(f"speculative_config must be a SpeculativeConfig or a dict, got {type(value).__name__}")
 
 
+@dataclass(frozen=True)
+class SparseAttentionConfig:
+    """LOSSY, opt-in: TidalDecode-style position-persistent sparse attention for decode rows (attention/sparse.py).
+
+    ``budget``: positions each sparse layer reads besides the window, chosen by the last selection layer: a fraction
+    of the context (a float in (0, 1]) or a token count (an int >= 1); a context no longer than budget + window
+    attends fully, so its outputs are exact. ``selection_layers``: the layers (0-based, ascending) that attend fully
+    and choose the positions for the layers above them; the layers below the first attend fully too. None: layer 2
+    and one at 40% depth (the paper's layers 2 and 13 of Llama-3-8B's 32). ``window``: the most recent positions
+    (the current token included) that every sparse layer also reads. Prefill and verification rows always attend
+    fully."""
+    budget: float | int = 0.1
+    selection_layers: tuple[int, ...] | None = None
+    window: int = 32
+
+    def __post_init__(self) -> None:
+        b = self.budget
+        if isinstance(b, bool) or not isinstance(b, (int, float)) or (isinstance(b, int) and b < 1) or (
+                isinstance(b, float) and not 0.0 < b <= 1.0):
+            raise ValueError("sparse_attention.budget must be a fraction of the context in (0, 1] or a token count "
+                             f">= 1, got {b!r}")
+        layers = self.selection_layers
+        if layers is not None:
+            if isinstance(layers, int) or not all(isinstance(i, int) and not isinstance(i, bool) for i in layers):
+                raise ValueError(f"sparse_attention.selection_layers must be layer indices, got {layers!r}")
+            layers = tuple(layers)
+            if not layers or layers[0] < 0 or any(a >= b for a, b in zip(layers, layers[1:])):
+                raise ValueError("sparse_attention.selection_layers must be non-empty, >= 0 and strictly "
+                                 f"ascending, got {layers!r}")
+            object.__setattr__(self, "selection_layers", layers)
+        if isinstance(self.window, bool) or not isinstance(self.window, int) or self.window < 1:
+            raise ValueError(f"sparse_attention.window must be an integer >= 1 (it includes the current token), "
+                             f"got {self.window!r}")
+
+    def layers_for(self, num_layers: int) -> tuple[int, ...]:
+        """The selection layers for a model of ``num_layers`` layers (the default resolved, the given checked)."""
+        if self.selection_layers is None:
+            first = min(2, num_layers - 1)
+            return tuple(sorted({first, max(first, round(0.4 * num_layers))}))
+        if self.selection_layers[-1] >= num_layers:
+            raise ValueError(f"sparse_attention.selection_layers {self.selection_layers} must be below the "
+                             f"model's {num_layers} layers")
+        return self.selection_layers
+
+    @classmethod
+    def from_any(cls, value: "SparseAttentionConfig | dict | None") -> "SparseAttentionConfig | None":
+        if value is None or isinstance(value, cls):
+            return value
+        if isinstance(value, dict):
+            unknown = set(value) - {"budget", "selection_layers", "window"}
+            if unknown:
+                raise ValueError(f"sparse_attention has no field(s) {sorted(unknown)}: use budget, "
+                                 "selection_layers, window")
+            return cls(**value)
+        raise ValueError(f"sparse_attention must be a SparseAttentionConfig or a dict, got {type(value).__name__}")
+
+
 @dataclass
 class EngineConfig:
     model: str
@@ -86,10 +143,12 @@ class EngineConfig:
     async_scheduling: bool = False            # overlap the host work of step N+1 with step N's forward
     pad_to_buckets: bool | None = None        # pad token counts to capacity buckets; None: on CUDA only
     grammar_cache_size: int = 256             # compiled grammars kept (LRU; about 0.2 MB each for a JSON schema)
+    sparse_attention: SparseAttentionConfig | dict | None = None   # LOSSY sparse decoding (attention/sparse.py)
 
     def __post_init__(self) -> None:
         from leapdecode.attention.backend import BACKENDS
         self.speculative_config = SpeculativeConfig.from_any(self.speculative_config)
+        self.sparse_attention = SparseAttentionConfig.from_any(self.sparse_attention)
         if self.attention_backend not in BACKENDS:
             raise ValueError(f"attention_backend must be one of {BACKENDS}, got {self.attention_backend!r}")
         for name in ("block_size", "max_num_batched_tokens", "max_num_seqs", "grammar_cache_size"):

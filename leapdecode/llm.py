@@ -6,7 +6,7 @@ from typing import Any, Iterable, Iterator, Sequence
 
 from tqdm.auto import tqdm
 
-from leapdecode.config import EngineConfig, SpeculativeConfig
+from leapdecode.config import EngineConfig, SparseAttentionConfig, SpeculativeConfig
 from leapdecode.decoding.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from leapdecode.engine.engine import Engine
 from leapdecode.outputs import RequestOutput
@@ -38,14 +38,15 @@ class LLM:
                  enable_prefix_caching: bool = True, max_num_batched_tokens: int = 2048, max_num_seqs: int = 256,
                  seed: int = 0, speculative_config: SpeculativeConfig | dict | None = None,
                  attention_backend: str = "auto", async_scheduling: bool = False,
-                 pad_to_buckets: bool | None = None, grammar_cache_size: int = 256) -> None:
+                 pad_to_buckets: bool | None = None, grammar_cache_size: int = 256,
+                 sparse_attention: SparseAttentionConfig | dict | None = None) -> None:
         cfg = EngineConfig(
             model=resolve_model(model), tokenizer=tokenizer, dtype=dtype, device=device, max_model_len=max_model_len,
             kv_cache_memory=kv_cache_memory, num_kv_blocks=num_kv_blocks, block_size=block_size,
             enable_prefix_caching=enable_prefix_caching, max_num_batched_tokens=max_num_batched_tokens,
             max_num_seqs=max_num_seqs, seed=seed, speculative_config=speculative_config,
             attention_backend=attention_backend, async_scheduling=async_scheduling, pad_to_buckets=pad_to_buckets,
-            grammar_cache_size=grammar_cache_size)
+            grammar_cache_size=grammar_cache_size, sparse_attention=sparse_attention)
         self.engine = Engine(cfg)
         self._ids = itertools.count()
 

@@ -16,9 +16,12 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from leapdecode.attention.sparse import SparseAttention
 
 
 @dataclass
@@ -62,23 +65,30 @@ class AttentionBackend(ABC):
         """k, v: [T, Hkv, D] -> stored at ``meta.slot_mapping`` (padding tokens write nowhere)."""
 
     @abstractmethod
-    def attend(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        """q: [T, H, D] -> [T, H, D] (rows of padding tokens are left undefined)."""
+    def attend(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+               layer: int | None = None) -> torch.Tensor:
+        """q: [T, H, D] -> [T, H, D] (rows of padding tokens are left undefined). ``layer``: the model layer's
+        index, which only sparse attention reads (its selection layers differ from the others)."""
 
 
 BACKENDS = ("auto", "torch", "triton")
 
 
-def get_backend(name: str = "auto", device: torch.device | None = None) -> AttentionBackend:
+def get_backend(name: str = "auto", device: torch.device | None = None,
+                sparse: SparseAttention | None = None) -> AttentionBackend:
     """"torch": the portable reference backend; "triton": the Triton GPU kernels (CUDA only).
     "auto" is the torch backend until the Triton kernels have been verified and measured on a real GPU (so far they
-    are verified under the Triton interpreter only); LEAPDECODE_ATTENTION_BACKEND=triton opts in for "auto"."""
+    are verified under the Triton interpreter only); LEAPDECODE_ATTENTION_BACKEND=triton opts in for "auto".
+    ``sparse``: lossy sparse decoding's settings (attention/sparse.py), which only the torch backend implements."""
     import os
     if name == "auto":
         name = os.environ.get("LEAPDECODE_ATTENTION_BACKEND", "torch").strip().lower() or "torch"
     if name == "torch":
         from leapdecode.attention.torch_ref import TorchAttention
-        return TorchAttention()
+        return TorchAttention(sparse)
+    if sparse is not None and name == "triton":
+        raise ValueError("sparse_attention runs on the torch attention backend only (attention_backend='torch' or "
+                         "'auto'): the Triton kernels have no sparse path yet")
     if name == "triton":
         if device is not None and torch.device(device).type != "cuda" and not os.environ.get("TRITON_INTERPRET"):
             raise ValueError("the triton attention backend needs a CUDA device (or TRITON_INTERPRET=1)")

@@ -4,7 +4,8 @@ All sequences with short query runs (decodes, verification, short prefills) are 
 prefill chunks one by one, all through one function with an explicit mask built from token positions, so chunked
 prefill, token trees and sliding windows share a single rule: a query at position p sees keys at positions <= p
 that are earlier context or (for trees) its ancestors. The masks and gather indices are built once per step in
-``plan``; each layer only gathers its own keys and values and runs SDPA.
+``plan``; each layer only gathers its own keys and values and runs SDPA. With sparse attention on (lossy, opt-in),
+long decode rows are planned apart as a ``SparseStep`` (attention/sparse.py), which reads only selected keys.
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from leapdecode.attention.backend import AttentionBackend, AttentionMetadata
+from leapdecode.attention.sparse import SparseAttention, SparseStep
 
 # Sequences with at most this many query tokens (decodes, verification, short prefills) share one padded batch;
 # longer prefill chunks run alone so padding never multiplies their cost.
@@ -34,11 +36,18 @@ class _Group:
 class TorchAttention(AttentionBackend):
     name = "torch"
 
+    def __init__(self, sparse: SparseAttention | None = None) -> None:
+        self.sparse = sparse
+
     def plan(self, meta: AttentionMetadata) -> None:
         short = [i for i, n in enumerate(meta.query_lens) if 0 < n <= BATCH_MAX_QUERY]
+        sparse = self.sparse.step(meta, short) if self.sparse is not None else None
+        if sparse is not None:
+            taken = set(sparse.rows)
+            short = [i for i in short if i not in taken]
         groups = [_group(meta, short)] if short else []
         groups += [_group(meta, [i]) for i, n in enumerate(meta.query_lens) if n > BATCH_MAX_QUERY]
-        meta.plan = groups
+        meta.plan = groups + ([sparse] if sparse is not None else [])
 
     def write_kv(self, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> None:
         _, nb, bs, hkv, d = kv_cache.shape
@@ -48,11 +57,15 @@ class TorchAttention(AttentionBackend):
         flat[0].index_copy_(0, slots, k[:n].to(kv_cache.dtype))
         flat[1].index_copy_(0, slots, v[:n].to(kv_cache.dtype))
 
-    def attend(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    def attend(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+               layer: int | None = None) -> torch.Tensor:
         if meta.plan is None:
             self.plan(meta)
         out = torch.empty_like(q)
         for g in meta.plan:
+            if isinstance(g, SparseStep):
+                out[g.out_index] = g.attend(q, kv_cache, scale, layer).to(out.dtype)
+                continue
             k = kv_cache[0][g.blocks].flatten(1, 2)[:, :g.max_k]                       # [B, max_k, Hkv, D]
             v = kv_cache[1][g.blocks].flatten(1, 2)[:, :g.max_k]
             o = F.scaled_dot_product_attention(

@@ -54,7 +54,8 @@ class TritonAttention(AttentionBackend):
             block_tables=meta.block_tables.to(torch.int32), seq_lens=meta.seq_lens.to(torch.int32),
             query_start_loc=meta.query_start_loc.to(torch.int32))
 
-    def attend(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    def attend(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+               layer: int | None = None) -> torch.Tensor:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         if meta.num_actual_tokens == 0:
             return out

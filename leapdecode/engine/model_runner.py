@@ -7,6 +7,7 @@ token of its chunk and each draft node) and, when asked, every prompt position f
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -17,6 +18,9 @@ from leapdecode.engine.input_batch import ForwardBatch, InputBuffers
 from leapdecode.engine.step import StepPlan
 from leapdecode.model.config import ModelConfig
 from leapdecode.model.loader import load_model
+
+if TYPE_CHECKING:
+    from leapdecode.attention.sparse import SparseAttention
 
 CPU_KV_CAP = 2 << 30    # CPU default: at most 2 GiB of KV (pages are only touched when used)
 
@@ -33,7 +37,7 @@ class ModelRunner:
         self.device = cfg.torch_device
         self.block_size = cfg.block_size
         self.max_model_len = max_model_len
-        self.backend = get_backend(cfg.attention_backend, self.device)
+        self.backend = get_backend(cfg.attention_backend, self.device, _sparse_attention(cfg, model_cfg))
         self.model = load_model(cfg.model, model_cfg, self.backend, dtype, self.device, max_model_len)
         c = model_cfg
         self.num_blocks = self._num_blocks(max_model_len)
@@ -100,6 +104,16 @@ class ModelRunner:
         rows = batch.logits_indices
         keep = slice(0, plan.num_tokens) if all_rows else rows
         return ForwardOutput(self.model.compute_logits(hidden[rows]), {i: h[keep] for i, h in captured.items()})
+
+
+def _sparse_attention(cfg: EngineConfig, model_cfg: ModelConfig) -> SparseAttention | None:
+    """The model's lossy sparse decoding settings (attention/sparse.py), or None when off."""
+    if cfg.sparse_attention is None:
+        return None
+    if model_cfg.sliding_window is not None:
+        raise ValueError("sparse_attention does not support sliding-window attention models")
+    from leapdecode.attention.sparse import SparseAttention
+    return SparseAttention(cfg.sparse_attention, model_cfg.num_layers)
 
 
 def _scratch_blocks(cfg: EngineConfig) -> int:

@@ -1,0 +1,271 @@
+"""Sparse long-context decoding (attention/sparse.py, TidalDecode): exact when the budget covers the context, the
+paper's selection rule against a reference written here, and the engine's guarantees with a small (lossy) budget."""
+import math
+import random
+
+import pytest
+import torch
+
+from conftest import OracleDrafter, assert_pool_free, make_llm
+from leapdecode import SamplingParams, SparseAttentionConfig, SpeculativeConfig
+from leapdecode.attention.backend import AttentionMetadata, get_backend
+from leapdecode.attention.sparse import SparseAttention, SparseStep
+from leapdecode.attention.torch_ref import TorchAttention
+
+H, HKV, D, BS, LAYERS = 4, 2, 16, 8, 5
+SCALE = D ** -0.5
+
+
+# -- the attention backend on random data -------------------------------------------------------------------------
+
+def paged_batch(lens: list[int], qlens: list[int], seed: int = 0):
+    """A random paged cache of LAYERS layers with sequences of ``lens`` keys (the last ``qlens`` of them are this
+    step's queries) in shuffled blocks, and the step's metadata."""
+    g = torch.Generator().manual_seed(seed)
+    nblocks = [-(-n // BS) for n in lens]
+    perm = torch.randperm(sum(nblocks) + 3, generator=g).tolist()
+    tables, o = [], 0
+    for nb in nblocks:
+        tables.append(perm[o:o + nb])
+        o += nb
+    width = max(nblocks)
+    cache = torch.randn(LAYERS, 2, sum(nblocks) + 3, BS, HKV, D, generator=g)
+    pos = [p for n, q in zip(lens, qlens) for p in range(n - q, n)]
+    seq_of = [i for i, q in enumerate(qlens) for _ in range(q)]
+    slots = [tables[i][p // BS] * BS + p % BS for i, p in zip(seq_of, pos)]
+    qsl = [0]
+    for q in qlens:
+        qsl.append(qsl[-1] + q)
+    meta = AttentionMetadata(
+        positions=torch.tensor(pos), slot_mapping=torch.tensor(slots),
+        block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables]), seq_lens=torch.tensor(lens),
+        query_start_loc=torch.tensor(qsl), query_lens=list(qlens), seq_lens_host=list(lens), block_size=BS,
+        num_actual_tokens=len(pos))
+    return cache, meta, tables
+
+
+def sparse_backend(**cfg) -> TorchAttention:
+    return TorchAttention(SparseAttention(SparseAttentionConfig(**cfg), LAYERS))
+
+
+def context(cache_layer, table, n):
+    """Sequence keys and values in position order: [n, Hkv, D] each."""
+    k = torch.cat([cache_layer[0, b] for b in table])[:n]
+    v = torch.cat([cache_layer[1, b] for b in table])[:n]
+    return k.double(), v.double()
+
+
+def ref_attention(q, k, v, keep=None):
+    """q [H, D] over k, v [n, Hkv, D] (float64), restricted to the positions in ``keep`` when given."""
+    idx = torch.tensor(sorted(keep)) if keep is not None else torch.arange(k.shape[0])
+    out = []
+    for h in range(H):
+        g = h // (H // HKV)
+        p = torch.softmax(k[idx, g] @ q[h].double() * SCALE, 0)
+        out.append(p @ v[idx, g])
+    return torch.stack(out)
+
+
+def ref_selection(q, k, n_chosen, window):
+    """The paper's rule, one set shared by the heads: the top ``n_chosen`` earlier positions by the attention
+    probability summed over all query heads, plus the ``window`` most recent positions."""
+    n = k.shape[0]
+    score = sum(torch.softmax(k[:, h // (H // HKV)] @ q[h].double() * SCALE, 0) for h in range(H))
+    return set(score[:n - window].topk(n_chosen).indices.tolist()) | set(range(n - window, n))
+
+
+def run_layers(backend, cache, meta, seed=1):
+    """Attend layer by layer as a model does (one plan, then every layer with its index); queries per layer."""
+    g = torch.Generator().manual_seed(seed)
+    backend.plan(meta)
+    qs = [torch.randn(meta.num_actual_tokens, H, D, generator=g) for _ in range(LAYERS)]
+    outs = [backend.attend(qs[layer], cache[layer], meta, SCALE, layer=layer) for layer in range(LAYERS)]
+    return qs, outs
+
+
+@pytest.mark.parametrize("budget", [1.0, 200, 0.99])
+def test_budget_covering_the_context_equals_full_attention_exactly(budget):
+    lens, qlens = [150, 90, 12, 60], [1, 1, 1, 5]          # decodes and a prefill chunk in one step
+    cache, meta, _ = paged_batch(lens, qlens)
+    _, full = run_layers(TorchAttention(), cache, meta)
+    _, sparse = run_layers(sparse_backend(budget=budget, window=4, selection_layers=(1, 3)), cache, meta)
+    assert not any(isinstance(p, SparseStep) for p in meta.plan)
+    assert all(torch.equal(a, b) for a, b in zip(full, sparse))
+
+
+def test_selection_and_sparse_layers_follow_the_papers_rule(monkeypatch):
+    lens, qlens = [100, 70, 41, 6, 30], [1, 1, 1, 1, 4]   # three sparse decodes, a short decode, a prefill chunk
+    budget, window, sel = 0.25, 4, (1, 3)
+    cache, meta, tables = paged_batch(lens, qlens, seed=2)
+    gathers = []
+    monkeypatch.setattr(SparseStep, "_gather_blocks",
+                        lambda self, kv, _orig=SparseStep._gather_blocks: gathers.append(1) or _orig(self, kv))
+    qs, outs = run_layers(sparse_backend(budget=budget, window=window, selection_layers=sel), cache, meta)
+    (step,) = [p for p in meta.plan if isinstance(p, SparseStep)]
+    assert step.rows == [0, 1, 2]
+    # only the full and selection layers read whole contexts; the sparse layers gather selected slots only
+    assert len(gathers) == 3
+    _, full = run_layers(TorchAttention(), cache, meta)
+    for i in (3, 4):                           # rows that are not sparse: full attention (in a smaller padded batch)
+        rows = slice(meta.query_start_loc[i], meta.query_start_loc[i + 1])
+        for a, b in zip(outs, full):
+            torch.testing.assert_close(a[rows], b[rows], rtol=1e-6, atol=1e-6)
+    for b, i in enumerate(step.rows):
+        n, row = lens[i], int(meta.query_start_loc[i])
+        keep = None
+        for layer in range(LAYERS):
+            k_all, v_all = context(cache[layer], tables[i], n)
+            q = qs[layer][row]
+            if layer < sel[0]:
+                ref = ref_attention(q, k_all, v_all)
+            elif layer in sel:
+                ref = ref_attention(q, k_all, v_all)
+                keep = ref_selection(q, k_all, math.ceil(budget * n), window)
+                if layer == sel[-1]:
+                    got = step.positions[b][step.selected_valid[b]].tolist()
+                    assert len(got) == len(set(got)) == math.ceil(budget * n) + window
+                    assert set(got) == keep
+            else:
+                ref = ref_attention(q, k_all, v_all, keep)
+            torch.testing.assert_close(outs[layer][row].double(), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_selecting_every_position_reproduces_full_attention():
+    """The sparse gather through the block table is exact: with every position selected it is full attention."""
+    lens = [64, 33]
+    cache, meta, _ = paged_batch(lens, [1, 1], seed=3)
+    backend = sparse_backend(budget=1, window=1, selection_layers=(0,))
+    backend.plan(meta)
+    (step,) = [p for p in meta.plan if isinstance(p, SparseStep)]
+    q = torch.randn(2, H, D, generator=torch.Generator().manual_seed(5))
+    step.num_chosen = max(lens) - 1                            # widen the selection to every position
+    step.selected_valid = torch.cat([torch.arange(max(lens) - 1)[None] < torch.tensor(lens)[:, None] - 1,
+                                     torch.ones(2, 1, dtype=torch.bool)], 1)
+    dense = backend.attend(q, cache[0], meta, SCALE, layer=0)    # selection layer: full attention + selection
+    sparse = backend.attend(q, cache[1], meta, SCALE, layer=1)
+    plain = TorchAttention()
+    plain.plan(meta)
+    torch.testing.assert_close(sparse, plain.attend(q, cache[1], meta, SCALE), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(dense, plain.attend(q, cache[0], meta, SCALE), rtol=1e-5, atol=1e-6)
+
+
+def test_a_forward_that_skips_the_selection_layer_selects_at_its_first_sparse_layer():
+    cache, meta, _ = paged_batch([80], [1], seed=4)
+    backend = sparse_backend(budget=8, window=2, selection_layers=(1,))
+    backend.plan(meta)
+    q = torch.randn(1, H, D, generator=torch.Generator().manual_seed(6))
+    out = backend.attend(q, cache[3], meta, SCALE, layer=3)      # layer 1 skipped (layer-skip drafting)
+    assert meta.plan[-1].positions is not None
+    with pytest.raises(ValueError, match="layer index"):
+        backend.attend(q, cache[3], meta, SCALE)
+    plain = TorchAttention()
+    plain.plan(meta)
+    torch.testing.assert_close(out, plain.attend(q, cache[3], meta, SCALE), rtol=1e-5, atol=1e-6)
+
+
+# -- through the engine -------------------------------------------------------------------------------------------
+
+SPARSE = {"budget": 16, "window": 4, "selection_layers": (1, 3)}
+PARAMS = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, logprobs=1)
+
+
+@pytest.fixture(scope="module")
+def deep_dir(tiny_dir):
+    return tiny_dir("llama", num_hidden_layers=6)
+
+
+def long_prompts(lens=(300, 140, 220, 10), seed=0):
+    rng = random.Random(seed)
+    return [[rng.randrange(2, 384) for _ in range(n)] for n in lens]
+
+
+def run(llm, prompts):
+    return [(o.outputs[0].token_ids, o.outputs[0].cumulative_logprob)
+            for o in llm.generate(prompts, PARAMS, use_tqdm=False)]
+
+
+@pytest.fixture(scope="module")
+def full_outputs(deep_dir):
+    return run(make_llm(deep_dir, max_model_len=512), long_prompts())
+
+
+@pytest.mark.parametrize("budget", [1.0, 512])
+def test_generate_with_a_budget_covering_the_context_is_bit_for_bit_full(deep_dir, full_outputs, budget):
+    llm = make_llm(deep_dir, max_model_len=512, sparse_attention={"budget": budget, "selection_layers": (1, 3)})
+    assert run(llm, long_prompts()) == full_outputs
+    assert_pool_free(llm)
+
+
+def test_small_budget_is_lossy_but_batch_invariant_prefix_cache_safe_and_leak_free(deep_dir, full_outputs):
+    llm = make_llm(deep_dir, max_model_len=512, sparse_attention=SPARSE)
+    prompts = long_prompts()
+    batched = run(llm, prompts)
+    # the feature is on: every long prompt's outputs move; the 10-token prompt attends fully (exactly) until its
+    # context passes budget + window = 20 keys, i.e. for its first 11 tokens
+    assert all(b[1] != f[1] for b, f in zip(batched[:3], full_outputs[:3]))
+    assert batched[3][0][:11] == full_outputs[3][0][:11]
+    alone = [run(llm, [p])[0] for p in prompts]                    # (prefix-cache hits: the prompts ran before)
+    cold = run(make_llm(deep_dir, max_model_len=512, sparse_attention=SPARSE, enable_prefix_caching=False), prompts)
+    for other in (alone, cold):
+        assert [t for t, _ in other] == [t for t, _ in batched]
+        assert [lp for _, lp in other] == pytest.approx([lp for _, lp in batched], rel=1e-5)
+    assert_pool_free(llm)
+
+
+def test_verification_rows_keep_full_attention(deep_dir, full_outputs):
+    """A draft every step (some of it wrong) makes every row a verification row, so outputs are full attention's;
+    all but the last token, which has no room left for a draft and is a (sparse) decode."""
+    prompts = long_prompts()
+    truth = {tuple(p): [t] for p, (t, _) in zip(prompts, full_outputs)}
+    spec = SpeculativeConfig(drafter=OracleDrafter(truth, wrong_every=3), num_speculative_tokens=3, adaptive=False)
+    llm = make_llm(deep_dir, max_model_len=512, sparse_attention=SPARSE, speculative_config=spec)
+    assert [t[:-1] for t, _ in run(llm, prompts)] == [t[:-1] for t, _ in full_outputs]
+    assert_pool_free(llm)
+
+
+def test_layer_skip_drafting_runs_on_the_sparse_backend(deep_dir):
+    """The layer-skip drafter runs the target's layers (its selection layer skipped) through the same backend."""
+    spec = {"method": "layer_skip", "num_speculative_tokens": 3, "adaptive": False, "skip": [1, 2],
+            "threshold": 0.0}
+    llm = make_llm(deep_dir, max_model_len=512, sparse_attention=SPARSE, speculative_config=spec)
+    outs = llm.generate(long_prompts((150, 60)), SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True),
+                        use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in outs] == [8, 8]
+    assert llm.engine.stats["draft_tokens"] > 0
+    assert_pool_free(llm)
+
+
+@pytest.mark.parametrize("cfg, field", [
+    ({"budget": 0}, "budget"), ({"budget": -3}, "budget"), ({"budget": 1.5}, "budget"), ({"budget": 0.0}, "budget"),
+    ({"budget": True}, "budget"), ({"budget": "10%"}, "budget"),
+    ({"selection_layers": ()}, "selection_layers"), ({"selection_layers": (3, 1)}, "selection_layers"),
+    ({"selection_layers": (2, 2)}, "selection_layers"), ({"selection_layers": (-1,)}, "selection_layers"),
+    ({"selection_layers": 2}, "selection_layers"), ({"selection_layers": (1.5,)}, "selection_layers"),
+    ({"window": 0}, "window"), ({"window": 2.0}, "window"), ({"budgets": 3}, "budgets"),
+])
+def test_bad_parameters_name_the_field(cfg, field):
+    with pytest.raises(ValueError, match=field):
+        SparseAttentionConfig.from_any(cfg)
+
+
+def test_bad_parameters_at_engine_start(deep_dir, tiny_dir):
+    with pytest.raises(ValueError, match="selection_layers"):
+        make_llm(deep_dir, sparse_attention={"selection_layers": (2, 6)})      # the model has 6 layers
+    with pytest.raises(ValueError, match="sparse_attention must be"):
+        make_llm(deep_dir, sparse_attention=0.1)
+    with pytest.raises(ValueError, match="sliding-window"):
+        make_llm(tiny_dir("mistral"), sparse_attention={"budget": 8})
+    with pytest.raises(ValueError, match="sparse_attention runs on the torch"):
+        get_backend("triton", torch.device("cpu"), SparseAttention(SparseAttentionConfig(), 6))
+    assert SparseAttentionConfig().layers_for(30) == (2, 12) and SparseAttentionConfig().layers_for(32) == (2, 13)
+
+
+def test_cli_flags(capsys):
+    from leapdecode.cli import _sparse_attention, build_parser, main
+    args = build_parser().parse_args(["generate", "--sparse-attention", "0.1", "--sparse-selection-layers", "2", "9",
+                                      "--sparse-window", "8", "x"])
+    assert _sparse_attention(args) == SparseAttentionConfig(budget=0.1, selection_layers=(2, 9), window=8)
+    assert _sparse_attention(build_parser().parse_args(["generate", "--sparse-attention", "256", "x"])).budget == 256
+    assert _sparse_attention(build_parser().parse_args(["generate", "x"])) is None
+    assert main(["generate", "--sparse-attention", "0", "x"]) == 2
+    assert "sparse_attention.budget" in capsys.readouterr().err
