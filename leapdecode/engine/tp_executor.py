@@ -169,6 +169,11 @@ class TensorParallelExecutor:
         return self.runner.kv_cache
 
     @property
+    def kv_bytes_per_block(self) -> int:
+        """Bytes of one block on one rank: 1/N of the model's when its KV heads split evenly."""
+        return self.runner.kv_bytes_per_block
+
+    @property
     def workers(self) -> list[BaseProcess]:
         return [w.process for w in self._group.workers]
 
