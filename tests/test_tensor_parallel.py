@@ -71,7 +71,8 @@ PROMPTS = ["Once upon a time there was", "def add(a, b):\n", "The quick brown fo
 def test_tp2_matches_tp1(tiny_dir, arch, overrides):
     path = tiny_dir(arch, **overrides)
     ref = make_llm(path, block_size=8)
-    with make_llm(path, block_size=8, tensor_parallel_size=2, async_scheduling=True) as tp:
+    # overlapped steps (placeholders broadcast to the worker), token counts padded to buckets as on CUDA
+    with make_llm(path, block_size=8, tensor_parallel_size=2, async_scheduling=True, pad_to_buckets=True) as tp:
         # each rank's pool holds its own KV heads: half of them, or the one replicated head
         kv = ref.engine.model_cfg.num_kv_heads
         assert tp.engine.runner.kv_cache.num_kv_heads == max(1, kv // 2)
@@ -100,7 +101,8 @@ def run_everything(llm):
     """One batch through everything that lives above the executor boundary."""
     shared = "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n\n"
     prompts = [shared + "def factorial(n):\n", shared + "for i in range(10):\n",
-               "import os\nfor name in os.listdir('.'):\n    print(name)\n", "class Point:\n    def __init__(self, x, y):\n"]
+               "import os\nfor name in os.listdir('.'):\n    print(name)\n",
+               "class Point:\n    def __init__(self, x, y):\n"]
     params = [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
               SamplingParams(temperature=0.8, seed=3, n=2, max_tokens=12, ignore_eos=True),
               SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, dola_layers="low"),
@@ -157,9 +159,11 @@ def test_a_killed_worker_is_a_clear_error_not_a_hang(tiny_dir):
         llm.close()
 
 
-def test_a_worker_that_raises_reports_its_traceback(tiny_dir, monkeypatch):
+def test_a_worker_that_raises_reports_its_traceback(tiny_dir):
     llm = make_llm(tiny_dir("llama"), tensor_parallel_size=2)
     try:
+        with pytest.raises(RuntimeError, match="one per process"):     # the group is this process's
+            make_llm(tiny_dir("llama"), tensor_parallel_size=2)
         runner = llm.engine.runner
         with pytest.raises(tp_executor.TensorParallelError, match="unknown tensor-parallel command 'nonsense'"):
             runner._on_all_ranks(("nonsense",), lambda: runner.tp.all_reduce(torch.ones(2)))

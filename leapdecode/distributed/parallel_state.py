@@ -73,14 +73,19 @@ SINGLE = ParallelState()
 def init_group(rank: int, size: int, store: dist.Store, device: torch.device, timeout_s: float) -> ParallelState:
     """Join the group as ``rank`` (gloo on CPU, nccl on CUDA); every collective then fails after ``timeout_s``
     instead of waiting forever for a rank that hangs."""
-    if dist.is_initialized():
-        raise RuntimeError("this process already belongs to a torch.distributed group: close the other "
-                           "tensor-parallel engine first (one per process)")
+    ensure_no_group()
     backend = "nccl" if device.type == "cuda" else "gloo"
     kw = {"device_id": device} if device.type == "cuda" else {}
     dist.init_process_group(backend, store=store, rank=rank, world_size=size,
                             timeout=datetime.timedelta(seconds=timeout_s), **kw)
     return ParallelState(rank, size)
+
+
+def ensure_no_group() -> None:
+    """RuntimeError if this process is already in a group (the default group is per process)."""
+    if dist.is_initialized():
+        raise RuntimeError("this process already belongs to a torch.distributed group: close the other "
+                           "tensor-parallel engine first (one per process)")
 
 
 def destroy_group() -> None:

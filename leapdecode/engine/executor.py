@@ -4,8 +4,9 @@ Everything that crosses this boundary is plain data: a ``StepPlan`` in (token id
 ranges and draft trees, block tables, KV moves, placeholder rows), a ``ForwardOutput`` out (tensors). The
 executor is the in-process ``ModelRunner``, or a tensor-parallel group (``engine/tp_executor.py``: rank 0 returns
 the logits); a worker process or a remote instance can implement the same calls without the scheduler noticing.
-``build_executor`` picks the implementation from the config. Sampling and verification stay with the engine (``sampling/verifier.py``), which holds the engine's random generator (seeded
-requests draw from keys of (seed, sample index, position), see sampling/sampler.py).
+``build_executor`` picks the implementation from the config. Sampling and verification stay with the engine
+(``sampling/verifier.py``), which holds the engine's random generator (seeded requests draw from keys of (seed,
+sample index, position), see sampling/sampler.py).
 """
 from __future__ import annotations
 

@@ -41,7 +41,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from leapdecode.config import EngineConfig
-from leapdecode.distributed.parallel_state import ParallelState, destroy_group, init_group
+from leapdecode.distributed.parallel_state import ParallelState, destroy_group, ensure_no_group, init_group
 from leapdecode.engine.input_batch import ForwardBatch
 from leapdecode.engine.model_runner import ForwardOutput, ModelRunner
 from leapdecode.engine.step import StepPlan
@@ -110,10 +110,11 @@ class TensorParallelExecutor:
     def __init__(self, cfg: EngineConfig, model_cfg: ModelConfig, dtype: torch.dtype, max_model_len: int) -> None:
         n = cfg.tensor_parallel_size
         check_shardable(model_cfg, n)
+        devices = _rank_devices(cfg.torch_device, n)
+        ensure_no_group()
         self._group = _Group()
         self._finalizer = weakref.finalize(self, self._group.shutdown)
         self._down: str | None = None
-        devices = _rank_devices(cfg.torch_device, n)
         ctx = mp.get_context("spawn")
         store = dist.TCPStore("127.0.0.1", 0, n, is_master=True, wait_for_workers=False,
                               timeout=datetime.timedelta(seconds=TIMEOUT_S))
@@ -152,6 +153,7 @@ class TensorParallelExecutor:
         """Logits of hidden states only rank 0 holds (DoLa's early exits): broadcast, then every rank's slice."""
         hidden = hidden.contiguous()
 
+        @torch.inference_mode()
         def rank0() -> torch.Tensor:
             self.tp.broadcast(hidden)
             return self.runner.compute_logits(hidden)
@@ -246,9 +248,13 @@ class TensorParallelExecutor:
 
 
 def _rank_devices(device: torch.device, n: int) -> list[torch.device]:
+    """Rank r's device: the CPU for all, or ``cuda:base+r`` from the engine's GPU."""
     if device.type != "cuda":
         return [device] * n
     base = torch.cuda.current_device() if device.index is None else device.index
+    if base + n > torch.cuda.device_count():
+        raise ValueError(f"tensor_parallel_size={n} needs {n} GPUs from cuda:{base}; "
+                         f"{torch.cuda.device_count()} visible")
     return [torch.device("cuda", base + r) for r in range(n)]
 
 
@@ -277,8 +283,7 @@ def _worker_main(rank: int, size: int, port: int, cfg: EngineConfig, model_cfg: 
 
 def _propose_blocks(conn: Connection, own: int) -> int:
     conn.send(("blocks", own))
-    kind, agreed = conn.recv()
-    return agreed
+    return conn.recv()[1]
 
 
 def _serve(runner: ModelRunner, conn: Connection) -> None:

@@ -48,7 +48,8 @@ class Piece(NamedTuple):
 
 @dataclass(frozen=True)
 class HeadShard:
-    """The attention heads one rank owns: query heads ``[q_start, +num_heads)``, KV heads ``[kv_start, +num_kv_heads)``."""
+    """The attention heads one rank owns: query heads ``[q_start, +num_heads)``, KV heads
+    ``[kv_start, +num_kv_heads)``."""
     num_heads: int
     num_kv_heads: int
     q_start: int
