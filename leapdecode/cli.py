@@ -46,6 +46,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-cache-memory", default=None, metavar="SIZE",
                    help="memory for the KV cache, e.g. 4GiB (default: sized by the engine)")
     g.add_argument("--seed", type=int, default=0, help="engine random seed (default: 0)")
+    g.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
+                   help="shard the model over N processes (N GPUs on cuda, gloo on cpu) (default: 1)")
     s = p.add_argument_group("speculative decoding")
     s.add_argument("--speculative-method", choices=SPEC_METHODS, default=None,
                    help="draft method; greedy output is unchanged, sampled output keeps its distribution "
@@ -75,7 +77,8 @@ def _make_llm(args: argparse.Namespace) -> Any:
         return LLM(args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
                    max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                    kv_cache_memory=args.kv_cache_memory, seed=args.seed, speculative_config=spec,
-                   grammar_cache_size=getattr(args, "grammar_cache_size", 256), sparse_attention=sparse)
+                   grammar_cache_size=getattr(args, "grammar_cache_size", 256), sparse_attention=sparse,
+                   tensor_parallel_size=args.tensor_parallel_size)
     except (ValueError, OSError, NotImplementedError, KeyError) as exc:
         raise CLIError(f"could not load the model from {args.model or 'the default model'}: "
                        f"{type(exc).__name__}: {exc}") from None

@@ -144,6 +144,7 @@ class EngineConfig:
     pad_to_buckets: bool | None = None        # pad token counts to capacity buckets; None: on CUDA only
     grammar_cache_size: int = 256             # compiled grammars kept (LRU; about 0.2 MB each for a JSON schema)
     sparse_attention: SparseAttentionConfig | dict | None = None   # LOSSY sparse decoding (attention/sparse.py)
+    tensor_parallel_size: int = 1             # ranks the model is sharded over (engine/tp_executor.py)
 
     def __post_init__(self) -> None:
         from leapdecode.attention.backend import BACKENDS
@@ -162,3 +163,21 @@ class EngineConfig:
         if self.kv_cache_memory is not None:
             self.kv_cache_memory = parse_memory(self.kv_cache_memory)
         self.torch_device = torch.device(self.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self._check_tensor_parallel()
+
+    def _check_tensor_parallel(self) -> None:
+        """What tensor parallelism needs from the config alone (the model's heads are checked at load time)."""
+        n = self.tensor_parallel_size
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"tensor_parallel_size must be a positive integer, got {n!r}")
+        if n == 1:
+            return
+        if self.torch_device.type not in ("cpu", "cuda"):
+            raise ValueError(f"tensor_parallel_size={n} runs on cpu (gloo) or cuda (nccl), "
+                             f"not {self.torch_device.type}")
+        from leapdecode.spec.registry import MODEL_METHODS
+        spec = self.speculative_config
+        if spec is not None and spec.drafter is None and spec.method in MODEL_METHODS:
+            raise ValueError(f"speculative_config.method={spec.method!r} runs a model inside the step, which is not "
+                             f"sharded: it does not work with tensor_parallel_size={n} yet (use a model-free "
+                             "drafter: ngram, suffix, recycling, auto)")

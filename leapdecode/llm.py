@@ -39,16 +39,34 @@ class LLM:
                  seed: int = 0, speculative_config: SpeculativeConfig | dict | None = None,
                  attention_backend: str = "auto", async_scheduling: bool = False,
                  pad_to_buckets: bool | None = None, grammar_cache_size: int = 256,
-                 sparse_attention: SparseAttentionConfig | dict | None = None) -> None:
+                 sparse_attention: SparseAttentionConfig | dict | None = None,
+                 tensor_parallel_size: int = 1) -> None:
         cfg = EngineConfig(
             model=resolve_model(model), tokenizer=tokenizer, dtype=dtype, device=device, max_model_len=max_model_len,
             kv_cache_memory=kv_cache_memory, num_kv_blocks=num_kv_blocks, block_size=block_size,
             enable_prefix_caching=enable_prefix_caching, max_num_batched_tokens=max_num_batched_tokens,
             max_num_seqs=max_num_seqs, seed=seed, speculative_config=speculative_config,
             attention_backend=attention_backend, async_scheduling=async_scheduling, pad_to_buckets=pad_to_buckets,
-            grammar_cache_size=grammar_cache_size, sparse_attention=sparse_attention)
+            grammar_cache_size=grammar_cache_size, sparse_attention=sparse_attention,
+            tensor_parallel_size=tensor_parallel_size)
         self.engine = Engine(cfg)
         self._ids = itertools.count()
+
+    def close(self) -> None:
+        """Stop the engine's worker processes (``tensor_parallel_size > 1``); also done by ``del``, ``with`` and at
+        exit. The LLM cannot generate afterwards."""
+        engine = getattr(self, "engine", None)      # None when __init__ failed
+        if engine is not None:
+            engine.close()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        self.close()
 
     def get_tokenizer(self):
         return self.engine.tokenizer

@@ -32,8 +32,7 @@ from leapdecode.decoding.contrastive import ContrastiveSearch
 from leapdecode.engine.block_manager import BlockManager
 from leapdecode.errors import InvalidParameter
 from leapdecode.engine.detokenizer import Detokenizer
-from leapdecode.engine.executor import Executor
-from leapdecode.engine.model_runner import ModelRunner
+from leapdecode.engine.executor import Executor, build_executor
 from leapdecode.engine.scheduler import Scheduler
 from leapdecode.engine.sequence import Sequence
 from leapdecode.engine.step import ScheduledSeq, StepPlan, StepResult, lay_out
@@ -87,7 +86,7 @@ class Engine:
         self.generation_defaults = load_generation_defaults(cfg.model)
         self.max_model_len = cfg.max_model_len or min(self.model_cfg.max_position_embeddings, 8192)
         self.dtype = parse_dtype(cfg.dtype, self.model_cfg.dtype, self.device)
-        self.runner: Executor = ModelRunner(cfg, self.model_cfg, self.dtype, self.max_model_len)
+        self.runner: Executor = build_executor(cfg, self.model_cfg, self.dtype, self.max_model_len)
         self.vocab_size = self.model_cfg.vocab_size
         eos = set(self.model_cfg.eos_token_id) | set(self.generation_defaults.eos_token_id)
         if self.tokenizer.eos_token_id is not None:
@@ -110,7 +109,7 @@ class Engine:
         self.contrastive = ContrastiveSearch(self.vocab_size, eos, self.model_cfg.num_layers,
                                              cfg.max_num_batched_tokens, self.runner.num_blocks * cfg.block_size,
                                              self.max_model_len)
-        self.dola = LayerContrast(self.runner.model.compute_logits, self.model_cfg.num_layers,
+        self.dola = LayerContrast(self.runner.compute_logits, self.model_cfg.num_layers,
                                   self.model_cfg.tie_word_embeddings)
         self.verifier = Verifier(self.vocab_size, self.device, eos, cfg.seed, self.structured,
                                  TOPK_FOR_DRAFTERS if self.speculator and self.speculator.wants_topk else 0)
@@ -121,6 +120,10 @@ class Engine:
         self.stats = {"steps": 0, "prompt_tokens": 0, "generation_tokens": 0, "draft_tokens": 0,
                       "accepted_tokens": 0, "overlapped_steps": 0}
         _freeze_startup_objects()
+
+    def close(self) -> None:
+        """Release the executor's worker processes (tensor parallelism); the engine cannot step afterwards."""
+        self.runner.close()
 
     @property
     def structured_backend(self):

@@ -3,21 +3,26 @@
 This is the executor the engine talks to (see ``engine/executor.py``): it sees only the plan's plain data, never a
 live ``Sequence``. Logits are computed only where a next token is needed: the rows a sequence samples (the last
 token of its chunk and each draft node) and, when asked, every prompt position for prompt logprobs.
+
+Under tensor parallelism every rank has a runner over its shard (engine/tp_executor.py): the same plan, the same
+forward, its own KV heads in its own pool; rank 0 gets the logits (the others get ``logits=None``).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
 from leapdecode.attention.backend import get_backend
 from leapdecode.attention.kv_cache import KVCache
 from leapdecode.config import EngineConfig
+from leapdecode.distributed.parallel_state import SINGLE, ParallelState
 from leapdecode.engine.input_batch import ForwardBatch, InputBuffers
 from leapdecode.engine.step import StepPlan
 from leapdecode.model.config import ModelConfig
 from leapdecode.model.loader import load_model
+from leapdecode.model.parallel_layers import head_shard
 
 if TYPE_CHECKING:
     from leapdecode.attention.sparse import SparseAttention
@@ -27,20 +32,25 @@ CPU_KV_CAP = 2 << 30    # CPU default: at most 2 GiB of KV (pages are only touch
 
 @dataclass
 class ForwardOutput:
-    logits: torch.Tensor                                    # [R, vocab] float32
+    logits: torch.Tensor                                    # [R, vocab] float32 (None on ranks > 0 of a TP group)
     hidden_states: dict[int, torch.Tensor] = field(default_factory=dict)   # HF numbering, rows as ``logits``
 
 
 class ModelRunner:
-    def __init__(self, cfg: EngineConfig, model_cfg: ModelConfig, dtype: torch.dtype, max_model_len: int) -> None:
-        self.cfg, self.model_cfg, self.dtype = cfg, model_cfg, dtype
+    def __init__(self, cfg: EngineConfig, model_cfg: ModelConfig, dtype: torch.dtype, max_model_len: int,
+                 tp: ParallelState = SINGLE, agree_blocks: Callable[[int], int] | None = None) -> None:
+        """``tp``: this runner's rank in a tensor-parallel group (it loads its shard, its KV pool holds its KV
+        heads); ``agree_blocks``: turns this rank's KV block count into the group's (every rank the same pool)."""
+        self.cfg, self.model_cfg, self.dtype, self.tp = cfg, model_cfg, dtype, tp
         self.device = cfg.torch_device
         self.block_size = cfg.block_size
         self.max_model_len = max_model_len
         self.backend = get_backend(cfg.attention_backend, self.device, _sparse_attention(cfg, model_cfg))
-        self.model = load_model(cfg.model, model_cfg, self.backend, dtype, self.device, max_model_len)
-        c = model_cfg
+        self.model = load_model(cfg.model, model_cfg, self.backend, dtype, self.device, max_model_len, tp)
+        c = self._kv_view = replace(model_cfg, num_kv_heads=head_shard(model_cfg, tp).num_kv_heads)
         self.num_blocks = self._num_blocks(max_model_len)
+        if agree_blocks is not None:
+            self.num_blocks = agree_blocks(self.num_blocks)
         # blocks past the block manager's pool, written only by a drafter that runs the target itself
         # (spec/layer_skip.py), so draft KV never lands in a slot the target owns
         self.num_scratch_blocks = _scratch_blocks(cfg)
@@ -53,7 +63,7 @@ class ModelRunner:
 
     @property
     def kv_bytes_per_block(self) -> int:
-        c = self.model_cfg
+        c = self._kv_view           # this rank's KV heads: under tensor parallelism a block is 1/N as large
         return KVCache.bytes_per_block(c.num_layers, self.block_size, c.num_kv_heads, c.head_dim, self.dtype)
 
     def _num_blocks(self, max_model_len: int) -> int:
@@ -95,15 +105,24 @@ class ModelRunner:
         batch = batch if batch is not None else self.prepare(plan)
         if batch.kv_moves is not None:
             self.kv_cache.copy_slots(*batch.kv_moves)
-        if batch.placeholders is not None:
+        if batch.placeholders is not None:    # rank 0 holds the sampled tokens; the other ranks receive them
             idx, rows = batch.placeholders
-            batch.input_ids[idx] = last_sampled[rows]
+            tokens = last_sampled[rows].to(idx.dtype) if self.tp.is_first else torch.empty_like(idx)
+            batch.input_ids[idx] = self.tp.broadcast(tokens)
         self.backend.plan(batch.meta)
         captured: dict[int, torch.Tensor] = {}
         hidden = self.model(batch.input_ids, batch.meta, capture=capture, captured=captured)
         rows = batch.logits_indices
         keep = slice(0, plan.num_tokens) if all_rows else rows
         return ForwardOutput(self.model.compute_logits(hidden[rows]), {i: h[keep] for i, h in captured.items()})
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """float32 logits of given hidden states (DoLa's early exits), through the model's LM head."""
+        return self.model.compute_logits(hidden)
+
+    def close(self) -> None:
+        """Nothing to release in-process (the executor protocol's shutdown hook)."""
 
 
 def _sparse_attention(cfg: EngineConfig, model_cfg: ModelConfig) -> SparseAttention | None:

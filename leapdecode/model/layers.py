@@ -7,6 +7,9 @@ import torch
 from torch import nn
 import torch.nn.functional as F
 
+from leapdecode.distributed.parallel_state import SINGLE, ParallelState
+from leapdecode.model.parallel_layers import ColumnParallelLinear, Piece, RowParallelLinear
+
 
 class RMSNorm(nn.Module):
     """Normalises in float32 and casts back before the weight, as Hugging Face does (so logits match)."""
@@ -71,12 +74,15 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 
 class GatedMLP(nn.Module):
-    """SwiGLU with gate and up projections fused into one matmul."""
+    """SwiGLU with gate and up projections fused into one matmul; under tensor parallelism gate/up are split by
+    intermediate features and down by its inputs (one all-reduce, see parallel_layers.py)."""
 
-    def __init__(self, hidden: int, intermediate: int, bias: bool) -> None:
+    def __init__(self, hidden: int, intermediate: int, bias: bool, tp: ParallelState = SINGLE) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=bias)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
+        start, rows = tp.span(intermediate)
+        piece = Piece(intermediate, start, rows)
+        self.gate_up_proj = ColumnParallelLinear(hidden, [piece, piece], bias=bias)
+        self.down_proj = RowParallelLinear(intermediate, hidden, bias, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)

@@ -1,7 +1,9 @@
 """The Llama family in one file: Llama 2/3.x, Mistral, Qwen2 (qkv bias) and Qwen3 (q/k norm), set by ModelConfig.
 
 Weights live in their final layout: q/k/v fused into ``qkv_proj`` and gate/up into ``gate_up_proj``; the loader
-copies each checkpoint tensor straight into its slice (see ``stacked_params``).
+copies each checkpoint tensor straight into its slice (see ``stacked_params``). Under tensor parallelism (``tp``)
+each rank builds the same model over its shard: its heads, its slice of the MLP and of the vocabulary
+(model/parallel_layers.py); the residual stream and the final hidden states are whole on every rank.
 """
 from __future__ import annotations
 
@@ -9,18 +11,25 @@ import torch
 from torch import nn
 
 from leapdecode.attention.backend import AttentionBackend, AttentionMetadata
+from leapdecode.distributed.parallel_state import SINGLE, ParallelState
 from leapdecode.model.config import ModelConfig
 from leapdecode.model.layers import GatedMLP, RMSNorm, RotaryEmbedding
+from leapdecode.model.parallel_layers import (ColumnParallelLinear, ParallelLMHead, Piece, RowParallelLinear,
+                                              VocabParallelEmbedding, head_shard)
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding, backend: AttentionBackend, layer_idx: int) -> None:
+    def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding, backend: AttentionBackend, layer_idx: int,
+                 tp: ParallelState = SINGLE) -> None:
         super().__init__()
         self.layer_idx = layer_idx      # passed to the backend, for sparse attention's selection layers
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        heads, d = head_shard(cfg, tp), cfg.head_dim        # this rank's heads (all of them at TP=1)
+        self.num_heads, self.num_kv_heads, self.head_dim = heads.num_heads, heads.num_kv_heads, d
         self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
+        kv = Piece(cfg.num_kv_heads * d, heads.kv_start * d, self.kv_size)
+        self.qkv_proj = ColumnParallelLinear(cfg.hidden_size, [Piece(cfg.num_heads * d, heads.q_start * d,
+                                                                     self.q_size), kv, kv], bias=cfg.qkv_bias)
+        self.o_proj = RowParallelLinear(cfg.num_heads * d, cfg.hidden_size, cfg.o_bias, tp)
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.rope, self.backend = rope, backend
@@ -41,12 +50,13 @@ class Attention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding, backend: AttentionBackend, layer_idx: int) -> None:
+    def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding, backend: AttentionBackend, layer_idx: int,
+                 tp: ParallelState = SINGLE) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, rope, backend, layer_idx)
+        self.self_attn = Attention(cfg, rope, backend, layer_idx, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias)
+        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, tp)
 
     def forward(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), meta)
@@ -58,15 +68,16 @@ class LlamaForCausalLM(nn.Module):
     stacked_params = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
                       "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
 
-    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, max_positions: int) -> None:
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, max_positions: int,
+                 tp: ParallelState = SINGLE) -> None:
         super().__init__()
-        self.cfg = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.cfg, self.tp = cfg, tp
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
         rope = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
         self.rope = rope
-        self.layers = nn.ModuleList(DecoderLayer(cfg, rope, backend, i) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, rope, backend, i, tp) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = None if cfg.tie_word_embeddings else ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp)
 
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, *, start_layer: int = 0,
                 end_layer: int | None = None, hidden: torch.Tensor | None = None, capture: tuple[int, ...] = (),
@@ -90,12 +101,8 @@ class LlamaForCausalLM(nn.Module):
             captured[end] = x
         return x
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return torch.nn.functional.linear(hidden, weight).float()
-
-    def shard_sizes(self, fused: str) -> list[int]:
-        c = self.cfg
-        if fused == "qkv_proj":
-            return [c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.num_kv_heads * c.head_dim]
-        return [c.intermediate_size, c.intermediate_size]
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """float32 logits over the whole vocabulary; under tensor parallelism on rank 0 only (None elsewhere)."""
+        head = self.embed_tokens if self.lm_head is None else self.lm_head
+        logits = head.logits(hidden)
+        return None if logits is None else logits.float()

@@ -3,7 +3,8 @@
 Every public function takes either a Hugging Face directory or a path ending in ``.gguf`` (see model/gguf.py).
 The model is built on the meta device and materialised once on the target device and dtype; each safetensors
 tensor is then copied straight into its final place (a slice of a fused projection where we fuse), so a checkpoint
-never sits in memory twice.
+never sits in memory twice. Under tensor parallelism each rank builds only its shard and copies only its slices of
+each tensor (``checkpoint_slices`` of the layers in model/parallel_layers.py).
 """
 from __future__ import annotations
 
@@ -18,9 +19,11 @@ import torch
 from safetensors import safe_open
 
 from leapdecode.attention.backend import AttentionBackend
+from leapdecode.distributed.parallel_state import SINGLE, ParallelState
 from leapdecode.model import gguf as gguf_file
 from leapdecode.model.config import ModelConfig
 from leapdecode.model.llama import LlamaForCausalLM
+from leapdecode.model.parallel_layers import Slice
 
 
 @dataclass
@@ -77,8 +80,9 @@ def safetensors_files(model_dir: str) -> list[str]:
 
 
 def load_model(model_dir: str, cfg: ModelConfig, backend: AttentionBackend, dtype: torch.dtype,
-               device: torch.device, max_positions: int) -> LlamaForCausalLM:
-    model = _empty_model(cfg, backend, dtype, device, max_positions)
+               device: torch.device, max_positions: int, tp: ParallelState = SINGLE) -> LlamaForCausalLM:
+    """The model (this rank's shard of it under tensor parallelism ``tp``) with its weights, in eval mode."""
+    model = _empty_model(cfg, backend, dtype, device, max_positions, tp)
     if gguf_file.is_gguf(model_dir):
         _load_gguf_weights(model, model_dir, cfg, dtype)
         return model.eval()
@@ -92,7 +96,7 @@ def load_model(model_dir: str, cfg: ModelConfig, backend: AttentionBackend, dtyp
 
 
 def _empty_model(cfg: ModelConfig, backend: AttentionBackend, dtype: torch.dtype, device: torch.device,
-                 max_positions: int) -> LlamaForCausalLM:
+                 max_positions: int, tp: ParallelState) -> LlamaForCausalLM:
     """The model with uninitialised weights on ``device`` in ``dtype``, every parameter to be overwritten.
 
     On CPU we build it directly with the random initialisers switched off (allocation is lazy, nothing is
@@ -101,11 +105,11 @@ def _empty_model(cfg: ModelConfig, backend: AttentionBackend, dtype: torch.dtype
     on a small CPU machine, for nothing."""
     if device.type == "cpu":
         with _no_weight_init(), _default_dtype(dtype):
-            model = LlamaForCausalLM(cfg, backend, max_positions)
+            model = LlamaForCausalLM(cfg, backend, max_positions, tp)
         model = model.to(dtype)
     else:
         with torch.device("meta"):
-            model = LlamaForCausalLM(cfg, backend, max_positions)
+            model = LlamaForCausalLM(cfg, backend, max_positions, tp)
         model = model.to_empty(device=device).to(dtype)
     model.rope.build(device)
     return model
@@ -138,11 +142,13 @@ def _default_dtype(dtype: torch.dtype):
 
 
 class _Filler:
-    """Copies checkpoint tensors (Hugging Face names, or our own fused names) into their final place."""
+    """Copies checkpoint tensors (Hugging Face names, or our own fused names) into their final place: the rows of
+    a fused projection, and under tensor parallelism only this rank's slices."""
 
     def __init__(self, model: LlamaForCausalLM, cfg: ModelConfig) -> None:
         self.model, self.cfg = model, cfg
         self.params = dict(model.named_parameters())
+        self.modules = dict(model.named_modules())
         self.pending = {name: p.shape[0] for name, p in self.params.items()}   # rows still to be filled
 
     def put(self, key: str, get_tensor, source: str) -> None:
@@ -153,17 +159,16 @@ class _Filler:
         if name not in self.params:
             raise ValueError(f"unexpected tensor {key!r} in {source}")
         param = self.params[name]
-        if shard is None:
-            dst = param.data
-        else:
-            fused = name.split(".")[-2]
-            sizes = self.model.shard_sizes(fused)
-            dst = param.data.narrow(0, sum(sizes[:shard]), sizes[shard])
+        owner, _, leaf = name.rpartition(".")
+        slices = getattr(self.modules[owner], "checkpoint_slices", None)
+        shape, parts = slices(leaf, shard) if slices else (tuple(param.shape), [Slice(0, 0, param.shape[0])])
         tensor = get_tensor()
-        if dst.shape != tensor.shape:
-            raise ValueError(f"tensor {key!r} has shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}")
-        dst.copy_(tensor)
-        self.pending[name] -= dst.shape[0]
+        if tuple(tensor.shape) != shape:
+            raise ValueError(f"tensor {key!r} has shape {tuple(tensor.shape)}, expected {shape}")
+        for part in parts:
+            dst = param.data.narrow(0, part.offset, part.count if part.dim == 0 else param.shape[0])
+            dst.copy_(tensor.narrow(part.dim, part.start, part.count))
+            self.pending[name] -= dst.shape[0]
 
     def check(self, source: str) -> None:
         missing = [n for n, rows in self.pending.items() if rows != 0]
@@ -193,7 +198,7 @@ def _load_gguf_weights(model: LlamaForCausalLM, path: str, cfg: ModelConfig, dty
     filler.check(path)
     params = dict(model.named_parameters())
     size = sum(p.numel() * p.element_size() for p in params.values())
-    if gguf_file.cache_weights_allowed(size):
+    if model.tp.size == 1 and gguf_file.cache_weights_allowed(size):    # a shard is not the file's cache
         try:
             from safetensors.torch import save_file
             os.makedirs(os.path.dirname(cache), exist_ok=True)
