@@ -18,8 +18,13 @@ up, so the grid always covers [min, max] and every value is within half a step o
 Salient Token Identification", NeurIPS 2024): the tokens of a block that receive the most *normalized* attention
 (attention received divided by the number of queries that could attend to it, so early tokens are not favoured)
 keep 8-bit precision: their 8-bit unit ``u`` is split into a high nibble, stored in the int4 plane, and a low
-nibble, stored in a small residual plane (``u = 16 hi + lo``). The saliency probe is the queries of the block's
-own tokens in the step that seals it (see ``normalized_attention``).
+nibble, stored in a small residual plane (``u = 16 hi + lo``). The saliency probes are the queries of the block's
+own tokens in the step that seals it (all of them for a prefill, the last one for a decode; for a block completed
+by accepted draft tokens, the sequence's next query), see ``normalized_attention``.
+
+A block is read quantized from the step in which its last token becomes final, by every query of that step (so a
+prefix-cache hit reads exactly what the miss that computed it read); before that it is read at full precision.
+Outputs therefore depend slightly on where a chunked prefill or a draft ends inside a block.
 """
 from __future__ import annotations
 

@@ -219,6 +219,10 @@ class Engine:
             raise InvalidParameter(f"beam_width={params.beam_width} beams of up to {max_new} tokens after a "
                                    f"{len(ids)}-token prompt may need {worst} KV blocks; the cache has "
                                    f"{self.block_manager.num_blocks}", param="beam_width")
+        if self.block_manager.windowed and params.beam_width > self.block_manager.num_window_blocks:
+            raise InvalidParameter(f"beam_width={params.beam_width} beams need as many open blocks; the int8/int4 "
+                                   f"KV cache's full-precision window holds {self.block_manager.num_window_blocks} "
+                                   "(raise max_num_seqs or kv_cache_memory)", param="beam_width")
         seq = Sequence(request_id, 0, ids, SamplingParams())
         search = self.beams.add(request_id, params, seq, self.eos_token_ids, max_new)
         seq.params = beam_sampling_params(search)
