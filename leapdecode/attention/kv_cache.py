@@ -6,8 +6,8 @@ Whoever copies KV goes through ``copy_slots`` so scales can never be forgotten.
 
 Quantized formats (lossy, opt-in; the arithmetic is in ``kv_quant.py``):
 
-- ``fp8``: the same layout in float8_e4m3fn codes (stored as uint8) and ``scales`` [layers, 2, kv_heads] (fixed
-  1.0). A token is encoded when it is written; nothing else changes.
+- ``fp8``: the same layout in float8_e4m3fn codes (stored as uint8) and ``scales`` [layers, 2, blocks, block_size,
+  kv_heads] (float16, one per token and head). A token is encoded when it is written; nothing else changes.
 - ``int8`` / ``int4``: a block's keys are quantized per channel, so a block is only quantized ("sealed") once all
   of its tokens are final. Until then it lives in the **window**: ``window_blocks`` full-precision blocks
   ``[layers, 2, window_blocks, block_size, kv_heads, head_dim]`` holding every sequence's open blocks (the partial
@@ -80,7 +80,7 @@ class KVLayout:
             return self.window_bytes_per_block
         codes = 2 * bs * h * d * self.bits // 8
         if self.kv_cache_dtype == "fp8":
-            return L * codes
+            return L * (codes + 2 * bs * h * 2)                       # + a float16 scale per token and head
         grids = 2 * h * d * 2 + 2 * bs * h * 2                       # float16 (zero, step): keys, values
         salient = self.num_salient * h + 2 * self.num_salient * h * d // 2
         return L * (codes + grids + salient)
@@ -102,7 +102,7 @@ class KVCache:
             self.scales: torch.Tensor | None = None
         elif fmt == "fp8":
             self.data = _zeros((L, 2, num_blocks, bs, h, d), torch.uint8, device)
-            self.scales = torch.ones(L, 2, h, dtype=torch.float32, device=device)
+            self.scales = _zeros((L, 2, num_blocks, bs, h), torch.float16, device)
         else:
             if d % 2:
                 raise ValueError(f"kv_cache_dtype={fmt!r} needs an even head_dim, got {d}")
@@ -149,25 +149,31 @@ class KVCache:
         L, _, nb, bs, h, d = store.shape
         flat = store.view(L, 2, nb * bs, h, d)
         flat[:, :, dst] = flat[:, :, src].clone()
+        if self.layout.kv_cache_dtype == "fp8":
+            scales = self.scales.view(L, 2, nb * bs, h)
+            scales[:, :, dst] = scales[:, :, src].clone()
 
 
 @dataclass
 class Fp8Layer:
-    """One layer of an fp8 cache: codes [2, blocks, block_size, kv_heads, head_dim] and scales [2, kv_heads]."""
+    """One layer of an fp8 cache: codes [2, blocks, block_size, kv_heads, head_dim] and their per-token scales
+    [2, blocks, block_size, kv_heads]."""
     codes: torch.Tensor
     scales: torch.Tensor
     dtype: torch.dtype
 
     def write(self, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
         _, nb, bs, h, d = self.codes.shape
-        flat = self.codes.view(2, nb * bs, h, d)
-        flat[0].index_copy_(0, slots, kq.fp8_encode(k, self.scales[0]))
-        flat[1].index_copy_(0, slots, kq.fp8_encode(v, self.scales[1]))
+        codes, scales = self.codes.view(2, nb * bs, h, d), self.scales.view(2, nb * bs, h)
+        for i, x in enumerate((k, v)):
+            s = kq.fp8_scale(x)
+            codes[i].index_copy_(0, slots, kq.fp8_encode(x, s))
+            scales[i].index_copy_(0, slots, s)
 
     def read(self, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """blocks [B, nb] -> keys, values [B, nb * block_size, kv_heads, head_dim] in the model's dtype."""
-        return (kq.fp8_decode(self.codes[0][blocks].flatten(1, 2), self.scales[0], self.dtype),
-                kq.fp8_decode(self.codes[1][blocks].flatten(1, 2), self.scales[1], self.dtype))
+        return tuple(kq.fp8_decode(self.codes[i][blocks].flatten(1, 2), self.scales[i][blocks].flatten(1, 2),
+                                   self.dtype) for i in (0, 1))
 
 
 class _Stage:

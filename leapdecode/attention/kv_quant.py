@@ -1,10 +1,12 @@
 """The arithmetic of a quantized KV cache (lossy, opt-in: ``kv_cache_dtype``); the layout lives in ``kv_cache.py``.
 
-**fp8** (``float8_e4m3fn``): ``code = e4m3(clamp(x / s, -448, 448))``, ``x' = float(code) * s`` with one scale ``s``
-per (layer, keys/values, kv head). The scale is fixed at 1.0, as vLLM does without calibration: a running amax
-would change the meaning of codes already written (or make a request's output depend on the traffic before it).
-Failure mode: a value beyond 448 saturates, and values below 2^-6 (e4m3's smallest normal) keep only an absolute
-precision of 2^-10; e4m3 otherwise keeps a relative error <= 2^-4 (3 mantissa bits).
+**fp8** (``float8_e4m3fn``): ``code = e4m3(x / s)``, ``x' = float(code) * s`` with one float16 scale per (token,
+kv head): ``s = amax / 448`` rounded up, so nothing saturates and every value down to amax / 2^15 stays a normal
+e4m3 number (relative error <= 2^-4, 3 mantissa bits); below that the absolute error is <= s * 2^-10. Why per
+token rather than one scale per head: vLLM's uncalibrated default (a fixed scale 1.0 per head) costs SmolLM2-135M
++1.7% perplexity, because 42% of its first layer's values lie below e4m3's smallest normal (2^-6); a running amax
+per head would change the meaning of codes already written, or make a request's output depend on the traffic
+before it. The per-token scale costs 2 bytes per head vector (3% at head_dim 64) and is written with the token.
 
 **int8 / int4**, after KIVI (Liu et al., "KIVI: A Tuning-Free Asymmetric 2bit Quantization for KV Cache", ICML
 2024): asymmetric integer codes, **keys per channel** (one zero point and step per (kv head, channel) over the
@@ -47,15 +49,21 @@ def parse_kv_cache_dtype(value: str) -> str:
 
 
 # -- fp8 --------------------------------------------------------------------------------------------------------
+def fp8_scale(x: torch.Tensor) -> torch.Tensor:
+    """Per-vector scales [..., H] of x [..., H, D]: amax / 448 rounded up to float16 (at least 2^-24)."""
+    s = (x.float().abs().amax(dim=-1) / FP8_MAX).clamp_(2.0 ** -24, _FP16_MAX)
+    return _fp16_toward(s, float("inf"))
+
+
 def fp8_encode(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """x: [..., H, D], scale: [H] -> uint8 codes (the bits of float8_e4m3fn, so any indexing op works on them)."""
-    y = (x.float() / scale[:, None]).clamp_(-FP8_MAX, FP8_MAX)
+    """x [..., H, D] with its scales [..., H] -> uint8 codes (the bits of float8_e4m3fn, so any indexing op works)."""
+    y = (x.float() / scale.float()[..., None]).clamp_(-FP8_MAX, FP8_MAX)
     return y.to(torch.float8_e4m3fn).view(torch.uint8)
 
 
 def fp8_decode(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """uint8 codes [..., H, D] -> values in ``dtype``."""
-    return (codes.view(torch.float8_e4m3fn).float() * scale[:, None]).to(dtype)
+    """uint8 codes [..., H, D] and scales [..., H] -> values in ``dtype``."""
+    return (codes.view(torch.float8_e4m3fn).float() * scale.float()[..., None]).to(dtype)
 
 
 # -- the affine integer grid ------------------------------------------------------------------------------------
