@@ -45,6 +45,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="token budget of one step (default: 2048)")
     g.add_argument("--kv-cache-memory", default=None, metavar="SIZE",
                    help="memory for the KV cache, e.g. 4GiB (default: sized by the engine)")
+    g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "int8", "int4"],
+                   help="KV cache format: auto (the model's dtype, lossless) or the LOSSY quantized fp8, int8, int4, "
+                        "which fit more tokens in the same memory (default: auto)")
     g.add_argument("--seed", type=int, default=0, help="engine random seed (default: 0)")
     g.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
                    help="shard the model over N processes (N GPUs on cuda, gloo on cpu) (default: 1)")
@@ -78,7 +81,8 @@ def _make_llm(args: argparse.Namespace) -> Any:
                    max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                    kv_cache_memory=args.kv_cache_memory, seed=args.seed, speculative_config=spec,
                    grammar_cache_size=getattr(args, "grammar_cache_size", 256), sparse_attention=sparse,
-                   tensor_parallel_size=args.tensor_parallel_size)
+                   tensor_parallel_size=args.tensor_parallel_size,
+                   kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"))
     except (ValueError, OSError, NotImplementedError, KeyError) as exc:
         raise CLIError(f"could not load the model from {args.model or 'the default model'}: "
                        f"{type(exc).__name__}: {exc}") from None
@@ -125,6 +129,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     name = app.state.server.served_model_name
     print(f"leapdecode: serving '{name}' on http://{args.host}:{args.port}/v1 "
           f"(max_model_len={llm.engine.max_model_len}, KV blocks={llm.engine.block_manager.num_blocks}"
+          f"{', KV cache ' + llm.engine.cfg.kv_cache_dtype + ' (lossy)' if llm.engine.cfg.kv_cache_dtype != 'auto' else ''}"
           f"{', API key required' if api_key else ''})", file=sys.stderr, flush=True)
     # uvicorn stops accepting on SIGINT/SIGTERM, lets in-flight requests finish for up to shutdown_timeout
     # seconds, then cancels them (which aborts their engine requests) and runs the app's shutdown.
@@ -358,6 +363,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     results: dict[str, Any] = {
         "model": str(engine.cfg.model), "device": str(engine.device), "dtype": str(engine.dtype).replace("torch.", ""),
         "num_requests": len(finished), "input_len": args.input_len, "output_len": args.output_len,
+        "kv_cache_dtype": engine.cfg.kv_cache_dtype, "kv_blocks": engine.block_manager.num_blocks,
         "max_num_seqs": engine.cfg.max_num_seqs, "request_rate": args.request_rate,
         "speculative_method": args.speculative_method, "duration_s": duration,
         "requests_per_s": len(finished) / duration, "output_tokens_per_s": out_tokens / duration,
@@ -374,7 +380,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     table.add_column("metric")
     table.add_column("value", justify="right")
     labels = [("model", "model"), ("device", "device"), ("dtype", "dtype"), ("requests", "num_requests"),
-              ("input / output tokens", None), ("max_num_seqs", "max_num_seqs"), ("request rate (req/s)",
+              ("input / output tokens", None), ("KV cache (lossy unless auto)", "kv_cache_dtype"),
+              ("KV blocks", "kv_blocks"), ("max_num_seqs", "max_num_seqs"), ("request rate (req/s)",
               "request_rate"), ("speculation", "speculative_method"), ("duration (s)", "duration_s"),
               ("requests/s", "requests_per_s"), ("output tokens/s", "output_tokens_per_s"),
               ("total tokens/s", "total_tokens_per_s"), ("TTFT mean (ms)", "ttft_ms_mean"),

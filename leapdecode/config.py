@@ -145,6 +145,9 @@ class EngineConfig:
     grammar_cache_size: int = 256             # compiled grammars kept (LRU; about 0.2 MB each for a JSON schema)
     sparse_attention: SparseAttentionConfig | dict | None = None   # LOSSY sparse decoding (attention/sparse.py)
     tensor_parallel_size: int = 1             # ranks the model is sharded over (engine/tp_executor.py)
+    # KV-cache format (attention/kv_quant.py): "auto" = the model's dtype (lossless); fp8 | int8 | int4 are LOSSY
+    kv_cache_dtype: str = "auto"
+    kv_cache_salient_ratio: float | None = None   # int4: share of a block's tokens kept at 8 bits (None: 0.125)
 
     def __post_init__(self) -> None:
         from leapdecode.attention.backend import BACKENDS
@@ -162,6 +165,18 @@ class EngineConfig:
             raise ValueError(f"num_kv_blocks must be a positive integer, got {self.num_kv_blocks!r}")
         if self.kv_cache_memory is not None:
             self.kv_cache_memory = parse_memory(self.kv_cache_memory)
+        from leapdecode.attention.kv_quant import parse_kv_cache_dtype
+        self.kv_cache_dtype = parse_kv_cache_dtype(self.kv_cache_dtype)
+        r = self.kv_cache_salient_ratio
+        if r is not None:
+            if self.kv_cache_dtype != "int4":
+                raise ValueError(f"kv_cache_salient_ratio applies to kv_cache_dtype='int4' only, "
+                                 f"not {self.kv_cache_dtype!r}")
+            if isinstance(r, bool) or not isinstance(r, (int, float)) or not 0 <= r <= 1:
+                raise ValueError(f"kv_cache_salient_ratio must be a number in [0, 1], got {r!r}")
+        if self.sparse_attention is not None and self.kv_cache_dtype != "auto":
+            raise ValueError(f"sparse_attention reads the full-precision cache: it does not combine with "
+                             f"kv_cache_dtype={self.kv_cache_dtype!r} yet")
         self.torch_device = torch.device(self.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self._check_tensor_parallel()
 
@@ -181,3 +196,11 @@ class EngineConfig:
             raise ValueError(f"speculative_config.method={spec.method!r} runs a model inside the step, which is not "
                              f"sharded: it does not work with tensor_parallel_size={n} yet (use a model-free "
                              "drafter: ngram, suffix, recycling, auto)")
+
+    @property
+    def kv_cache_salient_tokens(self) -> int:
+        """int4: tokens per block (per kv head) kept at 8 bits."""
+        if self.kv_cache_dtype != "int4":
+            return 0
+        ratio = 0.125 if self.kv_cache_salient_ratio is None else self.kv_cache_salient_ratio
+        return min(self.block_size, round(ratio * self.block_size))

@@ -40,7 +40,11 @@ class LLM:
                  attention_backend: str = "auto", async_scheduling: bool = False,
                  pad_to_buckets: bool | None = None, grammar_cache_size: int = 256,
                  sparse_attention: SparseAttentionConfig | dict | None = None,
-                 tensor_parallel_size: int = 1) -> None:
+                 tensor_parallel_size: int = 1, kv_cache_dtype: str = "auto",
+                 kv_cache_salient_ratio: float | None = None) -> None:
+        """``kv_cache_dtype``: "auto" stores KV in the model's dtype (lossless); "fp8", "int8" and "int4" are LOSSY
+        quantized caches that fit more tokens in the same memory (see ``kv_cache_info()``); int4 keeps the share
+        ``kv_cache_salient_ratio`` (default 0.125) of each block's most attended tokens at 8 bits."""
         cfg = EngineConfig(
             model=resolve_model(model), tokenizer=tokenizer, dtype=dtype, device=device, max_model_len=max_model_len,
             kv_cache_memory=kv_cache_memory, num_kv_blocks=num_kv_blocks, block_size=block_size,
@@ -48,7 +52,8 @@ class LLM:
             max_num_seqs=max_num_seqs, seed=seed, speculative_config=speculative_config,
             attention_backend=attention_backend, async_scheduling=async_scheduling, pad_to_buckets=pad_to_buckets,
             grammar_cache_size=grammar_cache_size, sparse_attention=sparse_attention,
-            tensor_parallel_size=tensor_parallel_size)
+            tensor_parallel_size=tensor_parallel_size, kv_cache_dtype=kv_cache_dtype,
+            kv_cache_salient_ratio=kv_cache_salient_ratio)
         self.engine = Engine(cfg)
         self._ids = itertools.count()
 
@@ -70,6 +75,14 @@ class LLM:
 
     def get_tokenizer(self):
         return self.engine.tokenizer
+
+    def kv_cache_info(self) -> dict[str, Any]:
+        """The KV cache: ``dtype`` (what a block stores: the model's dtype, or fp8_e4m3 / int8 / int4), ``lossy``,
+        ``num_blocks`` and ``block_size`` (``max_tokens`` = their product), ``bytes_per_token`` and
+        ``bytes_per_block`` (real sizes, scales included), ``compression`` (against the model's dtype), the
+        full-precision window of open blocks (int8/int4: ``num_window_blocks``, ``window_bytes``) and
+        ``total_bytes``."""
+        return self.engine.runner.kv_cache_info()
 
     def default_sampling_params(self) -> SamplingParams:
         """The checkpoint's generation_config.json defaults (temperature, top_p, ...) when the caller gives none."""

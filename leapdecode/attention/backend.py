@@ -11,6 +11,12 @@ Tokens past ``num_actual_tokens`` are padding (a capacity bucket): they belong t
 Per step the runner calls ``backend.plan(meta)`` once; the backend derives whatever it needs (index tensors, masks,
 kernel splits) and keeps it in ``meta.plan``, which every layer's ``write_kv``/``attend`` then reuses. Nothing is
 rebuilt per layer, and nothing lives in a global context: the metadata is passed to every layer explicitly.
+
+A quantized cache (``kv_cache_dtype``) hands each layer a view object instead of a tensor (``kv_cache.py``); a
+backend lists the formats it can read in ``kv_cache_dtypes``. For int8/int4 the metadata also says where each
+token goes (``kv_write``: a full-precision window block, or the stage of a block sealed this step), how each
+block is read (``kv_window``) and which blocks each layer quantizes after writing and before attending
+(``kv_seal``): a block is read quantized from the step in which its last token becomes final.
 """
 from __future__ import annotations
 
@@ -22,6 +28,16 @@ import torch
 
 if TYPE_CHECKING:
     from leapdecode.attention.sparse import SparseAttention
+
+
+@dataclass
+class SealPlan:
+    """The blocks a step seals (quantizes), planned once for every layer (int8/int4 caches, see ``kv_cache.py``)."""
+    blocks: torch.Tensor         # [S] pool blocks
+    window: torch.Tensor         # [S] the window block that held their earlier tokens (-1: all tokens are new)
+    stage_index: torch.Tensor    # [R] tile position (s * block_size + offset) of each of the step's tokens below
+    stage_rows: torch.Tensor     # [R] their rows in the step's flat batch
+    probes: torch.Tensor         # [S, block_size] query rows for the saliency probe (-1: none), by block offset
 
 
 @dataclass
@@ -39,6 +55,10 @@ class AttentionMetadata:
     tree_mask: torch.Tensor | None = None      # flat bool, see the module docstring
     tree_offsets: torch.Tensor | None = None   # [B] int64, -1: no tree
     tree_offsets_host: list[int] | None = None
+    # windowed (int8/int4) caches only: where each token is written and how each block is read
+    kv_write: torch.Tensor | None = None       # [T] window slot of each token (-1: a sealed block, or the stage)
+    kv_window: torch.Tensor | None = None      # [B, max_blocks] window block of an open block (-1: read the pool's)
+    kv_seal: SealPlan | None = None            # blocks each layer quantizes after its write, before it attends
     plan: Any = None                  # the backend's per-step plan, set by ``AttentionBackend.plan``
 
     @property
@@ -56,6 +76,7 @@ class AttentionMetadata:
 class AttentionBackend(ABC):
     """Plans a step once, then for each layer writes the step's keys/values into the paged cache and attends."""
     name = "base"
+    kv_cache_dtypes: tuple[str, ...] = ("auto",)    # the KV formats it reads (see kv_quant.py)
 
     def plan(self, meta: AttentionMetadata) -> None:
         """Derive per-step data shared by every layer and store it in ``meta.plan`` (called once per step)."""

@@ -1,47 +1,274 @@
-"""The paged KV pool of one model, as an object: its layout, its dtype, and the copies that move KV around.
+"""The paged KV pool of one model, as an object: its layout, its dtype and scales, and the copies that move KV around.
 
-Layout: ``[layers, 2 (keys, values), blocks, block_size, kv_heads, head_dim]``; layer i's view is handed to the
-model's attention layer i. A slot is ``block * block_size + offset``. ``scales`` is where a quantized cache keeps
-its per-block scales (none yet); whoever copies KV goes through ``copy_slots`` so scales can never be forgotten.
+Layout (``kv_cache_dtype="auto"``, the model's dtype): ``[layers, 2 (keys, values), blocks, block_size, kv_heads,
+head_dim]``; layer i's view is handed to the model's attention layer i. A slot is ``block * block_size + offset``.
+Whoever copies KV goes through ``copy_slots`` so scales can never be forgotten.
 
-On CPU the pool is taken from the allocator as zero pages that the kernel maps on first write (``calloc``), so
+Quantized formats (lossy, opt-in; the arithmetic is in ``kv_quant.py``):
+
+- ``fp8``: the same layout in float8_e4m3fn codes (stored as uint8) and ``scales`` [layers, 2, blocks, block_size,
+  kv_heads] (float16, one per token and head). A token is encoded when it is written; nothing else changes.
+- ``int8`` / ``int4``: a block's keys are quantized per channel, so a block is only quantized ("sealed") once all
+  of its tokens are final. Until then it lives in the **window**: ``window_blocks`` full-precision blocks
+  ``[layers, 2, window_blocks, block_size, kv_heads, head_dim]`` holding every sequence's open blocks (the partial
+  last block, and blocks holding draft tokens). The block manager hands out window blocks with pool blocks and
+  the scheduler says which blocks seal in each step (``engine/block_manager.py``). A pool block stores codes
+  ``[layers, 2, blocks, block_size, kv_heads, head_dim * bits / 8]``, the keys' per-channel grids ``[layers,
+  blocks, 2 (zero, step), kv_heads, head_dim]`` and the values' per-token grids ``[layers, blocks, 2, block_size,
+  kv_heads]`` (float16), and for int4 with salient tokens their offsets ``[layers, blocks, n, kv_heads]`` and low
+  nibbles ``[layers, 2, blocks, n, kv_heads, head_dim / 2]``. ``bytes_per_block`` counts all of it, so the pool
+  sizing gives more blocks for the same memory. ``copy_slots`` moves window slots (only open blocks ever move).
+
+On CPU every tensor is taken from the allocator as zero pages that the kernel maps on first write (``calloc``), so
 a large pool costs nothing at start-up and only the blocks actually used ever become resident.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
 import numpy as np
 import torch
+
+from leapdecode.attention import kv_quant as kq
+
+if TYPE_CHECKING:
+    from leapdecode.attention.backend import SealPlan
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """What a block of KV costs: the format, the model's KV shape and its full-precision dtype."""
+    kv_cache_dtype: str
+    num_layers: int
+    block_size: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+    num_salient: int = 0          # int4: tokens per block (per kv head) that keep 8-bit precision
+
+    @property
+    def lossy(self) -> bool:
+        return self.kv_cache_dtype != "auto"
+
+    @property
+    def windowed(self) -> bool:
+        """Blocks are quantized when they fill; open blocks live in a full-precision window."""
+        return self.kv_cache_dtype in ("int8", "int4")
+
+    @property
+    def bits(self) -> int:
+        return {"auto": 8 * self.dtype.itemsize, "fp8": 8, "int8": 8, "int4": 4}[self.kv_cache_dtype]
+
+    @property
+    def storage(self) -> str:
+        """The name of what a pool block holds: the model's dtype, or the quantized format."""
+        if self.kv_cache_dtype == "auto":
+            return str(self.dtype).replace("torch.", "")
+        return "fp8_e4m3" if self.kv_cache_dtype == "fp8" else self.kv_cache_dtype
+
+    @property
+    def window_bytes_per_block(self) -> int:
+        """One block at full precision (the model's dtype): the pool's block under "auto", a window block otherwise."""
+        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * self.dtype.itemsize
+
+    @property
+    def bytes_per_block(self) -> int:
+        """One pool block, scales included."""
+        L, bs, h, d = self.num_layers, self.block_size, self.num_kv_heads, self.head_dim
+        if self.kv_cache_dtype == "auto":
+            return self.window_bytes_per_block
+        codes = 2 * bs * h * d * self.bits // 8
+        if self.kv_cache_dtype == "fp8":
+            return L * (codes + 2 * bs * h * 2)                       # + a float16 scale per token and head
+        grids = 2 * h * d * 2 + 2 * bs * h * 2                       # float16 (zero, step): keys, values
+        salient = self.num_salient * h + 2 * self.num_salient * h * d // 2
+        return L * (codes + grids + salient)
 
 
 class KVCache:
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device) -> None:
+                 dtype: torch.dtype, device: torch.device, kv_cache_dtype: str = "auto", window_blocks: int = 0,
+                 num_salient: int = 0) -> None:
+        self.layout = KVLayout(kq.parse_kv_cache_dtype(kv_cache_dtype), num_layers, block_size, num_kv_heads,
+                               head_dim, dtype, num_salient if kv_cache_dtype == "int4" else 0)
         self.num_layers, self.num_blocks, self.block_size = num_layers, num_blocks, block_size
         self.num_kv_heads, self.head_dim, self.dtype, self.device = num_kv_heads, head_dim, dtype, device
-        shape = (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim)
-        self.data = _zeros(shape, dtype, device)
-        self.scales: torch.Tensor | None = None
+        self.window_blocks = window_blocks if self.layout.windowed else 0
+        L, bs, h, d = num_layers, block_size, num_kv_heads, head_dim
+        fmt = self.layout.kv_cache_dtype
+        if fmt == "auto":
+            self.data = _zeros((L, 2, num_blocks, bs, h, d), dtype, device)
+            self.scales: torch.Tensor | None = None
+        elif fmt == "fp8":
+            self.data = _zeros((L, 2, num_blocks, bs, h, d), torch.uint8, device)
+            self.scales = _zeros((L, 2, num_blocks, bs, h), torch.float16, device)
+        else:
+            if d % 2:
+                raise ValueError(f"kv_cache_dtype={fmt!r} needs an even head_dim, got {d}")
+            if self.window_blocks < 1:
+                raise ValueError(f"kv_cache_dtype={fmt!r} needs at least one full-precision window block")
+            n = self.layout.num_salient
+            self.data = _zeros((L, 2, num_blocks, bs, h, d * self.layout.bits // 8), torch.uint8, device)
+            self.scales = None
+            self.key_grid = _zeros((L, num_blocks, 2, h, d), torch.float16, device)
+            self.value_grid = _zeros((L, num_blocks, 2, bs, h), torch.float16, device)
+            self.salient = _zeros((L, num_blocks, n, h), torch.uint8, device)
+            self.residual = _zeros((L, 2, num_blocks, n, h, d // 2), torch.uint8, device)
+            self.window = _zeros((L, 2, self.window_blocks, bs, h, d), dtype, device)
+            self._stage = _Stage()
 
     @staticmethod
     def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
                         dtype: torch.dtype) -> int:
-        return 2 * num_layers * block_size * num_kv_heads * head_dim * dtype.itemsize
+        """A full-precision block (``KVLayout.bytes_per_block`` prices the others)."""
+        return KVLayout("auto", num_layers, block_size, num_kv_heads, head_dim, dtype).bytes_per_block
 
-    def layer(self, i: int) -> torch.Tensor:
-        """Layer i's cache: [2, blocks, block_size, kv_heads, head_dim]."""
-        return self.data[i]
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the pool, scales and window included."""
+        return self.num_blocks * self.layout.bytes_per_block + self.window_blocks * self.layout.window_bytes_per_block
+
+    def layer(self, i: int) -> "torch.Tensor | Fp8Layer | IntLayer":
+        """Layer i's cache: a [2, blocks, block_size, kv_heads, head_dim] tensor under "auto", else the layer's view
+        of the quantized storage (the attention backend dispatches on the type)."""
+        fmt = self.layout.kv_cache_dtype
+        if fmt == "auto":
+            return self.data[i]
+        if fmt == "fp8":
+            return Fp8Layer(self.data[i], self.scales[i], self.dtype)
+        return IntLayer(self.layout, self.data[i], self.key_grid[i], self.value_grid[i], self.salient[i],
+                        self.residual[i], self.window[i], self._stage)
 
     @torch.inference_mode()
     def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
-        """Copy the KV at slots ``src`` to slots ``dst`` in every layer (all reads happen before any write)."""
-        L, _, nb, bs, h, d = self.data.shape
-        flat = self.data.view(L, 2, nb * bs, h, d)
+        """Copy the KV at slots ``src`` to slots ``dst`` in every layer (all reads happen before any write). In a
+        windowed cache the slots are window slots: only open (full-precision) blocks ever move (tree compaction,
+        the partial block of a beam fork); a sealed block is shared by reference, never copied."""
+        store = self.window if self.layout.windowed else self.data
+        L, _, nb, bs, h, d = store.shape
+        flat = store.view(L, 2, nb * bs, h, d)
         flat[:, :, dst] = flat[:, :, src].clone()
+        if self.layout.kv_cache_dtype == "fp8":
+            scales = self.scales.view(L, 2, nb * bs, h)
+            scales[:, :, dst] = scales[:, :, src].clone()
+
+
+@dataclass
+class Fp8Layer:
+    """One layer of an fp8 cache: codes [2, blocks, block_size, kv_heads, head_dim] and their per-token scales
+    [2, blocks, block_size, kv_heads]."""
+    codes: torch.Tensor
+    scales: torch.Tensor
+    dtype: torch.dtype
+
+    def write(self, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+        _, nb, bs, h, d = self.codes.shape
+        codes, scales = self.codes.view(2, nb * bs, h, d), self.scales.view(2, nb * bs, h)
+        for i, x in enumerate((k, v)):
+            s = kq.fp8_scale(x)
+            codes[i].index_copy_(0, slots, kq.fp8_encode(x, s))
+            scales[i].index_copy_(0, slots, s)
+
+    def read(self, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """blocks [B, nb] -> keys, values [B, nb * block_size, kv_heads, head_dim] in the model's dtype."""
+        return tuple(kq.fp8_decode(self.codes[i][blocks].flatten(1, 2), self.scales[i][blocks].flatten(1, 2),
+                                   self.dtype) for i in (0, 1))
+
+
+class _Stage:
+    """The full-precision tiles of the blocks being sealed in the current layer (shared by all layers: a layer
+    fills it in ``write`` and empties it in ``seal``)."""
+    tile: torch.Tensor | None = None
+
+
+@dataclass
+class IntLayer:
+    """One layer of an int8/int4 cache: pool blocks of codes and grids, and the full-precision window."""
+    layout: KVLayout
+    codes: torch.Tensor          # [2, blocks, bs, h, d * bits / 8] uint8
+    key_grid: torch.Tensor       # [blocks, 2, h, d] float16 (zero, step)
+    value_grid: torch.Tensor     # [blocks, 2, bs, h] float16
+    salient: torch.Tensor        # [blocks, n, h] uint8 offsets
+    residual: torch.Tensor       # [2, blocks, n, h, d / 2] uint8 low nibbles
+    window: torch.Tensor         # [2, window_blocks, bs, h, d] model dtype
+    stage: _Stage
+
+    def write(self, k: torch.Tensor, v: torch.Tensor, window_slots: torch.Tensor, seal: "SealPlan | None") -> None:
+        """Store the step's keys/values: tokens of open blocks into the window (``window_slots``, -1: elsewhere),
+        tokens of blocks sealed this step into the stage, over what the window already held of those blocks."""
+        _, nw, bs, h, d = self.window.shape
+        flat = self.window.view(2, nw * bs, h, d)
+        keep = window_slots >= 0
+        if bool(keep.all()):
+            flat[0].index_copy_(0, window_slots, k.to(self.window.dtype))
+            flat[1].index_copy_(0, window_slots, v.to(self.window.dtype))
+        elif bool(keep.any()):
+            flat[0].index_copy_(0, window_slots[keep], k[keep].to(self.window.dtype))
+            flat[1].index_copy_(0, window_slots[keep], v[keep].to(self.window.dtype))
+        if seal is None:
+            return
+        tile = self.window[:, seal.window.clamp(min=0)].float()                        # [2, S, bs, h, d]
+        tile[:, seal.window < 0] = 0.0
+        tile = tile.view(2, -1, h, d)
+        tile[0].index_copy_(0, seal.stage_index, k[seal.stage_rows].float())
+        tile[1].index_copy_(0, seal.stage_index, v[seal.stage_rows].float())
+        self.stage.tile = tile.view(2, -1, bs, h, d)
+
+    def staged_keys(self) -> torch.Tensor:
+        """The keys of the blocks being sealed, [S, bs, h, d] float32 (for the saliency probe)."""
+        return self.stage.tile[0]
+
+    def seal(self, blocks: torch.Tensor, salient: torch.Tensor | None) -> None:
+        """Quantize the staged tiles into pool ``blocks`` [S]; int4 keeps ``salient`` ([S, n, h] offsets) at 8 bits."""
+        tile, self.stage.tile = self.stage.tile, None
+        k, v = tile[0], tile[1]
+        kz, ks = kq.key_grid(k)
+        vz, vs = kq.value_grid(v)
+        self.key_grid[blocks] = torch.stack((kz[:, 0], ks[:, 0]), dim=1)
+        self.value_grid[blocks] = torch.stack((vz[..., 0], vs[..., 0]), dim=1)
+        if self.layout.bits == 8:
+            self.codes[0][blocks] = kq.encode_units(k, kz, ks, 8)
+            self.codes[1][blocks] = kq.encode_units(v, vz, vs, 8)
+            return
+        kc, kr = kq.encode_int4(k, kz, ks, salient)
+        vc, vr = kq.encode_int4(v, vz, vs, salient)
+        self.codes[0][blocks] = kq.pack_nibbles(kc)
+        self.codes[1][blocks] = kq.pack_nibbles(vc)
+        if kr is not None:
+            self.salient[blocks] = salient
+            self.residual[0][blocks] = kq.pack_nibbles(kr)
+            self.residual[1][blocks] = kq.pack_nibbles(vr)
+
+    def read(self, blocks: torch.Tensor, window: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """blocks [B, nb] (with ``window`` [B, nb]: the window block of an open block, -1: read the pool block) ->
+        keys, values [B, nb * bs, h, d] in the model's dtype: sealed blocks dequantized, open ones as written."""
+        kg, vg = self.key_grid[blocks], self.value_grid[blocks]                     # [B, nb, 2, ...]
+        if self.layout.bits == 8:
+            ku, vu = self.codes[0][blocks], self.codes[1][blocks]
+        else:
+            B, nb = blocks.shape
+            flat = blocks.reshape(-1)
+            sal = self.salient[flat] if self.layout.num_salient else None
+            ku = kq.int4_units(kq.unpack_nibbles(self.codes[0][flat]),
+                               kq.unpack_nibbles(self.residual[0][flat]) if sal is not None else None, sal)
+            vu = kq.int4_units(kq.unpack_nibbles(self.codes[1][flat]),
+                               kq.unpack_nibbles(self.residual[1][flat]) if sal is not None else None, sal)
+            ku, vu = ku.view(B, nb, *ku.shape[1:]), vu.view(B, nb, *vu.shape[1:])
+        k = kq.decode_units(ku, kg[:, :, 0, None], kg[:, :, 1, None]).to(self.window.dtype)
+        v = kq.decode_units(vu, vg[:, :, 0, ..., None], vg[:, :, 1, ..., None]).to(self.window.dtype)
+        if window is not None:
+            open_ = window >= 0
+            if bool(open_.any()):
+                w = self.window[:, window.clamp(min=0)]                              # [2, B, nb, bs, h, d]
+                sel = open_[..., None, None, None]
+                k, v = torch.where(sel, w[0], k), torch.where(sel, w[1], v)
+        return k.flatten(1, 2), v.flatten(1, 2)
 
 
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
     nbytes = int(np.prod(shape)) * dtype.itemsize
-    raw = torch.from_numpy(np.zeros(nbytes, dtype=np.uint8))     # calloc: untouched pages stay unmapped
-    return raw.view(dtype).view(shape)
+    raw = torch.from_numpy(np.zeros(max(nbytes, 1), dtype=np.uint8))     # calloc: untouched pages stay unmapped
+    return raw[:nbytes].view(dtype).view(shape)

@@ -6,6 +6,11 @@ prefill, token trees and sliding windows share a single rule: a query at positio
 that are earlier context or (for trees) its ancestors. The masks and gather indices are built once per step in
 ``plan``; each layer only gathers its own keys and values and runs SDPA. With sparse attention on (lossy, opt-in),
 long decode rows are planned apart as a ``SparseStep`` (attention/sparse.py), which reads only selected keys.
+
+A quantized cache is read by dequantizing the gathered blocks before SDPA (int8/int4: open blocks come from the
+full-precision window); a layer first quantizes the blocks its step seals, measuring their tokens' saliency with
+the probe queries when the format keeps salient tokens (``kv_quant.normalized_attention``). Not fused: this is the
+portable reference; a fused GPU read is future work.
 """
 from __future__ import annotations
 
@@ -14,7 +19,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from leapdecode.attention.backend import AttentionBackend, AttentionMetadata
+from leapdecode.attention import kv_quant
+from leapdecode.attention.backend import AttentionBackend, AttentionMetadata, SealPlan
+from leapdecode.attention.kv_cache import Fp8Layer, IntLayer
 from leapdecode.attention.sparse import SparseAttention, SparseStep
 
 # Sequences with at most this many query tokens (decodes, verification, short prefills) share one padded batch;
@@ -31,10 +38,12 @@ class _Group:
     valid_q: torch.Tensor | None   # [B, max_q]; None when every sequence has exactly one query (decode)
     out_index: torch.Tensor    # flat rows of the valid queries, in valid_q order
     mask: torch.Tensor         # [B, 1, max_q, max_k]
+    window: torch.Tensor | None = None   # [B, nblocks] window block of an open block (-1: sealed), int8/int4
 
 
 class TorchAttention(AttentionBackend):
     name = "torch"
+    kv_cache_dtypes = kv_quant.KV_CACHE_DTYPES
 
     def __init__(self, sparse: SparseAttention | None = None) -> None:
         self.sparse = sparse
@@ -50,9 +59,15 @@ class TorchAttention(AttentionBackend):
         meta.plan = groups + ([sparse] if sparse is not None else [])
 
     def write_kv(self, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> None:
+        n = meta.num_actual_tokens
+        if isinstance(kv_cache, Fp8Layer):
+            kv_cache.write(k[:n], v[:n], meta.slot_mapping[:n])
+            return
+        if isinstance(kv_cache, IntLayer):
+            kv_cache.write(k[:n], v[:n], meta.kv_write[:n], meta.kv_seal)
+            return
         _, nb, bs, hkv, d = kv_cache.shape
         flat = kv_cache.view(2, nb * bs, hkv, d)
-        n = meta.num_actual_tokens
         slots = meta.slot_mapping[:n]
         flat[0].index_copy_(0, slots, k[:n].to(kv_cache.dtype))
         flat[1].index_copy_(0, slots, v[:n].to(kv_cache.dtype))
@@ -61,19 +76,41 @@ class TorchAttention(AttentionBackend):
                layer: int | None = None) -> torch.Tensor:
         if meta.plan is None:
             self.plan(meta)
+        if isinstance(kv_cache, IntLayer) and meta.kv_seal is not None:
+            _seal(q, kv_cache, meta.kv_seal, scale)
         out = torch.empty_like(q)
         for g in meta.plan:
             if isinstance(g, SparseStep):
                 out[g.out_index] = g.attend(q, kv_cache, scale, layer).to(out.dtype)
                 continue
-            k = kv_cache[0][g.blocks].flatten(1, 2)[:, :g.max_k]                       # [B, max_k, Hkv, D]
-            v = kv_cache[1][g.blocks].flatten(1, 2)[:, :g.max_k]
+            k, v = _read(kv_cache, g)                                                   # [B, max_k, Hkv, D]
             o = F.scaled_dot_product_attention(
                 q[g.q_index].transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),   # [B, H, max_q, D]
                 attn_mask=g.mask, scale=scale, enable_gqa=True)
             o = o.transpose(1, 2)
             out[g.out_index] = (o[:, 0] if g.valid_q is None else o[g.valid_q]).to(out.dtype)
         return out
+
+
+def _read(kv_cache: torch.Tensor | Fp8Layer | IntLayer, g: _Group) -> tuple[torch.Tensor, torch.Tensor]:
+    """The group's keys and values [B, max_k, Hkv, D] in the model's dtype (dequantized when the cache is)."""
+    if isinstance(kv_cache, torch.Tensor):
+        k, v = kv_cache[0][g.blocks].flatten(1, 2), kv_cache[1][g.blocks].flatten(1, 2)
+    elif isinstance(kv_cache, Fp8Layer):
+        k, v = kv_cache.read(g.blocks)
+    else:
+        k, v = kv_cache.read(g.blocks, g.window)
+    return k[:, :g.max_k], v[:, :g.max_k]
+
+
+def _seal(q: torch.Tensor, layer: IntLayer, seal: SealPlan, scale: float) -> None:
+    """Quantize the blocks this step seals; with salient tokens, rank them by the probes' normalized attention."""
+    salient = None
+    if layer.layout.num_salient:
+        score = kv_quant.normalized_attention(q[seal.probes.clamp(min=0)], layer.staged_keys(), seal.probes >= 0,
+                                              scale)
+        salient = kv_quant.top_salient(score, layer.layout.num_salient)
+    layer.seal(seal.blocks, salient)
 
 
 def _group(meta: AttentionMetadata, seqs: list[int]) -> _Group:
@@ -86,13 +123,15 @@ def _group(meta: AttentionMetadata, seqs: list[int]) -> _Group:
     klen_t = meta.seq_lens[idx]
     nblocks = -(-max_k // meta.block_size)
     key_idx = torch.arange(max_k, device=dev)
+    window = meta.kv_window[idx, :nblocks] if meta.kv_window is not None else None
     if max_q == 1 and all(meta.tree(i) is None for i in seqs):
         # decodes: the query sits at position klen - 1 and sees every key before it (within the window)
         q_index = meta.query_start_loc[idx][:, None]
         mask = key_idx[None, :] < klen_t[:, None]
         if meta.sliding_window is not None:
             mask &= key_idx[None, :] > (klen_t[:, None] - 1 - meta.sliding_window)
-        return _Group(meta.block_tables[idx, :nblocks], max_k, q_index, None, q_index[:, 0], mask[:, None, None])
+        return _Group(meta.block_tables[idx, :nblocks], max_k, q_index, None, q_index[:, 0], mask[:, None, None],
+                      window)
     qlen_t = (meta.query_start_loc[1:] - meta.query_start_loc[:-1])[idx]
     valid_q = qpos_in_seq[None, :] < qlen_t[:, None]                                      # [B, max_q]
     q_index = (meta.query_start_loc[idx][:, None] + qpos_in_seq[None, :]).clamp(max=meta.num_actual_tokens - 1)
@@ -113,4 +152,4 @@ def _group(meta: AttentionMetadata, seqs: list[int]) -> _Group:
         mask &= key_pos[:, None, :] > (q_pos[:, :, None] - meta.sliding_window)
     mask &= valid_q[:, :, None]
     mask[:, :, 0] |= ~valid_q                      # padding rows see one key, so softmax stays finite
-    return _Group(meta.block_tables[idx, :nblocks], max_k, q_index, valid_q, q_index[valid_q], mask[:, None])
+    return _Group(meta.block_tables[idx, :nblocks], max_k, q_index, valid_q, q_index[valid_q], mask[:, None], window)

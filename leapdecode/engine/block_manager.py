@@ -4,6 +4,14 @@ A block is reference-counted. A full block whose KV has been computed is keyed b
 (hash of the previous block's key and this block's tokens), so a later request with the same prefix reuses it.
 Free blocks sit in LRU order; a free block keeps its key until it is handed out again, which is what makes a
 prefix survive its request. Only computed KV is ever keyed, so a hit is always safe to read.
+
+With an int8/int4 KV cache (``num_window_blocks`` > 0) a block is quantized ("sealed") in the step in which all of
+its tokens become final (computed, not draft nodes), and until then lives in a full-precision **window block**:
+``allocate`` gives a window block to every block that stays open after the step (or fails, like a short pool, when
+the window is full), ``seal`` (called by the scheduler as it freezes a plan) seals what the step completes and
+returns their window blocks to the window, and a block released while open gives its window block back. Sealed
+blocks are always a prefix of a block table; only sealed blocks are keyed, so a prefix-cache hit is read
+quantized exactly like the miss that computed it.
 """
 from __future__ import annotations
 
@@ -22,7 +30,8 @@ def block_hash(parent: bytes | None, tokens: list[int]) -> bytes:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool,
+                 num_window_blocks: int = 0) -> None:
         self.num_blocks, self.block_size = num_blocks, block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.ref_counts = [0] * num_blocks
@@ -30,6 +39,12 @@ class BlockManager:
         self.cached: dict[bytes, int] = {}                             # key -> block id
         self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))   # LRU first
         self.hits = self.queries = 0                                   # prefix-cache statistics (tokens)
+        # windowed (int8/int4) caches: the window block of each open block, and which blocks are sealed
+        self.num_window_blocks = num_window_blocks
+        self.windowed = num_window_blocks > 0
+        self.window_of = [-1] * num_blocks if self.windowed else []
+        self.sealed = [False] * num_blocks if self.windowed else []
+        self.free_window = list(range(num_window_blocks - 1, -1, -1))   # a stack: lowest first
 
     @property
     def num_free_blocks(self) -> int:
@@ -52,15 +67,68 @@ class BlockManager:
                 del self.cached[key]
             self.block_keys[block] = None
         self.ref_counts[block] = 1
+        if self.windowed:
+            self.sealed[block] = False
         return block
 
-    def allocate(self, seq: Sequence, num_tokens: int) -> bool:
-        """Make ``seq.block_table`` cover its first ``num_tokens`` tokens; False (and no change) if the pool is short."""
+    def allocate(self, seq: Sequence, num_tokens: int, num_final: int | None = None) -> bool:
+        """Make ``seq.block_table`` cover its first ``num_tokens`` tokens; False (and no change) if the pool is short.
+        ``num_final``: how many of them will be final after the step (the rest are draft nodes; default all): in a
+        windowed cache every block past the last one they fill needs a window block."""
         need = self.blocks_needed(seq, num_tokens)
         if need > len(self.free):
             return False
+        if self.windowed:
+            first_open = (num_tokens if num_final is None else num_final) // self.block_size
+            total = len(seq.block_table) + need
+            missing = [i for i in range(first_open, total)
+                       if i >= len(seq.block_table) or self.window_of[seq.block_table[i]] < 0]
+            if len(missing) > len(self.free_window):
+                return False
         seq.block_table.extend(self._pop_free() for _ in range(need))
+        if self.windowed:
+            for i in missing:
+                self.window_of[seq.block_table[i]] = self.free_window.pop()
         return True
+
+    def seal(self, seq: Sequence, num_final: int) -> tuple[int, ...]:
+        """Windowed caches: seal the blocks that the first ``num_final`` tokens fill and that are not sealed yet;
+        returns their window blocks in table order (-1: a block whose tokens are all in this step). The window
+        blocks go back to the window at once: nothing reuses them before the step that seals them has run."""
+        if not self.windowed:
+            return ()
+        i = min(num_final // self.block_size, len(seq.block_table))
+        first = i
+        while first > 0 and not self.sealed[seq.block_table[first - 1]]:
+            first -= 1
+        out = []
+        for block in seq.block_table[first:i]:
+            self.sealed[block] = True
+            w = self.window_of[block]
+            out.append(w)
+            if w >= 0:
+                self.window_of[block] = -1
+                self.free_window.append(w)
+        return tuple(out)
+
+    def open_window(self, seq: Sequence) -> tuple[int, ...]:
+        """Windowed caches: the window blocks of the sequence's open blocks (the trailing ones, in table order)."""
+        if not self.windowed:
+            return ()
+        table = seq.block_table
+        i = len(table)
+        while i > 0 and self.window_of[table[i - 1]] >= 0:
+            i -= 1
+        return tuple(self.window_of[b] for b in table[i:])
+
+    def kv_slot(self, block: int, offset: int) -> int:
+        """Where the KV of (block, offset) can be copied (``KVCache.copy_slots``): its pool slot, or in a windowed
+        cache its window slot (only open blocks are ever copied)."""
+        if not self.windowed:
+            return block * self.block_size + offset
+        w = self.window_of[block]
+        assert w >= 0, f"block {block} is sealed: its KV cannot move"
+        return w * self.block_size + offset
 
     def free_seq(self, seq: Sequence) -> None:
         """Release all of a sequence's blocks; the tail goes to the LRU end first, so prefixes live longest."""
@@ -72,6 +140,9 @@ class BlockManager:
         self.ref_counts[block] -= 1
         if self.ref_counts[block] == 0:
             self.free[block] = None
+            if self.windowed and self.window_of[block] >= 0:      # abandoned while open
+                self.free_window.append(self.window_of[block])
+                self.window_of[block] = -1
             if self.block_keys[block] is None:    # nothing worth keeping: hand it out first
                 self.free.move_to_end(block, last=False)
 
@@ -113,6 +184,8 @@ class BlockManager:
         limit = min(num_computed, seq.num_tokens) // bs
         while len(seq.block_hashes) < limit:
             i = len(seq.block_hashes)
+            if self.windowed and not self.sealed[seq.block_table[i]]:
+                break                             # keyed once sealed (its next step), so a hit reads it quantized
             key = block_hash(seq.block_hashes[-1] if seq.block_hashes else None, seq.token_ids[i * bs:(i + 1) * bs])
             seq.block_hashes.append(key)
             block = seq.block_table[i]

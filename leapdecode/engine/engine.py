@@ -92,7 +92,8 @@ class Engine:
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = eos
-        self.block_manager = BlockManager(self.runner.num_blocks, cfg.block_size, cfg.enable_prefix_caching)
+        self.block_manager = BlockManager(self.runner.num_blocks, cfg.block_size, cfg.enable_prefix_caching,
+                                          self.runner.num_window_blocks)
         self.structured = StructuredOutput(self.tokenizer, eos, cfg.grammar_cache_size)
         self.stops = StopChecker(eos, self.max_model_len, grammar=self._grammar_verdict, text=self._stop_string)
         self.scheduler = Scheduler(self.block_manager, cfg.max_num_batched_tokens, cfg.max_num_seqs, self.stops)
@@ -221,6 +222,10 @@ class Engine:
             raise InvalidParameter(f"beam_width={params.beam_width} beams of up to {max_new} tokens after a "
                                    f"{len(ids)}-token prompt may need {worst} KV blocks; the cache has "
                                    f"{self.block_manager.num_blocks}", param="beam_width")
+        if self.block_manager.windowed and params.beam_width > self.block_manager.num_window_blocks:
+            raise InvalidParameter(f"beam_width={params.beam_width} beams need as many open blocks; the int8/int4 "
+                                   f"KV cache's full-precision window holds {self.block_manager.num_window_blocks} "
+                                   "(raise max_num_seqs or kv_cache_memory)", param="beam_width")
         seq = Sequence(request_id, 0, ids, SamplingParams())
         search = self.beams.add(request_id, params, seq, self.eos_token_ids, max_new)
         seq.params = beam_sampling_params(search)

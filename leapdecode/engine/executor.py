@@ -23,6 +23,11 @@ from leapdecode.model.config import ModelConfig
 
 class Executor(Protocol):
     num_blocks: int                      # KV blocks the executor's cache holds (the block manager's pool size)
+    num_window_blocks: int               # full-precision blocks of a quantized cache's open window (0: none)
+    num_window_blocks: int               # full-precision blocks for open blocks (int8/int4 KV caches), else 0
+
+    def kv_cache_info(self) -> dict:
+        """The KV cache's format, block count and sizes (``LLM.kv_cache_info``)."""
 
     def prepare(self, plan: StepPlan) -> ForwardBatch:
         """Write the plan's inputs into the executor's buffers (may run while the previous step executes)."""

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Callable
 import torch
 
 from leapdecode.attention.backend import get_backend
-from leapdecode.attention.kv_cache import KVCache
+from leapdecode.attention.kv_cache import KVCache, KVLayout
 from leapdecode.config import EngineConfig
 from leapdecode.distributed.parallel_state import SINGLE, ParallelState
 from leapdecode.engine.input_batch import ForwardBatch, InputBuffers
@@ -48,46 +48,92 @@ class ModelRunner:
         self.backend = get_backend(cfg.attention_backend, self.device, _sparse_attention(cfg, model_cfg))
         self.model = load_model(cfg.model, model_cfg, self.backend, dtype, self.device, max_model_len, tp)
         c = self._kv_view = replace(model_cfg, num_kv_heads=head_shard(model_cfg, tp).num_kv_heads)
-        self.num_blocks = self._num_blocks(max_model_len)
-        if agree_blocks is not None:
-            self.num_blocks = agree_blocks(self.num_blocks)
+        self.kv_layout = KVLayout(cfg.kv_cache_dtype, c.num_layers, self.block_size, c.num_kv_heads, c.head_dim,
+                                  dtype, cfg.kv_cache_salient_tokens)
         # blocks past the block manager's pool, written only by a drafter that runs the target itself
         # (spec/layer_skip.py), so draft KV never lands in a slot the target owns
         self.num_scratch_blocks = _scratch_blocks(cfg)
+        self._check_kv_format()
+        self.num_blocks, self.num_window_blocks = self._num_blocks(max_model_len)
+        if agree_blocks is not None:
+            self.num_blocks = agree_blocks(self.num_blocks)
         self.kv_cache = KVCache(c.num_layers, self.num_blocks + self.num_scratch_blocks, self.block_size,
-                                c.num_kv_heads, c.head_dim, dtype, self.device)
+                                c.num_kv_heads, c.head_dim, dtype, self.device, cfg.kv_cache_dtype,
+                                self.num_window_blocks, cfg.kv_cache_salient_tokens)
         for i, layer in enumerate(self.model.layers):
             layer.self_attn.kv_cache = self.kv_cache.layer(i)
-        self.buffers = InputBuffers(self.device)
+        self.buffers = InputBuffers(self.device, windowed=self.kv_layout.windowed)
         self.pad = cfg.pad_to_buckets if cfg.pad_to_buckets is not None else self.device.type == "cuda"
 
     @property
     def kv_bytes_per_block(self) -> int:
-        c = self._kv_view           # this rank's KV heads: under tensor parallelism a block is 1/N as large
-        return KVCache.bytes_per_block(c.num_layers, self.block_size, c.num_kv_heads, c.head_dim, self.dtype)
+        """A pool block's real size (quantized codes and their scales for a lossy ``kv_cache_dtype``)."""
+        return self.kv_layout.bytes_per_block
 
-    def _num_blocks(self, max_model_len: int) -> int:
+    def _check_kv_format(self) -> None:
+        fmt = self.kv_layout.kv_cache_dtype
+        if fmt not in self.backend.kv_cache_dtypes:
+            raise ValueError(f"kv_cache_dtype={fmt!r} is read by the torch attention backend only (dequantization "
+                             f"is not fused into the {self.backend.name} kernels yet): use attention_backend='torch'")
+        if self.kv_layout.windowed and self.num_scratch_blocks:
+            raise ValueError(f"kv_cache_dtype={fmt!r} does not work with layer_skip speculation (its draft KV is "
+                             "written past the pool, outside the full-precision window): use fp8 or auto")
+
+    def _window_wanted(self) -> tuple[int, int]:
+        """int8/int4: (window blocks for every sequence's open blocks, the fewest one sequence needs): a sequence
+        has one partial block open, plus those its draft tokens reach."""
+        if not self.kv_layout.windowed:
+            return 0, 0
+        spec = self.cfg.speculative_config
+        k = spec.num_speculative_tokens if spec is not None else 0
+        per_seq = 1 + -(-k // self.block_size)
+        return self.cfg.max_num_seqs * per_seq, per_seq
+
+    def _num_blocks(self, max_model_len: int) -> tuple[int, int]:
+        """(pool blocks, full-precision window blocks). A windowed cache gives its window at most a quarter of the
+        budget; the pool gets the rest at its real (quantized) block size."""
+        want, least = self._window_wanted()
+        window_bytes = self.kv_layout.window_bytes_per_block
         if self.cfg.num_kv_blocks is not None:
             blocks = self.cfg.num_kv_blocks
+            window = min(want, max(least, blocks))
         else:
             budget = self.cfg.kv_cache_memory
             if budget is None:
-                budget = self._default_kv_budget(max_model_len)
-            blocks = budget // self.kv_bytes_per_block
+                budget = self._default_kv_budget(max_model_len, want)
+            window = min(want, max(least, budget // (4 * window_bytes)))
+            blocks = max(0, budget - window * window_bytes) // self.kv_bytes_per_block
         need = -(-max_model_len // self.block_size)
         if blocks < need:
             raise ValueError(
                 f"the KV cache ({blocks} blocks of {self.block_size} tokens) cannot hold one sequence of "
                 f"max_model_len={max_model_len} tokens ({need} blocks): raise kv_cache_memory or lower max_model_len")
-        return blocks
+        return blocks, window
 
-    def _default_kv_budget(self, max_model_len: int) -> int:
-        """CUDA: 90% of what is free after the weights; CPU: room for max_num_seqs full sequences, at most 2 GiB."""
+    def _default_kv_budget(self, max_model_len: int, window: int = 0) -> int:
+        """CUDA: 90% of what is free after the weights; CPU: room for max_num_seqs full sequences (and their open
+        blocks' window), at most 2 GiB."""
         if self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
             return int(free * 0.9)
-        want = self.cfg.max_num_seqs * max_model_len // self.block_size * self.kv_bytes_per_block
-        return max(min(want, CPU_KV_CAP), -(-max_model_len // self.block_size) * self.kv_bytes_per_block)
+        window_bytes = window * self.kv_layout.window_bytes_per_block
+        want = self.cfg.max_num_seqs * max_model_len // self.block_size * self.kv_bytes_per_block + window_bytes
+        return max(min(want, CPU_KV_CAP),
+                   -(-max_model_len // self.block_size) * self.kv_bytes_per_block + window_bytes)
+
+    def kv_cache_info(self) -> dict:
+        """What the KV cache holds and costs (see ``LLM.kv_cache_info``)."""
+        lay = self.kv_layout
+        full = lay.window_bytes_per_block
+        return {
+            "dtype": lay.storage, "kv_cache_dtype": lay.kv_cache_dtype, "lossy": lay.lossy,
+            "num_blocks": self.num_blocks, "block_size": self.block_size, "max_tokens": self.num_blocks * self.block_size,
+            "bytes_per_block": lay.bytes_per_block, "bytes_per_token": lay.bytes_per_block / self.block_size,
+            "full_precision_bytes_per_token": full / self.block_size, "compression": full / lay.bytes_per_block,
+            "num_window_blocks": self.num_window_blocks, "window_bytes": self.num_window_blocks * full,
+            "total_bytes": self.num_blocks * lay.bytes_per_block + self.num_window_blocks * full,
+            "salient_tokens_per_block": lay.num_salient,
+        }
 
     # -- one step ----------------------------------------------------------------------------------------------
     def prepare(self, plan: StepPlan) -> ForwardBatch:

@@ -92,7 +92,8 @@ class Scheduler:
             if owed <= 0:
                 continue
             n = min(owed, budget)
-            while not self.bm.allocate(seq, seq.num_computed_tokens + n):
+            final = seq.num_computed_tokens + min(n, owed - len(draft))     # draft nodes are not final
+            while not self.bm.allocate(seq, seq.num_computed_tokens + n, final):
                 victim = self._youngest_unscheduled(taken) or seq
                 self._preempt(victim)
                 preempted.append(victim.seq_id)
@@ -148,8 +149,10 @@ class Scheduler:
             plp = (seq.params.prompt_logprobs is not None and start < seq.num_prompt_tokens
                    and len(seq.prompt_logprobs) < seq.num_prompt_tokens)
             n_logits = n if plp else sampled
+            sealing = self.bm.seal(seq, start + known)     # int8/int4 KV: blocks this step completes are quantized
             planned.append(ScheduledSeq(seq.seq_id, start, tuple(ids) + draft.tokens if d else tuple(ids),
-                                        tuple(seq.block_table), draft, sampled > 0, plp, logits, n_logits, samples))
+                                        tuple(seq.block_table), draft, sampled > 0, plp, logits, n_logits, samples,
+                                        self.bm.open_window(seq), sealing))
             offset += n
             logits += n_logits
             samples += sampled
@@ -263,7 +266,7 @@ class Scheduler:
         base, bs = c.start + c.num_committed, self.bm.block_size
 
         def slot(i: int) -> int:
-            return c.block_table[i // bs] * bs + i % bs
+            return self.bm.kv_slot(c.block_table[i // bs], i % bs)
 
         self._kv_moves += [(slot(base + i), slot(base + j)) for j, i in enumerate(accepted)]
 
@@ -291,7 +294,7 @@ class Scheduler:
         full, tail = divmod(computed, bs)
         child.num_computed_tokens = self.bm.share_prefix(parent, child, full)
         if tail and self.bm.allocate(child, computed):
-            src, dst = parent.block_table[full] * bs, child.block_table[full] * bs
+            src, dst = self.bm.kv_slot(parent.block_table[full], 0), self.bm.kv_slot(child.block_table[full], 0)
             self._kv_moves += [(src + i, dst + i) for i in range(tail)]
             child.num_computed_tokens = computed
         child.status = SequenceStatus.RUNNING

@@ -32,6 +32,8 @@ class ScheduledSeq:
     logits_start: int = 0
     num_logits: int = 0
     sample_start: int = 0
+    kv_window: tuple[int, ...] = ()   # int8/int4 KV: window blocks of the table's trailing open blocks
+    kv_sealing: tuple[int, ...] = ()  # ... and of the blocks just before them, which this step seals (-1: none)
 
     @property
     def num_new_tokens(self) -> int:
@@ -92,7 +94,7 @@ def lay_out(step_id: int, block_size: int, chunks: list[ScheduledSeq], **extra) 
     for c in chunks:
         n_logits = c.num_new_tokens if c.prompt_logprobs else c.num_samples
         seqs.append(ScheduledSeq(c.seq_id, c.start, c.token_ids, c.block_table, c.draft, c.samples,
-                                 c.prompt_logprobs, logits, n_logits, samples))
+                                 c.prompt_logprobs, logits, n_logits, samples, c.kv_window, c.kv_sealing))
         logits += n_logits
         samples += c.num_samples
     return StepPlan(step_id, tuple(seqs), block_size, logits, samples, **extra)

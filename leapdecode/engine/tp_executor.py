@@ -137,6 +137,7 @@ class TensorParallelExecutor:
             self._group.shutdown(graceful=False)
             raise
         self.num_blocks = self.runner.num_blocks
+        self.num_window_blocks = self.runner.num_window_blocks
 
     # -- the executor protocol ---------------------------------------------------------------------------------
     def prepare(self, plan: StepPlan) -> ForwardBatch:

@@ -34,7 +34,8 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.rope, self.backend = rope, backend
         self.scale = self.head_dim ** -0.5
-        self.kv_cache: torch.Tensor | None = None   # [2, blocks, block_size, Hkv, D], bound by the model runner
+        # [2, blocks, block_size, Hkv, D] (or a quantized cache's layer view, see kv_cache.py), bound by the runner
+        self.kv_cache: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)

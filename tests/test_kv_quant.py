@@ -1,0 +1,475 @@
+"""The quantized KV cache (``kv_cache_dtype``: fp8, int8, int4; lossy, opt-in): round-trip error bounds against
+float64, the integer codes bit-exact against a reference quantizer written here from the equations, attention
+through the backend against a reference that dequantizes the same blocks (and against full precision within stated
+tolerances), the block manager's window bookkeeping, and the engine end to end: "auto" unchanged, more blocks in
+the same memory, prefix-cache hits equal to misses, no block or window leak."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import OracleDrafter, assert_pool_free, make_llm
+from leapdecode import SamplingParams
+from leapdecode.attention import kv_quant as kq
+from leapdecode.attention.kv_cache import KVCache, KVLayout
+from leapdecode.attention.torch_ref import TorchAttention
+from leapdecode.engine.block_manager import BlockManager
+from leapdecode.engine.input_batch import InputBuffers
+from leapdecode.engine.sequence import Sequence
+from leapdecode.engine.step import ScheduledSeq, lay_out
+
+F16, F32 = np.float16, np.float32
+GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+
+
+# -- the reference quantizer, from the equations in kv_quant's docstring --------------------------------------------
+def ref_grid(lo: np.ndarray, hi: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """float16 zero <= lo (rounded down), float16 step >= (hi - zero) / 255 (rounded up, at least 2^-24)."""
+    lo = np.clip(lo.astype(F32), -65504, 65504)
+    hi = np.clip(hi.astype(F32), -65504, 65504)
+    z = lo.astype(F16)
+    z = np.where(z.astype(F32) > lo, np.nextafter(z, F16(-np.inf)), z)
+    s = np.maximum((hi - z.astype(F32)) / F32(255), F32(2.0 ** -24)).astype(F32)
+    s16 = s.astype(F16)
+    s16 = np.where(s16.astype(F32) < s, np.nextafter(s16, F16(np.inf)), s16)
+    return z, s16
+
+
+def ref_codes(x: np.ndarray, z: np.ndarray, s: np.ndarray, bits: int) -> np.ndarray:
+    """8 bits: u = round((x - z) / s) in [0, 255]; 4 bits: q = round((x - z) / 17 s) in [0, 15] (float32)."""
+    step = s.astype(F32) if bits == 8 else F32(17) * s.astype(F32)
+    top = 255 if bits == 8 else 15
+    return np.clip(np.rint((x.astype(F32) - z.astype(F32)) / step), 0, top).astype(np.uint8)
+
+
+def ref_block(x: np.ndarray, keys: bool, bits: int, salient: np.ndarray | None = None):
+    """A tile [S, bs, H, D] -> (zero, step, units on the 255-level grid): keys per channel, values per token."""
+    axis = 1 if keys else 3
+    z, s = ref_grid(x.min(axis=axis, keepdims=True), x.max(axis=axis, keepdims=True))
+    units = ref_codes(x, z, s, bits).astype(np.int64) * (1 if bits == 8 else 17)
+    if salient is not None:                               # [S, n, H] offsets keep 8-bit units
+        for si, ti, hi in np.ndindex(*salient.shape):
+            t = salient[si, ti, hi]
+            zz = z[si, 0 if keys else t, hi]
+            ss = s[si, 0 if keys else t, hi]
+            units[si, t, hi] = ref_codes(x[si, t, hi], zz, ss, 8)
+    return z, s, units
+
+
+def dequant(z, s, units) -> np.ndarray:
+    return z.astype(F32) + s.astype(F32) * units.astype(F32)
+
+
+def tile(seed: int, shape=(5, 16, 3, 8), outlier_channel: bool = True) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=g) * torch.rand(shape[:1] + (1, 1, 1), generator=g) * 4
+    if outlier_channel:
+        x[..., 2] = x[..., 2] * 20 + 7                   # a key outlier channel with an offset (KIVI's observation)
+    return x
+
+
+# -- round trips ----------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("keys", [True, False])
+@pytest.mark.parametrize("bits", [8, 4])
+def test_int_codes_bit_exact_and_within_half_a_step(keys, bits):
+    x = tile(1 + bits + keys)
+    z, s = kq.key_grid(x) if keys else kq.value_grid(x)
+    codes = kq.encode_units(x, z, s, bits)
+    rz, rs, runits = ref_block(x.numpy(), keys, bits)
+    assert np.array_equal(z.numpy(), rz) and np.array_equal(s.numpy(), rs)
+    assert np.array_equal(codes.numpy().astype(np.int64) * (1 if bits == 8 else 17), runits)
+    # every value within half a step of its code (float64 reference); step = s (int8) or 17 s (int4)
+    back = kq.decode_units(codes.to(torch.int16) * (1 if bits == 8 else 17), z, s).double()
+    step = s.double() * (1 if bits == 8 else 17)
+    ratio = ((back - x.double()).abs() / step).max().item()
+    assert ratio <= 0.5 + 1e-4, ratio
+    # the grid covers [min, max] of its group, so nothing is clamped
+    lo, hi = (x.amin(1, True), x.amax(1, True)) if keys else (x.amin(-1, True), x.amax(-1, True))
+    assert (z.float() <= lo).all() and (z.float() + 255 * s.float() >= hi - 1e-6 * hi.abs()).all()
+
+
+def test_int4_salient_tokens_keep_8_bits():
+    x = tile(7)
+    g = torch.Generator().manual_seed(3)
+    salient = torch.stack([torch.randperm(16, generator=g)[:3].sort().values for _ in range(5 * 3)])
+    salient = salient.view(5, 3, 3).transpose(1, 2).to(torch.uint8)          # [S, n, H]
+    for keys in (True, False):
+        z, s = kq.key_grid(x) if keys else kq.value_grid(x)
+        codes, residual = kq.encode_int4(x, z, s, salient)
+        units = kq.int4_units(codes, residual, salient)
+        _, _, runits = ref_block(x.numpy(), keys, 4, salient.numpy())
+        assert np.array_equal(units.numpy().astype(np.int64), runits)
+        err = (kq.decode_units(units, z, s).double() - x.double()).abs() / s.double()
+        is_sal = torch.zeros(5, 16, 3, dtype=torch.bool).scatter_(1, salient.long(), True)
+        assert err[is_sal].max() <= 0.5 + 1e-4                # salient: half a fine step
+        assert err[~is_sal].max() <= 8.5 + 1e-3               # the rest: half an int4 step (17 / 2)
+        assert err[~is_sal].max() > 1.0                       # (and they really are int4)
+
+
+def test_nibbles_round_trip():
+    codes = torch.randint(0, 16, (4, 5, 6), dtype=torch.uint8)
+    packed = kq.pack_nibbles(codes)
+    assert packed.shape == (4, 5, 3) and torch.equal(kq.unpack_nibbles(packed), codes)
+
+
+def test_fp8_error_bounds_against_float64():
+    """Per (token, head) scale s >= amax / 448 (float16): nothing saturates; values >= s * 2^-6 (normal e4m3) are
+    within 2^-4 relative, smaller ones within s * 2^-10 absolute."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 4, 32, generator=g, dtype=torch.float64) * torch.logspace(-5, 4, 32, dtype=torch.float64)
+    x[3, 1, 5] = 1e5                                          # far beyond 448: the scale moves, no saturation
+    s = kq.fp8_scale(x.float())
+    assert s.dtype == torch.float16 and (s.double() * 448 >= x.abs().amax(-1)).all()
+    assert (s.double() * 448 <= x.abs().amax(-1) * (1 + 2 ** -10)).all()
+    back = kq.fp8_decode(kq.fp8_encode(x.float(), s), s, torch.float32).double()
+    a, sd = x.abs(), s.double()[..., None]
+    normal = a >= sd * 2 ** -6
+    assert ((back - x).abs() <= 2 ** -4 * a)[normal].all()
+    assert ((back - x).abs() <= sd * 2 ** -10)[~normal].all()
+    assert back[3, 1, 5].item() == pytest.approx(1e5, rel=2 ** -4)
+
+
+def test_saliency_is_normalized_attention():
+    """normalized_attention against a float64 loop: probe p sees keys <= p; score = attention received / number of
+    probes that see the key, averaged over the query heads of the kv head."""
+    g = torch.Generator().manual_seed(5)
+    S, bs, Hq, Hkv, D = 3, 8, 4, 2, 16
+    q, k = torch.randn(S, bs, Hq, D, generator=g), torch.randn(S, bs, Hkv, D, generator=g)
+    valid = torch.rand(S, bs, generator=g) > 0.4
+    valid[0] = False
+    valid[0, bs - 1] = True                               # one probe only, seeing the whole block
+    got = kq.normalized_attention(q, k, valid, 0.25)
+    want = torch.zeros(S, Hkv, bs, dtype=torch.float64)
+    for s in range(S):
+        for h in range(Hq):
+            kv = h // (Hq // Hkv)
+            recv, cnt = torch.zeros(bs, dtype=torch.float64), torch.zeros(bs)
+            for p in range(bs):
+                if valid[s, p]:
+                    w = torch.softmax((k[s, :p + 1, kv].double() @ q[s, p, h].double()) * 0.25, 0)
+                    recv[:p + 1] += w
+                    cnt[:p + 1] += 1
+            want[s, kv] += recv / cnt.clamp(min=1) / (Hq // Hkv)
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-6)
+    top = kq.top_salient(got, 3)
+    assert top.shape == (S, 3, Hkv)
+    for s in range(S):
+        for h in range(Hkv):
+            assert sorted(torch.argsort(-want[s, h], stable=True)[:3].tolist()) == top[s, :, h].tolist()
+
+
+def test_layout_bytes():
+    lay = dict(num_layers=2, block_size=16, num_kv_heads=2, head_dim=16, dtype=torch.float32)
+    full = 2 * 2 * 16 * 2 * 16 * 4
+    assert KVLayout("auto", **lay).bytes_per_block == full == KVCache.bytes_per_block(2, 16, 2, 16, torch.float32)
+    assert KVLayout("fp8", **lay).bytes_per_block == full // 4 + 2 * 2 * 16 * 2 * 2      # + float16 token scales
+    # int8: codes + float16 (zero, step) per key channel and per value token, in every layer
+    assert KVLayout("int8", **lay).bytes_per_block == 2 * (2 * 16 * 2 * 16 + 2 * 2 * 16 * 2 + 2 * 16 * 2 * 2)
+    assert KVLayout("int4", **lay).bytes_per_block == 2 * (16 * 2 * 16 + 2 * 2 * 16 * 2 + 2 * 16 * 2 * 2)
+    assert (KVLayout("int4", **lay, num_salient=2).bytes_per_block
+            == KVLayout("int4", **lay).bytes_per_block + 2 * (2 * 2 + 2 * 2 * 2 * 16 // 2))
+
+
+# -- attention through the backend: block manager + input builder + torch backend, one layer --------------------
+class Harness:
+    """One attention layer over a (quantized) paged cache, driven like the scheduler drives it, beside a reference
+    that keeps every token's full-precision K/V and dequantizes, with the reference quantizer, exactly the blocks
+    that must be read quantized (those whose tokens are all final in the query's step)."""
+    BS, HKV, HQ, D, SCALE = 4, 2, 4, 8, 8 ** -0.5
+
+    def __init__(self, fmt: str, salient: int = 0, blocks: int = 24, window: int = 6) -> None:
+        cpu = torch.device("cpu")
+        self.fmt = fmt
+        self.cache = KVCache(1, blocks, self.BS, self.HKV, self.D, torch.float32, cpu, fmt, window, salient)
+        self.layer = self.cache.layer(0)
+        windowed = self.cache.layout.windowed
+        self.bm = BlockManager(blocks, self.BS, True, window if windowed else 0)
+        self.buffers = InputBuffers(cpu, windowed=windowed)
+        self.backend = TorchAttention()
+        self.kv: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}     # seq_id -> full-precision K/V
+        self.g = torch.Generator().manual_seed(11)
+        self.err_fp = 0.0                                                     # max |out - full precision|
+
+    def seq(self) -> Sequence:
+        s = Sequence("h", 0, [1], SamplingParams())
+        self.kv[s.seq_id] = []
+        return s
+
+    def step(self, work: list[tuple[Sequence, int, int]]) -> None:
+        """work: (sequence, tokens, of which trailing draft tokens); checks every query row."""
+        chunks, finals = [], []
+        for seq, n, d in work:
+            start = seq.num_computed_tokens
+            assert self.bm.allocate(seq, start + n, start + n - d)
+            sealing = self.bm.seal(seq, start + n - d)
+            chunks.append(ScheduledSeq(seq.seq_id, start, (0,) * n, tuple(seq.block_table), samples=True,
+                                       kv_window=self.bm.open_window(seq), kv_sealing=sealing))
+            finals.append(start + n - d)
+        plan = lay_out(0, self.BS, chunks)
+        meta = self.buffers.build(plan, None).meta
+        T = plan.num_tokens
+        q = torch.randn(T, self.HQ, self.D, generator=self.g)
+        k = torch.randn(T, self.HKV, self.D, generator=self.g) * 2
+        k[..., 1] += 5                                                        # an offset channel
+        v = torch.randn(T, self.HKV, self.D, generator=self.g)
+        self.backend.plan(meta)
+        self.backend.write_kv(k, v, self.layer, meta)
+        out = self.backend.attend(q, self.layer, meta, self.SCALE)
+        row = 0
+        for (seq, n, d), c, final in zip(work, chunks, finals):
+            hist = self.kv[seq.seq_id]
+            del hist[c.start:]
+            hist += [(k[row + j], v[row + j]) for j in range(n)]
+            K, V = torch.stack([h[0] for h in hist]), torch.stack([h[1] for h in hist])
+            Kq, Vq = self.reference_read(seq, K, V, final)
+            for j in range(n):
+                p = c.start + j
+                want = self.attend(q[row + j], Kq[:p + 1], Vq[:p + 1])
+                torch.testing.assert_close(out[row + j], want, rtol=1e-5, atol=1e-5)
+                full = self.attend(q[row + j], K[:p + 1], V[:p + 1])
+                self.err_fp = max(self.err_fp, (out[row + j] - full).abs().max().item())
+            seq.num_computed_tokens += n
+            row += n
+
+    def reference_read(self, seq: Sequence, K: torch.Tensor, V: torch.Tensor, final: int):
+        if self.fmt == "auto":
+            return K, V
+        if self.fmt == "fp8":
+            return tuple(kq.fp8_decode(kq.fp8_encode(x, kq.fp8_scale(x)), kq.fp8_scale(x), torch.float32)
+                         for x in (K, V))
+        Kq, Vq = K.clone(), V.clone()
+        bits = 8 if self.fmt == "int8" else 4
+        for b in range(final // self.BS):                                     # blocks whose tokens are all final
+            sl = slice(b * self.BS, (b + 1) * self.BS)
+            block = seq.block_table[b]
+            sal = None
+            if self.cache.layout.num_salient:
+                sal = self.cache.salient[0][block][None].numpy()
+            for src, dst, keys in ((K, Kq, True), (V, Vq, False)):
+                z, s, u = ref_block(src[sl][None].numpy(), keys, bits, sal)
+                dst[sl] = torch.from_numpy(dequant(z, s, u)[0])
+        return Kq, Vq
+
+    def attend(self, q: torch.Tensor, K: torch.Tensor, V: torch.Tensor) -> torch.Tensor:
+        rep = self.HQ // self.HKV
+        return F.scaled_dot_product_attention(q[:, None], K.repeat_interleave(rep, 1).transpose(0, 1),
+                                              V.repeat_interleave(rep, 1).transpose(0, 1), scale=self.SCALE)[:, 0]
+
+    def move(self, seq: Sequence, pairs: list[tuple[int, int]], dst_seq: Sequence | None = None) -> None:
+        """KV moves by position (tree compaction, or a fork's partial block into ``dst_seq``), as the scheduler
+        emits them: ``BlockManager.kv_slot`` addresses, applied by ``KVCache.copy_slots``."""
+        dst_seq = dst_seq or seq
+        bs = self.BS
+        src = [self.bm.kv_slot(seq.block_table[i // bs], i % bs) for i, _ in pairs]
+        dst = [self.bm.kv_slot(dst_seq.block_table[j // bs], j % bs) for _, j in pairs]
+        self.cache.copy_slots(torch.tensor(src), torch.tensor(dst))
+        a, b = self.kv[seq.seq_id], self.kv[dst_seq.seq_id]
+        moved = {j: a[i] for i, j in pairs}
+        for j, kv in moved.items():
+            b[j] = kv
+
+
+@pytest.mark.parametrize("fmt,salient,tol", [("auto", 0, 1e-5), ("fp8", 0, 0.2), ("int8", 0, 0.02),
+                                             ("int4", 0, 0.15), ("int4", 1, 0.15)])
+def test_attention_with_a_quantized_cache(fmt, salient, tol):
+    """Prefill chunks that fill blocks (sealed in their own step) and leave half-full ones (the window), decodes
+    that complete a window block, draft tokens that are not final (their block stays open), a tree compaction,
+    a block completed by accepted drafts (sealed the next step with no token of it in the step), and a beam-style
+    fork that copies a partial block: every row equals attention over the reference-dequantized KV, and is within
+    ``tol`` (absolute, values ~ N(0, 1)) of full precision."""
+    h = Harness(fmt, salient)
+    A, B = h.seq(), h.seq()
+    h.step([(A, 10, 0), (B, 3, 0)])           # A: blocks 0, 1 sealed in this step, block 2 half full; B: open
+    h.step([(A, 1, 0), (B, 2, 0)])            # B's block 0 completes: sealed from the window plus this step
+    h.step([(A, 5, 4), (B, 1, 0)])            # A: pos 11 completes block 2; 12..15 are drafts (block 3 open)
+    h.move(A, [(14, 13), (15, 14)])           # a tree: nodes at 12, 14, 15 accepted, 13 was a rejected sibling
+    A.num_computed_tokens = 15
+    h.step([(A, 2, 1)])                       # pos 15 completes block 3 (sealed), 16 is a draft
+    h.step([(A, 4, 3), (B, 1, 0)])            # pos 16 final; 17..19 drafts fill block 4 ...
+    h.step([(A, 1, 0)])                       # ... all accepted: block 4 seals with none of its tokens in this step
+    C = h.seq()                               # a fork of A: shares its 5 full blocks, copies the partial 6th
+    C.num_computed_tokens = h.bm.share_prefix(A, C, 5)
+    assert h.bm.allocate(C, 21)
+    h.kv[C.seq_id] = list(h.kv[A.seq_id])
+    h.move(A, [(20, 20)], dst_seq=C)
+    C.num_computed_tokens = 21
+    h.step([(A, 1, 0), (C, 3, 0), (B, 1, 0)])
+    print(f"{fmt} salient={salient}: max |attention - full precision| = {h.err_fp:.4f}")
+    assert h.err_fp <= tol, h.err_fp
+    for s in (A, B, C):
+        h.bm.free_seq(s)
+    assert h.bm.num_free_blocks == h.bm.num_blocks
+    assert len(h.bm.free_window) == h.bm.num_window_blocks
+
+
+# -- the engine end to end on the tiny model ----------------------------------------------------------------------
+MEMORY = 512 * 1024            # 64 float32 blocks of the tiny llama (2 layers, 2 kv heads, head_dim 16, 16 tokens)
+
+
+def prompts_(n: int, seed: int, lo: int = 8, hi: int = 60) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(5, 380, (int(m),), generator=g).tolist() for m in torch.randint(lo, hi, (n,), generator=g)]
+
+
+def tokens(outs) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def assert_window_free(llm) -> None:
+    bm = llm.engine.block_manager
+    assert len(bm.free_window) == bm.num_window_blocks and all(w < 0 for w in bm.window_of)
+
+
+@pytest.fixture(scope="module")
+def reference(llama_dir):
+    """Full-precision greedy outputs (kv_cache_dtype left at its default) and their LLM."""
+    llm = make_llm(llama_dir, kv_cache_memory=MEMORY)
+    prompts = prompts_(6, seed=0)
+    return llm, prompts, tokens(llm.generate(prompts, GREEDY, use_tqdm=False))
+
+
+def test_auto_is_todays_cache(llama_dir, reference):
+    """kv_cache_dtype="auto": the same pool (blocks = memory // a float32 block), no window, the same greedy
+    tokens as the default, which are transformers' own."""
+    import transformers
+    base, prompts, ref = reference
+    llm = make_llm(llama_dir, kv_cache_memory=MEMORY, kv_cache_dtype="auto")
+    assert tokens(llm.generate(prompts, GREEDY, use_tqdm=False)) == ref
+    full = 2 * 2 * 16 * 2 * 16 * 4
+    for x in (base, llm):
+        info = x.kv_cache_info()
+        assert info["num_blocks"] == MEMORY // full == x.engine.block_manager.num_blocks == 64
+        assert info["bytes_per_token"] == full / 16 and info["dtype"] == "float32" and info["lossy"] is False
+        assert info["num_window_blocks"] == 0 and not x.engine.block_manager.windowed
+        assert x.engine.runner.kv_cache.data.dtype == torch.float32
+    model = transformers.AutoModelForCausalLM.from_pretrained(llama_dir, dtype=torch.float32)
+    ids = torch.tensor([prompts[0]])
+    want = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=GREEDY.max_tokens,
+                          do_sample=False, eos_token_id=None, pad_token_id=1)[0, ids.shape[1]:].tolist()
+    assert ref[0] == want
+    assert_pool_free(llm)
+
+
+def test_quantized_formats_fit_more_blocks(llama_dir):
+    """Same kv_cache_memory, real block sizes: fp8 3.5x the float32 blocks (codes and per-token scales); int8/int4
+    spend at most a quarter on the full-precision window and fit the rest at their size, codes and scales
+    included."""
+    infos = {f: make_llm(llama_dir, kv_cache_memory=MEMORY, kv_cache_dtype=f).kv_cache_info()
+             for f in ("auto", "fp8", "int8", "int4")}
+    print({f: (i["num_blocks"], i["num_window_blocks"], i["bytes_per_token"]) for f, i in infos.items()})
+    assert infos["fp8"]["num_blocks"] == MEMORY // (2 * (2 * 16 * 2 * 16 + 2 * 16 * 2 * 2)) == 227
+    assert infos["int8"]["num_blocks"] > 2 * infos["auto"]["num_blocks"]
+    assert infos["int4"]["num_blocks"] > 1.5 * infos["int8"]["num_blocks"]
+    for f, i in infos.items():
+        assert i["total_bytes"] <= MEMORY and i["lossy"] == (f != "auto") and i["block_size"] == 16
+        assert i["bytes_per_token"] == i["bytes_per_block"] / 16
+    assert infos["int8"]["dtype"] == "int8" and infos["fp8"]["dtype"] == "fp8_e4m3"
+    assert infos["int4"]["salient_tokens_per_block"] == 2 and infos["int8"]["num_window_blocks"] >= 1
+
+
+def test_int8_end_to_end(llama_dir, reference):
+    """int8 greedy output against full precision on the tiny random model (chaotic: its large init makes 0.4%
+    noise on K/V flip tokens, so agreement is measured teacher-forced: the int8 cache's top-1 at every position of
+    the full-precision output); no block or window block left behind."""
+    _, prompts, ref = reference
+    llm = make_llm(llama_dir, kv_cache_memory=MEMORY, kv_cache_dtype="int8")
+    outs = tokens(llm.generate(prompts, GREEDY, use_tqdm=False))
+    assert all(len(o) == GREEDY.max_tokens for o in outs)
+    assert_pool_free(llm)
+    assert_window_free(llm)
+    tf = llm.generate([p + r for p, r in zip(prompts, ref)], SamplingParams(max_tokens=1, prompt_logprobs=1),
+                      use_tqdm=False)
+    hits = [max(o.prompt_logprobs[len(p) + i].items(), key=lambda kv: kv[1])[0] == t
+            for p, r, o in zip(prompts, ref, tf) for i, t in enumerate(r)]
+    first = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), len(x)) for x, y in zip(outs, ref)]
+    print(f"int8: teacher-forced top-1 agreement {sum(hits) / len(hits):.3f}, first divergence {first}")
+    assert sum(hits) / len(hits) >= 0.9
+    assert_pool_free(llm)
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_prefix_cache_hits_equal_misses(llama_dir, fmt):
+    """A prompt prefix cached by an earlier request is read quantized, exactly as the request that computed it read
+    it: warm runs (hits) give the tokens of cold runs (prefix caching off)."""
+    shared = prompts_(1, seed=5, lo=40, hi=41)[0]
+    prompts = [shared + t for t in prompts_(4, seed=6, lo=3, hi=20)]
+    cold = make_llm(llama_dir, kv_cache_memory=MEMORY, kv_cache_dtype=fmt, enable_prefix_caching=False)
+    warm = make_llm(llama_dir, kv_cache_memory=MEMORY, kv_cache_dtype=fmt)
+    want = [tokens(cold.generate(prompts[:1], GREEDY, use_tqdm=False)), tokens(cold.generate(prompts, GREEDY,
+                                                                                              use_tqdm=False))]
+    got = [tokens(warm.generate(prompts[:1], GREEDY, use_tqdm=False)), tokens(warm.generate(prompts, GREEDY,
+                                                                                             use_tqdm=False))]
+    assert got == want
+    assert warm.engine.block_manager.hits >= 4 * 32                  # two full blocks of the prefix, four requests
+    for llm in (cold, warm):
+        assert_pool_free(llm)
+        assert_window_free(llm)
+
+
+def test_drafts_beams_forks_and_async_with_int8(llama_dir, reference):
+    """Speculation with token trees (draft tokens in open blocks, tree compaction through copy_slots), beam search
+    (forks copy their partial block), n > 1 and the overlapped step all run on an int8 cache without leaking a
+    block or a window block; the overlapped step gives the synchronous step's tokens."""
+    from leapdecode.decoding.beam_search import BeamSearchParams
+    _, prompts, ref = reference
+    sync = make_llm(llama_dir, kv_cache_memory=MEMORY, kv_cache_dtype="int8")
+    plain = tokens(sync.generate(prompts, GREEDY, use_tqdm=False))
+    drafter = OracleDrafter({tuple(p): [r] for p, r in zip(prompts, plain)}, tree=True)
+    spec = make_llm(llama_dir, kv_cache_memory=MEMORY, kv_cache_dtype="int8",
+                    speculative_config={"method": "ngram", "num_speculative_tokens": 6, "adaptive": False,
+                                        "drafter": drafter})
+    outs = spec.generate(prompts, GREEDY, use_tqdm=False)
+    assert all(len(o.outputs[0].token_ids) == GREEDY.max_tokens for o in outs)
+    assert max(o.metrics.num_accepted_tokens for o in outs) > 0
+    beams = sync.beam_search([prompts[0]], BeamSearchParams(beam_width=3, max_tokens=12))[0]
+    assert len(beams.sequences) == 3
+    n2 = sync.generate(prompts[:2], SamplingParams(n=2, temperature=1.0, seed=1, max_tokens=8), use_tqdm=False)
+    assert all(len(c.token_ids) == 8 for o in n2 for c in o.outputs)
+    overlapped = make_llm(llama_dir, kv_cache_memory=MEMORY, kv_cache_dtype="int8", async_scheduling=True)
+    assert tokens(overlapped.generate(prompts, GREEDY, use_tqdm=False)) == plain
+    for llm in (sync, spec, overlapped):
+        assert_pool_free(llm)
+        assert_window_free(llm)
+
+
+def test_fp8_and_int4_end_to_end(llama_dir, reference):
+    _, prompts, ref = reference
+    for fmt, extra in (("fp8", {}), ("int4", {}), ("int4", {"kv_cache_salient_ratio": 0.0})):
+        llm = make_llm(llama_dir, kv_cache_memory=MEMORY, kv_cache_dtype=fmt, **extra)
+        outs = tokens(llm.generate(prompts, GREEDY, use_tqdm=False))
+        assert all(len(o) == GREEDY.max_tokens for o in outs)
+        assert_pool_free(llm)
+        if fmt == "int4":
+            assert_window_free(llm)
+            assert llm.kv_cache_info()["salient_tokens_per_block"] == (0 if extra else 2)
+
+
+@pytest.mark.parametrize("value", ["int3", "", None, 8, "FP8", "bf16"])
+def test_bad_kv_cache_dtype(value):
+    from leapdecode.config import EngineConfig
+    with pytest.raises(ValueError, match="kv_cache_dtype"):
+        EngineConfig(model="unused", kv_cache_dtype=value)
+
+
+def test_bad_combinations(llama_dir, monkeypatch):
+    from leapdecode.config import EngineConfig
+    with pytest.raises(ValueError, match="kv_cache_salient_ratio"):
+        EngineConfig(model="unused", kv_cache_dtype="int8", kv_cache_salient_ratio=0.2)
+    with pytest.raises(ValueError, match="kv_cache_salient_ratio"):
+        EngineConfig(model="unused", kv_cache_dtype="int4", kv_cache_salient_ratio=1.5)
+    with pytest.raises(ValueError, match="kv_cache_dtype"):
+        make_llm(llama_dir, kv_cache_dtype="int8", speculative_config={"method": "layer_skip"})
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    with pytest.raises(ValueError, match="kv_cache_dtype"):
+        make_llm(llama_dir, kv_cache_dtype="fp8", attention_backend="triton")
+
+
+def test_cli_flag():
+    from leapdecode.cli import build_parser
+    for command in (["serve"], ["generate", "x"], ["chat"], ["bench"]):
+        args = build_parser().parse_args([*command, "--kv-cache-dtype", "int4"])
+        assert args.kv_cache_dtype == "int4"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["generate", "x", "--kv-cache-dtype", "int3"])
