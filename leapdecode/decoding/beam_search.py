@@ -101,7 +101,6 @@ class Beam:
     """A live beam: the sequence that holds its tokens, and its accumulated log-prob."""
     seq_id: int
     score: float
-    group: int
 
 
 @dataclass(frozen=True)
@@ -131,14 +130,14 @@ class BeamSearch:
 
     ``step(rows)`` takes, for every live beam, its output tokens so far and the top log-probs of its row (enough of
     them: ``num_logprobs``), and returns the beams of the next step as ``Child``ren of the current ones; the caller
-    gives them sequences and calls ``assign``."""
+    gives them sequences and calls ``assign``. ``start`` names the prompt's sequence, every group's first beam."""
 
-    def __init__(self, params: BeamSearchParams, seq_id: int, stop_ids: set[int], max_new_tokens: int) -> None:
+    def __init__(self, params: BeamSearchParams, stop_ids: set[int], max_new_tokens: int) -> None:
         self.params = params
         self.stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(stop_ids))
         self.max_new = min(params.max_tokens, max_new_tokens)
         size = params.beam_width // params.num_beam_groups
-        self.groups = [_Group(size, [Beam(seq_id, 0.0, g)]) for g in range(params.num_beam_groups)]
+        self.groups = [_Group(size, []) for _ in range(params.num_beam_groups)]
         self.num_candidates = max(2, 1 + len(self.stop_ids)) * size
         self.num_logprobs = self.num_candidates + len(self.stop_ids)   # stop tokens may be masked (min_tokens)
         self.steps = 0
@@ -146,6 +145,10 @@ class BeamSearch:
     @property
     def done(self) -> bool:
         return all(g.done for g in self.groups)
+
+    def start(self, seq_id: int) -> None:
+        for g in self.groups:
+            g.beams = [Beam(seq_id, 0.0)]
 
     def live(self) -> set[int]:
         return {b.seq_id for g in self.groups if not g.done for b in g.beams}
@@ -161,8 +164,7 @@ class BeamSearch:
                 continue
             cands = []
             for beam in g.beams:
-                out, top = rows[beam.seq_id]
-                for token, lp in top:
+                for token, lp in rows[beam.seq_id][1]:
                     if gen_len <= self.params.min_tokens and token in self.stop_ids:
                         continue                       # transformers' min_new_tokens: stop tokens at -inf
                     if chosen_now:
@@ -180,7 +182,7 @@ class BeamSearch:
                 continue
             g.beams = []                               # filled by assign()
             self._judge(g, nxt[0].score, gen_len)
-            if not g.can_improve or (self.params.early_stopping is True and g.full):
+            if self._closed(g):
                 g.done = True
                 continue
             for c in nxt:
@@ -191,11 +193,15 @@ class BeamSearch:
     def assign(self, children: list[Child], seq_ids: list[int]) -> None:
         """The sequences that now hold ``children`` (same order)."""
         for c, sid in zip(children, seq_ids):
-            self.groups[c.group].beams.append(Beam(sid, c.score, c.group))
+            self.groups[c.group].beams.append(Beam(sid, c.score))
+
+    def _closed(self, g: _Group) -> bool:
+        """The group takes no more hypotheses: none can beat the kept ones, or early stopping has all it needs."""
+        return not g.can_improve or (self.params.early_stopping is True and g.full)
 
     def _finish(self, g: _Group, top: list, hits: list[bool], rows: dict, gen_len: int) -> None:
         """Hits among the first ``width`` candidates become hypotheses, unless the group may not take any more."""
-        if not g.can_improve or (self.params.early_stopping is True and g.full):
+        if self._closed(g):
             return
         for (acc, beam, token), hit in zip(top, hits):
             if not hit:

@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Mapping
 
-from leapdecode.decoding.beam_search import BeamSearch, BeamSearchParams
+from leapdecode.decoding.beam_search import BeamSearch
 from leapdecode.engine.scheduler import Scheduler
 from leapdecode.engine.sequence import Sequence
 from leapdecode.engine.step import SeqResult, StepPlan, StepResult
@@ -48,11 +48,8 @@ class BeamRequests:
     def __bool__(self) -> bool:
         return bool(self.searches)
 
-    def add(self, request_id: str, params: BeamSearchParams, seq: Sequence, stop_ids: set[int],
-            max_new_tokens: int) -> BeamSearch:
-        search = BeamSearch(params, seq.seq_id, stop_ids, max_new_tokens)
+    def add(self, request_id: str, search: BeamSearch) -> None:
         self.searches[request_id] = search
-        return search
 
     def remove(self, request_id: str) -> None:
         self.searches.pop(request_id, None)
@@ -83,21 +80,17 @@ class BeamRequests:
             children = search.step({sid: (seqs[sid].output_token_ids, list(rows[sid].logprobs[0][1]))
                                     for sid in live})
             holders: list[int] = []
-            taken: set[int] = set()
+            first: dict[int, int] = {}                 # parent -> the token its own sequence continues with
             index = max(s.index for s in (seqs[sid] for sid in live)) + 1
             for child in children:                     # forks first: they copy the parent before it moves on
-                if child.parent not in taken:
-                    taken.add(child.parent)
+                if child.parent not in first:
+                    first[child.parent] = child.token
                     holders.append(child.parent)
                     continue
                 seq = self.scheduler.fork(seqs[child.parent], child.token, index)
                 index += 1
                 out.forks.append(seq)
                 holders.append(seq.seq_id)
-            first = {}
-            for child, sid in zip(children, holders):
-                if sid == child.parent:
-                    first[sid] = child.token
             for sid in live:
                 if sid in first:
                     rows[sid] = SeqResult(sid, (), (first[sid],))

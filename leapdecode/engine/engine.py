@@ -226,10 +226,10 @@ class Engine:
             raise InvalidParameter(f"beam_width={params.beam_width} beams need as many open blocks; the int8/int4 "
                                    f"KV cache's full-precision window holds {self.block_manager.num_window_blocks} "
                                    "(raise max_num_seqs or kv_cache_memory)", param="beam_width")
-        seq = Sequence(request_id, 0, ids, SamplingParams())
-        search = self.beams.add(request_id, params, seq, self.eos_token_ids, max_new)
-        seq.params = beam_sampling_params(search)
-        seq.logprobs = []
+        search = BeamSearch(params, self.eos_token_ids, max_new)
+        seq = Sequence(request_id, 0, ids, beam_sampling_params(search))
+        search.start(seq.seq_id)
+        self.beams.add(request_id, search)
         req = Request(request_id, text, ids, seq.params, [seq], RequestMetrics(arrival_time or time.time()),
                       overlap_safe=False, draftable=False, beam=search)
         self.seqs[seq.seq_id] = seq
@@ -294,8 +294,7 @@ class Engine:
             self._finished(seq)
         for request_id in out.done:
             self._ended_outside_a_step.append(request_id)
-        for req in {self.requests[s.request_id].request_id: self.requests[s.request_id]
-                    for s in out.forks + out.pruned}.values():
+        for req in {s.request_id: self.requests[s.request_id] for s in out.forks + out.pruned}.values():
             req.seqs = [s for s in req.seqs if not s.is_finished] or req.seqs[-1:]   # keep one to report from
         return out.result
 

@@ -63,7 +63,7 @@ class Scheduler:
         return [s for s in self.running if s.is_decoding]
 
     def draft_room(self, seq: Sequence) -> int:
-        """Most draft tokens ``seq`` may verify now: its remaining budget less the bonus token. None for a
+        """Most draft tokens ``seq`` may verify now: its remaining budget less the bonus token. 0 for a
         Mirostat request (neither a drafter's nor a grammar's; ``schedule`` drops any proposal for one): the
         truncation at a draft position depends on the threshold mu after the tokens before it, that is on their
         acceptance."""
