@@ -9,6 +9,7 @@ from tqdm.auto import tqdm
 from leapdecode.config import EngineConfig, SparseAttentionConfig, SpeculativeConfig
 from leapdecode.decoding.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from leapdecode.engine.engine import Engine
+from leapdecode.engine.kv_transfer import KVTransfer
 from leapdecode.outputs import RequestOutput
 from leapdecode.sampling_params import SamplingParams
 
@@ -83,6 +84,16 @@ class LLM:
         full-precision window of open blocks (int8/int4: ``num_window_blocks``, ``window_bytes``) and
         ``total_bytes``."""
         return self.engine.runner.kv_cache_info()
+
+    def export_kv(self, prompt: Prompt) -> KVTransfer:
+        """The KV of the prompt's prefix-cached full blocks (tokenized as ``generate`` does), for another engine of
+        the same model (prefill/decode disaggregation; see ``Engine.export_kv``)."""
+        return self.engine.export_kv(self.engine.tokenize(prompt)[1])
+
+    def import_kv(self, transfer: KVTransfer) -> int:
+        """Install another engine's ``export_kv`` as a prefix-cache hit for later prompts; returns the tokens now
+        cached (see ``Engine.import_kv``)."""
+        return self.engine.import_kv(transfer)
 
     def default_sampling_params(self) -> SamplingParams:
         """The checkpoint's generation_config.json defaults (temperature, top_p, ...) when the caller gives none."""

@@ -19,6 +19,9 @@ Quantized formats (lossy, opt-in; the arithmetic is in ``kv_quant.py``):
   nibbles ``[layers, 2, blocks, n, kv_heads, head_dim / 2]``. ``bytes_per_block`` counts all of it, so the pool
   sizing gives more blocks for the same memory. ``copy_slots`` moves window slots (only open blocks ever move).
 
+``read_blocks``/``write_blocks`` copy whole pool blocks, every plane of the format (``planes``), to and from CPU
+tensors: the KV transfer between engines (``engine/kv_transfer.py``), bit-exact in every format.
+
 On CPU every tensor is taken from the allocator as zero pages that the kernel maps on first write (``calloc``), so
 a large pool costs nothing at start-up and only the blocks actually used ever become resident.
 """
@@ -152,6 +155,50 @@ class KVCache:
         if self.layout.kv_cache_dtype == "fp8":
             scales = self.scales.view(L, 2, nb * bs, h)
             scales[:, :, dst] = scales[:, :, src].clone()
+
+    def planes(self) -> tuple[tuple[str, torch.Tensor, int], ...]:
+        """Every pool tensor that holds part of a block's KV, as (name, tensor, block axis): the codes and whatever
+        decoding them needs. The window is not among them: only sealed blocks are read or written whole."""
+        fmt = self.layout.kv_cache_dtype
+        if fmt == "auto":
+            return (("data", self.data, 2),)
+        if fmt == "fp8":
+            return (("codes", self.data, 2), ("scales", self.scales, 2))
+        return (("codes", self.data, 2), ("key_grid", self.key_grid, 1), ("value_grid", self.value_grid, 1),
+                ("salient", self.salient, 1), ("residual", self.residual, 2))
+
+    @torch.no_grad()
+    def read_blocks(self, blocks: list[int]) -> list[tuple[torch.Tensor, ...]]:
+        """Pool blocks as CPU tensors, one tuple per block with one tensor per plane (the plane's shape without its
+        block axis). Each tensor owns its storage, so pickling a block ships that block and nothing else."""
+        idx = torch.tensor(blocks, dtype=torch.long, device=self.device)
+        gathered = [t.movedim(axis, 0)[idx].cpu() for _, t, axis in self.planes()]     # one copy per plane
+        return [tuple(g[i].clone() for g in gathered) for i in range(len(blocks))]
+
+    @torch.no_grad()
+    def write_blocks(self, blocks: list[int], data: list[tuple[torch.Tensor, ...]]) -> None:
+        """The inverse of ``read_blocks``: a bit-exact copy of each block's planes into pool ``blocks``. Every
+        shape and dtype is checked before anything is written (ValueError naming the plane)."""
+        planes = self.planes()
+        if len(blocks) != len(data):
+            raise ValueError(f"{len(data)} blocks of KV for {len(blocks)} pool blocks")
+        bad = [b for b in blocks if not 0 <= b < self.num_blocks]
+        if bad:
+            raise ValueError(f"pool blocks out of range: {bad[:5]}")
+        for block in data:
+            if len(block) != len(planes):
+                raise ValueError(f"a block of KV has {len(block)} planes; this cache's blocks have {len(planes)} "
+                                 f"({', '.join(name for name, _, _ in planes)})")
+            for part, (name, t, axis) in zip(block, planes):
+                want = t.shape[:axis] + t.shape[axis + 1:]
+                if part.shape != want or part.dtype != t.dtype:
+                    raise ValueError(f"a block's {name} is {tuple(part.shape)} {part.dtype}; this cache expects "
+                                     f"{tuple(want)} {t.dtype}")
+        if not blocks:
+            return
+        idx = torch.tensor(blocks, dtype=torch.long, device=self.device)
+        for i, (_, t, axis) in enumerate(planes):
+            t.movedim(axis, 0)[idx] = torch.stack([block[i] for block in data]).to(self.device)
 
 
 @dataclass

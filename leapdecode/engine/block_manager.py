@@ -12,6 +12,9 @@ the window is full), ``seal`` (called by the scheduler as it freezes a plan) sea
 returns their window blocks to the window, and a block released while open gives its window block back. Sealed
 blocks are always a prefix of a block table; only sealed blocks are keyed, so a prefix-cache hit is read
 quantized exactly like the miss that computed it.
+
+Blocks can also arrive from another engine (prefill/decode disaggregation, ``engine/kv_transfer.py``): ``install``
+keys free blocks for a chain of keys whose KV the engine then writes, ``cached_blocks`` finds the blocks to export.
 """
 from __future__ import annotations
 
@@ -27,6 +30,15 @@ def block_hash(parent: bytes | None, tokens: list[int]) -> bytes:
     h.update(parent or b"root")
     h.update(array("q", tokens).tobytes())
     return h.digest()
+
+
+def chain_keys(token_ids: list[int] | tuple[int, ...], block_size: int) -> list[bytes]:
+    """The keys of the full blocks of ``token_ids``, in chain order."""
+    keys, key = [], None
+    for i in range(len(token_ids) // block_size):
+        key = block_hash(key, token_ids[i * block_size:(i + 1) * block_size])
+        keys.append(key)
+    return keys
 
 
 class BlockManager:
@@ -165,18 +177,75 @@ class BlockManager:
         self.queries += seq.num_tokens
         if not self.enable_prefix_caching:
             return 0
-        key = None
-        for i in range(max_blocks):
-            key = block_hash(key, seq.token_ids[i * self.block_size:(i + 1) * self.block_size])
-            block = self.cached.get(key)
-            if block is None:
-                break
+        for key, block in self._cached_chain(seq.token_ids, max_blocks):
             self._take(block)
             seq.block_table.append(block)
             seq.block_hashes.append(key)
         cached = len(seq.block_table) * self.block_size
         self.hits += cached
         return cached
+
+    def _cached_chain(self, token_ids: list[int], max_blocks: int) -> list[tuple[bytes, int]]:
+        """(key, block) of the longest cached chain of full blocks of ``token_ids``, at most ``max_blocks``."""
+        out, key = [], None
+        for i in range(max_blocks):
+            key = block_hash(key, token_ids[i * self.block_size:(i + 1) * self.block_size])
+            block = self.cached.get(key)
+            if block is None:
+                break
+            out.append((key, block))
+        return out
+
+    def cached_blocks(self, token_ids: list[int]) -> list[int]:
+        """The blocks holding the longest cached prefix of ``token_ids`` (full blocks, chain order), to be read
+        (``Engine.export_kv``); takes no reference and counts no statistics."""
+        return [block for _, block in self._cached_chain(token_ids, len(token_ids) // self.block_size)]
+
+    def install(self, keys: list[bytes]) -> list[int]:
+        """Cache a chain of block keys whose KV comes from another engine (``Engine.import_kv``): each key gets a
+        free block, keyed (and sealed) but unreferenced, so ``match_prefix`` adopts it like any hit. The chain ends
+        at the most-recently-used end, its head last (as ``free_seq`` leaves a finished prefix). Returns one entry
+        per key of the chain's prefix now cached: the block to fill with that key's KV, or -1 where the key was
+        cached already (its block is kept as it is). Stops early when no free block outside the chain is left;
+        with prefix caching off nothing is cached."""
+        if not self.enable_prefix_caching:
+            return []
+        chain: set[int] = set()
+        out = []
+        for key in keys:
+            block = self.cached.get(key)
+            if block is not None:
+                out.append(-1)
+            elif not self.free or next(iter(self.free)) in chain:    # only the chain itself is left to evict
+                break
+            else:
+                block = self._pop_free()                 # evicts the least recently used prefix
+                self.ref_counts[block] = 0
+                self.cached[key], self.block_keys[block] = block, key
+                if self.windowed:
+                    self.sealed[block] = True            # a keyed block is a quantized block
+                self.free[block] = None
+                out.append(block)
+            chain.add(block)
+            if self.ref_counts[block] == 0:              # keep the chain behind every other free block
+                self.free.move_to_end(block)
+        for key in reversed(keys[:len(out)]):            # the tail first, so prefixes are evicted last
+            block = self.cached[key]
+            if self.ref_counts[block] == 0:
+                self.free.move_to_end(block)
+        return out
+
+    def discard(self, blocks: list[int]) -> None:
+        """Undo ``install`` for free blocks whose KV never arrived (the write failed): unkey them and hand them out
+        first."""
+        for block in blocks:
+            key = self.block_keys[block]
+            if key is not None and self.cached.get(key) == block:
+                del self.cached[key]
+            self.block_keys[block] = None
+            if self.windowed:
+                self.sealed[block] = False
+            self.free.move_to_end(block, last=False)
 
     def commit(self, seq: Sequence, num_computed: int) -> None:
         """Key every block that has become full of computed (the first ``num_computed``), committed tokens."""

@@ -20,7 +20,7 @@ import atexit
 import gc
 import logging
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 
 import torch
@@ -29,10 +29,11 @@ from leapdecode.config import EngineConfig, parse_dtype
 from leapdecode.decoding.beam_search import BeamSearch, BeamSearchParams
 from leapdecode.engine.beams import BeamRequests, beam_sampling_params
 from leapdecode.decoding.contrastive import ContrastiveSearch
-from leapdecode.engine.block_manager import BlockManager
+from leapdecode.engine.block_manager import BlockManager, chain_keys
 from leapdecode.errors import InvalidParameter
 from leapdecode.engine.detokenizer import Detokenizer
 from leapdecode.engine.executor import Executor, build_executor
+from leapdecode.engine.kv_transfer import KVTransfer, transfer_layout
 from leapdecode.engine.scheduler import Scheduler
 from leapdecode.engine.sequence import Sequence
 from leapdecode.engine.step import ScheduledSeq, StepPlan, StepResult, lay_out
@@ -253,6 +254,33 @@ class Engine:
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)
+
+    # -- KV transfer (prefill/decode disaggregation, engine/kv_transfer.py) ---------------------------------------
+    def export_kv(self, token_ids: list[int]) -> KVTransfer:
+        """The KV of the longest prefix of ``token_ids`` this engine's prefix cache holds (full blocks, chain order;
+        may be empty), copied to the CPU. Between steps, on the engine's thread."""
+        _, ids = self.tokenize(token_ids)
+        blocks = self.block_manager.cached_blocks(ids)
+        data = self.runner.read_kv_blocks(blocks)
+        return KVTransfer(transfer_layout(self.runner.kv_layout), tuple(ids[:len(blocks) * self.cfg.block_size]),
+                          tuple(data))
+
+    def import_kv(self, transfer: KVTransfer) -> int:
+        """Install another engine's exported blocks as prefix-cached free blocks, so the next request with that
+        prefix adopts them like a prefix-cache hit. Blocks cached here already are kept, not overwritten. Returns
+        how many tokens of the transfer's prefix are now cached here (fewer when the pool has no room; 0 with
+        prefix caching off). ValueError, with nothing changed, if the transfer's layout is not this engine's."""
+        transfer.check(transfer_layout(self.runner.kv_layout))
+        if self._inflight is not None:      # it may still write KV into blocks its predecessor's update freed
+            wait([self._inflight.future])   # (its result is committed by the next step, as always)
+        slots = self.block_manager.install(chain_keys(transfer.token_ids, self.cfg.block_size))
+        fresh = [(block, transfer.blocks[i]) for i, block in enumerate(slots) if block >= 0]
+        try:
+            self.runner.write_kv_blocks([b for b, _ in fresh], [data for _, data in fresh])
+        except BaseException:
+            self.block_manager.discard([b for b, _ in fresh])     # keyed, but their KV never arrived
+            raise
+        return len(slots) * self.cfg.block_size
 
     # -- the step ----------------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:

@@ -14,6 +14,7 @@ from typing import Protocol
 
 import torch
 
+from leapdecode.attention.kv_cache import KVLayout
 from leapdecode.config import EngineConfig
 from leapdecode.engine.input_batch import ForwardBatch
 from leapdecode.engine.model_runner import ForwardOutput, ModelRunner
@@ -24,7 +25,7 @@ from leapdecode.model.config import ModelConfig
 class Executor(Protocol):
     num_blocks: int                      # KV blocks the executor's cache holds (the block manager's pool size)
     num_window_blocks: int               # full-precision blocks of a quantized cache's open window (0: none)
-    num_window_blocks: int               # full-precision blocks for open blocks (int8/int4 KV caches), else 0
+    kv_layout: KVLayout                  # the KV cache's format (what a block holds)
 
     def kv_cache_info(self) -> dict:
         """The KV cache's format, block count and sizes (``LLM.kv_cache_info``)."""
@@ -39,6 +40,12 @@ class Executor(Protocol):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits of hidden states the engine holds (DoLa's early exits)."""
+
+    def read_kv_blocks(self, blocks: list[int]) -> list[tuple[torch.Tensor, ...]]:
+        """Copies of pool blocks on the CPU, every plane of the format (``KVCache.read_blocks``): a KV export."""
+
+    def write_kv_blocks(self, blocks: list[int], data: list[tuple[torch.Tensor, ...]]) -> None:
+        """Overwrite pool blocks with blocks read by ``read_kv_blocks`` of an executor of the same layout."""
 
     def close(self) -> None:
         """Release what the executor holds outside this process (worker processes); idempotent."""

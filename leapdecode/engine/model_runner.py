@@ -167,6 +167,14 @@ class ModelRunner:
         """float32 logits of given hidden states (DoLa's early exits), through the model's LM head."""
         return self.model.compute_logits(hidden)
 
+    def read_kv_blocks(self, blocks: list[int]) -> list[tuple[torch.Tensor, ...]]:
+        """Pool blocks as CPU tensors (a KV export, engine/kv_transfer.py)."""
+        return self.kv_cache.read_blocks(blocks)
+
+    def write_kv_blocks(self, blocks: list[int], data: list[tuple[torch.Tensor, ...]]) -> None:
+        """Blocks of another runner of the same layout into the pool (a KV import)."""
+        self.kv_cache.write_blocks(blocks, data)
+
     def close(self) -> None:
         """Nothing to release in-process (the executor protocol's shutdown hook)."""
 

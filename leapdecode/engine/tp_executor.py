@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from leapdecode.attention.kv_cache import KVLayout
 from leapdecode.config import EngineConfig
 from leapdecode.distributed.parallel_state import ParallelState, destroy_group, ensure_no_group, init_group
 from leapdecode.engine.input_batch import ForwardBatch
@@ -50,6 +51,9 @@ from leapdecode.model.parallel_layers import check_shardable
 
 TIMEOUT_S = float(os.environ.get("LEAPDECODE_TP_TIMEOUT", "300"))
 STOP_WAIT_S = 10.0      # a worker asked to stop gets this long before it is terminated
+NO_KV_TRANSFER = ("KV transfer (export_kv/import_kv, for prefill/decode disaggregation) is not supported with "
+                  "tensor_parallel_size > 1: each rank holds a shard of the KV heads in its own pool; "
+                  "use tensor_parallel_size=1 on both engines")
 
 
 class TensorParallelError(RuntimeError):
@@ -160,6 +164,12 @@ class TensorParallelExecutor:
             return self.runner.compute_logits(hidden)
         return self._on_all_ranks(("logits", tuple(hidden.shape), hidden.dtype), rank0)
 
+    def read_kv_blocks(self, blocks: list[int]) -> list[tuple[torch.Tensor, ...]]:
+        raise NotImplementedError(NO_KV_TRANSFER)
+
+    def write_kv_blocks(self, blocks: list[int], data: list[tuple[torch.Tensor, ...]]) -> None:
+        raise NotImplementedError(NO_KV_TRANSFER)
+
     def close(self) -> None:
         """Stop the workers and leave the group (idempotent)."""
         self._group.shutdown()
@@ -170,6 +180,11 @@ class TensorParallelExecutor:
     def kv_cache(self):
         """Rank 0's KV pool (each rank has one of the same shape, over its own KV heads)."""
         return self.runner.kv_cache
+
+    @property
+    def kv_layout(self) -> KVLayout:
+        """Rank 0's KV format (its share of the KV heads)."""
+        return self.runner.kv_layout
 
     @property
     def kv_bytes_per_block(self) -> int:
