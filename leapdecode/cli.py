@@ -72,20 +72,24 @@ def _make_llm(args: argparse.Namespace) -> Any:
     """Build the LLM, turning load failures into one readable line instead of a traceback."""
     from leapdecode.llm import LLM
 
-    spec = None
-    if args.speculative_method is not None:
-        spec = {"method": args.speculative_method, "num_speculative_tokens": args.num_speculative_tokens}
-    sparse = _sparse_attention(args)
+    kwargs = _llm_kwargs(args)
     try:
-        return LLM(args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
-                   max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                   kv_cache_memory=args.kv_cache_memory, seed=args.seed, speculative_config=spec,
-                   grammar_cache_size=getattr(args, "grammar_cache_size", 256), sparse_attention=sparse,
-                   tensor_parallel_size=args.tensor_parallel_size,
-                   kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"))
+        return LLM(**kwargs)
     except (ValueError, OSError, NotImplementedError, KeyError) as exc:
         raise CLIError(f"could not load the model from {args.model or 'the default model'}: "
                        f"{type(exc).__name__}: {exc}") from None
+
+
+def _llm_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """``LLM``'s arguments from the engine flags (an instance of a cluster gets the same)."""
+    spec = None
+    if args.speculative_method is not None:
+        spec = {"method": args.speculative_method, "num_speculative_tokens": args.num_speculative_tokens}
+    return dict(model=args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
+                max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                kv_cache_memory=args.kv_cache_memory, seed=args.seed, speculative_config=spec,
+                grammar_cache_size=getattr(args, "grammar_cache_size", 256), sparse_attention=_sparse_attention(args),
+                tensor_parallel_size=args.tensor_parallel_size, kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"))
 
 
 def _sparse_attention(args: argparse.Namespace) -> Any:
@@ -121,8 +125,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     if args.max_queued_requests < 1:
         raise CLIError("--max-queued-requests must be >= 1")
-    llm = _make_llm(args)
     api_key = args.api_key or os.environ.get("LEAPDECODE_API_KEY") or None
+    if args.replicas or args.prefill_instances or args.decode_instances:
+        return _serve_cluster(args, api_key)
+    llm = _make_llm(args)
     app = build_app(llm, api_key=api_key, max_queued_requests=args.max_queued_requests,
                     served_model_name=args.served_model_name, drain_timeout=0.0,
                     on_engine_failure="exit" if args.on_engine_failure == "exit" else None)
@@ -133,6 +139,28 @@ def cmd_serve(args: argparse.Namespace) -> int:
           f"{', API key required' if api_key else ''})", file=sys.stderr, flush=True)
     # uvicorn stops accepting on SIGINT/SIGTERM, lets in-flight requests finish for up to shutdown_timeout
     # seconds, then cancels them (which aborts their engine requests) and runs the app's shutdown.
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
+                timeout_graceful_shutdown=args.shutdown_timeout, timeout_keep_alive=30)
+    return 0
+
+
+def _serve_cluster(args: argparse.Namespace, api_key: str | None) -> int:
+    """``serve --replicas R`` / ``--prefill-instances P --decode-instances D``: the same API in front of Ray actors."""
+    import uvicorn
+
+    from leapdecode.cluster.launch import serve_cluster
+    try:
+        app, backend = serve_cluster(
+            _llm_kwargs(args), api_key=api_key, served_model_name=args.served_model_name,
+            replicas=args.replicas, prefill=args.prefill_instances, decode=args.decode_instances,
+            ray_address=args.ray_address, num_threads=args.instance_threads,
+            max_queued_requests=args.max_queued_requests)
+    except (ValueError, RuntimeError, OSError) as exc:
+        raise CLIError(f"could not start the instances: {type(exc).__name__}: {exc}") from None
+    layout = (f"{args.replicas} replicas" if args.replicas else
+              f"{args.prefill_instances} prefill + {args.decode_instances} decode instances")
+    print(f"leapdecode: serving '{app.state.server.served_model_name}' on http://{args.host}:{args.port}/v1 "
+          f"({layout} on Ray)", file=sys.stderr, flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
                 timeout_graceful_shutdown=args.shutdown_timeout, timeout_keep_alive=30)
     return 0
@@ -435,6 +463,17 @@ def build_parser() -> argparse.ArgumentParser:
                         "stops the process gracefully for a supervisor to restart it; 'stay' keeps answering 503 "
                         "(default: exit)")
     h.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    c = serve.add_argument_group("several engine instances (on Ray; needs `pip install ray`)")
+    c.add_argument("--replicas", type=int, default=0, metavar="R",
+                   help="R engine instances behind a router that prefers the one holding the prompt's prefix")
+    c.add_argument("--prefill-instances", type=int, default=0, metavar="P",
+                   help="disaggregated serving: P instances compute prompts and send their KV to ...")
+    c.add_argument("--decode-instances", type=int, default=0, metavar="D",
+                   help="... D instances, which stream the completions")
+    c.add_argument("--ray-address", default=None, metavar="ADDR",
+                   help="join this Ray cluster (default: start a local one)")
+    c.add_argument("--instance-threads", type=int, default=None, metavar="N",
+                   help="torch threads per instance on CPU (default: torch's default)")
     serve.set_defaults(func=cmd_serve)
 
     gen = sub.add_parser("generate", help="stream one completion to the terminal",

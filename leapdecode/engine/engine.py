@@ -52,6 +52,19 @@ MAX_LOGPROBS = 20
 TOPK_FOR_DRAFTERS = 8   # Token Recycling learns the target's top-k successors at every verified position
 
 
+def resolve_max_model_len(cfg: EngineConfig, model_cfg) -> int:
+    """The context length served: the one configured, else the checkpoint's (capped at 8192)."""
+    return cfg.max_model_len or min(model_cfg.max_position_embeddings, 8192)
+
+
+def eos_token_ids(model_cfg, generation_defaults, tokenizer) -> set[int]:
+    """Every token that ends a sequence: the config's, the generation config's and the tokenizer's."""
+    eos = set(model_cfg.eos_token_id) | set(generation_defaults.eos_token_id)
+    if tokenizer.eos_token_id is not None:
+        eos.add(tokenizer.eos_token_id)
+    return eos
+
+
 @dataclass
 class Request:
     request_id: str
@@ -85,14 +98,11 @@ class Engine:
         self.model_cfg = load_model_config(cfg.model)
         self.tokenizer = load_tokenizer(cfg.tokenizer or cfg.model)
         self.generation_defaults = load_generation_defaults(cfg.model)
-        self.max_model_len = cfg.max_model_len or min(self.model_cfg.max_position_embeddings, 8192)
+        self.max_model_len = resolve_max_model_len(cfg, self.model_cfg)
         self.dtype = parse_dtype(cfg.dtype, self.model_cfg.dtype, self.device)
         self.runner: Executor = build_executor(cfg, self.model_cfg, self.dtype, self.max_model_len)
         self.vocab_size = self.model_cfg.vocab_size
-        eos = set(self.model_cfg.eos_token_id) | set(self.generation_defaults.eos_token_id)
-        if self.tokenizer.eos_token_id is not None:
-            eos.add(self.tokenizer.eos_token_id)
-        self.eos_token_ids = eos
+        self.eos_token_ids = eos = eos_token_ids(self.model_cfg, self.generation_defaults, self.tokenizer)
         self.block_manager = BlockManager(self.runner.num_blocks, cfg.block_size, cfg.enable_prefix_caching,
                                           self.runner.num_window_blocks)
         self.structured = StructuredOutput(self.tokenizer, eos, cfg.grammar_cache_size)

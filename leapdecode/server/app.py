@@ -225,6 +225,8 @@ class OpenAIServer:
     async def collect(self, handle: RequestHandle, request: Request) -> list[RequestOutput]:
         """Wait for the final outputs, aborting the request if the client goes away first."""
 
+        handle.replayable = True
+
         async def consume() -> list[RequestOutput]:
             last: list = []
             async for snap in handle:
@@ -495,7 +497,7 @@ def build_app(llm: Any, api_key: str | None = None, max_queued_requests: int = 5
               served_model_name: str | None = None, *, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
               drain_timeout: float = 0.0, prep_workers: int = 2, prep_timeout: float = 30.0,
               gil_switch_interval: float | None = GIL_SWITCH_INTERVAL_S,
-              on_engine_failure: Any = None) -> FastAPI:
+              on_engine_failure: Any = None, backend: Any = None) -> FastAPI:
     """A FastAPI app serving ``llm`` (a ``leapdecode.LLM``). The engine thread starts with the app's lifespan
     (or on the first request) and stops at shutdown, aborting whatever is still running after
     ``drain_timeout`` seconds. Request preparation runs in ``prep_workers`` threads, each request under a
@@ -503,12 +505,17 @@ def build_app(llm: Any, api_key: str | None = None, max_queued_requests: int = 5
     (None: left alone); see GIL_SWITCH_INTERVAL_S. If the engine itself dies (a fault of the whole device, not of
     one request), /health answers 503 and ``on_engine_failure(exc)`` is called: ``"exit"`` sends this process
     SIGTERM (a graceful stop, for a supervisor to restart it), a callable is called. ``app.state.async_engine``
-    and ``app.state.metrics`` are exposed for tests and embedding."""
-    metrics = ServerMetrics()
+    and ``app.state.metrics`` are exposed for tests and embedding. ``backend``: something with AsyncEngine's
+    surface to serve instead of ``llm``'s own engine (a ``leapdecode.cluster.ClusterEngine``; ``llm`` is then a
+    ``FrontLLM``, the engine's tokenizer and limits without weights)."""
     if on_engine_failure == "exit":
         on_engine_failure = _terminate_self
-    async_engine = AsyncEngine(llm, max_queued_requests=max_queued_requests, metrics=metrics,
-                               on_failure=on_engine_failure)
+    if backend is None:
+        async_engine = AsyncEngine(llm, max_queued_requests=max_queued_requests, metrics=ServerMetrics(),
+                                   on_failure=on_engine_failure)
+    else:
+        async_engine = backend
+    metrics = async_engine.metrics
     name = served_model_name or os.path.basename(os.path.normpath(str(llm.engine.cfg.model)))
     prep = Preprocessor(llm.engine, workers=prep_workers, timeout_s=prep_timeout, max_pending=max_queued_requests)
     server = OpenAIServer(llm, async_engine, name, api_key, prep)
@@ -546,9 +553,12 @@ def build_app(llm: Any, api_key: str | None = None, max_queued_requests: int = 5
 
     @app.get("/health", tags=["server"], responses={503: {"model": ErrorResponse}})
     async def health() -> Response:
+        detail = async_engine.health() if hasattr(async_engine, "health") else None   # a cluster: per instance
         if not async_engine.accepting:
+            if detail is not None:
+                return JSONResponse(detail, status_code=503)
             return error_response(503, "engine is not running", code="engine_unavailable")
-        return JSONResponse({"status": "ok"})
+        return JSONResponse(detail or {"status": "ok"})
 
     @app.get("/ping", tags=["server"], responses={503: {"model": ErrorResponse}})
     async def ping() -> Response:

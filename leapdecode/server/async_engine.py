@@ -61,6 +61,9 @@ class RequestHandle:
         self._changed = asyncio.Event()
         self._aborted = False
         self.finished = False
+        # Set by a consumer that reads only the final outputs: a cluster backend may then restart a request whose
+        # instance died from its prompt even after tokens were published (a streaming client has seen them).
+        self.replayable = False
 
     # -- engine thread side -----------------------------------------------------------------------------------
     def _publish(self, index: int, output: RequestOutput) -> None:
@@ -202,6 +205,16 @@ class AsyncEngine:
             raise
         return handle
 
+    async def call(self, fn: Callable[[], Any]) -> Any:
+        """Run ``fn()`` on the engine thread between two steps and return its result (or raise its error): how
+        embedders reach the engine itself (a cluster instance exports and imports KV blocks this way)."""
+        if self.dead is not None or not self._accepting:
+            raise EngineUnavailableError("the engine is not accepting requests (shutting down or stopped)")
+        self.start()
+        done: asyncio.Future = asyncio.get_running_loop().create_future()
+        self._post(("call", fn, done))
+        return await done
+
     def _post(self, command: tuple) -> None:
         self._inbox.append(command)
         self._wakeup.set()
@@ -228,9 +241,7 @@ class AsyncEngine:
             err = EngineUnavailableError(f"the engine failed: {type(exc).__name__}: {exc}")
             for handle, _ in list(self._handles.values()):
                 handle._fail(err)
-            for command in list(self._inbox):
-                if command[0] == "add":
-                    self._resolve(command[4], err)
+            self._engine_refuse_inbox(err)
             self._handles.clear()
             if self.on_failure is not None:
                 try:
@@ -248,6 +259,8 @@ class AsyncEngine:
                 self._engine_add(*command[1:])
             elif command[0] == "abort":
                 self._engine_abort(command[1], "abort")
+            elif command[0] == "call":
+                self._engine_call(*command[1:])
             elif command[0] == "stop":
                 return False
         self._engine_observe()
@@ -276,12 +289,20 @@ class AsyncEngine:
             self._tokens_seen[request_id] = 0
         self._resolve(admitted, None)
 
-    def _resolve(self, future: asyncio.Future, error: BaseException | None) -> None:
+    def _engine_call(self, fn: Callable[[], Any], done: asyncio.Future) -> None:
+        try:
+            result = fn()
+        except Exception as exc:             # the caller's error, not the engine's: hand it back
+            self._resolve(done, exc)
+            return
+        self._resolve(done, None, result)
+
+    def _resolve(self, future: asyncio.Future, error: BaseException | None, result: Any = None) -> None:
         def settle() -> None:
             if future.done():
                 return
             if error is None:
-                future.set_result(None)
+                future.set_result(result)
             else:
                 future.set_exception(error)
         try:
@@ -342,13 +363,17 @@ class AsyncEngine:
                 counter.inc(value - self._stats_seen[key])
             self._stats_seen[key] = value
 
+    def _engine_refuse_inbox(self, err: BaseException) -> None:
+        """Settle every waiting add and call with ``err`` (the engine will not run them)."""
+        for command in list(self._inbox):
+            if command[0] in ("add", "call"):
+                self._resolve(command[-1] if command[0] == "call" else command[4], err)
+        self._inbox.clear()
+
     def _engine_stop(self) -> None:
         """Abort everything still in flight (its clients get an error event / 503) and leave the pool empty."""
         err = EngineUnavailableError("the server is shutting down")
-        for command in list(self._inbox):
-            if command[0] == "add":
-                self._resolve(command[4], err)
-        self._inbox.clear()
+        self._engine_refuse_inbox(err)
         for handle, _ in list(self._handles.values()):
             self._engine_abort(handle, "abort")
             handle._fail(err)

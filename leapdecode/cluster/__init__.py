@@ -1,0 +1,2 @@
+"""Serving beyond one engine: engine instances on Ray, a proxy in front of them (replicas with a prefix-aware
+router, or prefill/decode disaggregation with KV transfer), and the simulator and planner that size them."""
