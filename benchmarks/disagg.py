@@ -146,33 +146,42 @@ def summarize(results: list[dict], window: float, slo: tuple[float, float]) -> d
             "short_tpot_p90": pct("tpot", 0.9, "short"), "long_ttft_p50": pct("ttft", 0.5, "long")}
 
 
-def unloaded_slo(url: str, traffic: list[dict], args) -> tuple[float, float, dict]:
+def probe_requests(tok, args) -> dict[str, list[dict]]:
+    """Requests not in the traffic (another seed), so probes and warm-ups never warm the traffic's prefixes."""
+    pool = make_traffic(tok, argparse.Namespace(**{**vars(args), "seed": args.seed + 1000, "requests": 64}))
+    return {kind: [r for r in pool if r["kind"] == kind] for kind in ("long", "short")}
+
+
+def warm_up(url: str, probes: dict[str, list[dict]]) -> None:
+    """One long and one short request: the first forward of each shape is slow (allocation, kernel selection)."""
+    asyncio.run(run_traffic(url, [probes["long"][-1], probes["short"][-1]], [0.0, 0.0]))
+
+
+def unloaded_slo(url: str, probes: dict[str, list[dict]], args) -> tuple[float, float, dict]:
     """TTFT of a lone long prompt and TPOT of a lone short stream on the co-located layout -> the SLOs."""
-    long_req = next(r for r in traffic if r["kind"] == "long")
-    short_req = next(r for r in traffic if r["kind"] == "short")
-    probes = {}
-    for name, req in (("long", long_req), ("short", short_req)):
-        runs = [asyncio.run(run_traffic(url, [req], [0.0]))[0][0] for _ in range(2)]
-        probes[name] = runs[-1]
-    slo = (args.ttft_x * probes["long"]["ttft"], args.tpot_x * probes["short"]["tpot"])
-    return slo[0], slo[1], probes
+    got = {name: asyncio.run(run_traffic(url, [probes[name][0]], [0.0]))[0][0] for name in ("long", "short")}
+    return args.ttft_x * got["long"]["ttft"], args.tpot_x * got["short"]["tpot"], got
 
 
 def measured(args, tok, llm_kwargs) -> tuple[list[dict], tuple[float, float]]:
-    traffic = make_traffic(tok, args)
+    # each rate gets its own requests (another seed), so a rate never reads prefixes the previous one cached
+    traffics = [make_traffic(tok, argparse.Namespace(**{**vars(args), "seed": args.seed + 10 * (k + 1)}))
+                for k in range(len(args.rates))]
+    probes_pool = probe_requests(tok, args)
     rows, slo = [], None
     for name in args.layouts:
         served = Served(llm_kwargs, LAYOUTS[name])
         try:
+            warm_up(served.url, probes_pool)
             if slo is None:
                 if name != "colocated":
                     raise SystemExit("the first layout must be 'colocated' (it sets the SLOs)")
-                ttft_slo, tpot_slo, probes = unloaded_slo(served.url, traffic, args)
+                ttft_slo, tpot_slo, probes = unloaded_slo(served.url, probes_pool, args)
                 slo = (ttft_slo, tpot_slo)
                 print(f"unloaded (co-located): long prompt TTFT {probes['long']['ttft']:.2f}s, "
                       f"lone stream TPOT {probes['short']['tpot'] * 1000:.0f}ms -> SLO TTFT <= {slo[0]:.2f}s, "
                       f"TPOT <= {slo[1] * 1000:.0f}ms", flush=True)
-            for rate in args.rates:
+            for rate, traffic in zip(args.rates, traffics):
                 times = arrivals(len(traffic), rate, args.seed + 1)
                 results, _ = asyncio.run(run_traffic(served.url, traffic, times))
                 row = {"layout": name, "rate": rate, **summarize(results, times[-1], slo)}
