@@ -173,9 +173,9 @@ def _wait_healthy(url: str, timeout: float = 120.0) -> dict:
         time.sleep(0.3)
 
 
-def _decode_pid(backend) -> tuple[object, int]:
-    decode = next(i for i in backend.instances if i.role == "decode")
-    return decode, ray.get(decode.actor.ping.remote())["pid"]
+def _instance_pid(backend, role: str = "decode") -> tuple[object, int]:
+    inst = next(i for i in backend.instances if i.role == role)
+    return inst, ray.get(inst.actor.ping.remote())["pid"]
 
 
 LONG = {"model": "m", "prompt": PROMPTS[3], "max_tokens": 150, "temperature": 0.0, "ignore_eos": True}
@@ -196,9 +196,9 @@ def _slow_down(decode, seconds: float = 0.03) -> None:
     ray.get(decode.actor.__ray_call__.remote(slow_steps))
 
 
-def _kill_when_busy(decode, pid: int, timeout: float = 60.0) -> None:
+def _kill_when_busy(inst, pid: int, timeout: float = 60.0) -> None:
     deadline = time.time() + timeout
-    while not ray.get(decode.actor.stats.remote())["unfinished"]:
+    while not ray.get(inst.actor.stats.remote())["unfinished"]:
         assert time.time() < deadline, "the request never reached the decode instance"
         time.sleep(0.05)
     time.sleep(0.5)
@@ -208,7 +208,7 @@ def _kill_when_busy(decode, pid: int, timeout: float = 60.0) -> None:
 def test_killed_decode_instance_mid_request_is_retried_from_the_prompt(disagg):
     """A non-streaming client waits only for the answer, so the request restarts on the restarted instance."""
     url, backend = disagg
-    decode, pid = _decode_pid(backend)
+    decode, pid = _instance_pid(backend)
     _slow_down(decode)
     retries = backend.retries
     result: dict = {}
@@ -230,7 +230,7 @@ def test_killed_decode_instance_mid_request_is_retried_from_the_prompt(disagg):
 def test_killed_decode_instance_mid_stream_ends_the_stream_with_an_error_and_recovers(disagg, reference):
     """Tokens already streamed cannot be taken back: the client gets an error event, never a hang."""
     url, backend = disagg
-    decode, pid = _decode_pid(backend)
+    decode, pid = _instance_pid(backend)
     _slow_down(decode)
     pieces, error = [], None
     with httpx.stream("POST", f"{url}/v1/completions", json={**LONG, "stream": True}, timeout=180) as r:
@@ -246,3 +246,32 @@ def test_killed_decode_instance_mid_stream_ends_the_stream_with_an_error_and_rec
     assert _complete(url, PROMPTS[1])["choices"][0]["text"] == reference[1][1]
     stats = {s["role"]: s for s in _wait_pools_free(backend)}
     assert all(s["free_blocks"] == s["num_blocks"] for s in stats.values())
+
+
+def test_killed_prefill_instance_is_retried_and_a_client_that_leaves_frees_its_blocks(disagg):
+    url, backend = disagg
+    prefill, pid = _instance_pid(backend, "prefill")
+    _slow_down(prefill, seconds=1.0)              # the prompt's one prefill step now lasts a second
+    retries = backend.retries
+    result: dict = {}
+    thread = threading.Thread(target=lambda: result.update(r=httpx.post(f"{url}/v1/completions", json=LONG,
+                                                                          timeout=180)))
+    thread.start()
+    deadline = time.time() + 60
+    while not backend.routers["prefill"].in_flight[0]:      # routed: its one (slowed) step is about to run
+        assert time.time() < deadline, "the request never reached the prefill instance"
+        time.sleep(0.02)
+    time.sleep(0.4)
+    os.kill(pid, signal.SIGKILL)
+    thread.join(180)
+    assert not thread.is_alive(), "the request hung"
+    assert result["r"].status_code == 200, result["r"].text
+    assert backend.retries == retries + 1
+    assert _wait_healthy(url)["status"] == "ok"
+    # a streaming client that goes away after two chunks: both instances end up with every block free
+    with httpx.stream("POST", f"{url}/v1/completions", json={**LONG, "stream": True}, timeout=60) as r:
+        for k, _ in enumerate(_events(r)):
+            if k == 1:
+                break
+    stats = _wait_pools_free(backend)
+    assert all(s["free_blocks"] == s["num_blocks"] and not s["unfinished"] for s in stats), stats
