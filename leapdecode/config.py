@@ -148,6 +148,9 @@ class EngineConfig:
     # KV-cache format (attention/kv_quant.py): "auto" = the model's dtype (lossless); fp8 | int8 | int4 are LOSSY
     kv_cache_dtype: str = "auto"
     kv_cache_salient_ratio: float | None = None   # int4: share of a block's tokens kept at 8 bits (None: 0.125)
+    load_format: str = "auto"                 # auto: the checkpoint's weights; dummy: random weights (benchmarks)
+    enforce_eager: bool = False               # True: no CUDA graphs (engine/cuda_graphs.py), every step eager
+    max_graph_batch: int = 256                # CUDA graphs are captured for decode batches up to this size
 
     def __post_init__(self) -> None:
         from leapdecode.attention.backend import BACKENDS
@@ -167,6 +170,11 @@ class EngineConfig:
             self.kv_cache_memory = parse_memory(self.kv_cache_memory)
         from leapdecode.attention.kv_quant import parse_kv_cache_dtype
         self.kv_cache_dtype = parse_kv_cache_dtype(self.kv_cache_dtype)
+        from leapdecode.model.loader import LOAD_FORMATS
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
+        if not isinstance(self.max_graph_batch, int) or self.max_graph_batch < 0:
+            raise ValueError(f"max_graph_batch must be an integer >= 0, got {self.max_graph_batch!r}")
         r = self.kv_cache_salient_ratio
         if r is not None:
             if self.kv_cache_dtype != "int4":

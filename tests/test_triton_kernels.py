@@ -289,6 +289,36 @@ def test_engine_greedy_equals_torch_backend_under_interpreter(tiny_dir, monkeypa
     assert out["triton"] == out["torch"]
 
 
+def test_graph_buffers_and_padding_under_interpreter(tiny_dir):
+    """The CUDA-graph path without a GPU: every decode and verification step goes through the graphs' static
+    buffers, bucket padding (padding sequences and tokens) and graph attention plan, run eagerly; greedy tokens
+    equal the torch backend's. Batches of 1..5 requests with n-gram drafts hit decode and verification buckets."""
+    from leapdecode import LLM, SamplingParams
+    from leapdecode.engine.cuda_graphs import CudaGraphs
+
+    path = tiny_dir("llama")
+    rng = random.Random(3)
+    prompts = [[rng.randrange(2, 40) for _ in range(rng.randint(3, 30))] for _ in range(5)]
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    spec = {"method": "ngram", "num_speculative_tokens": 3}
+    ref = LLM(path, dtype="float32", device="cpu", max_model_len=96, speculative_config=spec,
+              attention_backend="torch")
+    llm = LLM(path, dtype="float32", device="cpu", max_model_len=96, speculative_config=spec,
+              attention_backend="triton", pad_to_buckets=True)
+    r = llm.engine.runner
+    assert r.graphs is None                                      # CPU: nothing captured by default
+    r.graphs = CudaGraphs(r.model, r.backend, r.device, r.block_size, r.max_model_len, None, 4, (1, 4),
+                          capture_graphs=False)
+    r.graphs.capture()
+    assert set(r.graphs.graphs) == {(b, q) for b in (1, 2, 4) for q in (1, 4)}
+    for n in (1, 3, 5):
+        want = [o.outputs[0].token_ids for o in ref.generate(prompts[:n], params, use_tqdm=False)]
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts[:n], params, use_tqdm=False)]
+        assert got == want
+    assert r.graphs.num_replays > 0
+    assert {q for _, q in r.graphs.used} == {1, 4} and {b for b, _ in r.graphs.used} >= {1, 4}
+
+
 def engine_tokens(tiny_dir, monkeypatch, arch, spec=None, n_prompts=12, max_tokens=48, max_len=200):
     from leapdecode import LLM, SamplingParams
 
@@ -394,6 +424,41 @@ class TestOnGPU:
     def test_engine_greedy_equals_torch_backend(self, tiny_dir, monkeypatch, arch, spec):
         out = engine_tokens(tiny_dir, monkeypatch, arch, spec)
         assert out["triton"] == out["torch"]
+
+    def test_graph_replay_equals_eager_for_every_bucket(self, tiny_dir):
+        """Greedy tokens with CUDA graphs (decode and verification buckets 1..16) equal the same engine with
+        ``enforce_eager``, for batches that land in every bucket (and pad most of them)."""
+        from leapdecode import LLM, SamplingParams
+        path = tiny_dir("llama")
+        rng = random.Random(5)
+        prompts = [[rng.randrange(2, 40) for _ in range(rng.randint(3, 60))] for _ in range(16)]
+        params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+        spec = {"method": "ngram", "num_speculative_tokens": 3}
+        kw = dict(dtype="float32", device="cuda", max_model_len=256, attention_backend="triton",
+                  max_num_seqs=16, speculative_config=spec)
+        eager, graphs = LLM(path, enforce_eager=True, **kw), LLM(path, **kw)
+        g = graphs.engine.runner.graphs
+        assert eager.engine.runner.graphs is None and g is not None
+        assert set(g.graphs) == {(b, q) for b in (1, 2, 4, 8, 16) for q in (1, 4)}
+        for n in (1, 2, 3, 5, 8, 11, 16):
+            want = [o.outputs[0].token_ids for o in eager.generate(prompts[:n], params, use_tqdm=False)]
+            assert [o.outputs[0].token_ids for o in graphs.generate(prompts[:n], params, use_tqdm=False)] == want
+        assert {b for b, _ in g.used} == {1, 2, 4, 8, 16} and {q for _, q in g.used} == {1, 4}
+
+    def test_graphs_and_overlap_equal_the_cpu_reference(self, tiny_dir):
+        """The engine on CUDA with graphs and the overlapped step (async scheduling) gives the greedy tokens of
+        the CPU reference engine (torch backend, eager, synchronous), float32."""
+        from leapdecode import LLM, SamplingParams
+        path = tiny_dir("llama")
+        rng = random.Random(6)
+        prompts = [[rng.randrange(2, 384) for _ in range(rng.randint(3, 100))] for _ in range(9)]
+        params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+        cpu = LLM(path, dtype="float32", device="cpu", max_model_len=256, attention_backend="torch")
+        gpu = LLM(path, dtype="float32", device="cuda", max_model_len=256, attention_backend="triton",
+                  async_scheduling=True)
+        want = [o.outputs[0].token_ids for o in cpu.generate(prompts, params, use_tqdm=False)]
+        assert [o.outputs[0].token_ids for o in gpu.generate(prompts, params, use_tqdm=False)] == want
+        assert gpu.engine.runner.graphs.num_replays > 0 and gpu.engine.stats["overlapped_steps"] > 0
 
     def test_triton_backend_on_cuda_by_name_and_opt_in(self, monkeypatch):
         from leapdecode.attention.backend import get_backend

@@ -54,6 +54,20 @@ class TritonAttention(AttentionBackend):
             block_tables=meta.block_tables.to(torch.int32), seq_lens=meta.seq_lens.to(torch.int32),
             query_start_loc=meta.query_start_loc.to(torch.int32))
 
+    def plan_graph(self, meta: AttentionMetadata, query_len: int) -> None:
+        """The plan of a captured CUDA graph (engine/cuda_graphs.py): every sequence has at most ``query_len``
+        tokens and no tree. Only device work, no host data, so it can be captured and replayed with new inputs:
+        one token each goes to the decode kernel (split for ``seq_lens_host``, the longest length the graph
+        serves), otherwise every sequence goes to the prefill kernel (a sequence with fewer tokens, or none, just
+        ends its tiles early)."""
+        ids = torch.arange(meta.num_seqs, dtype=torch.int32, device=meta.positions.device)
+        decode = query_len == 1
+        meta.plan = _Plan(
+            decode_ids=ids if decode else None, decode_max_len=max(meta.seq_lens_host) if decode else 0,
+            prefill_ids=None if decode else ids, prefill_max_q=0 if decode else query_len,
+            tree_mask=None, tree_offsets=None, block_tables=meta.block_tables.to(torch.int32),
+            seq_lens=meta.seq_lens.to(torch.int32), query_start_loc=meta.query_start_loc.to(torch.int32))
+
     def attend(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
                layer: int | None = None) -> torch.Tensor:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)

@@ -18,6 +18,7 @@ from leapdecode.attention.backend import get_backend
 from leapdecode.attention.kv_cache import KVCache, KVLayout
 from leapdecode.config import EngineConfig
 from leapdecode.distributed.parallel_state import SINGLE, ParallelState
+from leapdecode.engine.cuda_graphs import CudaGraphs
 from leapdecode.engine.input_batch import ForwardBatch, InputBuffers
 from leapdecode.engine.step import StepPlan
 from leapdecode.model.config import ModelConfig
@@ -46,7 +47,8 @@ class ModelRunner:
         self.block_size = cfg.block_size
         self.max_model_len = max_model_len
         self.backend = get_backend(cfg.attention_backend, self.device, _sparse_attention(cfg, model_cfg))
-        self.model = load_model(cfg.model, model_cfg, self.backend, dtype, self.device, max_model_len, tp)
+        self.model = load_model(cfg.model, model_cfg, self.backend, dtype, self.device, max_model_len, tp,
+                                cfg.load_format, cfg.seed)
         c = self._kv_view = replace(model_cfg, num_kv_heads=head_shard(model_cfg, tp).num_kv_heads)
         self.kv_layout = KVLayout(cfg.kv_cache_dtype, c.num_layers, self.block_size, c.num_kv_heads, c.head_dim,
                                   dtype, cfg.kv_cache_salient_tokens)
@@ -64,6 +66,22 @@ class ModelRunner:
             layer.self_attn.kv_cache = self.kv_cache.layer(i)
         self.buffers = InputBuffers(self.device, windowed=self.kv_layout.windowed)
         self.pad = cfg.pad_to_buckets if cfg.pad_to_buckets is not None else self.device.type == "cuda"
+        self.graphs = self._cuda_graphs()
+
+    def _cuda_graphs(self) -> CudaGraphs | None:
+        """CUDA graphs for decode and verification steps (engine/cuda_graphs.py), captured now; None where they do
+        not apply: not CUDA, ``enforce_eager``, the torch attention backend (its plan reads host data), tensor
+        parallelism, or a drafter that runs the target itself (layer skipping)."""
+        cfg = self.cfg
+        if (cfg.enforce_eager or cfg.max_graph_batch == 0 or self.device.type != "cuda" or self.tp.size > 1
+                or not hasattr(self.backend, "plan_graph") or self.num_scratch_blocks):
+            return None
+        spec = cfg.speculative_config
+        query_lens = (1,) + ((spec.num_speculative_tokens + 1,) if spec is not None else ())
+        graphs = CudaGraphs(self.model, self.backend, self.device, self.block_size, self.max_model_len,
+                            self.model_cfg.sliding_window, min(cfg.max_graph_batch, cfg.max_num_seqs), query_lens)
+        graphs.capture()
+        return graphs
 
     @property
     def kv_bytes_per_block(self) -> int:
@@ -155,6 +173,9 @@ class ModelRunner:
             idx, rows = batch.placeholders
             tokens = last_sampled[rows].to(idx.dtype) if self.tp.is_first else torch.empty_like(idx)
             batch.input_ids[idx] = self.tp.broadcast(tokens)
+        graph = self.graphs.bucket(plan, batch) if self.graphs is not None and not (capture or all_rows) else None
+        if graph is not None:
+            return ForwardOutput(self.graphs.replay(graph, batch))
         self.backend.plan(batch.meta)
         captured: dict[int, torch.Tensor] = {}
         hidden = self.model(batch.input_ids, batch.meta, capture=capture, captured=captured)

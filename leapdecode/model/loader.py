@@ -79,10 +79,19 @@ def safetensors_files(model_dir: str) -> list[str]:
     return [os.path.join(model_dir, n) for n in names]
 
 
+LOAD_FORMATS = ("auto", "dummy")
+
+
 def load_model(model_dir: str, cfg: ModelConfig, backend: AttentionBackend, dtype: torch.dtype,
-               device: torch.device, max_positions: int, tp: ParallelState = SINGLE) -> LlamaForCausalLM:
-    """The model (this rank's shard of it under tensor parallelism ``tp``) with its weights, in eval mode."""
+               device: torch.device, max_positions: int, tp: ParallelState = SINGLE,
+               load_format: str = "auto", seed: int = 0) -> LlamaForCausalLM:
+    """The model (this rank's shard of it under tensor parallelism ``tp``) with its weights, in eval mode.
+    ``load_format="dummy"``: random weights at the checkpoint's shapes (only config.json is read), for
+    benchmarking real shapes without writing or reading gigabytes of random numbers."""
     model = _empty_model(cfg, backend, dtype, device, max_positions, tp)
+    if load_format == "dummy":
+        _fill_dummy(model, seed)
+        return model.eval()
     if gguf_file.is_gguf(model_dir):
         _load_gguf_weights(model, model_dir, cfg, dtype)
         return model.eval()
@@ -113,6 +122,20 @@ def _empty_model(cfg: ModelConfig, backend: AttentionBackend, dtype: torch.dtype
         model = model.to_empty(device=device).to(dtype)
     model.rope.build(device)
     return model
+
+
+@torch.no_grad()
+def _fill_dummy(model: LlamaForCausalLM, seed: int) -> None:
+    """Random weights drawn on the model's device: N(0, 0.02) for matrices (transformers' default
+    initializer_range), ones for norm weights, zeros for biases; the same seed gives the same model."""
+    gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+    for name, p in model.named_parameters():
+        if name.endswith("norm.weight"):
+            p.fill_(1.0)
+        elif name.endswith(".bias"):
+            p.zero_()
+        else:
+            p.normal_(0.0, 0.02, generator=gen)
 
 
 @contextlib.contextmanager
