@@ -273,7 +273,7 @@ def section_decode(args, console, copy_bw: float, batched: bool) -> None:
     console.print(table)
 
 
-def section_kernel(args, console, copy_bw: float) -> None:
+def section_kernel(args, console, copy_bw: float) -> list[dict]:
     import torch.nn.functional as F
     import triton.testing
     from rich.table import Table
@@ -293,6 +293,7 @@ def section_kernel(args, console, copy_bw: float) -> None:
             console.print(f"flex_attention unavailable: {e!r}")
     H, HKV, D, BS, dtype = 32, 8, 128, 16, torch.bfloat16
     scale = D ** -0.5
+    rows: list[dict] = []
     table = Table(title=f"Decode attention alone: H={H}/{HKV} kv, d={D}, bf16, block {BS}; copy roofline "
                         f"{copy_bw / 1e9:.0f} GB/s")
     for col in ("batch", "context", "KV MiB", "impl", "splits", "us", "GB/s", "roofline frac", "vs SDPA"):
@@ -332,7 +333,8 @@ def section_kernel(args, console, copy_bw: float) -> None:
         err = (out.float() - ref.float()).abs().max().item()
         impls["SDPA (dense)"] = (lambda: F.scaled_dot_product_attention(q4, k, v, scale=scale, enable_gqa=True),
                                  None)
-        if flex is not None:
+        impls["SDPA cuDNN (dense)"] = (lambda: _cudnn_sdpa(q4, k, v, scale), None)
+        if flex is not None and (not args.flex_contexts or ctx in args.flex_contexts):
             impls["flex_attention (dense)"] = (lambda: flex(q4, k, v, scale=scale, enable_gqa=True), None)
         times = {}
         for label, (fn, splits) in impls.items():
@@ -343,6 +345,8 @@ def section_kernel(args, console, copy_bw: float) -> None:
                 table.add_row(str(batch), str(ctx), "", label, "", f"error: {type(e).__name__}", "", "", "")
         sdpa = times.get("SDPA (dense)", (None,))[0]
         for label, (secs, splits) in times.items():
+            rows.append(dict(batch=batch, context=ctx, impl=label, splits=splits, us=secs * 1e6,
+                             gbs=kv_bytes / secs / 1e9, roofline=kv_bytes / secs / copy_bw, max_err=err))
             table.add_row(str(batch), str(ctx), f"{kv_bytes / 2**20:,.0f}",
                           label + (f" (max err {err:.1e})" if label == "ours" else ""),
                           "" if splits is None else str(splits), f"{secs * 1e6:,.1f}",
@@ -351,6 +355,15 @@ def section_kernel(args, console, copy_bw: float) -> None:
         del kv, k, v, q, out, ref
         free_memory()
     console.print(table)
+    return rows
+
+
+def _cudnn_sdpa(q, k, v, scale):
+    """SDPA forced onto cuDNN's attention (the strongest dense peer on Hopper); raises where cuDNN refuses."""
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+        return F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=True)
 
 
 # -- planning ----------------------------------------------------------------------------------------------------
@@ -424,6 +437,8 @@ def parse_args(argv=None):
     ap.add_argument("--kernel-contexts", type=_ints, default=[1024, 4096, 16384, 65536, 131072])
     ap.add_argument("--kernel-max-gib", type=float, default=20.0, help="skip kernel cases with more K/V than this")
     ap.add_argument("--no-flex", action="store_true", help="skip flex_attention (compiles per shape)")
+    ap.add_argument("--flex-contexts", type=_ints, default=[], help="time flex_attention at these contexts only "
+                    "(default: all; it compiles per shape)")
     ap.add_argument("--tune", action="store_true", help="also time the decode kernel's tile/warp/stage variants")
     ap.add_argument("--dry-run", action="store_true", help="print the planned cases and byte counts, run nothing")
     args = ap.parse_args(argv)

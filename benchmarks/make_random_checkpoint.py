@@ -126,6 +126,48 @@ def make_checkpoint(shape: str, out: str | None = None, dtype: str = "bfloat16",
     return out
 
 
+def hf_config(shape: str):
+    """The transformers config of ``shape`` (architectures set)."""
+    import transformers
+    cls_name, _, kw, _ = SHAPES[shape]
+    config = getattr(transformers, cls_name)(**kw)
+    config.architectures = [cls_name.replace("Config", "ForCausalLM")]
+    return config
+
+
+def make_config_dir(shape: str, out: str, dtype: str = "bfloat16") -> str:
+    """A weightless model directory (config, generation config, real tokenizer) for engines that draw random
+    weights themselves (leapdecode's ``load_format="dummy"``, transformers' ``from_config``): no gigabytes
+    written or read, so a GPU suite can build 8B shapes in seconds."""
+    import transformers
+    _check_out(out)
+    os.makedirs(out, exist_ok=True)
+    config = hf_config(shape)
+    config.dtype = dtype
+    config.save_pretrained(out)
+    transformers.GenerationConfig(**SHAPES[shape][3]).save_pretrained(out)
+    if os.path.isdir(os.path.join(TOKENIZERS_ROOT, SHAPES[shape][1])):
+        copy_tokenizer(SHAPES[shape][1], out)
+    else:
+        stand_in_tokenizer(out)
+    return out
+
+
+def stand_in_tokenizer(out: str) -> None:
+    """Where the family's real tokenizer files are not on the machine (a bare GPU box): a small byte-level BPE
+    trained here on a few sentences. Random weights emit ids beyond its vocabulary, which decode to nothing; no
+    number the suites measure depends on the text."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(["random weights at a real model's shapes"] * 4,
+                            trainers.BpeTrainer(vocab_size=300, special_tokens=["<s>", "</s>"],
+                                                initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>").save_pretrained(out)
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
