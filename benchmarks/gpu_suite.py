@@ -8,11 +8,13 @@ Sections (each prints one table; all numbers are also written to DIR/gpu_suite.j
 
 copy     Device-to-device copy bandwidth (read + written bytes): the roofline every fraction below refers to.
 batch1   One request, greedy, random prompt of --prompt-len tokens, for the Llama-3.2-1B, Qwen2.5-0.5B and
-         Llama-3.1-8B shapes in bf16. leapdecode three ways (CUDA graphs + overlapped step; graphs, synchronous
-         step; eager), the minimal static-cache step (benchmarks/static_step.py) replayed as a CUDA graph and under
-         torch.compile(mode="reduce-overhead") (section ``compiled``, run last: it compiles for tens of seconds),
-         and transformers ``generate`` (eager, dynamic cache) on a model of the same shape. Engine decode time = T(n) - T(1) (prefill and first token cancel). Roofline fraction =
-         (weights + KV attended) bytes per step x steps/s / copy bandwidth.
+         Llama-3.1-8B shapes in bf16. leapdecode four ways (CUDA graphs, synchronous step; graphs + overlapped
+         step; graphs with the model's elementwise ops unfused; eager), the GPU time of its graph alone (replayed
+         back to back: the step minus the host's work), the minimal static-cache step in plain PyTorch ops
+         (benchmarks/static_step.py) replayed as a CUDA graph, and transformers ``generate`` (eager, dynamic cache)
+         on a model of the same shape. Engine decode time = T(n) - T(1) (prefill and first token cancel).
+         Roofline fraction = (weights + KV attended) bytes per step x steps/s / copy bandwidth.
+compiled The static step under torch.compile(mode="reduce-overhead"), run last (it compiles for tens of seconds).
 batched  leapdecode (graphs + overlap) at batch 16/64/256 with 512 and 2048-token prompts, transformers up to batch
          --peer-max-batch: output tokens/s and roofline fraction.
 tune     The decode kernel's block_n / num_warps / num_stages variants at --tune-batches x --tune-contexts.
@@ -28,6 +30,7 @@ Nothing is asserted here: correctness is the GPU tests' job.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import inspect
 import json
@@ -74,6 +77,28 @@ def decode_seconds(llm, prompts, new: int, repeats: int) -> float:
                                     use_tqdm=False)
     run(4)()
     return dr.timed(run(new), repeats) - dr.timed(run(1), repeats)
+
+
+@contextlib.contextmanager
+def fused_ops(on: bool):
+    """The model's fused Triton elementwise kernels on or off (model/layers.py FUSED_OPS) for the block."""
+    from leapdecode.model import layers
+    old, layers.FUSED_OPS = layers.FUSED_OPS, on
+    try:
+        yield
+    finally:
+        layers.FUSED_OPS = old
+
+
+def replay_seconds(graph, n: int = 200) -> float:
+    """Seconds per replay of a captured graph, replayed back to back (device time, no host work between)."""
+    graph.replay()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        graph.replay()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / n
 
 
 def hf_model(shape: str):
@@ -148,19 +173,24 @@ def section_batch1(args, rep: Report, copy_bw: float) -> None:
 
         def add(label, secs_per_step):
             results[label] = secs_per_step
-        for label, kw in (("leapdecode graphs+overlap", dict(async_scheduling=True)),
-                          ("leapdecode graphs", {}), ("leapdecode eager", dict(enforce_eager=True))):
+        for label, kw, fused in (("leapdecode graphs", {}, True),
+                                 ("leapdecode graphs+overlap", dict(async_scheduling=True), True),
+                                 ("leapdecode graphs, unfused ops", {}, False),
+                                 ("leapdecode eager", dict(enforce_eager=True), True)):
             try:
-                llm = engine(path, max_len, 1, **kw)
-                add(label, decode_seconds(llm, prompts, new, args.repeats) / (new - 1))
-                if label == "leapdecode graphs+overlap":
-                    model = llm.engine.runner.model
+                with fused_ops(fused):
+                    llm = engine(path, max_len, 1, **kw)
+                    add(label, decode_seconds(llm, prompts, new, args.repeats) / (new - 1))
+                if label == "leapdecode graphs":
                     g = llm.engine.runner.graphs
                     rep.note(f"{name}: CUDA graphs: {'none' if g is None else len(g.graphs)} captured in "
                              f"{0 if g is None else g.capture_seconds:.2f} s, "
                              f"{0 if g is None else g.num_replays} replays")
-                    add("static step, CUDA graph", seconds_per_step(model, 1, args.prompt_len, new))
-                    del model
+                    if g is not None:       # the step's GPU time alone: the graph replayed back to back
+                        add("(GPU only) leapdecode graph replay", replay_seconds(g.graphs[(1, 1)].graph))
+                    with fused_ops(False):   # the minimal step written in plain PyTorch ops, as a peer would be
+                        add("static step, CUDA graph", seconds_per_step(llm.engine.runner.model, 1,
+                                                                        args.prompt_len, new))
                 del llm
             except Exception as e:  # noqa: BLE001 - report and go on with the next engine
                 rep.note(f"{name} {label}: error {type(e).__name__}: {e}")
@@ -175,7 +205,7 @@ def section_batch1(args, rep: Report, copy_bw: float) -> None:
                 rep.note(f"{name} transformers: error {type(e).__name__}: {e}")
             free()
         peer = results.get("transformers generate")
-        static = results.get("static step, torch.compile") or results.get("static step, CUDA graph")
+        static = results.get("static step, CUDA graph")
         for label, s in results.items():
             rows.append(dict(model=name, engine=label, **{"tok/s": 1 / s, "ms/step": s * 1e3,
                              "GB/step": per_step / 1e9, "roofline": per_step / s / copy_bw,
@@ -195,10 +225,11 @@ def section_compiled(args, rep: Report, copy_bw: float) -> None:
         per_step = dr.step_bytes(dr.count_bytes(name), 1, args.prompt_len, args.output_len)
         llm = engine(path, args.prompt_len + args.output_len + 32, 1, enforce_eager=True)
         t0 = time.perf_counter()
-        s = seconds_per_step(llm.engine.runner.model, 1, args.prompt_len, args.output_len, mode="compiled")
+        with fused_ops(False):        # plain PyTorch ops: inductor fuses them itself
+            s = seconds_per_step(llm.engine.runner.model, 1, args.prompt_len, args.output_len, mode="compiled")
         rep.note(f"{name}: torch.compile of the static step: {time.perf_counter() - t0:.0f} s (compile + timing)")
         ours = {r["engine"]: r["ms/step"] / 1e3 for r in rep.data["sections"].get("batch1", [])
-                if r["model"] == name and r["engine"].startswith("leapdecode")}
+                if r["model"] == name and r["engine"].startswith("leapdecode graphs")}
         rows.append(dict(model=name, engine="static step, torch.compile", **{
             "tok/s": 1 / s, "ms/step": s * 1e3, "roofline": per_step / s / copy_bw,
             "leapdecode best vs it": s / min(ours.values()) if ours else ""}))
@@ -261,7 +292,7 @@ def section_batched(args, rep: Report, copy_bw: float) -> None:
 def section_kernel(args, rep: Report, copy_bw: float) -> None:
     ns = argparse.Namespace(kernel_batches=args.kernel_batches, kernel_contexts=args.kernel_contexts,
                             kernel_max_gib=args.kernel_max_gib, no_flex=False, flex_contexts=args.flex_contexts,
-                            tune=False)
+                            tune=False, graphs=True)
     rows = dr.section_kernel(ns, rep.console, copy_bw)
     rep.data["sections"]["kernel"] = rows
     best = {}
@@ -281,7 +312,7 @@ def section_kernel(args, rep: Report, copy_bw: float) -> None:
 def section_tune(args, rep: Report, copy_bw: float) -> None:
     """The decode kernel's tile / warp / pipeline-stage variants at a few shapes (decode_roofline.py --tune)."""
     ns = argparse.Namespace(kernel_batches=args.tune_batches, kernel_contexts=args.tune_contexts, kernel_max_gib=20.0,
-                            no_flex=True, flex_contexts=[], tune=True)
+                            no_flex=True, flex_contexts=[], tune=True, graphs=True)
     rows = dr.section_kernel(ns, rep.console, copy_bw)
     rep.data["sections"]["tune"] = rows
     best = {}
@@ -333,7 +364,8 @@ def section_spec(args, rep: Report) -> None:
         for label, spec in methods.items():
             try:
                 llm = LLM(path, dtype="bfloat16", device=DEVICE, attention_backend=BACKEND, max_model_len=1024,
-                          max_num_seqs=batch, speculative_config=spec, enable_prefix_caching=False)
+                          max_num_seqs=batch, speculative_config=spec, enable_prefix_caching=False,
+                          kv_cache_memory="4GiB")
                 prompts = code_prompts(llm.engine.tokenizer, batch, args.spec_prompt_len)
                 params = SamplingParams(temperature=0.0, max_tokens=args.spec_output_len, ignore_eos=True)
                 llm.generate(prompts[:2], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True),

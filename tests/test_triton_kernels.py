@@ -289,6 +289,40 @@ def test_engine_greedy_equals_torch_backend_under_interpreter(tiny_dir, monkeypa
     assert out["triton"] == out["torch"]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_model_ops_match_pytorch(dtype, monkeypatch):
+    """RMSNorm, rotary embedding (in place, on strided slices of a fused qkv row) and SiLU-and-multiply: the Triton
+    kernels give what the PyTorch forms of layers.py give (bf16: within one rounding step)."""
+    from leapdecode.model import layers, triton_ops as ops
+    from leapdecode.model.layers import RMSNorm, RotaryEmbedding, _rotate
+    monkeypatch.setattr(layers, "FUSED_OPS", False)             # the modules below compute the PyTorch forms
+    g = torch.Generator().manual_seed(7)
+    rnd = lambda *s: torch.randn(*s, generator=g).to(DEV, dtype)  # noqa: E731
+    tol = 0 if dtype == torch.float32 else 1e-2
+    norm = RMSNorm(96, 1e-5).to(DEV, dtype)
+    norm.weight.data = rnd(96)
+    x = rnd(5, 96)
+    want = norm(x)
+    torch.testing.assert_close(ops.rms_norm(x, norm.weight, 1e-5), want, atol=tol or 2e-6, rtol=tol or 2e-6)
+    rope = RotaryEmbedding(32, 64, 10000.0, None)
+    rope.build(DEV)
+    qkv = rnd(7, (4 + 2 + 2) * 32)
+    q, k = qkv[:, :128].view(7, 4, 32), qkv[:, 128:192].view(7, 2, 32)
+    pos = torch.tensor([0, 5, 9, 63, 1, 2, 40], device=DEV)
+    cos, sin = rope.cos[pos].unsqueeze(1), rope.sin[pos].unsqueeze(1)
+    wq, wk = _rotate(q, cos, sin), _rotate(k, cos, sin)
+    v_before = qkv[:, 192:].clone()
+    ops.rope_(pos, q, k, rope.cos, rope.sin)
+    torch.testing.assert_close(q, wq, atol=tol or 2e-6, rtol=tol or 2e-6)
+    torch.testing.assert_close(k, wk, atol=tol or 2e-6, rtol=tol or 2e-6)
+    assert torch.equal(qkv[:, 192:], v_before)                  # the values are left alone
+    gu = rnd(6, 2 * 80)
+    gate, up = gu.chunk(2, dim=-1)
+    torch.testing.assert_close(ops.silu_and_mul(gu), torch.nn.functional.silu(gate) * up, atol=tol or 2e-6,
+                               rtol=tol or 2e-6)
+
+
+@pytest.mark.skipif(CUDA, reason="on a GPU the graphs themselves are captured and tested (TestOnGPU)")
 def test_graph_buffers_and_padding_under_interpreter(tiny_dir):
     """The CUDA-graph path without a GPU: every decode and verification step goes through the graphs' static
     buffers, bucket padding (padding sequences and tokens) and graph attention plan, run eagerly; greedy tokens
@@ -460,9 +494,40 @@ class TestOnGPU:
         assert [o.outputs[0].token_ids for o in gpu.generate(prompts, params, use_tqdm=False)] == want
         assert gpu.engine.runner.graphs.num_replays > 0 and gpu.engine.stats["overlapped_steps"] > 0
 
+    def test_draft_model_speculation_on_cuda(self):
+        """Draft-model speculation on CUDA (the embedded model and its draft model, float32, graphs on): the draft
+        model's logits equal its logits on the CPU, its drafts are accepted, and the output is plain decoding's."""
+        from leapdecode import LLM, SamplingParams
+        from leapdecode.assets import default_draft_model_path, default_model_path
+        from leapdecode.spec.draft_model import DraftModelDrafter
+        logits = {}
+        for dev in ("cpu", "cuda"):
+            llm = LLM(default_model_path(), dtype="float32", device=dev, kv_cache_memory="256MiB",
+                      attention_backend="torch" if dev == "cpu" else "triton")
+            d = DraftModelDrafter(llm.engine.runner, default_draft_model_path(), 4)
+            blocks = [d.free.pop() for _ in range(4)]
+            logits[dev] = [d.forward([(0, list(range(5, 40)), blocks)]).cpu(),
+                           d.forward([(35, [7], blocks)]).cpu()]
+        for a, b in zip(logits["cpu"], logits["cuda"]):
+            torch.testing.assert_close(b, a, atol=1e-3, rtol=1e-3)
+        spec = {"method": "draft_model", "model": default_draft_model_path(), "num_speculative_tokens": 4,
+                "adaptive": False}
+        prompts = ["def fibonacci(n):\n    ", "import os\nfor name in ", "class Stack:\n    def "]
+        params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+        outs = {}
+        for label, cfg in (("plain", None), ("spec", spec)):
+            llm = LLM(default_model_path(), dtype="float32", device="cuda", attention_backend="triton",
+                      kv_cache_memory="256MiB", speculative_config=cfg)
+            outs[label] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+            stats = dict(llm.engine.stats)
+        assert outs["spec"] == outs["plain"]
+        assert stats["draft_tokens"] > 0 and stats["accepted_tokens"] > stats["draft_tokens"] // 10, stats
+
     def test_triton_backend_on_cuda_by_name_and_opt_in(self, monkeypatch):
         from leapdecode.attention.backend import get_backend
         assert get_backend("triton", torch.device("cuda")).name == "triton"
-        assert get_backend("auto", torch.device("cuda")).name == "torch"      # until measured on a GPU
-        monkeypatch.setenv("LEAPDECODE_ATTENTION_BACKEND", "triton")
         assert get_backend("auto", torch.device("cuda")).name == "triton"
+        assert get_backend("auto", torch.device("cuda"), kv_cache_dtype="int8").name == "torch"
+        assert get_backend("auto", torch.device("cpu")).name == "torch"
+        monkeypatch.setenv("LEAPDECODE_ATTENTION_BACKEND", "torch")
+        assert get_backend("auto", torch.device("cuda")).name == "torch"

@@ -96,14 +96,17 @@ BACKENDS = ("auto", "torch", "triton")
 
 
 def get_backend(name: str = "auto", device: torch.device | None = None,
-                sparse: SparseAttention | None = None) -> AttentionBackend:
+                sparse: SparseAttention | None = None, kv_cache_dtype: str = "auto") -> AttentionBackend:
     """"torch": the portable reference backend; "triton": the Triton GPU kernels (CUDA only).
-    "auto" is the torch backend until the Triton kernels have been verified and measured on a real GPU (so far they
-    are verified under the Triton interpreter only); LEAPDECODE_ATTENTION_BACKEND=triton opts in for "auto".
+    "auto": on CUDA the Triton kernels (verified on an H200 against float64 and the torch backend; they are what
+    CUDA graphs capture), unless the step needs what only the torch backend reads (``sparse`` decoding, a quantized
+    ``kv_cache_dtype``); elsewhere the torch backend. LEAPDECODE_ATTENTION_BACKEND=torch|triton overrides "auto".
     ``sparse``: lossy sparse decoding's settings (attention/sparse.py), which only the torch backend implements."""
     import os
     if name == "auto":
-        name = os.environ.get("LEAPDECODE_ATTENTION_BACKEND", "torch").strip().lower() or "torch"
+        on_cuda = device is not None and torch.device(device).type == "cuda"
+        default = "triton" if on_cuda and sparse is None and kv_cache_dtype == "auto" else "torch"
+        name = os.environ.get("LEAPDECODE_ATTENTION_BACKEND", default).strip().lower() or default
     if name == "torch":
         from leapdecode.attention.torch_ref import TorchAttention
         return TorchAttention(sparse)

@@ -134,8 +134,14 @@ class Engine:
         _freeze_startup_objects()
 
     def close(self) -> None:
-        """Release the executor's worker processes (tensor parallelism); the engine cannot step afterwards."""
+        """Release the executor (its worker processes under tensor parallelism, its weights, KV pool and graphs)
+        and the drafter's model; the engine cannot step afterwards. Its frozen start-up objects go back to the
+        garbage collector, so what is left of it is collected too."""
         self.runner.close()
+        self.speculator = None
+        if self._worker is not None:
+            self._worker.shutdown(wait=False)
+        gc.unfreeze()
 
     @property
     def structured_backend(self):

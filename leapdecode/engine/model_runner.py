@@ -46,7 +46,8 @@ class ModelRunner:
         self.device = cfg.torch_device
         self.block_size = cfg.block_size
         self.max_model_len = max_model_len
-        self.backend = get_backend(cfg.attention_backend, self.device, _sparse_attention(cfg, model_cfg))
+        self.backend = get_backend(cfg.attention_backend, self.device, _sparse_attention(cfg, model_cfg),
+                                   cfg.kv_cache_dtype)
         self.model = load_model(cfg.model, model_cfg, self.backend, dtype, self.device, max_model_len, tp,
                                 cfg.load_format, cfg.seed)
         c = self._kv_view = replace(model_cfg, num_kv_heads=head_shard(model_cfg, tp).num_kv_heads)
@@ -197,7 +198,12 @@ class ModelRunner:
         self.kv_cache.write_blocks(blocks, data)
 
     def close(self) -> None:
-        """Nothing to release in-process (the executor protocol's shutdown hook)."""
+        """Release the weights, the KV pool and the CUDA graphs now (the executor protocol's shutdown hook). The
+        engine's start-up objects are frozen out of the garbage collector's reach (engine.py), so without this a
+        closed engine's GPU memory would stay taken until the process ends."""
+        for layer in getattr(self.model, "layers", ()):
+            layer.self_attn.kv_cache = None
+        self.graphs = self.model = self.kv_cache = self.buffers = None
 
 
 def _sparse_attention(cfg: EngineConfig, model_cfg: ModelConfig) -> SparseAttention | None:

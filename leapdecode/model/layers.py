@@ -1,7 +1,13 @@
-"""Building blocks of the Llama family: RMSNorm, rotary embedding (default / linear / llama3), gated MLP."""
+"""Building blocks of the Llama family: RMSNorm, rotary embedding (default / linear / llama3), gated MLP.
+
+On CUDA each block runs as one fused Triton kernel (model/triton_ops.py) computing what its PyTorch form below
+computes; the PyTorch forms are the CPU path and the reference. ``FUSED_OPS = False`` (or the environment variable
+LEAPDECODE_FUSED_OPS=0) keeps CUDA on the PyTorch forms too, for measuring what the fusion buys.
+"""
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 from torch import nn
@@ -9,6 +15,17 @@ import torch.nn.functional as F
 
 from leapdecode.distributed.parallel_state import SINGLE, ParallelState
 from leapdecode.model.parallel_layers import ColumnParallelLinear, Piece, RowParallelLinear
+
+
+FUSED_OPS = os.environ.get("LEAPDECODE_FUSED_OPS", "1") != "0"
+
+
+def _fused(x: torch.Tensor):
+    """The fused kernels module when ``x`` lives on a GPU and fusion is on, else None."""
+    if not (FUSED_OPS and x.is_cuda):
+        return None
+    from leapdecode.model import triton_ops
+    return triton_ops
 
 
 class RMSNorm(nn.Module):
@@ -20,6 +37,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ops = _fused(x)
+        if ops is not None and x.stride(-1) == 1:
+            return ops.rms_norm(x, self.weight, self.eps)
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -62,6 +82,10 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin", freqs.sin(), persistent=False)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotated q and k; on CUDA rotated in place (they are views of the fused qkv output, used once)."""
+        ops = _fused(q)
+        if ops is not None and q.stride(-1) == 1 and k.stride(-1) == 1:
+            return ops.rope_(positions, q, k, self.cos, self.sin)
         cos = self.cos[positions].unsqueeze(1)   # [T, 1, D/2]
         sin = self.sin[positions].unsqueeze(1)
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
@@ -85,5 +109,9 @@ class GatedMLP(nn.Module):
         self.down_proj = RowParallelLinear(intermediate, hidden, bias, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        ops = _fused(gate_up)
+        if ops is not None and gate_up.dim() == 2:
+            return self.down_proj(ops.silu_and_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
