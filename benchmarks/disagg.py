@@ -165,7 +165,7 @@ def unloaded_slo(url: str, probes: dict[str, list[dict]], args) -> tuple[float, 
 
 def measured(args, tok, llm_kwargs) -> tuple[list[dict], tuple[float, float]]:
     # each rate gets its own requests (another seed), so a rate never reads prefixes the previous one cached
-    traffics = [make_traffic(tok, argparse.Namespace(**{**vars(args), "seed": args.seed + 10 * (k + 1)}))
+    traffics = args.traffics = [make_traffic(tok, argparse.Namespace(**{**vars(args), "seed": args.seed + 10 * (k + 1)}))
                 for k in range(len(args.rates))]
     probes_pool = probe_requests(tok, args)
     rows, slo = [], None
@@ -192,6 +192,67 @@ def measured(args, tok, llm_kwargs) -> tuple[list[dict], tuple[float, float]]:
         finally:
             served.close()
     return rows, slo
+
+
+# -- the simulator beside the measurements ------------------------------------------------------------------------
+def fitted_costs(llm_kwargs: dict, threads: list[int]) -> tuple[dict, object]:
+    """A StepCost per torch thread count, fitted on timed engine steps of an in-process engine of this model."""
+    import torch
+
+    from leapdecode import LLM
+    from leapdecode.cluster.simulator import EngineShape
+    from leapdecode.cluster.step_model import StepCost, measure
+    llm = LLM(**llm_kwargs)
+    costs, before = {}, torch.get_num_threads()
+    for n in threads:
+        torch.set_num_threads(n)
+        samples = measure(llm, prompt_lens=(32, 128, 512, 1024), contexts=(128, 512, 1024),
+                          decode_batches=(1, 4, 8), repeats=2)
+        costs[n] = StepCost.fit(samples)
+        err = statistics.mean(abs(e) for e in costs[n].relative_errors(samples))
+        print(f"step cost, {n} thread(s): {costs[n]} (mean |error| on its {len(samples)} probes {err:.0%})",
+              flush=True)
+    torch.set_num_threads(before)
+    return costs, EngineShape.of_llm(llm)
+
+
+def simulated_rows(rows: list[dict], traffics: list[list[dict]], args, costs: dict, engine) -> list[dict]:
+    """The measured layouts and rates, simulated with the fitted costs; KV moves at ``--sim-link-gbs``."""
+    from leapdecode.cluster.simulator import Cluster, Colocated, Disaggregated, simulate
+    from leapdecode.cluster.workload import SimRequest
+    placements = {"colocated": (Colocated(1), costs[2]), "replicas": (Colocated(2), costs[1]),
+                  "disagg": (Disaggregated(1, 1, 1, 1), costs[1])}
+    out = []
+    for row in rows:
+        k = args.rates.index(row["rate"])
+        times = arrivals(len(traffics[k]), row["rate"], args.seed + 1)
+        reqs = [SimRequest(t, len(r["ids"]), r["max_tokens"], i) for i, (t, r) in enumerate(zip(times, traffics[k]))]
+        placement, cost = placements[row["layout"]]
+        cluster = Cluster({1: cost}, engine=engine, kv_bytes_per_token=args.kv_bytes_per_token,
+                          link_bandwidth=args.sim_link_gbs * 1e9, transfer_latency_s=args.sim_link_latency)
+        sim = simulate(placement, cluster, reqs)
+        out.append({"layout": row["layout"], "rate": row["rate"],
+                    **{f"{m}_p{q}": sim.percentile(m, q) for m in ("ttft", "tpot") for q in (50, 90)}})
+    return out
+
+
+def print_validation(rows: list[dict], sims: list[dict]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+    t = Table(title="SIMULATED beside MEASURED (same traffic; simulator: the engine's scheduler + step costs fitted "
+                    "on this machine; the proxy, HTTP and Ray are not modelled)")
+    for col in ("layout", "rate", "TTFT p50 meas/sim s", "err", "TTFT p90 meas/sim s", "err",
+                "TPOT p50 meas/sim ms", "err", "TPOT p90 meas/sim ms", "err"):
+        t.add_column(col, justify="right")
+    for r, s in zip(rows, sims):
+        cells = [r["layout"], f"{r['rate']:.2f}"]
+        for m, scale in (("ttft", 1), ("tpot", 1000)):
+            for q in (50, 90):
+                meas, sim = r[f"{m}_p{q}"], s[f"{m}_p{q}"]
+                cells += [f"{meas * scale:.2f} / {sim * scale:.2f}" if scale == 1 else
+                          f"{meas * scale:.0f} / {sim * scale:.0f}", f"{(sim - meas) / meas:+.0%}"]
+        t.add_row(*cells)
+    Console(width=200).print(t)
 
 
 def print_measured(rows: list[dict], slo: tuple[float, float], args) -> None:
@@ -226,7 +287,12 @@ def main() -> None:
     ap.add_argument("--ttft-x", type=float, default=3.0)
     ap.add_argument("--tpot-x", type=float, default=3.0)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--skip-measured", action="store_true", help="only the simulated part")
+    ap.add_argument("--skip-sim", action="store_true", help="no simulator validation")
+    ap.add_argument("--skip-plan", action="store_true", help="no planner tables for larger clusters")
+    ap.add_argument("--sim-link-gbs", type=float, default=2.0,
+                    help="KV transfer bandwidth the simulator assumes between instances here (GB/s; host memory "
+                         "through Ray's object store)")
+    ap.add_argument("--sim-link-latency", type=float, default=0.02, help="per-transfer latency assumed (s)")
     args = ap.parse_args()
     args.rates = [float(x) for x in args.rates.split(",")]
     args.layouts = args.layouts.split(",")
@@ -241,11 +307,19 @@ def main() -> None:
           f"{os.path.basename(str(EngineFront(llm_kwargs).cfg.model))}", flush=True)
     ray.init(num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False)
     try:
-        if not args.skip_measured:
-            rows, slo = measured(args, tok, llm_kwargs)
-            print_measured(rows, slo, args)
+        rows, slo = measured(args, tok, llm_kwargs)
+        print_measured(rows, slo, args)
     finally:
         ray.shutdown()
+    if not args.skip_sim:
+        costs, engine = fitted_costs(llm_kwargs, [1, 2])
+        from leapdecode.cluster.frontend import EngineFront
+        front = EngineFront(llm_kwargs).model_cfg
+        args.kv_bytes_per_token = 2 * front.num_layers * front.num_kv_heads * front.head_dim * 4   # float32 on CPU
+        print_validation(rows, simulated_rows(rows, args.traffics, args, costs, engine))
+    if not args.skip_plan:
+        from leapdecode.cluster.planner import main as plan_main
+        plan_main(["--devices", "8", "64"])
 
 
 if __name__ == "__main__":
