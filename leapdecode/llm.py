@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import itertools
+import sys
 from typing import Any, Iterable, Iterator, Sequence
 
 from tqdm.auto import tqdm
@@ -64,8 +65,9 @@ class LLM:
         self._ids = itertools.count()
 
     def close(self) -> None:
-        """Stop the engine's worker processes (``tensor_parallel_size > 1``); also done by ``del``, ``with`` and at
-        exit. The LLM cannot generate afterwards."""
+        """Release the engine now: its worker processes (``tensor_parallel_size > 1``), weights, KV cache and CUDA
+        graphs; also done by ``with``, at exit, and by ``del`` when nothing else holds ``llm.engine``. The LLM
+        cannot generate afterwards."""
         engine = getattr(self, "engine", None)      # None when __init__ failed
         if engine is not None:
             engine.close()
@@ -77,7 +79,11 @@ class LLM:
         self.close()
 
     def __del__(self) -> None:
-        self.close()
+        engine = getattr(self, "engine", None)
+        # (references: this attribute, the local name and getrefcount's argument) more means someone still uses
+        # the engine on its own; it is then released when they drop it (the engine holds no reference cycle)
+        if engine is not None and sys.getrefcount(engine) <= 3:
+            engine.close()
 
     def get_tokenizer(self):
         return self.engine.tokenizer

@@ -106,10 +106,13 @@ class Engine:
         self.block_manager = BlockManager(self.runner.num_blocks, cfg.block_size, cfg.enable_prefix_caching,
                                           self.runner.num_window_blocks)
         self.structured = StructuredOutput(self.tokenizer, eos, cfg.grammar_cache_size)
-        self.stops = StopChecker(eos, self.max_model_len, grammar=self._grammar_verdict, text=self._stop_string)
+        self.requests: dict[str, Request] = {}
+        # the stop checker's hooks close over what they read, not over the engine: no reference cycle, so an
+        # engine nobody holds is freed (its GPU memory with it) by reference counting alone
+        self.stops = StopChecker(eos, self.max_model_len, grammar=_grammar_hook(self.structured),
+                                 text=_stop_string_hook(self.requests))
         self.scheduler = Scheduler(self.block_manager, cfg.max_num_batched_tokens, cfg.max_num_seqs, self.stops)
         self.beams = BeamRequests(self.scheduler)
-        self.requests: dict[str, Request] = {}
         self.seqs: dict[int, Sequence] = {}          # every unfinished sequence, by id
         self.speculator = None
         if cfg.speculative_config is not None:
@@ -460,15 +463,7 @@ class Engine:
                 self.requests.pop(out.request_id, None)
         return outputs
 
-    # -- hooks the scheduler's stop checker calls, and what finishing means outside the scheduler -----------------
-    def _grammar_verdict(self, seq: Sequence, token: int) -> str | None:
-        return self.structured.accept(seq, token) if seq in self.structured else None
-
-    def _stop_string(self, seq: Sequence, token: int) -> str | None:
-        req = self.requests.get(seq.request_id)
-        detok = req.detoks.get(seq.seq_id) if req is not None else None
-        return detok.add(token) if detok is not None else None
-
+    # -- what finishing means outside the scheduler --------------------------------------------------------------
     def _finished(self, seq: Sequence) -> None:
         self.seqs.pop(seq.seq_id, None)
         req = self.requests.get(seq.request_id)
@@ -528,6 +523,22 @@ class Engine:
             self.runner.execute(plan).logits.cpu()
             model.observe(n, time.perf_counter() - t0)
         return model
+
+
+def _grammar_hook(structured: StructuredOutput):
+    """The stop checker's grammar hook: the grammar's verdict on a sequence's new token."""
+    def verdict(seq: Sequence, token: int) -> str | None:
+        return structured.accept(seq, token) if seq in structured else None
+    return verdict
+
+
+def _stop_string_hook(requests: dict):
+    """The stop checker's text hook: the token through its request's detokenizer (a stop string, or None)."""
+    def stop_string(seq: Sequence, token: int) -> str | None:
+        req = requests.get(seq.request_id)
+        detok = req.detoks.get(seq.seq_id) if req is not None else None
+        return detok.add(token) if detok is not None else None
+    return stop_string
 
 
 def _freeze_startup_objects() -> None:
