@@ -266,8 +266,9 @@ def print_measured(rows: list[dict], slo: tuple[float, float], args) -> None:
         t.add_column(col, justify="right")
     base = {r["rate"]: r["goodput"] for r in rows if r["layout"] == "colocated"}
     for r in rows:
-        ratio = r["goodput"] / base[r["rate"]] if base.get(r["rate"]) else float("nan")
-        t.add_row(r["layout"], f"{r['rate']:.2f}", f"{r['goodput']:.3f}", f"{ratio:.2f}x", f"{r['attained']:.0%}",
+        b = base.get(r["rate"])
+        ratio = f"{r['goodput'] / b:.2f}x" if b else ("-" if b is None else "co-located: 0")
+        t.add_row(r["layout"], f"{r['rate']:.2f}", f"{r['goodput']:.3f}", ratio, f"{r['attained']:.0%}",
                   f"{r['ttft_p50']:.2f} / {r['ttft_p90']:.2f}",
                   f"{r['tpot_p50'] * 1000:.0f} / {r['tpot_p90'] * 1000:.0f}", f"{r['short_tpot_p90'] * 1000:.0f}",
                   str(r["errors"]))

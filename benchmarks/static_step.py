@@ -7,7 +7,9 @@ the same position, SDPA over the whole cache with a position mask (static shapes
 the next step's token and position written by the step itself. Two ways to run it:
 
 * ``graph``: the eager step captured once as a CUDA graph and replayed (no compilation);
-* ``compiled``: ``torch.compile(mode="reduce-overhead")`` (inductor fuses the elementwise work, then CUDA graphs).
+* ``compiled``: ``torch.compile(mode="reduce-overhead")`` (inductor fuses the elementwise work, then CUDA graphs);
+  on CPU ``torch.compile`` with inductor's default mode (fused C++ loops, no graphs);
+* ``eager``: the step as written, no capture (the CPU baseline for ``compiled``).
 
 No scheduler, no paging, no sampling parameters, no stop checks: an upper bound for a step of the same model, not an
 engine.
@@ -65,15 +67,20 @@ class StaticStep(torch.nn.Module):
         self.pos.add_(1)
 
 
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 def _time_steps(run, steps: int, repeats: int) -> float:
     """Median seconds per step over ``repeats`` runs of ``steps`` steps (synchronised, after a warm-up run)."""
     run(steps)
     times = []
     for _ in range(repeats):
-        torch.cuda.synchronize()
+        _sync()
         t0 = time.perf_counter()
         run(steps)
-        torch.cuda.synchronize()
+        _sync()
         times.append((time.perf_counter() - t0) / steps)
     return statistics.median(times)
 
@@ -95,13 +102,15 @@ def seconds_per_step(model, batch: int, start: int, steps: int, mode: str = "gra
             s.pos.fill_(start)
             for _ in range(n):
                 graph.replay()
-    elif mode == "compiled":
-        step = torch.compile(s, mode="reduce-overhead", fullgraph=True)
+    elif mode in ("compiled", "eager"):
+        # on CUDA: inductor + CUDA graphs; on CPU (no graphs): inductor's fused C++ kernels
+        on_cuda = next(model.parameters()).is_cuda
+        step = s if mode == "eager" else torch.compile(s, mode="reduce-overhead" if on_cuda else None, fullgraph=True)
 
         def run(n):
             s.pos.fill_(start)
             for _ in range(n):
                 step()
     else:
-        raise ValueError(f"mode must be graph or compiled, got {mode!r}")
+        raise ValueError(f"mode must be graph, compiled or eager, got {mode!r}")
     return _time_steps(run, steps, repeats)
