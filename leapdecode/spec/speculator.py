@@ -93,8 +93,8 @@ class Speculator:
         if ctl is not None and not self._speculating:
             batch = tuple(r.seq_id for r in reqs)
             self._quiet_steps += 1
-            if batch != self._batch or self._quiet_steps >= 8:
-                self._news, self._batch = True, batch
+            if batch != self._batch or self._quiet_steps >= 8:      # (the count restarts: every 8 steps, not
+                self._news, self._batch, self._quiet_steps = True, batch, 0   # every step after the 8th)
             if not (self._news and ctl.worth_drafting([(r.seq_id, r.max_draft) for r in reqs], base,
                                                       self.draft_seconds_ema)):
                 self._news = False
