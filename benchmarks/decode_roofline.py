@@ -184,6 +184,35 @@ def checkpoint(name: str, root: str) -> str:
     return make_checkpoint(name, os.path.join(root, name), dtype="bfloat16")
 
 
+def engine_decode_seconds(llm, prompts: list[list[int]], new: int, repeats: int, warmup: int = 8) -> float:
+    """T(new) - T(1) of ``llm.generate`` (greedy, exactly n tokens): the decode time of ``new - 1`` steps, the
+    prefill and first token cancelled out; a ``warmup``-token run first compiles the kernels for these shapes."""
+    from leapdecode import SamplingParams
+
+    def run(n):
+        sp = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+        return lambda: llm.generate(prompts, sp, use_tqdm=False)
+
+    run(warmup)()
+    t1, tn = timed(run(1), repeats), timed(run(new), repeats)
+    return tn - t1
+
+
+def hf_decode_seconds(model, prompts: list[list[int]], new: int, repeats: int, warmup: int = 8) -> float:
+    """The same T(new) - T(1) for transformers ``generate`` (greedy, exactly n tokens) on ``model``."""
+    ids = torch.tensor(prompts, device=model.device)
+    mask = torch.ones_like(ids)
+
+    def run(n):
+        return lambda: model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=n,
+                                      min_new_tokens=n, pad_token_id=0)
+
+    with torch.inference_mode():
+        run(warmup)()
+        t1, tn = timed(run(1), repeats), timed(run(new), repeats)
+    return tn - t1
+
+
 def leapdecode_decode(path: str, backend: str, batch: int, prompt_len: int, output_len: int, vocab: int,
                       repeats: int) -> tuple[float, str]:
     """Decode seconds (T(n) - T(1)) for ``batch`` requests; returns (seconds, backend actually used)."""
@@ -195,15 +224,7 @@ def leapdecode_decode(path: str, backend: str, batch: int, prompt_len: int, outp
               max_num_batched_tokens=max(2048, prompt_len + 1), num_kv_blocks=-(-mb_tokens // 16) + batch + 8)
     try:
         used = llm.engine.runner.backend.name
-        prompts = prompts_for(batch, prompt_len, vocab, seed=1)
-
-        def run(n):
-            sp = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
-            return lambda: llm.generate(prompts, sp, use_tqdm=False)
-
-        run(8)()                                            # warm-up: kernels compiled for these shapes
-        t1, tn = timed(run(1), repeats), timed(run(output_len), repeats)
-        return tn - t1, used
+        return engine_decode_seconds(llm, prompts_for(batch, prompt_len, vocab, seed=1), output_len, repeats), used
     finally:
         del llm
         os.environ.pop("LEAPDECODE_ATTENTION_BACKEND", None)
@@ -216,17 +237,7 @@ class TransformersPeer:
         self.model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda().eval()
 
     def decode_seconds(self, batch: int, prompt_len: int, output_len: int, vocab: int, repeats: int) -> float:
-        ids = torch.tensor(prompts_for(batch, prompt_len, vocab, seed=1), device="cuda")
-        mask = torch.ones_like(ids)
-
-        def run(n):
-            return lambda: self.model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=n,
-                                               min_new_tokens=n, pad_token_id=0)
-
-        with torch.inference_mode():
-            run(8)()
-            t1, tn = timed(run(1), repeats), timed(run(output_len), repeats)
-        return tn - t1
+        return hf_decode_seconds(self.model, prompts_for(batch, prompt_len, vocab, seed=1), output_len, repeats)
 
     def close(self):
         del self.model

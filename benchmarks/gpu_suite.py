@@ -69,17 +69,6 @@ def engine(path: str, max_len: int, batch: int, **kw):
                max_num_batched_tokens=max(8192, max_len), num_kv_blocks=blocks, **kw)
 
 
-def decode_seconds(llm, prompts, new: int, repeats: int) -> float:
-    """T(new) - T(1): the decode time of ``new - 1`` steps, prefill and first token cancelled out."""
-    from leapdecode import SamplingParams
-
-    def run(n):
-        return lambda: llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True),
-                                    use_tqdm=False)
-    run(4)()
-    return dr.timed(run(new), repeats) - dr.timed(run(1), repeats)
-
-
 @contextlib.contextmanager
 def fused_ops(on: bool):
     """The model's fused Triton elementwise kernels on or off (model/layers.py FUSED_OPS) for the block."""
@@ -107,18 +96,6 @@ def hf_model(shape: str):
     from make_random_checkpoint import hf_config
     with torch.device(DEVICE):
         return transformers.AutoModelForCausalLM.from_config(hf_config(shape), dtype=torch.bfloat16).eval()
-
-
-def hf_decode_seconds(model, prompts, new: int, repeats: int) -> float:
-    ids = torch.tensor(prompts, device=DEVICE)
-    mask = torch.ones_like(ids)
-
-    def run(n):
-        return lambda: model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=n, min_new_tokens=n,
-                                      pad_token_id=0)
-    with torch.inference_mode():
-        run(2)()
-        return dr.timed(run(new), repeats) - dr.timed(run(1), repeats)
 
 
 class Report:
@@ -158,14 +135,18 @@ def _fmt(v) -> str:
 
 
 # -- sections ------------------------------------------------------------------------------------------------------
-def section_batch1(args, rep: Report, copy_bw: float) -> None:
+def shape(args, name: str):
+    """(weightless model directory, byte counts, vocabulary size) of a random-weight model shape."""
     from make_random_checkpoint import make_config_dir
+    return (make_config_dir(name, os.path.join(args.ckpt_root, name)), dr.count_bytes(name),
+            dr.model_config(name).vocab_size)
+
+
+def section_batch1(args, rep: Report, copy_bw: float) -> None:
     from static_step import seconds_per_step
     rows = []
     for name in args.models:
-        path = make_config_dir(name, os.path.join(args.ckpt_root, name))
-        mb = dr.count_bytes(name)
-        vocab = dr.model_config(name).vocab_size
+        path, mb, vocab = shape(args, name)
         prompts = dr.prompts_for(1, args.prompt_len, vocab, seed=1)
         new = args.output_len
         per_step = dr.step_bytes(mb, 1, args.prompt_len, new)
@@ -181,7 +162,7 @@ def section_batch1(args, rep: Report, copy_bw: float) -> None:
             try:
                 with fused_ops(fused):
                     llm = engine(path, max_len, 1, **kw)
-                    add(label, decode_seconds(llm, prompts, new, args.repeats) / (new - 1))
+                    add(label, dr.engine_decode_seconds(llm, prompts, new, args.repeats, warmup=4) / (new - 1))
                 if label == "leapdecode graphs":
                     g = llm.engine.runner.graphs
                     rep.note(f"{name}: CUDA graphs: {'none' if g is None else len(g.graphs)} captured in "
@@ -199,8 +180,8 @@ def section_batch1(args, rep: Report, copy_bw: float) -> None:
         if not args.no_peer:
             try:
                 hf = hf_model(name)
-                add("transformers generate", hf_decode_seconds(hf, prompts, args.peer_output_len, args.repeats)
-                    / (args.peer_output_len - 1))
+                add("transformers generate", dr.hf_decode_seconds(hf, prompts, args.peer_output_len, args.repeats,
+                                                                  warmup=2) / (args.peer_output_len - 1))
                 del hf
             except Exception as e:  # noqa: BLE001
                 rep.note(f"{name} transformers: error {type(e).__name__}: {e}")
@@ -218,12 +199,11 @@ def section_batch1(args, rep: Report, copy_bw: float) -> None:
 
 def section_compiled(args, rep: Report, copy_bw: float) -> None:
     """The static step under torch.compile (last: compiling takes tens of seconds per model)."""
-    from make_random_checkpoint import make_config_dir
     from static_step import seconds_per_step
     rows = []
     for name in args.compile_models:
-        path = make_config_dir(name, os.path.join(args.ckpt_root, name))
-        per_step = dr.step_bytes(dr.count_bytes(name), 1, args.prompt_len, args.output_len)
+        path, mb, _ = shape(args, name)
+        per_step = dr.step_bytes(mb, 1, args.prompt_len, args.output_len)
         llm = engine(path, args.prompt_len + args.output_len + 32, 1, enforce_eager=True)
         t0 = time.perf_counter()
         with fused_ops(False):        # plain PyTorch ops: inductor fuses them itself
@@ -241,12 +221,9 @@ def section_compiled(args, rep: Report, copy_bw: float) -> None:
 
 
 def section_batched(args, rep: Report, copy_bw: float) -> None:
-    from make_random_checkpoint import make_config_dir
     rows = []
     for name in args.batched_models:
-        path = make_config_dir(name, os.path.join(args.ckpt_root, name))
-        mb = dr.count_bytes(name)
-        vocab = dr.model_config(name).vocab_size
+        path, mb, vocab = shape(args, name)
         new = args.batched_output_len
         max_batch, max_ctx = max(args.batch_sizes), max(args.contexts)
         try:
@@ -259,10 +236,10 @@ def section_batched(args, rep: Report, copy_bw: float) -> None:
             for ctx in args.contexts:
                 prompts = dr.prompts_for(batch, ctx, vocab, seed=2)
                 try:
-                    s = decode_seconds(llm, prompts, new, 1) / (new - 1)
+                    s = dr.engine_decode_seconds(llm, prompts, new, 1, warmup=4) / (new - 1)
                     results.append((batch, ctx, "leapdecode graphs+overlap", s))
                     g = llm.engine.runner.graphs
-                    bucket = next((b for b in g.batches if b >= batch), None) if g is not None else None
+                    bucket = g.batch_bucket(batch) if g is not None else None
                     if bucket is not None:   # the GPU's share: the last decode step's graph replayed back to back
                         results.append((batch, ctx, "(GPU only) graph replay",
                                         replay_seconds(g.graphs[(bucket, 1)].graph)))
@@ -276,7 +253,8 @@ def section_batched(args, rep: Report, copy_bw: float) -> None:
                 for batch in [b for b in args.batch_sizes if b <= args.peer_max_batch]:
                     for ctx in args.contexts:
                         prompts = dr.prompts_for(batch, ctx, vocab, seed=2)
-                        s = hf_decode_seconds(hf, prompts, args.peer_output_len, 1) / (args.peer_output_len - 1)
+                        s = dr.hf_decode_seconds(hf, prompts, args.peer_output_len, 1, warmup=2)
+                        s /= args.peer_output_len - 1
                         results.append((batch, ctx, "transformers generate", s))
                 del hf
             except Exception as e:  # noqa: BLE001

@@ -50,9 +50,7 @@ class TritonAttention(AttentionBackend):
             prefill_ids=ids[len(dec):] if pre else None,
             prefill_max_q=max((meta.query_lens[i] for i in pre), default=0),
             tree_mask=meta.tree_mask.to(torch.uint8) if has_tree else None,
-            tree_offsets=meta.tree_offsets.to(torch.int32) if has_tree else None,
-            block_tables=meta.block_tables.to(torch.int32), seq_lens=meta.seq_lens.to(torch.int32),
-            query_start_loc=meta.query_start_loc.to(torch.int32))
+            tree_offsets=meta.tree_offsets.to(torch.int32) if has_tree else None, **_int32_indices(meta))
 
     def plan_graph(self, meta: AttentionMetadata, query_len: int) -> None:
         """The plan of a captured CUDA graph (engine/cuda_graphs.py): every sequence has at most ``query_len``
@@ -65,8 +63,7 @@ class TritonAttention(AttentionBackend):
         meta.plan = _Plan(
             decode_ids=ids if decode else None, decode_max_len=max(meta.seq_lens_host) if decode else 0,
             prefill_ids=None if decode else ids, prefill_max_q=0 if decode else query_len,
-            tree_mask=None, tree_offsets=None, block_tables=meta.block_tables.to(torch.int32),
-            seq_lens=meta.seq_lens.to(torch.int32), query_start_loc=meta.query_start_loc.to(torch.int32))
+            tree_mask=None, tree_offsets=None, **_int32_indices(meta))
 
     def attend(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
                layer: int | None = None) -> torch.Tensor:
@@ -85,3 +82,9 @@ class TritonAttention(AttentionBackend):
                                     sliding_window=meta.sliding_window, tree_mask=p.tree_mask,
                                     tree_offsets=p.tree_offsets, out=out)
         return out
+
+
+def _int32_indices(meta: AttentionMetadata) -> dict:
+    """int32 copies of the metadata's index tensors (the kernels index with int32); device work only."""
+    return dict(block_tables=meta.block_tables.to(torch.int32), seq_lens=meta.seq_lens.to(torch.int32),
+                query_start_loc=meta.query_start_loc.to(torch.int32))

@@ -142,9 +142,13 @@ class CudaGraphs:
         if shape is None or batch.meta.block_tables.shape[1] > self.max_blocks:
             return None
         n, q = shape
-        b = next((b for b in self.batches if b >= n), None)
+        b = self.batch_bucket(n)
         q = next((x for x in self.query_lens if x >= q), None)
         return None if b is None or q is None else self.graphs.get((b, q))
+
+    def batch_bucket(self, num_seqs: int) -> int | None:
+        """The smallest captured batch size holding ``num_seqs`` sequences (None: more than the largest)."""
+        return next((b for b in self.batches if b >= num_seqs), None)
 
     def replay(self, g: _Graph, batch: ForwardBatch) -> torch.Tensor:
         """The step's logits rows, from the graph of its bucket (inputs copied into the static buffers first)."""
