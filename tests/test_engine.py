@@ -333,3 +333,29 @@ def test_a_fault_in_one_request_ends_only_that_request(llama_dir, monkeypatch):
     assert done["bad-sampling"].finish_reason == "error" and "sampler exploded" in done["bad-sampling"].stop_reason
     assert done["bad-text"].finish_reason == "error" and "detokenizer exploded" in done["bad-text"].stop_reason
     assert_pool_free(llm)
+
+
+def test_an_engine_nobody_holds_is_freed_and_close_releases_it(llama_dir):
+    """Deleting an LLM frees its engine, weights and KV pool at once (the engine's start-up objects are frozen out
+    of the garbage collector, so only reference counting can free them: the engine must hold no reference cycle);
+    an engine still held on its own keeps working; ``close()`` releases the weights and the pool explicitly."""
+    import gc
+    import weakref
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    llm = make_llm(llama_dir, speculative_config={"method": "suffix", "num_speculative_tokens": 3})
+    llm.generate(["a b c"], params, use_tqdm=False)
+    engine, pool = weakref.ref(llm.engine), weakref.ref(llm.engine.runner.kv_cache)
+    del llm
+    assert engine() is None and pool() is None
+    held = make_llm(llama_dir).engine                 # the LLM is gone at once; its engine is still in use
+    held.add_request("r", "a b c", params)
+    while held.has_unfinished():
+        held.step()
+    pool = weakref.ref(held.runner.kv_cache)
+    del held
+    assert pool() is None
+    llm = make_llm(llama_dir)
+    pool = weakref.ref(llm.engine.runner.kv_cache)
+    llm.close()
+    gc.collect()
+    assert pool() is None and llm.engine.runner.model is None
