@@ -209,6 +209,49 @@ def _load_tdh():
     return tdh
 
 
+def test_int8_head_drafts_like_the_float_head():
+    """The int8 head (model/int8_linear.py) computes the float head's logits within int8's error, and its chains
+    follow its own logits (what verification's q must be); fails if quantize_int8 leaves a float layer behind."""
+    from leapdecode.model import int8_linear
+    from leapdecode.model.int8_linear import Int8Linear
+    if not int8_linear.available():
+        pytest.skip("no fbgemm/x86 quantized backend in this torch build")
+    ref = tiny_head(draft_vocab=100)
+    q = tiny_head(draft_vocab=100).quantize_int8()
+    assert all(isinstance(m, Int8Linear) for m in (q.fc, q.qkv_proj, q.o_proj, q.mlp.gate_up_proj,
+                                                   q.mlp.down_proj, q.lm_int8))
+    assert not any(isinstance(m, torch.nn.Linear) for m in q.modules())
+    g = torch.Generator().manual_seed(5)
+    feats = torch.randn(9, 64, generator=g)
+    toks = torch.randint(0, 384, (9,), generator=g).tolist()
+    s_ref, s_q = extend_state(ref, None, feats, toks, 0), extend_state(q, None, feats, toks, 0)
+    lr, lq = ref.logits(s_ref.last_out[None])[0], q.logits(s_q.last_out[None])[0]
+    assert not torch.equal(lr, lq)                                  # really quantized
+    assert (lr - lq).abs().max() < 0.05 * lr.abs().max()            # and close
+    chain, _ = draft(q, s_q, depth=4)
+    for i in range(4):
+        assert chain.tokens[i] == q.vocab_list()[int(path_logits(q, s_q, list(chain.tokens[:i])).argmax())]
+
+
+def test_eagle_drafter_quantizes_on_cpu_by_default(tiny_dir, tmp_path):
+    """On a float32 CPU target the engine's EAGLE head runs int8 (unless int8=False)."""
+    from conftest import make_llm
+    from leapdecode.model import int8_linear
+    from leapdecode.model.int8_linear import Int8Linear
+    from leapdecode.spec.eagle import EagleHead as _H
+    if not int8_linear.available():
+        pytest.skip("no fbgemm/x86 quantized backend in this torch build")
+    path = tiny_dir("llama")
+    llm = make_llm(path, enable_prefix_caching=False)
+    head = _H(EagleConfig.for_target(llm.engine.model_cfg, intermediate_size=64))
+    d = str(tmp_path / "head")
+    head.save_pretrained(d, dtype=torch.float32)
+    for int8, expect in ((None, True), (False, False)):
+        opts = {} if int8 is None else {"int8": int8}
+        llm = make_llm(path, speculative_config={"method": "eagle", "model": d, **opts})
+        assert isinstance(llm.engine.speculator.drafter.head.lm_int8, Int8Linear) is expect
+
+
 @pytest.fixture(scope="module")
 def tiny_eagle(tiny_dir, tmp_path_factory):
     """A tiny target, prompts, its greedy outputs, and a head distilled on exactly those outputs (so it drafts

@@ -94,6 +94,8 @@ class EagleHead(nn.Module):
         self.register_buffer("draft_vocab", torch.arange(n), persistent=True)
         self.embed_weight: torch.Tensor | None = None    # the target's, bound by ``bind`` (not a parameter)
         self.lm_weight: torch.Tensor | None = None       # the target's LM head rows for ``draft_vocab``
+        self.lm_int8: nn.Module | None = None            # the same rows in int8 (``quantize_int8``)
+        self.fc_dtype: torch.dtype | None = None         # the input dtype once ``fc`` is no longer an nn.Linear
 
     # -- the target's frozen parts -----------------------------------------------------------------------------
     def bind(self, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor) -> "EagleHead":
@@ -125,7 +127,7 @@ class EagleHead(nn.Module):
         bool [B or 1, 1, T, S + T] (True = may attend); None = causal over the new pairs, seeing all of ``past``."""
         B, T, _ = feats.shape
         c = self.cfg
-        dtype = self.fc.weight.dtype
+        dtype = self.fc_dtype or self.fc.weight.dtype
         emb = F.embedding(tokens, self.embed_weight).to(dtype)
         x = self.fc(torch.cat([emb, feats.to(dtype)], dim=-1))
         h = self.input_layernorm(x)
@@ -142,16 +144,29 @@ class EagleHead(nn.Module):
             mask = torch.ones(T, S + T, dtype=torch.bool, device=x.device)
             mask[:, S:] = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
             mask = mask[None, None]
-        rep = c.num_heads // c.num_kv_heads
-        o = F.scaled_dot_product_attention(q, k_all.repeat_interleave(rep, 1), v_all.repeat_interleave(rep, 1),
-                                           attn_mask=mask, is_causal=mask is None)
+        o = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, is_causal=mask is None,
+                                           enable_gqa=c.num_heads != c.num_kv_heads)
         x = x + self.o_proj(o.transpose(1, 2).reshape(B, T, self.q_size))
         x = x + self.mlp(self.post_attention_layernorm(x))
         return x, k, v
 
     def logits(self, out: torch.Tensor) -> torch.Tensor:
         """Draft-vocabulary logits (float32) of predicted features; ``draft_vocab[j]`` is column j's token."""
+        if self.lm_int8 is not None:
+            return self.lm_int8(out)
         return F.linear(out.to(self.lm_weight.dtype), self.lm_weight).float()
+
+    def quantize_int8(self) -> "EagleHead":
+        """Int8 weights for every matmul of drafting, the bound LM head rows included (``model/int8_linear.py``:
+        3-5x faster on a CPU, where drafting is bound by reading the weights). Lossless for the engine's output:
+        verification decides every token, with the q this head really produced. Call after binding; CPU only."""
+        from leapdecode.model import int8_linear
+        if self.lm_weight is None:
+            raise ValueError("bind the target's embedding and LM head before quantizing the head")
+        int8_linear.quantize_linears(self, ["fc", "qkv_proj", "o_proj", "mlp.gate_up_proj", "mlp.down_proj"])
+        self.lm_int8 = int8_linear.Int8Linear(self.lm_weight)
+        self.fc_dtype = torch.float32
+        return self
 
     # -- files -------------------------------------------------------------------------------------------------
     def save_pretrained(self, path: str, dtype: torch.dtype = torch.bfloat16) -> None:
@@ -249,7 +264,7 @@ def extend_state(head: EagleHead, state: HeadState | None, feats: torch.Tensor, 
                  start: int) -> HeadState:
     """Append committed pairs (feats[j], next_tokens[j]) at positions start + j (start must equal
     ``state.next_pos`` when a state is given)."""
-    dev = head.fc.weight.device
+    dev = head.draft_vocab.device
     T = len(next_tokens)
     pos = torch.arange(start, start + T, device=dev)[None]
     tok = torch.as_tensor(list(next_tokens), device=dev)[None]
@@ -367,11 +382,12 @@ class EagleDrafter:
 
     @classmethod
     def for_runner(cls, runner, model: str | None = None, num_speculative_tokens: int = 4, top_k: int = 1,
-                   depth: int | None = None, dynamic: bool = True) -> "EagleDrafter":
+                   depth: int | None = None, dynamic: bool = True, int8: bool | None = None) -> "EagleDrafter":
         """The drafter for ``speculative_config={"method": "eagle", ...}``: the head at ``model`` (default: the
         shipped SmolLM2-135M head) bound to the target in ``runner``; chains of ``num_speculative_tokens`` when
         ``top_k == 1``, else EAGLE-2 trees of ``depth`` levels (default 6) and up to ``num_speculative_tokens``
-        nodes."""
+        nodes. ``int8``: the head's matmuls from int8 weights (default: on a CPU that has the kernel; lossless,
+        see :meth:`EagleHead.quantize_int8`)."""
         for name, v in (("num_speculative_tokens", num_speculative_tokens), ("top_k", top_k)):
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"eagle: {name} must be a positive integer, got {v!r}")
@@ -380,6 +396,13 @@ class EagleDrafter:
         if not isinstance(depth, int) or depth < 1:
             raise ValueError(f"eagle: depth must be a positive integer, got {depth!r}")
         head = load_head_for(runner.model, model, runner.dtype, runner.device)
+        if int8 is None:
+            from leapdecode.model import int8_linear
+            int8 = runner.dtype == torch.float32 and int8_linear.available(runner.device)
+        elif int8 and not (runner.dtype == torch.float32 and str(runner.device) == "cpu"):
+            raise ValueError("eagle: int8 drafting runs on a float32 CPU target only")
+        if int8:
+            head.quantize_int8()
         return cls(head, depth, top_k, dynamic, feature_layer=runner.model_cfg.num_layers)
 
     def observe_hidden(self, plan, result, hidden: dict[int, torch.Tensor]) -> None:
