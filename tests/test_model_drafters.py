@@ -203,7 +203,8 @@ def test_draft_model_sampled_distribution_is_exact(tiny_dir, params):
 
 # -- layer skipping ----------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("options", [dict(), dict(skip=[2], threshold=0.0)], ids=["searched", "fixed"])
+@pytest.mark.parametrize("options", [dict(), dict(skip=[2], threshold=0.0, int8=False), dict(skip=[], int8=True)],
+                         ids=["searched", "fixed-float", "int8-whole-model"])
 def test_layer_skip_greedy_identical_and_accepted(embedded, options):
     target, _, prompts, params, ref = embedded
     llm = make_llm(target, speculative_config=spec("layer_skip", k=4, window=4, **options))
@@ -211,7 +212,8 @@ def test_layer_skip_greedy_identical_and_accepted(embedded, options):
     assert [o.outputs[0].token_ids for o in outs] == ref * 2
     assert_drafts_accepted(llm)
     drafter = llm.engine.speculator.drafter
-    assert drafter.skip and len(drafter.skip) < drafter.L          # a real subset of the layers was skipped
+    if not drafter.int8:
+        assert drafter.skip and len(drafter.skip) < drafter.L      # a real subset of the layers was skipped
     if not options:
         assert drafter.stats["evaluations"] > 0                     # the search ran
     runner = llm.engine.runner
@@ -233,16 +235,20 @@ def test_layer_skip_preemption_and_stops_lose_nothing(embedded):
     assert_all_free(llm)
 
 
-def test_layer_skip_sampled_distribution_is_exact(tiny_dir):
+@pytest.mark.parametrize("int8", [False, True], ids=["float", "int8"])
+def test_layer_skip_sampled_distribution_is_exact(tiny_dir, int8):
     """A tiny 3-layer target skipping its middle layer: q differs from p, drafts accepted and rejected."""
+    if int8 and not __import__("leapdecode.model.int8_linear", fromlist=["x"]).available():
+        pytest.skip("no fbgemm/x86 quantized backend in this torch build")
     target = tiny_dir("llama", vocab_size=8, initializer_range=0.6, num_hidden_layers=3)
     prompt = [3, 4, 5, 3, 4, 5, 3, 4]
     params = dict(temperature=0.7, top_k=5)
     expected = exact_triple_distribution(target, prompt, lambda l: _topk_topp(l, **params))
     n = 2000
     sp = SamplingParams(max_tokens=4, ignore_eos=True, **params)
-    llm = make_llm(target, speculative_config=spec("layer_skip", k=3, skip=[1], threshold=0.0),
+    llm = make_llm(target, speculative_config=spec("layer_skip", k=3, skip=[1], threshold=0.0, int8=int8),
                    max_num_seqs=1024, seed=12)
+    assert llm.engine.speculator.drafter.int8 is int8
     outs = llm.generate([prompt] * n, sp, use_tqdm=False)
     pvalue = chi2_pvalue([o.outputs[0].token_ids[1:4] for o in outs], expected)
     stats = llm.engine.stats
@@ -253,11 +259,35 @@ def test_layer_skip_sampled_distribution_is_exact(tiny_dir):
     assert_all_free(llm)
 
 
+def test_layer_skip_int8_draft_is_a_copy_that_leaves_the_target_float(embedded):
+    """With int8 drafting the draft runs the target's layers from int8 weights: a copy whose linears are Int8Linear
+    and whose norms and weights are the target's own; the target keeps its float layers. (By default int8 is on
+    where it is measurably faster, int8_linear.pays_off: not for this tiny model's matrices.)"""
+    from leapdecode.model import int8_linear
+    from leapdecode.model.int8_linear import Int8Linear
+    if not int8_linear.available():
+        pytest.skip("no fbgemm/x86 quantized backend in this torch build")
+    llm = make_llm(embedded[0], speculative_config=spec("layer_skip", k=4, int8=True))
+    d = llm.engine.speculator.drafter
+    target, draft = llm.engine.runner.model, d.draft_model
+    assert d.int8 and d.skip == frozenset() and d.weight_cost > 0
+    for t_layer, d_layer in zip(target.layers, draft.layers):
+        assert isinstance(d_layer.self_attn.qkv_proj, Int8Linear) and isinstance(d_layer.mlp.down_proj, Int8Linear)
+        assert not isinstance(t_layer.self_attn.qkv_proj, Int8Linear)
+        assert d_layer.input_layernorm is t_layer.input_layernorm
+        assert d_layer.self_attn.kv_cache is t_layer.self_attn.kv_cache
+    assert draft.embed_tokens is target.embed_tokens
+    off = make_llm(embedded[0], speculative_config=spec("layer_skip", k=4, int8=False)).engine.speculator.drafter
+    assert not off.int8 and off.draft_model is off.model and off.skip
+
+
 def test_layer_skip_bad_options_are_value_errors(embedded):
     with pytest.raises(ValueError, match="skip"):
         make_llm(embedded[0], speculative_config=spec("layer_skip", skip=[0, 1, 2, 3]))
     with pytest.raises(ValueError, match="skip"):
         make_llm(embedded[0], speculative_config=spec("layer_skip", skip=[9]))
+    with pytest.raises(ValueError, match="skip"):
+        make_llm(embedded[0], speculative_config=spec("layer_skip", skip=[], int8=False))
 
 
 # -- several candidates per position (RSD / SpecTr) ------------------------------------------------------------------

@@ -13,6 +13,8 @@ x86 backend needs it to avoid saturating its 16-bit accumulation). It is availab
 """
 from __future__ import annotations
 
+import copy
+import time
 import warnings
 
 import torch
@@ -62,4 +64,61 @@ def quantize_linears(module: nn.Module, names: list[str]) -> int:
     return len(names)
 
 
-__all__ = ["Int8Linear", "available", "quantize_linears"]
+def linear_names(module: nn.Module) -> list[str]:
+    """Dotted paths of ``module``'s matmul layers: nn.Linear and the model's own (column/row parallel) linears."""
+    from leapdecode.model.parallel_layers import ColumnParallelLinear, RowParallelLinear
+    kinds = (nn.Linear, ColumnParallelLinear, RowParallelLinear)
+    return [name for name, m in module.named_modules() if name and isinstance(m, kinds)]
+
+
+def int8_copy(module: nn.Module, names: list[str]) -> nn.Module:
+    """A copy of ``module`` in which the linear layers at ``names`` are :class:`Int8Linear` and everything else
+    (parameters, buffers, norms, the attention backend and its KV binding) is shared with the original, which is
+    left untouched: a drafter can run the target's own layers from int8 weights beside the float target."""
+    made: set[int] = set()                         # ids of the copies (each original is copied once)
+
+    def clone(m: nn.Module) -> nn.Module:
+        c = copy.copy(m)
+        c._modules = dict(m._modules)               # the copy's own child table; children stay shared until copied
+        made.add(id(c))
+        return c
+
+    root = clone(module)
+    for name in names:
+        *path, leaf = name.split(".")
+        parent = root
+        for part in path:
+            child = parent._modules[part]
+            if id(child) not in made:
+                child = parent._modules[part] = clone(child)
+            parent = child
+        layer = parent._modules[leaf]
+        parent._modules[leaf] = Int8Linear(layer.weight, getattr(layer, "bias", None))
+    return root
+
+
+def weight_read_ratio(weight: torch.Tensor, reps: int = 5) -> float:
+    """Measured time of one row through ``weight`` in int8 over float: what an int8 draft token costs relative
+    to the float model on this machine (the drafters' cost models use it)."""
+    x = torch.randn(1, weight.shape[1])
+    q = Int8Linear(weight)
+    w = weight.detach().float()
+
+    def best(f) -> float:
+        f()
+        times = []
+        for _ in range(reps):
+            t = time.perf_counter()
+            f()
+            times.append(time.perf_counter() - t)
+        return min(times)
+    return best(lambda: q(x)) / max(best(lambda: torch.nn.functional.linear(x, w)), 1e-9)
+
+
+def pays_off(weight: torch.Tensor, threshold: float = 0.8) -> bool:
+    """Whether int8 is available here and measurably faster than float for a matmul the size of ``weight`` (small
+    models' matrices are not: fbgemm's per-call quantization of the input then costs more than the read it saves)."""
+    return available(weight.device) and weight_read_ratio(weight) < threshold
+
+
+__all__ = ["Int8Linear", "available", "pays_off", "int8_copy", "linear_names", "quantize_linears", "weight_read_ratio"]

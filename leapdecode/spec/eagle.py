@@ -386,8 +386,8 @@ class EagleDrafter:
         """The drafter for ``speculative_config={"method": "eagle", ...}``: the head at ``model`` (default: the
         shipped SmolLM2-135M head) bound to the target in ``runner``; chains of ``num_speculative_tokens`` when
         ``top_k == 1``, else EAGLE-2 trees of ``depth`` levels (default 6) and up to ``num_speculative_tokens``
-        nodes. ``int8``: the head's matmuls from int8 weights (default: on a CPU that has the kernel; lossless,
-        see :meth:`EagleHead.quantize_int8`)."""
+        nodes. ``int8``: the head's matmuls from int8 weights (default: on a CPU where that is measurably faster;
+        lossless, see :meth:`EagleHead.quantize_int8`)."""
         for name, v in (("num_speculative_tokens", num_speculative_tokens), ("top_k", top_k)):
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"eagle: {name} must be a positive integer, got {v!r}")
@@ -398,7 +398,7 @@ class EagleDrafter:
         head = load_head_for(runner.model, model, runner.dtype, runner.device)
         if int8 is None:
             from leapdecode.model import int8_linear
-            int8 = runner.dtype == torch.float32 and int8_linear.available(runner.device)
+            int8 = runner.dtype == torch.float32 and int8_linear.pays_off(head.lm_weight)
         elif int8 and not (runner.dtype == torch.float32 and str(runner.device) == "cpu"):
             raise ValueError("eagle: int8 drafting runs on a float32 CPU target only")
         if int8:
