@@ -59,6 +59,7 @@ import inspect
 import json
 import os
 import platform
+import re
 import statistics
 import subprocess
 import sys
@@ -561,14 +562,23 @@ def _task_messages(task: str) -> list[str]:
 
 
 def _model_config(name: str, k: int, draft: str | None, threshold: float | None) -> dict | None:
+    """A configuration name -> speculative_config: ``method[opt=value,...][+ctl]``, e.g. ``layer_skip+ctl``,
+    ``eagle[top_k=4,k=16]+ctl`` (``k`` = num_speculative_tokens), ``layer_skip[int8=0]`` (0/1 are booleans)."""
     if name in ("plain", "plain-A/A"):          # the A/A control: a second plain LLM measured like a peer
         return None
-    method, _, ctl = name.partition("+")
+    base, _, ctl = name.partition("+")
+    method, _, opts = base.partition("[")
     cfg = {"method": method, "num_speculative_tokens": k, "adaptive": ctl == "ctl"}
     if method == "draft_model":
         cfg["model"] = draft
-    if threshold is not None:
+    if threshold is not None and method in ("draft_model", "layer_skip"):
         cfg["threshold"] = threshold
+    for item in filter(None, opts.rstrip("]").split(",")):
+        key, _, value = item.partition("=")
+        v = json.loads(value)
+        if key in ("int8", "dynamic"):
+            v = bool(v)
+        cfg["num_speculative_tokens" if key == "k" else key] = v
     return cfg
 
 
@@ -580,7 +590,8 @@ def model_drafters(argv: list[str]) -> int:
     ap.add_argument("--model", default=None, help="target (default: SmolLM2-135M-Instruct if installed); "
                     "'embedded' = the embedded model, with the embedded draft model as draft")
     ap.add_argument("--draft", default=None, help="draft model for draft_model (default: the embedded draft)")
-    ap.add_argument("--configs", default="plain-A/A,layer_skip,layer_skip+ctl")
+    ap.add_argument("--configs", default="plain-A/A,layer_skip,layer_skip+ctl",
+                    help="comma-separated method[opt=value,...][+ctl] names, e.g. eagle[top_k=4,k=16]+ctl")
     ap.add_argument("--tasks", default=",".join(MODEL_TASKS))
     ap.add_argument("--n", type=int, default=2, help="prompts per task at batch 1 (one request at a time)")
     ap.add_argument("--batch-sizes", default="1")
@@ -599,7 +610,7 @@ def model_drafters(argv: list[str]) -> int:
     elif model is None:
         model = default_chat_model_path() or default_model_path()
     draft = args.draft or default_draft_model_path()
-    names = ["plain"] + [c for c in args.configs.split(",") if c and c != "plain"]
+    names = ["plain"] + [c for c in re.split(r",(?![^\[]*\])", args.configs) if c and c != "plain"]
     t_start = time.time()
     llms = {n: LLM(model, max_model_len=args.max_model_len,
                    speculative_config=_model_config(n, args.k, draft, args.threshold)) for n in names}
