@@ -55,6 +55,15 @@ class SpeculativeConfig:
             raise ValueError("speculative_config.num_speculative_tokens must be an integer in [0, 64], "
                              f"got {self.num_speculative_tokens!r}")
 
+    @property
+    def model_methods(self) -> tuple[str, ...]:
+        """The drafters among this configuration's that run a model inside the step (``auto`` may include one)."""
+        from leapdecode.spec.registry import DEFAULT_AUTO_METHODS, MODEL_METHODS
+        if self.drafter is not None:
+            return ()
+        methods = tuple(self.options.get("methods", DEFAULT_AUTO_METHODS)) if self.method == "auto" else (self.method,)
+        return tuple(m for m in methods if m in MODEL_METHODS)
+
     @classmethod
     def from_any(cls, value: "SpeculativeConfig | dict | None") -> "SpeculativeConfig | None":
         if value is None or isinstance(value, cls):
@@ -198,11 +207,10 @@ class EngineConfig:
         if self.torch_device.type not in ("cpu", "cuda"):
             raise ValueError(f"tensor_parallel_size={n} runs on cpu (gloo) or cuda (nccl), "
                              f"not {self.torch_device.type}")
-        from leapdecode.spec.registry import MODEL_METHODS
         spec = self.speculative_config
-        if spec is not None and spec.drafter is None and spec.method in MODEL_METHODS:
-            raise ValueError(f"speculative_config.method={spec.method!r} runs a model inside the step, which is not "
-                             f"sharded: it does not work with tensor_parallel_size={n} yet (use a model-free "
+        if spec is not None and spec.model_methods:
+            raise ValueError(f"speculative_config {spec.model_methods[0]!r} runs a model inside the step, which is "
+                             f"not sharded: it does not work with tensor_parallel_size={n} yet (use a model-free "
                              "drafter: ngram, suffix, recycling, auto)")
 
     @property

@@ -281,6 +281,28 @@ def test_layer_skip_int8_draft_is_a_copy_that_leaves_the_target_float(embedded):
     assert not off.int8 and off.draft_model is off.model and off.skip
 
 
+@pytest.mark.parametrize("model_method", ["layer_skip", "draft_model"])
+def test_auto_with_a_model_drafter_asks_it_only_where_free_drafts_promise_less(embedded, model_method):
+    """auto over suffix + a model drafter: greedy output identical, both kinds of draft chosen and accepted, and the
+    model drafter asked for only part of the proposals (fails if it is asked every step, or never)."""
+    target, draft, prompts, params, ref = embedded
+    sub = {"int8": False, "skip": [2], "threshold": 0.0} if model_method == "layer_skip" else {"model": draft}
+    llm = make_llm(target, speculative_config={"method": "auto", "num_speculative_tokens": 4, "adaptive": False,
+                                               "methods": ["suffix", model_method], model_method: sub})
+    outs = llm.generate(prompts * 2, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == ref * 2
+    assert_drafts_accepted(llm)
+    auto = llm.engine.speculator.drafter
+    assert auto.chosen[model_method] > 0 and auto.chosen["suffix"] > 0, auto.chosen
+    assert 0 < auto.costly_asked < auto.requests_seen, (auto.costly_asked, auto.requests_seen)
+    assert_all_free(llm)
+
+
+def test_auto_takes_at_most_one_model_drafter(embedded):
+    with pytest.raises(ValueError, match="at most one"):
+        make_llm(embedded[0], speculative_config={"method": "auto", "methods": ["layer_skip", "eagle"]})
+
+
 def test_layer_skip_bad_options_are_value_errors(embedded):
     with pytest.raises(ValueError, match="skip"):
         make_llm(embedded[0], speculative_config=spec("layer_skip", skip=[0, 1, 2, 3]))

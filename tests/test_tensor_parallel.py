@@ -223,7 +223,9 @@ def test_models_that_do_not_shard_are_refused(tiny_dir):
     check_shardable(cfg, 12)
 
 
-@pytest.mark.parametrize("method", ["draft_model", "layer_skip", "eagle"])
+@pytest.mark.parametrize("method", ["draft_model", "layer_skip", "eagle", "auto+layer_skip"])
 def test_model_drafters_are_refused(tiny_dir, method):
+    spec = ({"method": "auto", "methods": ["suffix", "layer_skip"]} if method.startswith("auto")
+            else {"method": method})
     with pytest.raises(ValueError, match="tensor_parallel_size=2"):
-        make_llm(tiny_dir("llama"), tensor_parallel_size=2, speculative_config={"method": method})
+        make_llm(tiny_dir("llama"), tensor_parallel_size=2, speculative_config=spec)

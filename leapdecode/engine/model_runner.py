@@ -218,7 +218,7 @@ def _sparse_attention(cfg: EngineConfig, model_cfg: ModelConfig) -> SparseAttent
 
 def _scratch_blocks(cfg: EngineConfig) -> int:
     spec = cfg.speculative_config
-    if spec is None or spec.drafter is not None or spec.method != "layer_skip":
+    if spec is None or "layer_skip" not in spec.model_methods:
         return 0
     from leapdecode.spec.layer_skip import scratch_blocks_needed
     return scratch_blocks_needed(cfg.block_size, spec.num_speculative_tokens, cfg.max_num_seqs)

@@ -17,6 +17,12 @@ exponential moving averages fed in :meth:`observe`, for *every* drafter, not onl
 tokens tell what each unused draft would have had accepted. That counterfactual is censored at the tokens the step
 committed (accepted + bonus), so it slightly underestimates drafters that were not chosen; fresh requests start from
 per-drafter averages over all requests.
+
+**A drafter that runs a model** (``costly``: draft_model, layer_skip or eagle, at most one) is not asked every step:
+its drafts cost a sizeable share of a step. It is asked only for the requests whose best model-free draft promises
+fewer accepted tokens than the model drafter's record on that request (its first-token rate times its accepted
+length; the average over all requests for a new one), so copying requests keep their free suffix matches and fresh
+text gets the model's drafts. A model draft carries its distribution q and is never merged with other drafts.
 """
 from __future__ import annotations
 
@@ -73,9 +79,12 @@ class AutoDrafter:
         return any(getattr(d, "wants_topk", False) for d in self.drafters.values())
 
     def __init__(self, drafters: Mapping[str, Drafter], score_weight: float = 0.5, decay: float = 0.7,
-                 prior_decay: float = 0.98, fill: bool = True) -> None:
+                 prior_decay: float = 0.98, fill: bool = True, costly: Sequence[str] = ()) -> None:
         if not drafters:
             raise ValueError("AutoDrafter needs at least one drafter")
+        if len(costly) > 1 or any(name not in drafters for name in costly):
+            raise ValueError(f"costly must name at most one of the drafters {tuple(drafters)}, got {tuple(costly)}")
+        self.costly = costly[0] if costly else None
         for name, value in (("score_weight", score_weight), ("decay", decay), ("prior_decay", prior_decay)):
             if not 0.0 <= value <= 1.0:
                 raise ValueError(f"{name} must be in [0, 1], got {value!r}")
@@ -86,30 +95,60 @@ class AutoDrafter:
         self._stats: dict[int, dict[str, _Stats]] = {}
         self._last: dict[int, dict[str, Draft]] = {}     # each drafter's latest draft per request
         self.chosen: dict[str, int] = {name: 0 for name in self.drafters}   # how often each was picked
+        self.costly_asked = 0            # request-drafts the costly drafter was asked for ...
+        self.requests_seen = 0           # ... of this many
+
+    @property
+    def capture_layers(self) -> tuple[int, ...]:
+        """Hidden states the engine hands over after each verify forward (the EAGLE drafter's features)."""
+        return tuple(sorted({i for d in self.drafters.values() for i in getattr(d, "capture_layers", ())}))
+
+    def observe_hidden(self, plan, result, hidden) -> None:
+        for d in self.drafters.values():
+            if getattr(d, "capture_layers", ()):
+                d.observe_hidden(plan, result, hidden)
+
+    def _record(self, name: str, seq_id: int) -> _Stats:
+        return self._stats.get(seq_id, {}).get(name) or self._prior[name]
 
     def expected_accepted(self, name: str, seq_id: int, draft: Draft) -> float:
         if not draft.tokens:
             return 0.0
-        stats = self._stats.get(seq_id, {}).get(name) or self._prior[name]
+        stats = self._record(name, seq_id)
         p_first = self.score_weight * draft.score + (1.0 - self.score_weight) * stats.first_hit
         return p_first * min(stats.depth, float(_depth(draft)))
 
     # -- Drafter protocol ------------------------------------------------------------------------------------------
     def propose(self, requests: list[DraftRequest]) -> list[Draft]:
-        proposals = {name: drafter.propose(requests) for name, drafter in self.drafters.items()}
+        self.requests_seen += len(requests)
+        proposals = {name: drafter.propose(requests) for name, drafter in self.drafters.items()
+                     if name != self.costly}
+        drafts = [{name: proposals[name][i] for name in proposals} for i in range(len(requests))]
+        values = [{name: self.expected_accepted(name, req.seq_id, d) for name, d in per.items()}
+                  for req, per in zip(requests, drafts)]
+        if self.costly is not None:            # the model drafter, only where the free drafts promise less
+            asked = []
+            for i, req in enumerate(requests):
+                rec = self._record(self.costly, req.seq_id)
+                if req.max_draft > 0 and max(values[i].values(), default=0.0) < rec.first_hit * min(rec.depth,
+                                                                                                    req.max_draft):
+                    asked.append(i)
+            self.costly_asked += len(asked)
+            for i, d in zip(asked, self.drafters[self.costly].propose([requests[i] for i in asked]) if asked else []):
+                drafts[i][self.costly] = d
+                values[i][self.costly] = self.expected_accepted(self.costly, requests[i].seq_id, d)
         out = []
-        for i, req in enumerate(requests):
-            drafts = {name: proposals[name][i] for name in self.drafters}
-            self._last[req.seq_id] = drafts
-            values = {name: self.expected_accepted(name, req.seq_id, draft) for name, draft in drafts.items()}
-            ranked = sorted((name for name in drafts if values[name] > 0.0), key=lambda n: -values[n])
+        for req, per, vals in zip(requests, drafts, values):
+            self._last[req.seq_id] = per
+            ranked = sorted((name for name in per if vals[name] > 0.0), key=lambda n: -vals[n])
             if not ranked:
                 out.append(Draft())
                 continue
             self.chosen[ranked[0]] += 1
-            best = drafts[ranked[0]]
-            if self.fill and len(ranked) > 1 and len(best.tokens) < req.max_draft:
-                merged = DraftTree.merge((drafts[name].tree for name in ranked), req.max_draft)
+            best = per[ranked[0]]
+            mergeable = [name for name in ranked if per[name].probs is None]
+            if self.fill and best.probs is None and len(mergeable) > 1 and len(best.tokens) < req.max_draft:
+                merged = DraftTree.merge((per[name].tree for name in mergeable), req.max_draft)
                 best = Draft.from_tree(merged, score=best.score)
             out.append(best)
         return out

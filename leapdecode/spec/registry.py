@@ -35,22 +35,30 @@ def _model_factory(method: str) -> Callable[..., Drafter]:
 def make_drafter(method: str, runner: Any = None, **options: Any) -> Drafter:
     """A drafter for ``method`` with its constructor ``options`` (a bad name or option is a ValueError).
 
-    ``"auto"`` builds an :class:`AutoDrafter` over ``methods`` (default: suffix and recycling); per-method options
-    go in a dict under the method's name, e.g. ``make_drafter("auto", recycling={"vocab_size": 128256})``, and a
-    top-level ``vocab_size`` is handed to the recycling drafter. Other keys configure the AutoDrafter itself.
+    ``"auto"`` builds an :class:`AutoDrafter` over ``methods`` (default: suffix and recycling; at most one of them
+    may run a model, e.g. ``("suffix", "layer_skip")``, and is then asked only where the model-free drafts promise
+    less); per-method options go in a dict under the method's name, e.g. ``make_drafter("auto", recycling={
+    "vocab_size": 128256})``, and a top-level ``vocab_size`` is handed to the recycling drafter (and
+    ``num_speculative_tokens`` to the model drafter). Other keys configure the AutoDrafter itself.
     """
     if method == "auto":
         methods = tuple(options.pop("methods", DEFAULT_AUTO_METHODS))
         vocab_size = options.pop("vocab_size", None)
-        sub_options = {name: dict(options.pop(name, {}) or {}) for name in _FACTORIES}
+        k = options.pop("num_speculative_tokens", None)
+        sub_options = {name: dict(options.pop(name, {}) or {}) for name in (*_FACTORIES, *MODEL_METHODS)}
         if vocab_size is not None:
             sub_options["recycling"].setdefault("vocab_size", vocab_size)
-        unknown = [m for m in methods if m not in _FACTORIES]
-        if unknown or not methods:
-            raise ValueError(f"auto drafter methods must be a non-empty subset of {tuple(_FACTORIES)}, got {methods}")
-        drafters = {name: make_drafter(name, **sub_options[name]) for name in methods}
+        for name in MODEL_METHODS:
+            if k is not None:
+                sub_options[name].setdefault("num_speculative_tokens", k)
+        unknown = [m for m in methods if m not in _FACTORIES and m not in MODEL_METHODS]
+        models = [m for m in methods if m in MODEL_METHODS]
+        if unknown or not methods or len(models) > 1 or len(set(methods)) < len(methods):
+            raise ValueError(f"auto drafter methods must be distinct names from {tuple(_FACTORIES)} plus at most one "
+                             f"of {MODEL_METHODS}, got {methods}")
+        drafters = {name: make_drafter(name, runner=runner, **sub_options[name]) for name in methods}
         try:
-            return AutoDrafter(drafters, **options)
+            return AutoDrafter(drafters, costly=tuple(models), **options)
         except TypeError as e:
             raise ValueError(f"bad option for the auto drafter: {e}") from None
     if method in MODEL_METHODS:

@@ -37,7 +37,7 @@ class Speculator:
             options = dict(cfg.options)
             if cfg.method in ("recycling", "auto"):
                 options.setdefault("vocab_size", vocab_size)
-            if cfg.method in MODEL_METHODS:
+            if cfg.method in MODEL_METHODS or cfg.model_methods:
                 options.setdefault("num_speculative_tokens", cfg.num_speculative_tokens)
             self.drafter = make_drafter(cfg.method, runner=runner, **options)
         self._probs: dict[int, tuple[DraftTree, object]] = {}   # this step's drafts' q (model drafters)
