@@ -563,7 +563,8 @@ def _task_messages(task: str) -> list[str]:
 
 def _model_config(name: str, k: int, draft: str | None, threshold: float | None) -> dict | None:
     """A configuration name -> speculative_config: ``method[opt=value,...][+ctl]``, e.g. ``layer_skip+ctl``,
-    ``eagle[top_k=4,k=16]+ctl`` (``k`` = num_speculative_tokens), ``layer_skip[int8=0]`` (0/1 are booleans)."""
+    ``eagle[top_k=4,k=16]+ctl`` (``k`` = num_speculative_tokens), ``layer_skip[int8=0]`` (0/1 are booleans),
+    ``auto[methods=suffix|layer_skip]+ctl`` (``|`` separates a list)."""
     if name in ("plain", "plain-A/A"):          # the A/A control: a second plain LLM measured like a peer
         return None
     base, _, ctl = name.partition("+")
@@ -575,7 +576,10 @@ def _model_config(name: str, k: int, draft: str | None, threshold: float | None)
         cfg["threshold"] = threshold
     for item in filter(None, opts.rstrip("]").split(",")):
         key, _, value = item.partition("=")
-        v = json.loads(value)
+        try:
+            v = json.loads(value)
+        except ValueError:
+            v = value.split("|") if "|" in value else value
         if key in ("int8", "dynamic"):
             v = bool(v)
         cfg["num_speculative_tokens" if key == "k" else key] = v

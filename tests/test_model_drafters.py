@@ -61,13 +61,20 @@ def embedded():
 
 # -- draft model -------------------------------------------------------------------------------------------------
 
-def test_draft_model_greedy_identical_and_accepted(embedded):
+@pytest.mark.parametrize("int8", [False, True], ids=["float", "int8"])
+def test_draft_model_greedy_identical_and_accepted(embedded, int8):
+    from leapdecode.model import int8_linear
+    from leapdecode.model.int8_linear import Int8Linear
+    if int8 and not int8_linear.available():
+        pytest.skip("no fbgemm/x86 quantized backend in this torch build")
     target, draft, prompts, params, ref = embedded
-    llm = make_llm(target, speculative_config=spec("draft_model", k=4, model=draft))
+    llm = make_llm(target, speculative_config=spec("draft_model", k=4, model=draft, int8=int8))
     outs = llm.generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == ref
     assert_drafts_accepted(llm)
     drafter = llm.engine.speculator.drafter
+    assert isinstance(drafter.model.layers[0].mlp.down_proj, Int8Linear) is int8
+    assert isinstance(drafter.lm_int8, Int8Linear) is int8
     # batched: far fewer draft forwards than (sequences x draft positions)
     assert drafter.stats["forwards"] < drafter.stats["drafted"] / 2, drafter.stats
     assert llm.engine.stats["accepted_tokens"] < llm.engine.stats["draft_tokens"]    # some rejected, too

@@ -53,10 +53,12 @@ class Int8Linear(nn.Module):
         return y.reshape(*lead, self.out_features)
 
 
-def quantize_linears(module: nn.Module, names: list[str]) -> int:
-    """Replace the linear layers at the dotted attribute paths ``names`` of ``module`` (anything with a 2-D
-    ``weight`` and an optional ``bias`` that computes x W^T + b) by :class:`Int8Linear`; returns how many."""
+def quantize_linears(module: nn.Module, names: list[str], prefix: str = "") -> int:
+    """Replace, in place, the linear layers at the dotted attribute paths ``names`` (under ``prefix``) of ``module``
+    (anything with a 2-D ``weight`` and an optional ``bias`` that computes x W^T + b) by :class:`Int8Linear`;
+    returns how many."""
     for name in names:
+        name = f"{prefix}.{name}" if prefix else name
         parent_name, _, leaf = name.rpartition(".")
         parent = module.get_submodule(parent_name) if parent_name else module
         layer = getattr(parent, leaf)

@@ -172,8 +172,10 @@ class DraftModelDrafter:
     ``num_blocks``: the draft KV pool (default: the target's pool plus room for every sequence's draft)."""
 
     def __init__(self, runner: Any, model: str | None = None, num_speculative_tokens: int = 4,
-                 threshold: float = 0.0, num_blocks: int | None = None, check_tokenizer: bool = True) -> None:
+                 threshold: float = 0.0, num_blocks: int | None = None, check_tokenizer: bool = True,
+                 int8: bool | None = None) -> None:
         from leapdecode.attention.backend import get_backend
+        from leapdecode.model import int8_linear
         from leapdecode.attention.kv_cache import KVCache
         from leapdecode.model.loader import load_model, load_model_config
         if not model or not isinstance(model, str):
@@ -190,6 +192,18 @@ class DraftModelDrafter:
         self.max_len = runner.max_model_len + self.k + 1
         self.backend = get_backend(cfg.attention_backend, self.device)
         self.model = load_model(model, self.model_cfg, self.backend, self.dtype, self.device, self.max_len)
+        # int8 weights for the draft's matmuls where they measure faster (the draft model is this drafter's own)
+        cpu32 = self.dtype == torch.float32 and torch.device(self.device).type == "cpu"
+        if int8 is None:
+            int8 = cpu32 and int8_linear.pays_off(self.model.layers[0].mlp.gate_up_proj.weight)
+        elif int8 and not cpu32:
+            raise ValueError("draft_model: int8 drafting runs on a float32 CPU target only")
+        self.lm_int8 = None
+        if int8:
+            int8_linear.quantize_linears(self.model, int8_linear.linear_names(self.model.layers),
+                                         prefix="layers")
+            head = self.model.embed_tokens if self.model.lm_head is None else self.model.lm_head
+            self.lm_int8 = int8_linear.Int8Linear(head.weight)
         c = self.model_cfg
         per_seq = -(-(self.k + 1) // self.block_size) + 1
         self.num_blocks = num_blocks or (runner.num_blocks + cfg.max_num_seqs * per_seq)
@@ -241,8 +255,8 @@ class DraftModelDrafter:
                                             for i, (start, toks, blocks) in enumerate(chunks)])
         batch = self.buffers.build(plan, self.model_cfg.sliding_window)
         self.backend.plan(batch.meta)
-        hidden = self.model(batch.input_ids, batch.meta)
-        logits = self.model.compute_logits(hidden[batch.logits_indices])
+        hidden = self.model(batch.input_ids, batch.meta)[batch.logits_indices]
+        logits = self.model.compute_logits(hidden) if self.lm_int8 is None else self.lm_int8(hidden)
         self.stats["forwards"] += 1
         return _fit_vocab(logits, self.vocab_size)
 
