@@ -111,6 +111,11 @@ class AutoDrafter:
     def _record(self, name: str, seq_id: int) -> _Stats:
         return self._stats.get(seq_id, {}).get(name) or self._prior[name]
 
+    def _promise(self, req: DraftRequest) -> float:
+        """The model drafter's expected accepted tokens on ``req`` before drafting (its record, no draft score)."""
+        rec = self._record(self.costly, req.seq_id)
+        return rec.first_hit * min(rec.depth, float(req.max_draft))
+
     def expected_accepted(self, name: str, seq_id: int, draft: Draft) -> float:
         if not draft.tokens:
             return 0.0
@@ -127,16 +132,13 @@ class AutoDrafter:
         values = [{name: self.expected_accepted(name, req.seq_id, d) for name, d in per.items()}
                   for req, per in zip(requests, drafts)]
         if self.costly is not None:            # the model drafter, only where the free drafts promise less
-            asked = []
-            for i, req in enumerate(requests):
-                rec = self._record(self.costly, req.seq_id)
-                if req.max_draft > 0 and max(values[i].values(), default=0.0) < rec.first_hit * min(rec.depth,
-                                                                                                    req.max_draft):
-                    asked.append(i)
+            asked = [i for i, req in enumerate(requests)
+                     if req.max_draft > 0 and max(values[i].values(), default=0.0) < self._promise(req)]
             self.costly_asked += len(asked)
-            for i, d in zip(asked, self.drafters[self.costly].propose([requests[i] for i in asked]) if asked else []):
-                drafts[i][self.costly] = d
-                values[i][self.costly] = self.expected_accepted(self.costly, requests[i].seq_id, d)
+            if asked:
+                for i, d in zip(asked, self.drafters[self.costly].propose([requests[i] for i in asked])):
+                    drafts[i][self.costly] = d
+                    values[i][self.costly] = self.expected_accepted(self.costly, requests[i].seq_id, d)
         out = []
         for req, per, vals in zip(requests, drafts, values):
             self._last[req.seq_id] = per
