@@ -14,6 +14,7 @@ x86 backend needs it to avoid saturating its 16-bit accumulation). It is availab
 from __future__ import annotations
 
 import copy
+import functools
 import time
 import warnings
 
@@ -21,15 +22,20 @@ import torch
 from torch import nn
 
 
+@functools.lru_cache(maxsize=None)
+def _works() -> bool:
+    """Whether this PyTorch build can pack and run an int8 linear (the quantized-tensor API it relies on is
+    deprecated upstream: when a release drops it, drafters quietly keep their float weights)."""
+    try:
+        return bool(torch.backends.quantized.engine in ("x86", "fbgemm")
+                    and Int8Linear(torch.ones(2, 2))(torch.ones(1, 2)).shape == (1, 2))
+    except (AttributeError, RuntimeError, NotImplementedError):
+        return False
+
+
 def available(device: torch.device | str = "cpu") -> bool:
     """Whether int8 drafting matmuls can run on ``device`` (CPU with PyTorch's fbgemm/x86 backend)."""
-    if torch.device(device).type != "cpu":
-        return False
-    try:
-        return (torch.backends.quantized.engine in ("x86", "fbgemm")
-                and hasattr(torch.ops.quantized, "linear_dynamic"))
-    except (AttributeError, RuntimeError):
-        return False
+    return torch.device(device).type == "cpu" and _works()
 
 
 class Int8Linear(nn.Module):
