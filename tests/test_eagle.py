@@ -235,7 +235,7 @@ def test_int8_head_drafts_like_the_float_head():
 
 def test_eagle_drafter_int8_option(tiny_dir, tmp_path):
     """int8=True quantizes the engine's EAGLE head, int8=False keeps it float (the default measures which is faster:
-    int8_linear.pays_off)."""
+    int8_linear.choose)."""
     from conftest import make_llm
     from leapdecode.model import int8_linear
     from leapdecode.model.int8_linear import Int8Linear

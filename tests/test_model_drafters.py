@@ -269,7 +269,7 @@ def test_layer_skip_sampled_distribution_is_exact(tiny_dir, int8):
 def test_layer_skip_int8_draft_is_a_copy_that_leaves_the_target_float(embedded):
     """With int8 drafting the draft runs the target's layers from int8 weights: a copy whose linears are Int8Linear
     and whose norms and weights are the target's own; the target keeps its float layers. (By default int8 is on
-    where it is measurably faster, int8_linear.pays_off: not for this tiny model's matrices.)"""
+    where it is measurably faster, int8_linear.choose: not for this tiny model's matrices.)"""
     from leapdecode.model import int8_linear
     from leapdecode.model.int8_linear import Int8Linear
     if not int8_linear.available():

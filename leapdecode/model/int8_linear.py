@@ -123,10 +123,20 @@ def weight_read_ratio(weight: torch.Tensor, reps: int = 5) -> float:
     return best(lambda: q(x)) / max(best(lambda: torch.nn.functional.linear(x, w)), 1e-9)
 
 
-def pays_off(weight: torch.Tensor, threshold: float = 0.8) -> bool:
-    """Whether int8 is available here and measurably faster than float for a matmul the size of ``weight`` (small
-    models' matrices are not: fbgemm's per-call quantization of the input then costs more than the read it saves)."""
-    return available(weight.device) and weight_read_ratio(weight) < threshold
+def choose(int8: bool | None, dtype: torch.dtype, device: torch.device | str, weight: torch.Tensor, who: str,
+           threshold: float = 0.8) -> float | None:
+    """A drafter's ``int8`` option resolved: None = keep float weights, else int8's measured cost over float's for a
+    matmul the size of ``weight`` (one measurement, which a cost model may reuse). ``int8=None`` (the default) =
+    int8 where it is available and measurably faster (small models' matrices are not: fbgemm's per-call
+    quantization of the input then costs more than the read it saves); True = int8, a ValueError naming ``who``
+    off a float32 CPU or without the kernel; False = float."""
+    cpu32 = dtype == torch.float32 and torch.device(device).type == "cpu"
+    if int8 and not (cpu32 and available(device)):
+        raise ValueError(f"{who}: int8 drafting runs on a float32 CPU target with PyTorch's fbgemm/x86 kernels only")
+    if int8 is False or not (cpu32 and available(device)):
+        return None
+    ratio = weight_read_ratio(weight)
+    return None if int8 is None and ratio >= threshold else ratio
 
 
-__all__ = ["Int8Linear", "available", "pays_off", "int8_copy", "linear_names", "quantize_linears", "weight_read_ratio"]
+__all__ = ["Int8Linear", "available", "choose", "int8_copy", "linear_names", "quantize_linears", "weight_read_ratio"]

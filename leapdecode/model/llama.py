@@ -102,8 +102,12 @@ class LlamaForCausalLM(nn.Module):
             captured[end] = x
         return x
 
+    @property
+    def output_head(self) -> nn.Module:
+        """The module that turns hidden states into logits: the LM head, or the embedding when they are tied."""
+        return self.embed_tokens if self.lm_head is None else self.lm_head
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """float32 logits over the whole vocabulary; under tensor parallelism on rank 0 only (None elsewhere)."""
-        head = self.embed_tokens if self.lm_head is None else self.lm_head
-        logits = head.logits(hidden)
+        logits = self.output_head.logits(hidden)
         return None if logits is None else logits.float()

@@ -193,17 +193,12 @@ class DraftModelDrafter:
         self.backend = get_backend(cfg.attention_backend, self.device)
         self.model = load_model(model, self.model_cfg, self.backend, self.dtype, self.device, self.max_len)
         # int8 weights for the draft's matmuls where they measure faster (the draft model is this drafter's own)
-        cpu32 = self.dtype == torch.float32 and torch.device(self.device).type == "cpu"
-        if int8 is None:
-            int8 = cpu32 and int8_linear.pays_off(self.model.layers[0].mlp.gate_up_proj.weight)
-        elif int8 and not cpu32:
-            raise ValueError("draft_model: int8 drafting runs on a float32 CPU target only")
         self.lm_int8 = None
-        if int8:
+        if int8_linear.choose(int8, self.dtype, self.device, self.model.layers[0].mlp.gate_up_proj.weight,
+                              "draft_model") is not None:
             int8_linear.quantize_linears(self.model, int8_linear.linear_names(self.model.layers),
                                          prefix="layers")
-            head = self.model.embed_tokens if self.model.lm_head is None else self.model.lm_head
-            self.lm_int8 = int8_linear.Int8Linear(head.weight)
+            self.lm_int8 = int8_linear.Int8Linear(self.model.output_head.weight)
         c = self.model_cfg
         per_seq = -(-(self.k + 1) // self.block_size) + 1
         self.num_blocks = num_blocks or (runner.num_blocks + cfg.max_num_seqs * per_seq)

@@ -95,7 +95,6 @@ class EagleHead(nn.Module):
         self.embed_weight: torch.Tensor | None = None    # the target's, bound by ``bind`` (not a parameter)
         self.lm_weight: torch.Tensor | None = None       # the target's LM head rows for ``draft_vocab``
         self.lm_int8: nn.Module | None = None            # the same rows in int8 (``quantize_int8``)
-        self.fc_dtype: torch.dtype | None = None         # the input dtype once ``fc`` is no longer an nn.Linear
 
     # -- the target's frozen parts -----------------------------------------------------------------------------
     def bind(self, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor) -> "EagleHead":
@@ -103,15 +102,14 @@ class EagleHead(nn.Module):
         if embed_weight.shape != (self.cfg.vocab_size, self.cfg.hidden_size):
             raise ValueError(f"the head was made for a target with vocab {self.cfg.vocab_size} and hidden size "
                              f"{self.cfg.hidden_size}, got an embedding of shape {tuple(embed_weight.shape)}")
-        dtype = self.fc.weight.dtype
+        dtype = self.input_layernorm.weight.dtype
         self.embed_weight = embed_weight.detach()
         self.lm_weight = lm_head_weight.detach()[self.draft_vocab.to(lm_head_weight.device)].to(dtype).contiguous()
         return self
 
     def bind_target(self, model) -> "EagleHead":
         """Bind a leapdecode LlamaForCausalLM (tied or untied LM head)."""
-        lm = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
-        return self.bind(model.embed_tokens.weight, lm)
+        return self.bind(model.embed_tokens.weight, model.output_head.weight)
 
     def _rope_tables(self, max_pos: int, device: torch.device) -> None:
         if self.rope.max_positions < max_pos or self.rope.cos.device != device:
@@ -127,7 +125,7 @@ class EagleHead(nn.Module):
         bool [B or 1, 1, T, S + T] (True = may attend); None = causal over the new pairs, seeing all of ``past``."""
         B, T, _ = feats.shape
         c = self.cfg
-        dtype = self.fc_dtype or self.fc.weight.dtype
+        dtype = self.input_layernorm.weight.dtype       # the head's dtype (``fc`` may be an int8 layer)
         emb = F.embedding(tokens, self.embed_weight).to(dtype)
         x = self.fc(torch.cat([emb, feats.to(dtype)], dim=-1))
         h = self.input_layernorm(x)
@@ -165,7 +163,6 @@ class EagleHead(nn.Module):
             raise ValueError("bind the target's embedding and LM head before quantizing the head")
         int8_linear.quantize_linears(self, ["fc", "qkv_proj", "o_proj", "mlp.gate_up_proj", "mlp.down_proj"])
         self.lm_int8 = int8_linear.Int8Linear(self.lm_weight)
-        self.fc_dtype = torch.float32
         return self
 
     # -- files -------------------------------------------------------------------------------------------------
@@ -196,7 +193,7 @@ class EagleHead(nn.Module):
     def to(self, *args, **kwargs):   # keep draft_vocab an integer tensor whatever the dtype move
         vocab = self.draft_vocab
         out = super().to(*args, **kwargs)
-        out.draft_vocab = vocab.to(self.fc.weight.device)
+        out.draft_vocab = vocab.to(self.input_layernorm.weight.device)
         out._vocab_list = None
         return out
 
@@ -396,12 +393,8 @@ class EagleDrafter:
         if not isinstance(depth, int) or depth < 1:
             raise ValueError(f"eagle: depth must be a positive integer, got {depth!r}")
         head = load_head_for(runner.model, model, runner.dtype, runner.device)
-        if int8 is None:
-            from leapdecode.model import int8_linear
-            int8 = runner.dtype == torch.float32 and int8_linear.pays_off(head.lm_weight)
-        elif int8 and not (runner.dtype == torch.float32 and str(runner.device) == "cpu"):
-            raise ValueError("eagle: int8 drafting runs on a float32 CPU target only")
-        if int8:
+        from leapdecode.model import int8_linear
+        if int8_linear.choose(int8, runner.dtype, runner.device, head.lm_weight, "eagle") is not None:
             head.quantize_int8()
         return cls(head, depth, top_k, dynamic, feature_layer=runner.model_cfg.num_layers)
 

@@ -98,12 +98,9 @@ class LayerSkipDrafter:
         self.runner = runner
         self.model = runner.model
         self.L = len(self.model.layers)
-        cpu32 = runner.dtype == torch.float32 and torch.device(runner.device).type == "cpu"
-        if int8 is None:
-            int8 = cpu32 and int8_linear.pays_off(self.model.layers[0].mlp.gate_up_proj.weight)
-        elif int8 and not cpu32:
-            raise ValueError("layer_skip: int8 drafting runs on a float32 CPU target only")
-        self.int8 = bool(int8)
+        int8_cost = int8_linear.choose(int8, runner.dtype, runner.device, self.model.layers[0].mlp.gate_up_proj.weight,
+                                       "layer_skip")
+        self.int8 = int8_cost is not None
         self.k = max(1, int(num_speculative_tokens))
         self.block_size = runner.block_size
         self.threshold = float(threshold)
@@ -133,12 +130,10 @@ class LayerSkipDrafter:
             self.skip = frozenset() if self.int8 else frozenset(range(max(1, self.L // 4), max(2, 3 * self.L // 4), 2))
         self.draft_model, self.lm_int8, self.weight_cost = self.model, None, 1.0
         if self.int8:
-            names = [f"layers.{i}.{n}" for i, layer in enumerate(self.model.layers)
-                     for n in int8_linear.linear_names(layer)]
+            names = [f"layers.{n}" for n in int8_linear.linear_names(self.model.layers)]
             self.draft_model = int8_linear.int8_copy(self.model, names)
-            head = self.model.embed_tokens if self.model.lm_head is None else self.model.lm_head
-            self.lm_int8 = int8_linear.Int8Linear(head.weight)
-            self.weight_cost = int8_linear.weight_read_ratio(self.model.layers[0].mlp.gate_up_proj.weight)
+            self.lm_int8 = int8_linear.Int8Linear(self.model.output_head.weight)
+            self.weight_cost = int8_cost
         self.buffers = InputBuffers(runner.device, capacity=1 << 12)
         self.sampler = DraftSampler(runner.model_cfg.vocab_size, runner.device, runner.cfg.seed)
         self.vocab_size = runner.model_cfg.vocab_size

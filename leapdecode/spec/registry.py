@@ -48,8 +48,8 @@ def make_drafter(method: str, runner: Any = None, **options: Any) -> Drafter:
         sub_options = {name: dict(options.pop(name, {}) or {}) for name in (*_FACTORIES, *MODEL_METHODS)}
         if vocab_size is not None:
             sub_options["recycling"].setdefault("vocab_size", vocab_size)
-        for name in MODEL_METHODS:
-            if k is not None:
+        if k is not None:
+            for name in MODEL_METHODS:
                 sub_options[name].setdefault("num_speculative_tokens", k)
         unknown = [m for m in methods if m not in _FACTORIES and m not in MODEL_METHODS]
         models = [m for m in methods if m in MODEL_METHODS]
