@@ -130,10 +130,12 @@ def step_bytes(mb: ModelBytes, batch: int, prompt_len: int, output_len: int) -> 
 
 # -- timing helpers ------------------------------------------------------------------------------------------------
 def _sync():
-    torch.cuda.synchronize()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
 
 
 def timed(fn, repeats: int) -> float:
+    """Median seconds of ``fn()`` over ``repeats`` calls, synchronised on a GPU (warm up before calling)."""
     times = []
     for _ in range(repeats):
         _sync()

@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 
 import torch
 
@@ -19,14 +18,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def median_ms(fn, n: int = 15) -> float:
+    from decode_roofline import timed
     for _ in range(3):
         fn()
-    times = []
-    for _ in range(n):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return sorted(times)[n // 2] * 1e3
+    return timed(fn, n) * 1e3
 
 
 def main() -> None:

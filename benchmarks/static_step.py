@@ -16,9 +16,6 @@ engine.
 """
 from __future__ import annotations
 
-import statistics
-import time
-
 import torch
 import torch.nn.functional as F
 
@@ -67,22 +64,11 @@ class StaticStep(torch.nn.Module):
         self.pos.add_(1)
 
 
-def _sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
 def _time_steps(run, steps: int, repeats: int) -> float:
     """Median seconds per step over ``repeats`` runs of ``steps`` steps (synchronised, after a warm-up run)."""
+    from decode_roofline import timed
     run(steps)
-    times = []
-    for _ in range(repeats):
-        _sync()
-        t0 = time.perf_counter()
-        run(steps)
-        _sync()
-        times.append((time.perf_counter() - t0) / steps)
-    return statistics.median(times)
+    return timed(lambda: run(steps), repeats) / steps
 
 
 @torch.inference_mode()
