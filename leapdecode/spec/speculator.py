@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Sequence as Seq
 from leapdecode.config import SpeculativeConfig
 from leapdecode.spec.controller import Controller, StepTimeModel
 from leapdecode.spec.drafter import DraftRequest
-from leapdecode.spec.registry import MODEL_METHODS, make_drafter
+from leapdecode.spec.registry import make_drafter
 from leapdecode.spec.tree import DraftTree
 
 if TYPE_CHECKING:
@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 class Speculator:
     def __init__(self, cfg: SpeculativeConfig, vocab_size: int, step_time: StepTimeModel | None = None,
                  runner: object | None = None) -> None:
-        """``runner``: the target's model runner, handed to drafters that run a model (``MODEL_METHODS``)."""
+        """``runner``: the target's model runner, handed to drafters that run a model (``registry.MODEL_METHODS``)."""
         self.cfg = cfg
         if cfg.drafter is not None:
             self.drafter = cfg.drafter
@@ -37,7 +37,7 @@ class Speculator:
             options = dict(cfg.options)
             if cfg.method in ("recycling", "auto"):
                 options.setdefault("vocab_size", vocab_size)
-            if cfg.method in MODEL_METHODS or cfg.model_methods:
+            if cfg.model_methods:            # a model drafter, alone or inside auto
                 options.setdefault("num_speculative_tokens", cfg.num_speculative_tokens)
             self.drafter = make_drafter(cfg.method, runner=runner, **options)
         self._probs: dict[int, tuple[DraftTree, object]] = {}   # this step's drafts' q (model drafters)
