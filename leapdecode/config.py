@@ -159,6 +159,8 @@ class EngineConfig:
     kv_cache_salient_ratio: float | None = None   # int4: share of a block's tokens kept at 8 bits (None: 0.125)
     load_format: str = "auto"                 # auto: the checkpoint's weights; dummy: random weights (benchmarks)
     enforce_eager: bool = False               # True: no CUDA graphs (engine/cuda_graphs.py), every step eager
+    cpu_packed_linears: bool | None = None    # float32 CPU: linears through oneDNN, weights packed once
+                                              # (model/packed_linear.py); None: where available
     max_graph_batch: int = 256                # CUDA graphs are captured for decode batches up to this size
 
     def __post_init__(self) -> None:

@@ -70,7 +70,7 @@ PROMPTS = ["Once upon a time there was", "def add(a, b):\n", "The quick brown fo
 ], ids=["llama-kv2", "llama-kv1", "qwen2-odd-vocab", "qwen3-kv1"])   # tied embeddings: see the next test
 def test_tp2_matches_tp1(tiny_dir, arch, overrides):
     path = tiny_dir(arch, **overrides)
-    ref = make_llm(path, block_size=8)
+    ref = make_llm(path, block_size=8, cpu_packed_linears=False)   # the ranks' F.linear, as TP runs it
     # overlapped steps (placeholders broadcast to the worker), token counts padded to buckets as on CUDA
     with make_llm(path, block_size=8, tensor_parallel_size=2, async_scheduling=True, pad_to_buckets=True) as tp:
         # each rank's pool holds its own KV heads: half of them, or the one replicated head

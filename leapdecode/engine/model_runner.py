@@ -23,6 +23,7 @@ from leapdecode.engine.input_batch import ForwardBatch, InputBuffers
 from leapdecode.engine.step import StepPlan
 from leapdecode.model.config import ModelConfig
 from leapdecode.model.loader import load_model
+from leapdecode.model.packed_linear import pack_model
 from leapdecode.model.parallel_layers import head_shard
 
 if TYPE_CHECKING:
@@ -50,6 +51,7 @@ class ModelRunner:
                                    cfg.kv_cache_dtype)
         self.model = load_model(cfg.model, model_cfg, self.backend, dtype, self.device, max_model_len, tp,
                                 cfg.load_format, cfg.seed)
+        self.num_packed_linears = pack_model(self.model, cfg.cpu_packed_linears)
         c = self._kv_view = replace(model_cfg, num_kv_heads=head_shard(model_cfg, tp).num_kv_heads)
         self.kv_layout = KVLayout(cfg.kv_cache_dtype, c.num_layers, self.block_size, c.num_kv_heads, c.head_dim,
                                   dtype, cfg.kv_cache_salient_tokens)

@@ -59,23 +59,29 @@ class Int8Linear(nn.Module):
         return y.reshape(*lead, self.out_features)
 
 
-def quantize_linears(module: nn.Module, names: list[str], prefix: str = "") -> int:
+def replace_linears(module: nn.Module, names: list[str], make, prefix: str = "") -> int:
     """Replace, in place, the linear layers at the dotted attribute paths ``names`` (under ``prefix``) of ``module``
-    (anything with a 2-D ``weight`` and an optional ``bias`` that computes x W^T + b) by :class:`Int8Linear`;
-    returns how many."""
+    by ``make(layer)``; returns how many."""
     for name in names:
         name = f"{prefix}.{name}" if prefix else name
         parent_name, _, leaf = name.rpartition(".")
         parent = module.get_submodule(parent_name) if parent_name else module
-        layer = getattr(parent, leaf)
-        setattr(parent, leaf, Int8Linear(layer.weight, getattr(layer, "bias", None)))
+        setattr(parent, leaf, make(getattr(parent, leaf)))
     return len(names)
 
 
+def quantize_linears(module: nn.Module, names: list[str], prefix: str = "") -> int:
+    """Replace, in place, the linear layers at ``names`` (anything with a 2-D ``weight`` and an optional ``bias``
+    that computes x W^T + b) by :class:`Int8Linear`; returns how many."""
+    return replace_linears(module, names, lambda m: Int8Linear(m.weight, getattr(m, "bias", None)), prefix)
+
+
 def linear_names(module: nn.Module) -> list[str]:
-    """Dotted paths of ``module``'s matmul layers: nn.Linear and the model's own (column/row parallel) linears."""
+    """Dotted paths of ``module``'s matmul layers: nn.Linear, the model's own (column/row parallel) linears and
+    their oneDNN-packed form (model/packed_linear.py)."""
+    from leapdecode.model.packed_linear import PackedLinear
     from leapdecode.model.parallel_layers import ColumnParallelLinear, RowParallelLinear
-    kinds = (nn.Linear, ColumnParallelLinear, RowParallelLinear)
+    kinds = (nn.Linear, ColumnParallelLinear, RowParallelLinear, PackedLinear)
     return [name for name, m in module.named_modules() if name and isinstance(m, kinds)]
 
 
@@ -105,12 +111,15 @@ def int8_copy(module: nn.Module, names: list[str]) -> nn.Module:
     return root
 
 
-def weight_read_ratio(weight: torch.Tensor, reps: int = 5) -> float:
-    """Measured time of one row through ``weight`` in int8 over float: what an int8 draft token costs relative
-    to the float model on this machine (the drafters' cost models use it)."""
+def weight_read_ratio(layer: torch.Tensor | nn.Module, reps: int = 5) -> float:
+    """Measured time of one row through a weight in int8 over float: what an int8 draft token costs relative to the
+    float model on this machine (the drafters' cost models use it). ``layer``: the float weight (timed through
+    F.linear), or the float layer as the target runs it (e.g. oneDNN-packed, model/packed_linear.py)."""
+    weight = layer if isinstance(layer, torch.Tensor) else layer.weight
     x = torch.randn(1, weight.shape[1])
     q = Int8Linear(weight)
     w = weight.detach().float()
+    ref = layer if isinstance(layer, nn.Module) else (lambda x: torch.nn.functional.linear(x, w))
 
     def best(f) -> float:
         f()
@@ -120,13 +129,14 @@ def weight_read_ratio(weight: torch.Tensor, reps: int = 5) -> float:
             f()
             times.append(time.perf_counter() - t)
         return min(times)
-    return best(lambda: q(x)) / max(best(lambda: torch.nn.functional.linear(x, w)), 1e-9)
+    return best(lambda: q(x)) / max(best(lambda: ref(x)), 1e-9)
 
 
-def choose(int8: bool | None, dtype: torch.dtype, device: torch.device | str, weight: torch.Tensor, who: str,
-           threshold: float = 0.8) -> float | None:
-    """A drafter's ``int8`` option resolved: None = keep float weights, else int8's measured cost over float's for a
-    matmul the size of ``weight`` (one measurement, which a cost model may reuse). ``int8=None`` (the default) =
+def choose(int8: bool | None, dtype: torch.dtype, device: torch.device | str, layer: torch.Tensor | nn.Module,
+           who: str, threshold: float = 0.8) -> float | None:
+    """A drafter's ``int8`` option resolved: None = keep float weights, else int8's measured cost over float's for
+    one row through ``layer`` (a weight, or the float layer as the model runs it; one measurement, which a cost
+    model may reuse). ``int8=None`` (the default) =
     int8 where it is available and measurably faster (small models' matrices are not: fbgemm's per-call
     quantization of the input then costs more than the read it saves); True = int8, a ValueError naming ``who``
     off a float32 CPU or without the kernel; False = float."""
@@ -135,8 +145,8 @@ def choose(int8: bool | None, dtype: torch.dtype, device: torch.device | str, we
         raise ValueError(f"{who}: int8 drafting runs on a float32 CPU target with PyTorch's fbgemm/x86 kernels only")
     if int8 is False or not (cpu32 and available(device)):
         return None
-    ratio = weight_read_ratio(weight)
+    ratio = weight_read_ratio(layer)
     return None if int8 is None and ratio >= threshold else ratio
 
 
-__all__ = ["Int8Linear", "available", "choose", "int8_copy", "linear_names", "quantize_linears", "weight_read_ratio"]
+__all__ = ["Int8Linear", "available", "choose", "int8_copy", "linear_names", "quantize_linears", "replace_linears", "weight_read_ratio"]

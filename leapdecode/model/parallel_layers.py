@@ -129,6 +129,7 @@ class VocabParallelEmbedding(nn.Embedding):
         self.vocab_start, local = tp.span(vocab_size)
         super().__init__(local, hidden_size)
         self.vocab_size, self.tp = vocab_size, tp
+        self.packed_logits: nn.Module | None = None     # set by model/packed_linear.pack_model (TP=1 only)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
@@ -140,6 +141,8 @@ class VocabParallelEmbedding(nn.Embedding):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """hidden @ W^T over the whole vocabulary on rank 0 (each rank computes its slice); None on other ranks."""
+        if self.packed_logits is not None:          # float32 on a CPU: oneDNN, weight packed (model/packed_linear.py)
+            return self.packed_logits(hidden)
         return self.tp.gather_last_dim(F.linear(hidden, self.weight), self.vocab_size)
 
     def checkpoint_slices(self, leaf: str, shard: int | None) -> tuple[tuple[int, ...], list[Slice]]:

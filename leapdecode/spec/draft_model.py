@@ -178,6 +178,7 @@ class DraftModelDrafter:
         from leapdecode.model import int8_linear
         from leapdecode.attention.kv_cache import KVCache
         from leapdecode.model.loader import load_model, load_model_config
+        from leapdecode.model.packed_linear import pack_model
         if not model or not isinstance(model, str):
             raise ValueError('speculative_config for "draft_model" needs "model": a model directory or GGUF file')
         cfg = runner.cfg
@@ -199,6 +200,8 @@ class DraftModelDrafter:
             int8_linear.quantize_linears(self.model, int8_linear.linear_names(self.model.layers),
                                          prefix="layers")
             self.lm_int8 = int8_linear.Int8Linear(self.model.output_head.weight)
+        else:                            # float: packed like the target's where that pays (model/packed_linear.py)
+            pack_model(self.model, cfg.cpu_packed_linears)
         c = self.model_cfg
         per_seq = -(-(self.k + 1) // self.block_size) + 1
         self.num_blocks = num_blocks or (runner.num_blocks + cfg.max_num_seqs * per_seq)

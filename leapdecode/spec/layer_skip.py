@@ -98,7 +98,7 @@ class LayerSkipDrafter:
         self.runner = runner
         self.model = runner.model
         self.L = len(self.model.layers)
-        int8_cost = int8_linear.choose(int8, runner.dtype, runner.device, self.model.layers[0].mlp.gate_up_proj.weight,
+        int8_cost = int8_linear.choose(int8, runner.dtype, runner.device, self.model.layers[0].mlp.gate_up_proj,
                                        "layer_skip")
         self.int8 = int8_cost is not None
         self.k = max(1, int(num_speculative_tokens))

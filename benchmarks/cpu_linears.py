@@ -1,0 +1,119 @@
+"""What packing the float32 linears for oneDNN buys on the CPU (model/packed_linear.py), on the default model
+(SmolLM2-135M-Instruct, Q4_1 GGUF dequantized to float32), beside PyTorch's F.linear and transformers.
+
+    python benchmarks/cpu_linears.py [--threads 2] [--tokens 48]
+
+Two tables:
+
+linears   Every linear of the model (30 layers' q/k/v, o, gate/up, down, and the LM head) run once in order, as
+          one forward reads them (weights streamed from memory, not cached), for 1, 2, 5, 17 and 64 rows: F.linear
+          vs the packed layers; median of 5. Rows 5 and 17 are what a verification of 4 chained or 16 tree draft
+          tokens computes at batch 1.
+decode    ``LLM.generate`` greedy, EOS ignored, --tokens new tokens per request, chat-templated MT-Bench turn-1
+          questions: batch 1 (--prompts requests one at a time) and batch 16 (16 requests together), tokens/s
+          with ``cpu_packed_linears`` False and True, and transformers ``generate`` on the same GGUF file (its own
+          loader) at batch 1 as the peer; the three alternate per repeat. Also whether the greedy tokens of the
+          packed engine equal the unpacked engine's.
+
+Nothing is asserted; run it on a quiet machine (see this folder's README).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO not in sys.path:
+    sys.path.insert(0, REPO)
+
+
+def linears_table(model, reps: int = 5) -> None:
+    from leapdecode.model.int8_linear import linear_names
+    from leapdecode.model.packed_linear import PackedLinear
+    dense = [model.layers.get_submodule(n).weight for n in linear_names(model.layers)] + [model.output_head.weight]
+    dense = [w.detach().float().contiguous().clone() for w in dense]
+    packed = [PackedLinear(w) for w in dense]
+    print("\n| rows | F.linear ms | packed ms | F.linear / packed |\n|---:|---:|---:|---:|")
+    for rows in (1, 2, 5, 17, 64):
+        xs = {d: torch.randn(rows, d) for d in {w.shape[1] for w in dense}}
+        runs = {"mkl": lambda: [F.linear(xs[w.shape[1]], w) for w in dense],
+                "packed": lambda: [p(xs[p.in_features]) for p in packed]}
+        t = {}
+        for name, run in runs.items():
+            run()
+            times = []
+            for _ in range(reps):
+                t0 = time.perf_counter()
+                run()
+                times.append(time.perf_counter() - t0)
+            t[name] = statistics.median(times) * 1e3
+        print(f"| {rows} | {t['mkl']:.1f} | {t['packed']:.1f} | {t['mkl'] / t['packed']:.2f}x |")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--tokens", type=int, default=48)
+    ap.add_argument("--prompts", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--skip-hf", action="store_true")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    from leapdecode import LLM, SamplingParams
+    from leapdecode.assets import default_chat_model_path
+    from benchmarks.speculative import mtbench_questions, render_chat
+    path = default_chat_model_path()
+    print(f"model {os.path.basename(path)}; {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
+          f"torch {torch.__version__}, {args.threads} threads, load {os.getloadavg()[0]:.1f}")
+    llms = {packed: LLM(path, dtype="float32", cpu_packed_linears=packed, kv_cache_memory="1GiB")
+            for packed in (False, True)}
+    linears_table(llms[True].engine.runner.model)
+
+    tok = llms[True].engine.tokenizer
+    prompts = [render_chat(tok, [{"role": "user", "content": turns[0]}]) for turns in mtbench_questions()[:16]]
+    params = SamplingParams(temperature=0.0, max_tokens=args.tokens, ignore_eos=True)
+    hf = None
+    if not args.skip_hf:
+        import transformers
+        d, f = os.path.split(path)
+        hf = transformers.AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32)
+    rates: dict[tuple[str, int], list[float]] = {}
+    same = {1: True, 16: True}
+    for _ in range(args.repeats):
+        for batch, group in ((1, prompts[:args.prompts]), (16, prompts[:16])):
+            outs = {}
+            for name, llm in (("F.linear", llms[False]), ("packed", llms[True])):
+                t0 = time.perf_counter()
+                if batch == 1:
+                    res = [llm.generate([p], params, use_tqdm=False)[0] for p in group]
+                else:
+                    res = llm.generate(group, params, use_tqdm=False)
+                dt = time.perf_counter() - t0
+                outs[name] = [r.outputs[0].token_ids for r in res]
+                rates.setdefault((name, batch), []).append(len(group) * args.tokens / dt)
+            same[batch] &= outs["F.linear"] == outs["packed"]
+            if hf is not None and batch == 1:
+                t0 = time.perf_counter()
+                for p in group:
+                    ids = torch.tensor([p])
+                    with torch.no_grad():
+                        hf.generate(ids, max_new_tokens=args.tokens, min_new_tokens=args.tokens, do_sample=False)
+                rates.setdefault(("transformers", 1), []).append(len(group) * args.tokens / (time.perf_counter() - t0))
+    print("\n| batch | F.linear tok/s | packed tok/s | packed / F.linear | transformers tok/s | packed / transformers "
+          "| same greedy tokens |\n|---:|---:|---:|---:|---:|---:|---|")
+    for batch in (1, 16):
+        a, b = statistics.median(rates["F.linear", batch]), statistics.median(rates["packed", batch])
+        h = statistics.median(rates["transformers", 1]) if batch == 1 and hf is not None else None
+        print(f"| {batch} | {a:.1f} | {b:.1f} | {b / a:.2f}x | {'' if h is None else f'{h:.1f}'} | "
+              f"{'' if h is None else f'{b / h:.2f}x'} | {'yes' if same[batch] else 'no'} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,80 @@
+"""oneDNN-packed float32 linears on the CPU (model/packed_linear.py): same results as F.linear to float32
+rounding, the engine packs its target by default and keeps transformers' logits, and greedy output is the same
+with packing on and off, speculation included."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import OracleDrafter, assert_pool_free, make_llm
+from leapdecode import SamplingParams
+from leapdecode.model import int8_linear, packed_linear
+from leapdecode.model.packed_linear import PackedLinear
+
+pytestmark = pytest.mark.skipif(not packed_linear.available(torch.float32, "cpu"),
+                                reason="this PyTorch build has no oneDNN linear")
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5, 17, 64])
+def test_packed_linear_matches_f_linear(rows):
+    g = torch.Generator().manual_seed(rows)
+    w, b = torch.randn(96, 80, generator=g), torch.randn(96, generator=g)
+    x = torch.randn(rows, 80, generator=g)
+    layer = PackedLinear(w, b)
+    torch.testing.assert_close(layer(x), F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(layer(x.view(1, rows, 80)), F.linear(x, w, b).view(1, rows, 96), rtol=1e-5,
+                               atol=1e-5)
+    assert torch.equal(layer.weight, w)               # packing only reorders: the dense copy is exact
+    # a row's result does not depend on the rows sharing the call (verification vs plain decoding)
+    assert torch.equal(layer(x[:1]), layer(x)[:1])
+
+
+def test_engine_packs_by_default_and_keeps_transformers_logits(llama_dir):
+    import transformers
+    llm = make_llm(llama_dir)
+    runner = llm.engine.runner
+    model = runner.model
+    names = int8_linear.linear_names(model.layers)
+    assert runner.num_packed_linears == len(names) + 1 > 1
+    assert all(isinstance(model.layers.get_submodule(n), PackedLinear) for n in names)
+    assert model.output_head.packed_logits is not None
+    prompt = list(range(5, 40))
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=1)
+    out = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+    ref = transformers.AutoModelForCausalLM.from_pretrained(llama_dir, dtype=torch.float32)
+    with torch.no_grad():
+        logits = ref(torch.tensor([prompt + list(out.token_ids)])).logits[0]
+    # every generated token is transformers' argmax at its position, and its logprob matches
+    ref_tokens = logits[len(prompt) - 1:-1].argmax(-1).tolist()
+    assert list(out.token_ids) == ref_tokens
+    ref_lp = torch.log_softmax(logits[len(prompt) - 1:-1].double(), -1)
+    for i, (tok, lp) in enumerate(zip(out.token_ids, out.logprobs)):
+        assert abs(lp[tok] - ref_lp[i, tok].item()) < 1e-4
+    llm.close()
+
+
+def test_greedy_identical_packed_and_unpacked_with_speculation(llama_dir):
+    prompts = [[3 + (7 * i + j) % 50 for j in range(20)] for i in range(4)]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+
+    def run(packed, drafter=None):
+        spec = None if drafter is None else {"drafter": drafter, "num_speculative_tokens": 4, "adaptive": False}
+        llm = make_llm(llama_dir, cpu_packed_linears=packed, speculative_config=spec)
+        assert (llm.engine.runner.num_packed_linears > 0) == packed
+        out = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        if drafter is not None:          # tree drafts verified, some rejected (a wrong sibling, wrong tokens)
+            assert llm.engine.stats["accepted_tokens"] > 0 and llm.engine.stats["draft_tokens"] > \
+                llm.engine.stats["accepted_tokens"]
+        assert_pool_free(llm)
+        llm.close()
+        return out
+
+    plain = run(False)
+    assert run(True) == plain
+    truth = {tuple(p): [r] for p, r in zip(prompts, plain)}
+    for packed in (False, True):
+        assert run(packed, OracleDrafter(truth, wrong_every=3, tree=True)) == plain
+
+
+def test_explicit_packing_off_a_float32_cpu_is_an_error(llama_dir):
+    with pytest.raises(ValueError, match="cpu_packed_linears"):
+        make_llm(llama_dir, dtype="bfloat16", cpu_packed_linears=True)
