@@ -70,7 +70,7 @@ def fabricated_drafting(spec):
     test asserts does not depend on how loaded the machine running it is."""
     def draft(reqs):
         spec.drafter_seconds += DRAFT_SECONDS * len(reqs)
-        return spec.drafter.propose(reqs), DRAFT_SECONDS * len(reqs)
+        return spec.drafter.propose(reqs), DRAFT_SECONDS * len(reqs), 0.0
     spec._draft = draft
     return spec
 

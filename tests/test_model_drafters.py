@@ -514,3 +514,36 @@ def test_layer_skip_on_the_real_default_model_greedy_identical():
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == ref
     assert_drafts_accepted(llm)
     assert_pool_free(llm)
+
+
+def test_auto_gate_keeps_a_slow_model_drafter_from_running_where_it_cannot_pay(llama_dir):
+    """With the controller on, auto asks its model drafter only where its promised tokens pay for its measured
+    time (spec/speculator.py ``_costly_pays``): an accurate drafter that takes 150 ms, beside steps of a few ms, is
+    asked on its first step and then only on the gate's rare refresh, while output stays identical. Without the
+    gate it would be asked on nearly every step (its record promises more than suffix's)."""
+    import time as _time
+
+    from conftest import OracleDrafter
+    from leapdecode.spec.auto import AutoDrafter
+    from leapdecode.spec.registry import make_drafter
+
+    prompts = [[5 + (11 * i + 3 * j) % 200 for j in range(12)] for i in range(3)]
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    plain = [o.outputs[0].token_ids for o in make_llm(llama_dir).generate(prompts, params, use_tqdm=False)]
+
+    class SlowOracle(OracleDrafter):
+        asked = 0
+
+        def propose(self, requests):
+            self.asked += len(requests)
+            _time.sleep(0.15)
+            return super().propose(requests)
+
+    oracle = SlowOracle({tuple(p): [r] for p, r in zip(prompts, plain)}, wrong_every=1000)
+    auto = AutoDrafter({"suffix": make_drafter("suffix"), "model": oracle}, costly=["model"])
+    llm = make_llm(llama_dir, speculative_config={"drafter": auto, "num_speculative_tokens": 4, "adaptive": True})
+    out = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert out == plain
+    assert auto.costly_gated > 0 and oracle.asked > 0
+    assert oracle.asked <= 0.2 * (oracle.asked + auto.costly_gated), (oracle.asked, auto.costly_gated)
+    assert_pool_free(llm)

@@ -23,11 +23,16 @@ its drafts cost a sizeable share of a step. It is asked only for the requests wh
 fewer accepted tokens than the model drafter's record on that request (its first-token rate times its accepted
 length; the average over all requests for a new one), so copying requests keep their free suffix matches and fresh
 text gets the model's drafts. A model draft carries its distribution q and is never merged with other drafts.
+Whether those drafts are worth their time is not this module's call: ``costly_gate`` (set by the speculator when
+the goodput controller is on, see spec/speculator.py) sees the requests and their promises before the model
+drafter runs and may say no; ``last_costly_seconds`` is the time the model drafter took in the last ``propose``,
+so its cost is measured apart from the free drafters'.
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
-from typing import Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
 from leapdecode.spec.drafter import Draft, Drafter, DraftRequest
 from leapdecode.spec.index import as_int_list
@@ -97,6 +102,10 @@ class AutoDrafter:
         self.chosen: dict[str, int] = {name: 0 for name in self.drafters}   # how often each was picked
         self.costly_asked = 0            # request-drafts the costly drafter was asked for ...
         self.requests_seen = 0           # ... of this many
+        self.costly_gated = 0            # request-drafts it would have been asked for, refused by costly_gate
+        # (requests, their promised accepted tokens) -> ask the model drafter? None: always (no controller)
+        self.costly_gate: Callable[[list[DraftRequest], list[float]], bool] | None = None
+        self.last_costly_seconds = 0.0
 
     @property
     def capture_layers(self) -> tuple[int, ...]:
@@ -131,14 +140,22 @@ class AutoDrafter:
         drafts = [{name: proposals[name][i] for name in proposals} for i in range(len(requests))]
         values = [{name: self.expected_accepted(name, req.seq_id, d) for name, d in per.items()}
                   for req, per in zip(requests, drafts)]
+        self.last_costly_seconds = 0.0
         if self.costly is not None:            # the model drafter, only where the free drafts promise less
+            promises = [self._promise(req) if req.max_draft > 0 else 0.0 for req in requests]
             asked = [i for i, req in enumerate(requests)
-                     if req.max_draft > 0 and max(values[i].values(), default=0.0) < self._promise(req)]
+                     if req.max_draft > 0 and max(values[i].values(), default=0.0) < promises[i]]
+            if asked and self.costly_gate is not None and \
+                    not self.costly_gate([requests[i] for i in asked], [promises[i] for i in asked]):
+                self.costly_gated += len(asked)
+                asked = []
             self.costly_asked += len(asked)
             if asked:
+                t0 = time.perf_counter()
                 for i, d in zip(asked, self.drafters[self.costly].propose([requests[i] for i in asked])):
                     drafts[i][self.costly] = d
                     values[i][self.costly] = self.expected_accepted(self.costly, requests[i].seq_id, d)
+                self.last_costly_seconds = time.perf_counter() - t0
         out = []
         for req, per, vals in zip(requests, drafts, values):
             self._last[req.seq_id] = per

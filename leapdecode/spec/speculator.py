@@ -9,6 +9,13 @@ does not ask the drafter for everyone: it keeps one *shadow* draft per request, 
 resolved, and scores it against the tokens plain decoding then commits (sample-then-match accepts exactly the
 common prefix of a draft and the tokens plain decoding draws). So acceptance keeps being learned while speculation
 is off, at a fraction of the drafting cost, and speculation comes back when the text starts to copy.
+
+Drafting time is charged by who spent it. ``auto`` with a model drafter inside (spec/auto.py) reports the model
+drafter's time apart: the controller charges the free drafters' time on every drafting step and the model
+drafter's only on the steps that ask it, and before it is asked, :meth:`Speculator._costly_pays` checks that its
+promised accepted tokens pay for its measured time and the longer verification (one ask in 32 goes through
+anyway, so its record stays current). One averaged drafting time would charge the model drafter's cost to suffix
+matches and turn drafting off where they alone pay.
 """
 from __future__ import annotations
 
@@ -45,7 +52,12 @@ class Speculator:
         self.num_proposals = 0
         self.num_shadow_proposals = 0
         self.drafter_seconds = 0.0       # total time inside the drafter (bounded: a sum, not a history)
-        self.draft_seconds_ema = 0.0     # drafting time per speculating step (the controller charges it)
+        self.draft_seconds_ema = 0.0     # drafting time per speculating step, auto's model drafter excepted
+        self.costly_seconds_ema = 0.0    # auto's model drafter: time per step that asks it
+        self._gate_calls = 0
+        self._step_shape = (0, 0)        # this step's (decoding requests, tokens computed anyway), for the gate
+        if self.controller is not None and getattr(self.drafter, "costly", None) is not None:
+            self.drafter.costly_gate = self._costly_pays
         self._shadow: dict[int, tuple[DraftTree, int]] = {}   # seq_id -> (draft, committed tokens when drafted)
         # while speculation is off, the controller is asked again only when something it uses has changed
         self._speculating = True
@@ -68,11 +80,30 @@ class Speculator:
         return bool(getattr(self.drafter, "wants_topk", False))
 
     def _draft(self, reqs: list[DraftRequest]):
+        """(drafts, seconds in the free drafters, seconds in auto's model drafter)."""
         t0 = time.perf_counter()
         drafts = self.drafter.propose(reqs)
         dt = time.perf_counter() - t0
         self.drafter_seconds += dt
-        return drafts, dt
+        costly = min(getattr(self.drafter, "last_costly_seconds", 0.0), dt)
+        if costly > 0:
+            ema = self.costly_seconds_ema
+            self.costly_seconds_ema = costly if ema == 0 else 0.8 * ema + 0.2 * costly
+        return drafts, dt - costly, costly
+
+    def _costly_pays(self, reqs: list[DraftRequest], promises: list[float]) -> bool:
+        """Auto's gate: do the model drafter's promised accepted tokens for ``reqs`` beat plain decoding, charged
+        its measured time and the verification of its drafts? Always yes until its time is measured, and on one
+        call in 32 (its record, which makes the promises, is only updated when it drafts)."""
+        self._gate_calls += 1
+        if self.costly_seconds_ema <= 0 or self._gate_calls % 32 == 0:
+            return True
+        ctl, (decodes, base) = self.controller, self._step_shape
+        extra = sum(min(r.max_draft, self.cfg.num_speculative_tokens) for r in reqs)
+        cheap = self.draft_seconds_ema
+        plain = decodes / (ctl.step_time(base) + cheap)
+        spec = (decodes + sum(promises)) / (ctl.step_time(base + extra) + cheap + self.costly_seconds_ema)
+        return spec > plain * (1.0 + ctl.min_gain)
 
     def propose(self, decoding: list["Sequence"], rooms: list[int], other_tokens: int) -> dict[int, DraftTree]:
         """One draft per decoding sequence that has room for one (``Scheduler.draft_room``: never a Mirostat
@@ -90,6 +121,7 @@ class Speculator:
             return {}
         ctl = self.controller
         base = len(decoding) + other_tokens
+        self._step_shape = (len(decoding), base)
         if ctl is not None and not self._speculating:
             batch = tuple(r.seq_id for r in reqs)
             self._quiet_steps += 1
@@ -101,7 +133,7 @@ class Speculator:
                 self._propose_shadows(reqs, base)
                 return {}
             self._quiet_steps = 0
-        drafts, dt = self._draft(reqs)
+        drafts, dt, costly = self._draft(reqs)
         self.num_proposals += 1
         self.draft_seconds_ema = dt if self.num_proposals == 1 else 0.8 * self.draft_seconds_ema + 0.2 * dt
         for s, d in zip(seqs, drafts):
@@ -109,8 +141,8 @@ class Speculator:
                 self._probs[s.seq_id] = (DraftTree.of(d.tokens, d.parents), d.probs)
         if ctl is None:
             return {s.seq_id: DraftTree.of(d.tokens, d.parents) for s, d in zip(seqs, drafts) if d.tokens}
-        keep = ctl.draft_lengths([(s.seq_id, len(d), d.score) for s, d in zip(seqs, drafts)], base,
-                                 self.draft_seconds_ema)
+        charge = self.draft_seconds_ema + (self.costly_seconds_ema if costly > 0 else 0.0)
+        keep = ctl.draft_lengths([(s.seq_id, len(d), d.score) for s, d in zip(seqs, drafts)], base, charge)
         self._speculating = any(keep)
         out = {}
         for s, d, k in zip(seqs, drafts, keep):
@@ -134,7 +166,8 @@ class Speculator:
         need = [r for r in reqs if r.seq_id not in self._shadow and after.get(r.seq_id, 0) <= self._steps]
         if not need:
             return
-        drafts, dt = self._draft(need)
+        drafts, dt, costly = self._draft(need)
+        dt += costly
         self.num_shadow_proposals += 1
         # a drafter that runs a model is not cheap: space shadow drafts so they cost at most ~5% of decoding
         step = self.controller.step_time(base)
