@@ -1,7 +1,7 @@
 """Portable attention over the paged cache in plain PyTorch: runs on CPU and CUDA, and is the test oracle.
 
-All sequences with short query runs (decodes, verification, short prefills) are attended in one padded batch, long
-prefill chunks one by one, all through one function with an explicit mask built from token positions, so chunked
+Sequences with short query runs are attended in padded batches (plain decodes in one, verification and short
+prefills in another, so a decode row is never padded to a verification's length), long prefill chunks one by one, all through one function with an explicit mask built from token positions, so chunked
 prefill, token trees and sliding windows share a single rule: a query at position p sees keys at positions <= p
 that are earlier context or (for trees) its ancestors. The masks and gather indices are built once per step in
 ``plan``; each layer only gathers its own keys and values and runs SDPA. With sparse attention on (lossy, opt-in),
@@ -54,7 +54,11 @@ class TorchAttention(AttentionBackend):
         if sparse is not None:
             taken = set(sparse.rows)
             short = [i for i in short if i not in taken]
-        groups = [_group(meta, short)] if short else []
+        # plain decodes apart from multi-token rows (verification, short prefills): padded together, every decode
+        # row would pay for the longest row's queries (at batch 16, SDPA cost doubled on speculating steps)
+        single = [i for i in short if meta.query_lens[i] == 1 and meta.tree(i) is None]
+        multi = [i for i in short if meta.query_lens[i] > 1 or meta.tree(i) is not None]
+        groups = [_group(meta, g) for g in (single, multi) if g]
         groups += [_group(meta, [i]) for i, n in enumerate(meta.query_lens) if n > BATCH_MAX_QUERY]
         meta.plan = groups + ([sparse] if sparse is not None else [])
 
