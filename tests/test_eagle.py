@@ -7,7 +7,8 @@ import os
 import pytest
 import torch
 
-from leapdecode.spec.eagle import EagleConfig, EagleDrafter, EagleHead, HeadState, distill_loss, draft, extend_state
+from leapdecode.spec.eagle import (EagleConfig, EagleDrafter, EagleHead, HeadState, distill_loss, draft, draft_chains,
+                                   extend_state)
 from leapdecode.spec.drafter import DraftRequest
 
 
@@ -119,6 +120,23 @@ def test_chain_and_tree_drafts_follow_the_head(draft_vocab):
             assert probs[0] == max(probs)
         else:
             assert sorted(tree.depths()) == sorted([1, 1, 1, 2, 2, 2, 3, 3, 3, 4])
+
+
+@pytest.mark.parametrize("draft_vocab", [None, 100])
+def test_batched_chains_equal_one_sequence_at_a_time(draft_vocab):
+    """draft_chains (one head forward per depth for every sequence, KV padded and masked) gives each sequence the
+    chain draft() gives it alone, for contexts of different lengths and different depths."""
+    head = tiny_head(draft_vocab=draft_vocab)
+    g = torch.Generator().manual_seed(7)
+    states, depths = [], [5, 3, 5, 1]
+    for n, start in zip((9, 3, 14, 6), (0, 4, 2, 11)):
+        feats = torch.randn(n, 64, generator=g)
+        states.append(extend_state(head, None, feats, torch.randint(0, 384, (n,), generator=g).tolist(), start))
+    batched = draft_chains(head, states, depths)
+    for state, depth, (toks, probs) in zip(states, depths, batched):
+        chain, ref_probs = draft(head, state, depth)
+        assert toks == list(chain.tokens) and len(toks) == depth
+        assert probs == pytest.approx(ref_probs, rel=1e-4)
 
 
 def test_save_load_round_trip(tmp_path):

@@ -273,6 +273,51 @@ def extend_state(head: EagleHead, state: HeadState | None, feats: torch.Tensor, 
 
 
 @torch.no_grad()
+def draft_chains(head: EagleHead, states: Sequence[HeadState], depths: Sequence[int]
+                 ) -> list[tuple[list[int], list[float]]]:
+    """Greedy chains for several sequences at once: what ``draft(head, state, depth)`` gives for each (top-1 at
+    every depth), one head forward per depth for the whole batch instead of one per sequence. The sequences'
+    head KV (different lengths) is right-padded into one [B, Hkv, S, D] block and masked; each chain's own draft
+    KV is appended after it. Returns per sequence (tokens, cumulative probabilities)."""
+    B, dev = len(states), head.draft_vocab.device
+    if B == 0:
+        return []
+    voc = head.vocab_list()
+    lens = [st.k.shape[2] for st in states]
+    S = max(lens)
+    Hkv, D = states[0].k.shape[1], states[0].k.shape[3]
+    pk = states[0].k.new_zeros(B, Hkv, S, D)
+    pv = pk.clone()
+    for b, st in enumerate(states):
+        pk[b, :, :lens[b]], pv[b, :, :lens[b]] = st.k[0], st.v[0]
+    seen = torch.arange(S, device=dev)[None, :] < torch.tensor(lens, device=dev)[:, None]     # [B, S]
+    out = torch.stack([st.last_out for st in states])                                      # [B, d]
+    base = torch.tensor([st.next_pos for st in states], device=dev)
+    toks: list[list[int]] = [[] for _ in range(B)]
+    cum = torch.zeros(B, device=dev)
+    probs: list[list[float]] = [[] for _ in range(B)]
+    depth = max(depths)
+    for d in range(1, depth + 1):
+        lp = torch.log_softmax(head.logits(out), -1)                                       # [B, V']
+        val, idx = lp.max(-1)
+        cum = cum + val
+        tok = [int(voc[j]) for j in idx.tolist()]
+        for b, (t, c) in enumerate(zip(tok, torch.exp(cum).tolist())):
+            if d <= depths[b]:
+                toks[b].append(t)
+                probs[b].append(c)
+        if d == depth:
+            break
+        # the pair (predicted feature, drafted token) at position next_pos + d - 1 predicts the next feature
+        mask = torch.cat([seen, seen.new_ones(B, d)], 1)[:, None, None]                     # [B, 1, 1, S + d]
+        o, k, v = head(out[:, None], torch.tensor(tok, device=dev)[:, None], (base + d - 1)[:, None], (pk, pv),
+                       mask)
+        out = o[:, 0]
+        pk, pv = torch.cat([pk, k], 2), torch.cat([pv, v], 2)
+    return list(zip(toks, probs))
+
+
+@torch.no_grad()
 def draft(head: EagleHead, state: HeadState, depth: int, top_k: int = 1, budget: int | None = None,
           dynamic: bool = True) -> tuple[DraftTree, list[float]]:
     """A draft from the head's state: with ``top_k=1`` a greedy chain of ``depth`` tokens; else an EAGLE-2 tree.
@@ -451,20 +496,25 @@ class EagleDrafter:
         return state
 
     def propose(self, requests: list[DraftRequest]) -> list[Draft]:
-        out = []
-        for req in requests:
+        out = [Draft() for _ in requests]
+        chains: list[tuple[int, HeadState, int]] = []       # chains are drafted for all sequences at once
+        for i, req in enumerate(requests):
             if req.max_draft <= 0:
-                out.append(Draft())
                 continue
             state = self._catch_up(req.seq_id, req.token_ids)
             if state is None:
-                out.append(Draft())
                 continue
             depth = min(self.depth, req.max_draft)
-            tree, probs = draft(self.head, state, depth, self.top_k, req.max_draft if self.top_k > 1 else depth,
-                                self.dynamic)
             self.num_drafts += 1
-            out.append(Draft.from_tree(tree, score=probs[0] if probs else 0.0))
+            if self.top_k == 1:
+                chains.append((i, state, depth))
+                continue
+            tree, probs = draft(self.head, state, depth, self.top_k, req.max_draft, self.dynamic)
+            out[i] = Draft.from_tree(tree, score=probs[0] if probs else 0.0)
+        if chains:
+            for (i, _, _), (toks, probs) in zip(chains, draft_chains(self.head, [c[1] for c in chains],
+                                                                      [c[2] for c in chains])):
+                out[i] = Draft(toks, None, score=probs[0] if probs else 0.0)
         return out
 
     def observe(self, seq_id: int, token_ids: Sequence[int], num_accepted: int,
