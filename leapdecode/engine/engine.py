@@ -306,11 +306,13 @@ class Engine:
         if self._worker is not None and self._overlap_safe():
             return self._step_overlapped()
         outputs = self._drain()
+        # the step's time, as the speculation controller sees it, starts before drafting and scheduling: what a
+        # draft costs the host beyond the drafter's own time (the speculator charges that apart) is part of it
+        t0 = time.perf_counter()
         plan = self.scheduler.schedule(self._propose())
         outputs += self._outputs_of_ended()
         if not plan:
             return outputs
-        t0 = time.perf_counter()
         masks = self.structured.start_fill(plan)
         batch = self.verifier.batch(plan, self.seqs)
         contrastive = self.contrastive.capture(plan)

@@ -56,6 +56,7 @@ class Speculator:
         self.costly_seconds_ema = 0.0    # auto's model drafter: time per step that asks it
         self._gate_calls = 0
         self._step_shape = (0, 0)        # this step's (decoding requests, tokens computed anyway), for the gate
+        self._step_draft_seconds = 0.0   # drafting time inside this step (charged apart, so not in its step time)
         if self.controller is not None and getattr(self.drafter, "costly", None) is not None:
             self.drafter.costly_gate = self._costly_pays
         self._shadow: dict[int, tuple[DraftTree, int]] = {}   # seq_id -> (draft, committed tokens when drafted)
@@ -85,6 +86,7 @@ class Speculator:
         drafts = self.drafter.propose(reqs)
         dt = time.perf_counter() - t0
         self.drafter_seconds += dt
+        self._step_draft_seconds += dt
         costly = min(getattr(self.drafter, "last_costly_seconds", 0.0), dt)
         if costly > 0:
             ema = self.costly_seconds_ema
@@ -109,6 +111,7 @@ class Speculator:
         """One draft per decoding sequence that has room for one (``Scheduler.draft_room``: never a Mirostat
         request); ``other_tokens``: tokens the step computes anyway besides the decodes' own (prefill chunks), for
         the controller's cost model."""
+        self._step_draft_seconds = 0.0
         reqs, seqs = [], []
         for seq, room in zip(decoding, rooms):
             room = min(self.cfg.num_speculative_tokens, room)
@@ -196,8 +199,11 @@ class Speculator:
         self.drafter.observe(seq.seq_id, seq.token_ids, num_accepted, topk)
 
     def observe_step(self, num_tokens: int, seconds: float) -> None:
+        """A step's wall time from before drafting to its commit; the drafter's own time in it is taken out (the
+        controller charges drafting apart), the rest (scheduling drafts, verifying them) is the step's cost."""
         if self.controller is not None:
-            self.controller.step_time.observe(num_tokens, seconds)
+            self.controller.step_time.observe(num_tokens, max(seconds - self._step_draft_seconds, 1e-9))
+        self._step_draft_seconds = 0.0
 
     def finish(self, seq: "Sequence") -> None:
         self.drafter.finish(seq.seq_id, seq.token_ids, seq.num_prompt_tokens)
