@@ -35,6 +35,7 @@ if REPO not in sys.path:
 
 
 def linears_table(model, reps: int = 5) -> None:
+    from decode_roofline import timed
     from leapdecode.model.int8_linear import linear_names
     from leapdecode.model.packed_linear import PackedLinear
     dense = [model.layers.get_submodule(n).weight for n in linear_names(model.layers)] + [model.output_head.weight]
@@ -47,13 +48,8 @@ def linears_table(model, reps: int = 5) -> None:
                 "packed": lambda: [p(xs[p.in_features]) for p in packed]}
         t = {}
         for name, run in runs.items():
-            run()
-            times = []
-            for _ in range(reps):
-                t0 = time.perf_counter()
-                run()
-                times.append(time.perf_counter() - t0)
-            t[name] = statistics.median(times) * 1e3
+            run()                                       # warm-up (oneDNN makes a kernel per new row count)
+            t[name] = timed(run, reps) * 1e3
         print(f"| {rows} | {t['mkl']:.1f} | {t['packed']:.1f} | {t['mkl'] / t['packed']:.2f}x |")
 
 
