@@ -1,8 +1,9 @@
 """Portable attention over the paged cache in plain PyTorch: runs on CPU and CUDA, and is the test oracle.
 
 Sequences with short query runs are attended in padded batches (plain decodes in one, verification and short
-prefills in another, so a decode row is never padded to a verification's length), long prefill chunks one by one, all through one function with an explicit mask built from token positions, so chunked
-prefill, token trees and sliding windows share a single rule: a query at position p sees keys at positions <= p
+prefills in another, so a decode row is never padded to a verification's length), long prefill chunks one by one,
+all through one function with an explicit mask built from token positions, so chunked prefill, token trees and
+sliding windows share a single rule: a query at position p sees keys at positions <= p
 that are earlier context or (for trees) its ancestors. The masks and gather indices are built once per step in
 ``plan``; each layer only gathers its own keys and values and runs SDPA. With sparse attention on (lossy, opt-in),
 long decode rows are planned apart as a ``SparseStep`` (attention/sparse.py), which reads only selected keys.

@@ -3,10 +3,11 @@
 Why: on a CPU a decode step reads every weight for a handful of rows, and ``F.linear`` (MKL's sgemm in PyTorch's
 CPU builds) handles few rows badly on some machines. Measured on the 2-core AMD EPYC VM this project tests on
 (AVX2, torch 2.13.0+cpu, 2 threads), all linears of SmolLM2-135M (30 layers and the LM head, 540 MB float32)
-with weights streamed from memory as in a real step: MKL 45-53 ms for 1 row, 91 ms for 2, 87-98 ms for 5, 107-125
-ms for 17; oneDNN with prepacked weights 30 ms, 32 ms, 42 ms, 61 ms. That is 1.7x faster plain decoding, and a
-verification of 4 draft tokens that costs 1.4 plain steps instead of 2: it decides whether speculation can pay
-on a CPU at all. The results differ from MKL's in the last bits (different summation order; about 6e-5 on
+with weights streamed from memory as in a real step (benchmarks/cpu_linears.py): MKL 44 ms for 1 row, 80 ms for 2,
+87 ms for 5, 118 ms for 17; oneDNN with prepacked weights 31, 28, 40 and 66 ms. End to end that is 1.33x plain
+decoding at batch 1 and 1.38x at batch 16, and verifying 4 draft tokens costs 1.3x a plain step's matmuls instead
+of 2.0x: it decides whether speculation can pay on a CPU at all. (On tiny matrices, e.g. the embedded test models,
+one row is slower packed: the packing is on wherever available, not decided by timing, see :func:`pack_model`.) The results differ from MKL's in the last bits (different summation order; about 6e-5 on
 outputs of size ~10) and a row's result does not depend on how many rows share the call.
 
 The kernel is ``torch.ops.mkldnn._linear_pointwise`` with a weight from ``torch.ops.mkldnn._reorder_linear_weight``,
