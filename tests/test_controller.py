@@ -6,6 +6,7 @@ import random
 
 import numpy as np
 import pytest
+import torch
 
 from leapdecode.config import SpeculativeConfig
 from leapdecode.spec.controller import Controller, StepTimeModel
@@ -235,3 +236,46 @@ def test_off_controller_rechecks_rarely_not_every_step(monkeypatch):
     _, per_step, spec = simulate(cpu_heavy, 0.0, steps=steps)
     assert sum(per_step) == 0                       # speculation never pays here: it stays off
     assert len(calls) < steps / 3, len(calls)
+
+
+def test_step_time_excludes_the_drafters_own_time():
+    """The engine reports a step's time from before drafting (so the host work drafts add is charged); the
+    speculator takes the drafter's own time out, since the controller charges drafting apart."""
+    import time as _time
+
+    class SlowDrafter(FakeDrafter):
+        def propose(self, requests):
+            _time.sleep(0.05)
+            return super().propose(requests)
+
+    cfg = SpeculativeConfig(method="ngram", num_speculative_tokens=4, adaptive=True, drafter=SlowDrafter(0.9))
+    spec = Speculator(cfg, 50_000, StepTimeModel())
+    seqs = [Seq(0)]
+    spec.propose(seqs, [4], 0)
+    drafted = spec.drafter_seconds
+    assert drafted >= 0.05
+    spec.observe_step(5, drafted + 0.010)                   # 10 ms of step on top of the drafting
+    assert spec.controller.step_time(5) == pytest.approx(0.010, abs=1e-6)
+
+
+def test_probe_times_each_size_after_an_untimed_first_forward():
+    """The start-up probe must not time a size's first forward (one-off costs: allocations, oneDNN kernels made
+    per shape): a first call of 80 ms per size must not show in the curve, whose true cost is 1 ms + 0.1 ms/token."""
+    import time as _time
+    from types import SimpleNamespace
+
+    from leapdecode.engine.engine import Engine
+
+    seen: set[int] = set()
+
+    def execute(plan):
+        n = plan.num_tokens
+        _time.sleep((0.08 if n not in seen else 0.0) + 0.001 + 0.0001 * n)
+        seen.add(n)
+        return SimpleNamespace(logits=torch.zeros(1))
+
+    fake = SimpleNamespace(cfg=SimpleNamespace(block_size=16, max_num_batched_tokens=2048), max_model_len=2048,
+                           device=torch.device("cpu"), runner=SimpleNamespace(execute=execute))
+    model = Engine._probe_step_time(fake)
+    for n in (1, 2, 4, 8, 16, 64):
+        assert model(n) < 0.001 + 0.0001 * n + 0.04, (n, model(n))

@@ -166,3 +166,20 @@ def test_the_kv_pool_is_not_touched_at_start_up():
     assert cache.data.numel() * 2 == 512 << 20
     assert grown < 64 << 20, grown
     assert float(cache.data[3, 1, 4095].abs().sum()) == 0.0             # reads as zeros
+
+
+def test_torch_attention_pads_decodes_apart_from_verification_rows():
+    """A speculating step mixes plain decodes with multi-token verification rows; the torch backend attends the
+    decodes in their own one-query batch (no padding to the verification's length, which doubled SDPA's cost at
+    batch 16), and the step's logits are still transformers' (covered by the engine tests)."""
+    from leapdecode.attention.torch_ref import TorchAttention
+    from leapdecode.engine.input_batch import InputBuffers
+    seqs = [ScheduledSeq(0, 20, (5,), (0, 1), samples=True),
+            ScheduledSeq(1, 33, (6,), (2, 3, 4), samples=True),
+            ScheduledSeq(2, 10, (7, 8, 9, 10, 11), (5,), draft=DraftTree.of([9, 10, 11], None), samples=True)]
+    plan = lay_out(0, 16, seqs)
+    meta = InputBuffers(torch.device("cpu")).build(plan, None).meta
+    TorchAttention().plan(meta)
+    decode, verify = meta.plan
+    assert decode.valid_q is None and decode.q_index.shape == (2, 1)       # the two decodes, one query each
+    assert verify.valid_q is not None and verify.q_index.shape == (1, 5)   # the verification row alone
