@@ -29,7 +29,7 @@ from leapdecode.structured.lowering import check_deadline, iter_subschemas
 if TYPE_CHECKING:
     from leapdecode.structured.backend import GrammarBackend
 
-__all__ = ["Cursor", "FreeOrder", "SchemaGuard", "TokenMarks", "free_order_sites", "probe_schema"]
+__all__ = ["Cursor", "FreeOrder", "SchemaGuard", "TokenMarks", "TokenStructure", "free_order_sites", "probe_schema"]
 
 _OPEN = frozenset(b"[{")
 _CLOSE = frozenset(b"]}")
@@ -87,6 +87,44 @@ class TokenMarks:
             pos = blob.find(needle, pos + 1)
         return np.array(sorted(found), dtype=np.int64)
 
+    def ids_of(self, piece: bytes) -> list[int]:
+        """The tokens whose bytes are exactly `piece`."""
+        return self.by_bytes.get(piece, [])
+
+    @functools.cached_property
+    def by_bytes(self) -> dict[bytes, list[int]]:
+        out: dict[bytes, list[int]] = {}
+        for t, piece in enumerate(self.pieces):
+            out.setdefault(piece, []).append(t)
+        return out
+
+    @functools.cached_property
+    def structure(self) -> TokenStructure:
+        """What each token writes as JSON structure (see `TokenStructure`); built once per vocabulary."""
+        texts: list[bytes] = []
+        index: dict[bytes, int] = {}
+
+        def intern(b: bytes) -> int:
+            i = index.get(b)
+            if i is None:
+                i = index[b] = len(texts)
+                texts.append(b)
+            return i
+
+        in_string = np.full(len(self.pieces), -1, dtype=np.int32)
+        outside = np.empty(len(self.pieces), dtype=np.int32)
+        string_exit = np.zeros(len(self.pieces), dtype=bool)
+        key_exit = np.zeros(len(self.pieces), dtype=bool)
+        for t, piece in enumerate(self.pieces):
+            outside[t] = intern(_strip_whitespace(piece))
+            q = _closing_quote(piece) if b'"' in piece else -1
+            if q >= 0:
+                tail = _strip_whitespace(piece[q + 1 :])
+                in_string[t] = intern(b'"' + tail)
+                string_exit[t] = b"," in tail or b"]" in tail or b"}" in tail
+                key_exit[t] = string_exit[t] or tail.count(b'"') >= 2
+        return TokenStructure(in_string, outside, texts, _pack(string_exit), _pack(key_exit))
+
     @functools.cached_property
     def joined(self) -> tuple[bytes, np.ndarray]:
         pieces = self.pieces
@@ -95,7 +133,60 @@ class TokenMarks:
         return b"\x00".join(pieces), starts
 
 
+@dataclass(frozen=True, eq=False)
+class TokenStructure:
+    """Per token, an id of the JSON structure it writes, into `texts`: read from inside a string (the bytes from
+    the string's closing quote on; -1 when it does not close it) and from outside any string, whitespace outside
+    strings dropped (it carries no structure). Tokens with the same id get the same verdict from the guard
+    wherever that verdict reads no earlier text (`SchemaGuard.restrict`). Packed: the tokens that, read inside
+    a string, close it and then write a comma or a bracket (`string_exit`), or that, closing a key, go on to
+    close something more: a comma, a bracket, or a string value's closing quote (`key_exit`)."""
+
+    in_string: np.ndarray
+    outside: np.ndarray
+    texts: list[bytes]
+    string_exit: np.ndarray
+    key_exit: np.ndarray
+
+
 _NO_TOKENS = np.zeros(0, dtype=np.int64)
+
+
+def _closing_quote(piece: bytes) -> int:
+    """Offset of the first unescaped quote in `piece` (read from inside a string, not after a backslash)."""
+    q = piece.find(b'"')
+    if q < 0 or b"\\" not in piece[:q]:
+        return q
+    escape = False
+    for i, c in enumerate(piece):
+        if escape:
+            escape = False
+        elif c == 0x5C:
+            escape = True
+        elif c == 0x22:
+            return i
+    return -1
+
+
+def _strip_whitespace(piece: bytes) -> bytes:
+    """`piece` (read from outside any string) without the whitespace outside strings."""
+    if not any(c in piece for c in (b" ", b"\n", b"\t", b"\r")):
+        return piece
+    out = bytearray()
+    in_string = escape = False
+    for c in piece:
+        if in_string:
+            out.append(c)
+            if escape:
+                escape = False
+            elif c == 0x5C:
+                escape = True
+            elif c == 0x22:
+                in_string = False
+        elif c not in _WS:
+            out.append(c)
+            in_string = c == 0x22
+    return bytes(out)
 
 
 def _union(a: np.ndarray | None, b: np.ndarray) -> np.ndarray:
@@ -109,7 +200,7 @@ def _pack(flags: np.ndarray) -> np.ndarray:
     return np.packbits(padded, bitorder="little").view(np.uint32)
 
 
-@dataclass
+@dataclass(slots=True)
 class _Frame:
     """One open container (or the root) in the JSON text being generated."""
 
@@ -124,6 +215,14 @@ class _Frame:
 
     def step(self) -> Any:
         return self.key if self.kind == ord("{") else self.index
+
+    def copy(self) -> _Frame:
+        return _Frame(self.kind, self.start, self.index, self.key, self.expect_key, self.value_start, self.has_value,
+                      self.keys)
+
+    def signature(self) -> tuple[Any, ...]:
+        """What the guard's free-order checks can depend on (not the offsets, which only locate raw text)."""
+        return (self.kind, self.index, self.key, self.expect_key, self.has_value, self.value_start >= 0, self.keys)
 
 
 @dataclass(frozen=True)
@@ -144,6 +243,12 @@ class Cursor:
     def path(self, depth: int) -> tuple[Any, ...]:
         """Instance path of the value being built inside frames[depth] (frames[0] is the root)."""
         return tuple(self.frames[i].step() for i in range(1, depth + 1))
+
+    def signature(self, text: bytes | bytearray) -> tuple[Any, ...]:
+        """Everything but raw text that a scan from here can depend on, plus the key typed so far: where no
+        jsonschema anchor can see the text, two cursors with equal signatures give every piece the same verdict."""
+        typed = bytes(text[self.string_start + 1 :]) if self.in_string and self.string_is_key else None
+        return tuple(f.signature() for f in self.frames), self.in_string, self.escape, self.string_is_key, typed
 
 
 @dataclass
@@ -214,6 +319,9 @@ class SchemaGuard:
             self.anchors.append(_Anchor((), None))  # a union at the root: the document check (rule B) covers it
         self._closed_objects = any(o.closed is not None for o in self.objects)
         self._repeat_cache: dict[tuple[bytes, bool], np.ndarray] = {}
+        self._at_cache: dict[tuple[Any, ...], tuple[list[_Anchor], list[_ObjectRule]]] = {}
+        self._verdicts: dict[tuple[Any, ...], dict[bytes, bool]] = {}  # see `restrict`
+        self._near_cache: dict[tuple[Any, ...], tuple[list[_Anchor], list[_ObjectRule]]] = {}
         self.active = bool(self.anchors or self.objects)  # False: only rule A (the document check)
 
     # -- rule A --------------------------------------------------------------------------------------------
@@ -245,16 +353,28 @@ class SchemaGuard:
         if not self.active:
             return
         path = cursor.path(len(cursor.frames) - 1)
-        relevant = [a for a in self.anchors if a.compatible(path)]
-        objects = [o for o in self.objects if o.compatible(path)]
+        relevant, objects = self._near(path)
         if not relevant and not objects:
             return
         words = row.numpy().view(np.uint32)  # shares memory with the tensor row
         depth = len(cursor.frames) - 1
         marks = backend.byte_marks()
         packed = marks.packed
+        structure = marks.structure
+        in_key_string = cursor.in_string and cursor.string_is_key
+        names_checked = any(a.names is not None for a in relevant)
+        # Inside a string, a token matters only through what it writes after the string's closing quote: for a
+        # string value, a comma or a bracket (unless an anchor checks the value itself); for a key, whose name
+        # is checked through `refused`/`extra` below, a comma, a bracket or a value closing in the same token.
+        exits = packed["quote"]
+        if cursor.in_string and not cursor.escape:
+            if in_key_string and not names_checked:
+                exits = structure.key_exit
+            elif not in_key_string and not self._at(path)[0]:
+                exits = structure.string_exit
         interesting: np.ndarray | None = None
-        extra: list[np.ndarray] = []  # token ids found by content (repeated keys), checked beside `interesting`
+        extra: list[np.ndarray] = []  # token ids found by content, checked beside `interesting`
+        refused: list[np.ndarray] = []  # token ids refused as they are
         closed_key = False
         if relevant:  # jsonschema anchors
             if depth == 0:  # top-level scalar: a string closes on its quote, a literal on its last letter
@@ -267,10 +387,10 @@ class SchemaGuard:
                 interesting = marks.closes(min(max(depth - len(a.pattern), 1) for a in relevant))
                 if here or any(a.monotone is not None for a in relevant):
                     interesting = interesting | packed["comma"]
-                if here or any(a.names is not None for a in relevant):
+                if here or names_checked:
                     interesting = interesting | packed["quote"]
             if cursor.in_string:
-                interesting = interesting & packed["quote"]  # nothing counts before the string is closed
+                interesting = interesting & exits
         for o in objects:  # free-order objects: only what can break their rules is looked at
             level = len(o.pattern) + 1  # the frame the object sits in
             if level > depth:  # not open yet: a token holding a whole object ("{}") may close it
@@ -282,52 +402,100 @@ class SchemaGuard:
                 continue
             if o.required - frame.keys:  # closing it now would miss a required key
                 closes = marks.closes(depth - level + 1)
-                interesting = _union(interesting, closes & packed["quote"] if cursor.in_string else closes)
-            in_key = cursor.in_string and cursor.string_is_key and level == depth
+                interesting = _union(interesting, closes & exits if cursor.in_string else closes)
+            in_key = in_key_string and level == depth
+            typed = bytes(text[cursor.string_start + 1 :]) if in_key else None
             if o.closed is not None:
                 if in_key:
+                    # The grammar keeps the key a prefix of a declared name; it must stay one of an unused name:
+                    # the tokens to check are those that continue a used name, and those that go on past the key.
                     closed_key = True
-                    interesting = packed["all"]  # every byte of the key must stay a prefix of an unused name
+                    extra += [self._prefix_tokens(name, typed, marks) for _, name in o.closed if name in frame.keys]
+                    interesting = _union(interesting, exits)
                 elif level == depth:  # between members a comma or a key may come; in a value, after its quote
-                    interesting = _union(interesting, packed["quote"] if cursor.in_string
+                    interesting = _union(interesting, exits if cursor.in_string
                                          else packed["comma"] | packed["quote"])
                 elif level < depth:  # tokens that return to it may bring a comma or a key
                     closes = marks.closes(depth - level)
-                    interesting = _union(interesting, closes & packed["quote"] if cursor.in_string else closes)
+                    interesting = _union(interesting, closes & exits if cursor.in_string else closes)
             if frame.keys:  # tokens that would write a key it already has
-                typed = bytes(text[cursor.string_start + 1 :]) if in_key else None
-                extra += [self._repeat_tokens(key, typed, backend) for key in frame.keys]
-        if interesting is None and not extra:
+                repeats = [self._repeat_tokens(key, typed, backend) for key in frame.keys]
+                (refused if in_key else extra).extend(repeats)  # in its key: refused as they are (key_ok's rule)
+        if interesting is None and not extra and not refused:
             return
-        if interesting is None:
-            interesting = np.zeros_like(packed["quote"])
-        hit = words & interesting[: words.shape[0]]
-        nonzero = np.flatnonzero(hit)
-        bits = np.unpackbits(hit[nonzero].view(np.uint8), bitorder="little").reshape(-1, 32)
-        rows, cols = np.nonzero(bits)
-        candidates = (nonzero[rows] * 32 + cols).tolist()
-        for ids in extra:
+        todo = _NO_TOKENS
+        if interesting is not None:
+            hit = words & interesting[: words.shape[0]]
+            nonzero = np.flatnonzero(hit)
+            bits = np.unpackbits(hit[nonzero].view(np.uint8), bitorder="little").reshape(-1, 32)
+            rows, cols = np.nonzero(bits)
+            todo = nonzero[rows] * 32 + cols
+        if extra:
+            ids = np.concatenate(extra)
             if ids.size:
-                allowed = (words[ids >> 5] >> (ids & 31).astype(np.uint32)) & 1
-                candidates += ids[allowed.astype(bool)].tolist()
-        if not candidates:
-            return
-        # Every candidate is checked (no bound): the verdict depends only on the piece up to its last byte that
-        # can close something (quote, comma, bracket), so candidates sharing that prefix are scanned once.
-        token_bytes = backend.token_bytes()
+                ids = ids[((words[ids >> 5] >> (ids & 31).astype(np.uint32)) & 1).astype(bool)]
+                todo = np.concatenate([todo, ids])
+        # Every candidate is checked (no bound on their number). A verdict that read no text from before the
+        # token (no jsonschema anchor looked at it: `_scan`'s trace) depends only on the cursor's signature and
+        # the structure the token writes (`TokenMarks.structure`: in a string value, the bytes from its closing
+        # quote on; whitespace dropped), so it is computed once per structure class and kept across rows and
+        # requests; the rest are scanned one by one.
         buf = bytes(text)
-        verdicts: dict[bytes, bool] = {}
-        for t in candidates:
-            piece = token_bytes[t]
-            if closed_key or depth == 0 or self._closed_objects:  # there, every key byte can matter
-                key = piece
-            else:
-                key = piece[: max(piece.rfind(b'"'), piece.rfind(b","), piece.rfind(b"]"), piece.rfind(b"}")) + 1]
-            ok = verdicts.get(key)
-            if ok is None:
-                ok = verdicts[key] = _scan(buf + key, cursor, key, self) is not None
-            if not ok:
-                words[t >> 5] &= np.uint32(~(1 << (t & 31)) & 0xFFFFFFFF)
+        if todo.size and depth > 0 and not cursor.escape and not in_key_string:
+            # (at depth 0 a literal's text decides whether the root is checked; a key's text is its name)
+            classes = (structure.in_string if cursor.in_string else structure.outside)[todo]
+            todo = todo[classes >= 0]  # tokens that do not close the string write no structure: nothing to check
+            classes = classes[classes >= 0]
+            signature = cursor.signature(buf)
+            shared = self._verdicts.get(signature)
+            if shared is None:
+                if len(self._verdicts) > 4096:
+                    self._verdicts.clear()
+                shared = self._verdicts[signature] = {}
+            unique, inverse = np.unique(classes, return_inverse=True)
+            verdict = np.ones(len(unique), dtype=np.int8)  # 1 ok, 0 refused, -1 read earlier text
+            for j, c in enumerate(unique.tolist()):
+                ok = shared.get(c)
+                if ok is None:
+                    trace: list[tuple[Any, ...]] = []
+                    ok = _scan(buf + structure.texts[c], cursor, structure.texts[c], self, trace) is not None
+                    if trace:
+                        verdict[j] = -1
+                        continue
+                    shared[c] = ok
+                verdict[j] = ok
+            per_token = verdict[inverse]
+            refused.append(todo[per_token == 0])
+            todo = todo[per_token < 0]
+        if todo.size:  # one by one, sharing the verdict of tokens equal up to their last byte that closes something
+            token_bytes = backend.token_bytes()
+            verdicts: dict[bytes, bool] = {}
+            bad = []
+            for t in todo.tolist():
+                piece = token_bytes[t]
+                if closed_key or depth == 0 or self._closed_objects:  # there, every key byte can matter
+                    key = piece
+                else:
+                    key = piece[: max(piece.rfind(b'"'), piece.rfind(b","), piece.rfind(b"]"), piece.rfind(b"}")) + 1]
+                ok = verdicts.get(key)
+                if ok is None:
+                    ok = verdicts[key] = _scan(buf + key, cursor, key, self) is not None
+                if not ok:
+                    bad.append(t)
+            refused.append(np.array(bad, dtype=np.int64))
+        for ids in refused:
+            if ids.size:
+                np.bitwise_and.at(words, ids >> 5, ~(np.uint32(1) << (ids & 31).astype(np.uint32)))
+
+    @staticmethod
+    def _prefix_tokens(name: str, typed: bytes, marks: TokenMarks) -> np.ndarray:
+        """Tokens that continue the key typed so far along `name` without closing it (a proper prefix of the
+        rest of its escaped text, or all of it)."""
+        escaped = json.dumps(name, ensure_ascii=False)[1:-1].encode()
+        if not escaped.startswith(typed):
+            return _NO_TOKENS
+        rest = escaped[len(typed) :]
+        return np.array([t for i in range(1, len(rest) + 1) for t in marks.ids_of(rest[:i])], dtype=np.int64)
 
     def _repeat_tokens(self, key: str, typed: bytes | None, backend: GrammarBackend) -> np.ndarray:
         """Token ids that can write the key `key` again: inside the key (`typed` so far), those starting with
@@ -358,35 +526,52 @@ class SchemaGuard:
         return ok
 
     def _value_ok(self, path: tuple[Any, ...], raw: bytes) -> bool:
-        return _all_valid([a.validator or self.validator for a in self.anchors if a.matches(path)], raw)
+        return _all_valid([a.validator or self.validator for a in self._at(path)[0]], raw)
 
     def partial_ok(self, path: tuple[Any, ...], raw: bytes) -> bool:
-        return _all_valid([a.monotone for a in self.anchors if a.monotone is not None and a.matches(path)], raw)
+        return _all_valid([a.monotone for a in self._at(path)[0] if a.monotone is not None], raw)
 
     def key_ok(self, path: tuple[Any, ...], key: str, seen: frozenset[str] = frozenset()) -> bool:
         """May the object at `path` take the key `key` next, having `seen` keys already?"""
-        if key in seen and any(o.matches(path) for o in self.objects):
+        anchors, objects = self._at(path)
+        if key in seen and objects:
             return False
-        return all(_is_valid(a.names, key) for a in self.anchors if a.names is not None and a.matches(path))
+        return all(_is_valid(a.names, key) for a in anchors if a.names is not None)
 
     def key_prefix_ok(self, path: tuple[Any, ...], raw: bytes, seen: frozenset[str]) -> bool:
         """Can the key whose escaped text starts with `raw` still become an unused name (closed objects)?"""
-        for o in self.objects:
-            if o.closed is not None and o.matches(path):
-                if not any(b.startswith(raw) and name not in seen for b, name in o.closed):
-                    return False
+        for o in self._at(path)[1]:
+            if o.closed is not None and not any(b.startswith(raw) and name not in seen for b, name in o.closed):
+                return False
         return True
 
     def more_keys_ok(self, path: tuple[Any, ...], seen: frozenset[str]) -> bool:
         """May the object at `path` take another member (a comma) having `seen` keys?"""
-        return all(
-            any(name not in seen for _, name in o.closed)
-            for o in self.objects if o.closed is not None and o.matches(path)
-        )
+        return all(any(name not in seen for _, name in o.closed) for o in self._at(path)[1] if o.closed is not None)
 
     def object_ok(self, path: tuple[Any, ...], keys: frozenset[str]) -> bool:
         """May the object at `path` close with `keys`? (required keys of the free-order objects)"""
-        return all(o.required <= keys for o in self.objects if o.matches(path))
+        return all(o.required <= keys for o in self._at(path)[1])
+
+    def _at(self, path: tuple[Any, ...]) -> tuple[list[_Anchor], list[_ObjectRule]]:
+        """The anchors and object rules that apply exactly at `path` (cached: the scans ask per event)."""
+        hit = self._at_cache.get(path)
+        if hit is None:
+            hit = ([a for a in self.anchors if a.matches(path)], [o for o in self.objects if o.matches(path)])
+            if len(self._at_cache) > 65536:
+                self._at_cache.clear()
+            self._at_cache[path] = hit
+        return hit
+
+    def _near(self, path: tuple[Any, ...]) -> tuple[list[_Anchor], list[_ObjectRule]]:
+        """The anchors and object rules on `path`, above it or below it (those a token written here can reach)."""
+        hit = self._near_cache.get(path)
+        if hit is None:
+            hit = ([a for a in self.anchors if a.compatible(path)], [o for o in self.objects if o.compatible(path)])
+            if len(self._near_cache) > 65536:
+                self._near_cache.clear()
+            self._near_cache[path] = hit
+        return hit
 
 
 def _all_valid(validators: list[Any], raw: bytes) -> bool:
@@ -479,14 +664,28 @@ def probe_schema(validator: Any) -> None:
             raise ValueError(f"the schema cannot be checked by jsonschema: {e}") from None
 
 
-def _scan(buf: bytes, cursor: Cursor, piece: bytes, guard: SchemaGuard) -> Cursor | None:
-    """Feed `piece` (the tail of `buf`) through the cursor, checking each closing event; None on violation."""
+def _scan(buf: bytes, cursor: Cursor, piece: bytes, guard: SchemaGuard,
+          trace: list[tuple[Any, ...]] | None = None) -> Cursor | None:
+    """Feed `piece` (the tail of `buf`) through the cursor, checking each closing event; None on violation.
+
+    `trace` collects the paths where a jsonschema anchor looked at raw text from before `piece`: with none, the
+    verdict depends only on the cursor's signature and `piece` (see `SchemaGuard.restrict`)."""
     frames = list(cursor.frames)
+
+    def value_ok(path: tuple[Any, ...], raw: bytes) -> bool:
+        if trace is not None and guard._at(path)[0]:
+            trace.append(path)
+        return guard.value_ok(path, raw)
+
+    def partial_ok(path: tuple[Any, ...], raw: bytes) -> bool:
+        if trace is not None and any(a.monotone is not None for a in guard._at(path)[0]):
+            trace.append(path)
+        return guard.partial_ok(path, raw)
     copied = [False] * len(frames)
 
     def top() -> _Frame:  # copy-on-write, so earlier cursors stay valid for rollback
         if not copied[-1]:
-            frames[-1] = replace(frames[-1])
+            frames[-1] = frames[-1].copy()
             copied[-1] = True
         return frames[-1]
 
@@ -527,7 +726,7 @@ def _scan(buf: bytes, cursor: Cursor, piece: bytes, guard: SchemaGuard) -> Curso
                     f.keys = f.keys | {f.key}
                 else:
                     f.has_value = True
-                    if not guard.value_ok(path_of(len(frames) - 1), raw):
+                    if not value_ok(path_of(len(frames) - 1), raw):
                         return None
             continue
         if c == 0x22:
@@ -540,14 +739,14 @@ def _scan(buf: bytes, cursor: Cursor, piece: bytes, guard: SchemaGuard) -> Curso
             f = top()
             depth = len(frames) - 1
             if f.value_start >= 0:  # a number or literal ends here
-                if not guard.value_ok(path_of(depth), buf[f.value_start : pos]):
+                if not value_ok(path_of(depth), buf[f.value_start : pos]):
                     return None
                 f.value_start, f.has_value = -1, True
             if c == ord(",") and f.kind == ord("{") and guard._closed_objects:
                 if not guard.more_keys_ok(path_of(depth - 1), f.keys):
                     return None
             if c == ord(","):
-                if f.has_value and not guard.partial_ok(path_of(depth - 1), buf[f.start : pos] + bytes([f.kind + 2])):
+                if f.has_value and not partial_ok(path_of(depth - 1), buf[f.start : pos] + bytes([f.kind + 2])):
                     return None
                 f.index += 1
                 f.key, f.expect_key, f.has_value = None, f.kind == ord("{"), False
@@ -556,7 +755,7 @@ def _scan(buf: bytes, cursor: Cursor, piece: bytes, guard: SchemaGuard) -> Curso
                 copied.pop()
                 if f.kind == ord("{") and not guard.object_ok(path_of(depth - 1), f.keys):
                     return None
-                if not guard.value_ok(path_of(depth - 1), buf[f.start : pos + 1]):
+                if not value_ok(path_of(depth - 1), buf[f.start : pos + 1]):
                     return None
                 parent = top()
                 parent.has_value = True
@@ -567,7 +766,7 @@ def _scan(buf: bytes, cursor: Cursor, piece: bytes, guard: SchemaGuard) -> Curso
             if f.value_start < 0:
                 f.value_start = pos
             if len(frames) == 1 and buf[f.value_start : pos + 1] in _LITERALS:
-                if not guard.value_ok((), buf[f.value_start : pos + 1]):
+                if not value_ok((), buf[f.value_start : pos + 1]):
                     return None
     return Cursor(tuple(frames), len(buf), in_string, escape, string_start, string_is_key)
 
@@ -603,6 +802,25 @@ def _find_anchors(schema: Any, validator: Any, dropped: tuple[str, ...]) -> list
 
     Linear in the schema's size, bounded by MAX_ANCHOR_VISITS, and cancellable (`check_deadline`)."""
     keys = _guarded_keys(dropped)
+    # A format the grammar dropped and jsonschema does not check either (e.g. CloudFormation's
+    # "AWS::IAM::Role.Arn") needs no anchor: neither side enforces it, so the grammar is exact there.
+    formats = {note.split(":", 1)[1].split(" (")[0].strip() for note in dropped
+               if note.lower().startswith("unknown format") and ":" in note}
+    checked = getattr(validator.format_checker, "checkers", {}) if validator.format_checker is not None else {}
+    useless = {f for f in formats if f not in checked}
+    conservative = any(note.split(" ")[0].strip(":") not in _GUARDED_KEYWORDS
+                       and not note.lower().startswith("unknown format") for note in dropped)
+
+    def guarded(node: dict[str, Any]) -> bool:
+        used = keys & node.keys()
+        if not conservative and used == {"format"} and node.get("format") in useless:
+            return False
+        return bool(used)
+
+    if not conservative and all(note.lower().startswith("unknown format") for note in dropped) and not any(
+        isinstance(node, dict) and guarded(node) for node, _ in iter_subschemas(schema)
+    ):
+        return []  # only unchecked formats were dropped: nothing for rules B/C to check (rule A stays)
     relevant = _relevant_nodes(schema, keys)
     anchors = [_Anchor((), None)]
     seen: set[tuple[int, tuple[Any, ...]]] = set()
@@ -618,7 +836,7 @@ def _find_anchors(schema: Any, validator: Any, dropped: tuple[str, ...]) -> list
             break
         if visits & 63 == 0:
             check_deadline()
-        if keys & node.keys():
+        if guarded(node):
             anchor = anchors[0] if not pattern else _Anchor(pattern, validator.evolve(schema=node))
             monotone = _monotone_part(node)
             if monotone:
