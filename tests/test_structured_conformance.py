@@ -844,3 +844,74 @@ def test_pattern_llguidance_cannot_decide_falls_back_to_the_guard(backend: Gramm
     assert "pattern" in compiled.dropped
     assert _produce(backend, compiled, tokenizer, '"aws.partner/a/b"')
     assert not _produce(backend, compiled, tokenizer, '"aws.partner/a"')
+
+
+_GUARDED_SCHEMAS = [
+    # closed free-order object with required keys, nested closed object, array with uniqueItems
+    {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"},
+                                      "tags": {"type": "array", "items": {"type": "string"}, "uniqueItems": True},
+                                      "id": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "string"}},
+                                             "required": ["a"], "additionalProperties": False}},
+     "required": ["name", "id"], "additionalProperties": False},
+    # open object (other keys allowed), a string checked by the guard (look-ahead pattern), a `not`
+    {"type": "object", "properties": {"foo": {"type": "string", "pattern": "^(?!no)"}, "bar": {"type": "integer", "not": {"const": 3}},
+                                      "w": {"type": "string", "not": {"const": "qq"}},
+                                      "baz": {"type": "array", "items": {"type": "object", "properties": {"value": {"type": "integer"}},
+                                                                         "required": ["value"]}}},
+     "required": ["foo"]},
+    # a union of objects at a fixed path, and an array of closed objects
+    {"type": "object", "properties": {"items": {"type": "array", "items": {"anyOf": [
+        {"type": "object", "properties": {"type": {"const": "a"}, "alpha": {"type": "integer"}}, "required": ["type"], "additionalProperties": False},
+        {"type": "object", "properties": {"type": {"const": "b"}, "beta": {"type": "string"}}, "required": ["type", "beta"], "additionalProperties": False}]}},
+        "value": {"type": "string", "format": "AWS::IAM::Role.Arn"}}, "required": ["items"], "additionalProperties": False},
+]
+_GUARDED_INSTANCES = [
+    [{"id": {"b": "x", "a": 1}, "name": "foo", "tags": ["a", "b"]}, {"age": 3, "name": "a\"b", "id": {"a": -2}}],
+    [{"bar": 2, "foo": "yes", "baz": [{"value": 1, "x": 2}, {"value": 9}]}, {"foo": "a", "name": [1, 2], "w": "qqqq"},
+     {"bar": 1, "b": 2, "bark": 3, "foo": "x", "f": 0}],
+    [{"value": "arn", "items": [{"alpha": 1, "type": "a"}, {"beta": "x", "type": "b"}]}, {"items": []}],
+]
+
+
+@pytest.mark.parametrize("index", range(len(_GUARDED_SCHEMAS)))
+def test_guarded_rows_are_exactly_grammar_minus_refusals(backend: GrammarBackend, tokenizer: Any, index: int) -> None:
+    """Every guarded mask row equals, token by token, what the grammar allows and `accept` takes (the brute-force
+    definition), along valid instances in compact and indented form; twice per compiled grammar, so the verdicts
+    the guard shares across rows and requests (by cursor signature and token structure) are checked where they
+    are reused. Fails if a shared verdict, a candidate filter (string exits, repeated or used-name keys) or the
+    structure classes were wrong."""
+    compiled = backend.compile(_schema_spec(_GUARDED_SCHEMAS[index]))
+    assert compiled.guard is not None and compiled.guard.active
+    raw = allocate_token_bitmask(1, backend.vocab_size)
+    row = allocate_token_bitmask(1, backend.vocab_size)
+    checked = 0
+    for _ in range(2):
+        for instance in _GUARDED_INSTANCES[index]:
+            for indent in (None, 2):
+                text = json.dumps(instance, indent=indent, separators=None if indent else (",", ":"))
+                matcher = backend.matcher(compiled)
+                for token in _encode(tokenizer, text):
+                    matcher.fill_bitmask(row, 0)
+                    allowed = bitmask_to_bool(row[0], backend.vocab_size)
+                    matcher._state.fill(raw, 0)
+                    grammar = bitmask_to_bool(raw[0], backend.vocab_size)
+                    for t in torch.nonzero(grammar).flatten().tolist():
+                        if t == tokenizer.eos_token_id:
+                            continue
+                        ok = matcher.accept(t)
+                        if ok:
+                            matcher.rollback(1)
+                        assert bool(allowed[t]) == ok, (text, matcher.text, tokenizer.decode([t]))
+                        checked += 1
+                    assert matcher.accept(token), (text, matcher.text)
+                assert matcher.accept(tokenizer.eos_token_id), text
+    assert checked > 1000
+
+
+def test_formats_neither_side_checks_need_no_guard(backend: GrammarBackend) -> None:
+    """A format llguidance drops and jsonschema does not know either (CloudFormation's "AWS::IAM::Role.Arn") left
+    a root anchor that made the guard follow every token for nothing; a dropped format jsonschema does check
+    keeps its anchor."""
+    compiled = backend.compile(_schema_spec({"type": "object", "properties": {"r": {"type": "string", "format": "AWS::IAM::Role.Arn"}}}))
+    assert any("format" in note.lower() for note in compiled.guard.dropped)
+    assert not compiled.guard.anchors

@@ -152,6 +152,12 @@ class TokenStructure:
 _NO_TOKENS = np.zeros(0, dtype=np.int64)
 
 
+@functools.lru_cache(maxsize=65536)
+def _escaped(name: str) -> bytes:
+    """A key as its JSON string writes it, without the quotes."""
+    return json.dumps(name, ensure_ascii=False)[1:-1].encode()
+
+
 def _closing_quote(piece: bytes) -> int:
     """Offset of the first unescaped quote in `piece` (read from inside a string, not after a backslash)."""
     q = piece.find(b'"')
@@ -318,7 +324,7 @@ class SchemaGuard:
         if any(not pattern for _, patterns in free_order.unions for pattern in patterns) and not self.anchors:
             self.anchors.append(_Anchor((), None))  # a union at the root: the document check (rule B) covers it
         self._closed_objects = any(o.closed is not None for o in self.objects)
-        self._repeat_cache: dict[tuple[bytes, bool], np.ndarray] = {}
+        self._repeat_cache: dict[tuple[bytes, bool | None], np.ndarray] = {}  # also `_prefix_tokens`'s
         self._at_cache: dict[tuple[Any, ...], tuple[list[_Anchor], list[_ObjectRule]]] = {}
         self._verdicts: dict[tuple[Any, ...], dict[bytes, bool]] = {}  # see `restrict`
         self._near_cache: dict[tuple[Any, ...], tuple[list[_Anchor], list[_ObjectRule]]] = {}
@@ -425,11 +431,12 @@ class SchemaGuard:
             return
         todo = _NO_TOKENS
         if interesting is not None:
-            hit = words & interesting[: words.shape[0]]
+            hit = (words & interesting[: words.shape[0]]).view(np.uint64) if words.shape[0] % 2 == 0 else \
+                words & interesting[: words.shape[0]]
             nonzero = np.flatnonzero(hit)
-            bits = np.unpackbits(hit[nonzero].view(np.uint8), bitorder="little").reshape(-1, 32)
-            rows, cols = np.nonzero(bits)
-            todo = nonzero[rows] * 32 + cols
+            width = hit.dtype.itemsize * 8
+            at = np.flatnonzero(np.unpackbits(hit[nonzero].view(np.uint8), bitorder="little"))
+            todo = nonzero[at // width] * width + at % width
         if extra:
             ids = np.concatenate(extra)
             if ids.size:
@@ -452,21 +459,22 @@ class SchemaGuard:
                 if len(self._verdicts) > 4096:
                     self._verdicts.clear()
                 shared = self._verdicts[signature] = {}
-            unique, inverse = np.unique(classes, return_inverse=True)
-            verdict = np.ones(len(unique), dtype=np.int8)  # 1 ok, 0 refused, -1 read earlier text
-            for j, c in enumerate(unique.tolist()):
+            verdict: dict[int, int] = {}  # class -> 1 ok, 0 refused, -1 read earlier text
+            for c in set(classes.tolist()):
                 ok = shared.get(c)
                 if ok is None:
                     trace: list[tuple[Any, ...]] = []
                     ok = _scan(buf + structure.texts[c], cursor, structure.texts[c], self, trace) is not None
                     if trace:
-                        verdict[j] = -1
+                        verdict[c] = -1
                         continue
                     shared[c] = ok
-                verdict[j] = ok
-            per_token = verdict[inverse]
-            refused.append(todo[per_token == 0])
-            todo = todo[per_token < 0]
+                verdict[c] = ok
+            bad = [c for c, v in verdict.items() if v == 0]
+            if bad:
+                refused.append(todo[np.isin(classes, bad)])
+            unknown = [c for c, v in verdict.items() if v < 0]
+            todo = todo[np.isin(classes, unknown)] if unknown else _NO_TOKENS
         if todo.size:  # one by one, sharing the verdict of tokens equal up to their last byte that closes something
             token_bytes = backend.token_bytes()
             verdicts: dict[bytes, bool] = {}
@@ -487,20 +495,25 @@ class SchemaGuard:
             if ids.size:
                 np.bitwise_and.at(words, ids >> 5, ~(np.uint32(1) << (ids & 31).astype(np.uint32)))
 
-    @staticmethod
-    def _prefix_tokens(name: str, typed: bytes, marks: TokenMarks) -> np.ndarray:
+    def _prefix_tokens(self, name: str, typed: bytes, marks: TokenMarks) -> np.ndarray:
         """Tokens that continue the key typed so far along `name` without closing it (a proper prefix of the
         rest of its escaped text, or all of it)."""
-        escaped = json.dumps(name, ensure_ascii=False)[1:-1].encode()
+        escaped = _escaped(name)
         if not escaped.startswith(typed):
             return _NO_TOKENS
         rest = escaped[len(typed) :]
-        return np.array([t for i in range(1, len(rest) + 1) for t in marks.ids_of(rest[:i])], dtype=np.int64)
+        ids = self._repeat_cache.get((rest, None))
+        if ids is None:
+            ids = np.array([t for i in range(1, len(rest) + 1) for t in marks.ids_of(rest[:i])], dtype=np.int64)
+            if len(self._repeat_cache) > 4096:
+                self._repeat_cache.clear()
+            self._repeat_cache[(rest, None)] = ids
+        return ids
 
     def _repeat_tokens(self, key: str, typed: bytes | None, backend: GrammarBackend) -> np.ndarray:
         """Token ids that can write the key `key` again: inside the key (`typed` so far), those starting with
         the rest of it and its closing quote; elsewhere, those containing it whole with both quotes."""
-        escaped = json.dumps(key, ensure_ascii=False)[1:-1].encode()
+        escaped = _escaped(key)
         if typed is not None:
             if not escaped.startswith(typed):
                 return _NO_TOKENS
