@@ -899,6 +899,14 @@ def free_order_sites(schema: Any) -> FreeOrder:
     end, so their `required` is checked by validating the whole union when its value closes."""
     if not isinstance(schema, dict):
         return FreeOrder({}, [])
+    memo: dict[int, list[tuple[Any, Any]]] = {}
+
+    def edges(node: dict[str, Any]) -> list[tuple[Any, Any]]:  # each node's edges, listed once per call
+        found = memo.get(id(node))
+        if found is None:
+            found = memo[id(node)] = list(_subschema_edges(schema, node))
+        return found
+
     nodes: dict[int, Any] = {}
     mode: dict[int, int] = {}  # 0: fixed paths only; 1: also as a branch of a union of objects; 2: elsewhere too
     stack: list[tuple[Any, int]] = [(schema, 0)]
@@ -910,7 +918,7 @@ def free_order_sites(schema: Any) -> FreeOrder:
         mode[id(node)] = how
         if len(nodes) & 255 == 0:
             check_deadline()
-        for steps, child in _subschema_edges(schema, node):
+        for steps, child in edges(node):
             if child is _UNRESOLVED:
                 return FreeOrder({}, [])
             if steps is None:
@@ -940,7 +948,7 @@ def free_order_sites(schema: Any) -> FreeOrder:
             overflow.add(id(node))
             continue
         chain = chain + (id(node),)
-        for steps, child in _subschema_edges(schema, node):
+        for steps, child in edges(node):
             if steps is None or not isinstance(child, dict):
                 continue
             if steps is _UNION:
@@ -960,7 +968,7 @@ def free_order_sites(schema: Any) -> FreeOrder:
         if i in spread:
             continue
         spread.add(i)
-        for steps, child in _subschema_edges(schema, nodes[i]):
+        for steps, child in edges(nodes[i]):
             if steps is not None and isinstance(child, dict) and id(child) not in spread:
                 todo.append(id(child))
     bad |= spread
