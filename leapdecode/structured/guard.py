@@ -152,6 +152,22 @@ class TokenStructure:
 _NO_TOKENS = np.zeros(0, dtype=np.int64)
 
 
+@dataclass(eq=False)
+class _Verdicts:
+    """What the guard knows under one cursor signature: the verdict of each structure class, and (packed, like a
+    mask row) the tokens judged so far and those refused."""
+
+    classes: dict[int, bool]
+    known: np.ndarray
+    refused: np.ndarray
+    any_refused: bool = False
+
+
+def _set_bits(words: np.ndarray, ids: np.ndarray) -> None:
+    if ids.size:
+        np.bitwise_or.at(words, ids >> 5, np.uint32(1) << (ids & 31).astype(np.uint32))
+
+
 @functools.lru_cache(maxsize=65536)
 def _escaped(name: str) -> bytes:
     """A key as its JSON string writes it, without the quotes."""
@@ -326,7 +342,7 @@ class SchemaGuard:
         self._closed_objects = any(o.closed is not None for o in self.objects)
         self._repeat_cache: dict[tuple[bytes, bool | None], np.ndarray] = {}  # also `_prefix_tokens`'s
         self._at_cache: dict[tuple[Any, ...], tuple[list[_Anchor], list[_ObjectRule]]] = {}
-        self._verdicts: dict[tuple[Any, ...], dict[bytes, bool]] = {}  # see `restrict`
+        self._verdicts: dict[tuple[Any, ...], _Verdicts] = {}  # see `restrict`
         self._near_cache: dict[tuple[Any, ...], tuple[list[_Anchor], list[_ObjectRule]]] = {}
         self.active = bool(self.anchors or self.objects)  # False: only rule A (the document check)
 
@@ -429,10 +445,30 @@ class SchemaGuard:
                 (refused if in_key else extra).extend(repeats)  # in its key: refused as they are (key_ok's rule)
         if interesting is None and not extra and not refused:
             return
+        # A verdict that read no text from before the token (no jsonschema anchor looked at it: `_scan`'s trace)
+        # depends only on the cursor's signature and the structure the token writes (`TokenMarks.structure`: in a
+        # string value, the bytes from its closing quote on; whitespace dropped), so it is computed once per
+        # structure class and kept, per signature, across rows and requests, with the tokens already judged
+        # (`_Verdicts`): a row seen again under a known signature only clears the known refusals and looks at the
+        # tokens not judged yet. The rest are scanned one by one. (At depth 0 a literal's text decides whether the
+        # root is checked, and a key's text is its name: neither is shared.)
+        buf = bytes(text)
+        memo: _Verdicts | None = None
+        if depth > 0 and not cursor.escape and not in_key_string:
+            signature = cursor.signature(buf)
+            memo = self._verdicts.get(signature)
+            if memo is None:
+                if len(self._verdicts) > 1024:
+                    self._verdicts.clear()
+                memo = self._verdicts[signature] = _Verdicts({}, np.zeros_like(words), np.zeros_like(words))
+            elif memo.any_refused:
+                words &= ~memo.refused
         todo = _NO_TOKENS
         if interesting is not None:
-            hit = (words & interesting[: words.shape[0]]).view(np.uint64) if words.shape[0] % 2 == 0 else \
-                words & interesting[: words.shape[0]]
+            hit = words & interesting[: words.shape[0]]
+            if memo is not None:
+                hit &= ~memo.known
+            hit = hit.view(np.uint64) if hit.shape[0] % 2 == 0 else hit
             nonzero = np.flatnonzero(hit)
             width = hit.dtype.itemsize * 8
             at = np.flatnonzero(np.unpackbits(hit[nonzero].view(np.uint8), bitorder="little"))
@@ -440,25 +476,15 @@ class SchemaGuard:
         if extra:
             ids = np.concatenate(extra)
             if ids.size:
-                ids = ids[((words[ids >> 5] >> (ids & 31).astype(np.uint32)) & 1).astype(bool)]
+                live = words if memo is None else words & ~memo.known
+                ids = ids[((live[ids >> 5] >> (ids & 31).astype(np.uint32)) & 1).astype(bool)]
                 todo = np.concatenate([todo, ids])
-        # Every candidate is checked (no bound on their number). A verdict that read no text from before the
-        # token (no jsonschema anchor looked at it: `_scan`'s trace) depends only on the cursor's signature and
-        # the structure the token writes (`TokenMarks.structure`: in a string value, the bytes from its closing
-        # quote on; whitespace dropped), so it is computed once per structure class and kept across rows and
-        # requests; the rest are scanned one by one.
-        buf = bytes(text)
-        if todo.size and depth > 0 and not cursor.escape and not in_key_string:
-            # (at depth 0 a literal's text decides whether the root is checked; a key's text is its name)
+        # Every candidate is checked (no bound on their number).
+        if todo.size and memo is not None:
             classes = (structure.in_string if cursor.in_string else structure.outside)[todo]
             todo = todo[classes >= 0]  # tokens that do not close the string write no structure: nothing to check
             classes = classes[classes >= 0]
-            signature = cursor.signature(buf)
-            shared = self._verdicts.get(signature)
-            if shared is None:
-                if len(self._verdicts) > 4096:
-                    self._verdicts.clear()
-                shared = self._verdicts[signature] = {}
+            shared = memo.classes
             verdict: dict[int, int] = {}  # class -> 1 ok, 0 refused, -1 read earlier text
             for c in set(classes.tolist()):
                 ok = shared.get(c)
@@ -470,11 +496,17 @@ class SchemaGuard:
                         continue
                     shared[c] = ok
                 verdict[c] = ok
+            unknown = [c for c, v in verdict.items() if v < 0]
+            is_unknown = np.isin(classes, unknown) if unknown else np.zeros(len(classes), dtype=bool)
+            judged = todo[~is_unknown]
+            _set_bits(memo.known, judged)
             bad = [c for c, v in verdict.items() if v == 0]
             if bad:
-                refused.append(todo[np.isin(classes, bad)])
-            unknown = [c for c, v in verdict.items() if v < 0]
-            todo = todo[np.isin(classes, unknown)] if unknown else _NO_TOKENS
+                out = todo[np.isin(classes, bad)]
+                _set_bits(memo.refused, out)
+                memo.any_refused = True
+                refused.append(out)
+            todo = todo[is_unknown]
         if todo.size:  # one by one, sharing the verdict of tokens equal up to their last byte that closes something
             token_bytes = backend.token_bytes()
             verdicts: dict[bytes, bool] = {}
