@@ -432,7 +432,13 @@ class SchemaGuard:
                     # The grammar keeps the key a prefix of a declared name; it must stay one of an unused name:
                     # the tokens to check are those that continue a used name, and those that go on past the key.
                     closed_key = True
-                    extra += [self._prefix_tokens(name, typed, marks) for _, name in o.closed if name in frame.keys]
+                    ids = [self._prefix_tokens(name, typed, marks) for _, name in o.closed if name in frame.keys]
+                    ids = np.concatenate(ids) if ids else _NO_TOKENS
+                    if ids.size:  # no quote in them: only `key_prefix_ok` can refuse them (checked directly)
+                        ids = ids[((words[ids >> 5] >> (ids & 31).astype(np.uint32)) & 1).astype(bool)]
+                        owner, token_bytes = cursor.path(level - 1), backend.token_bytes()
+                        refused.append(np.array([t for t in ids.tolist() if not self.key_prefix_ok(
+                            owner, typed + token_bytes[t], frame.keys)], dtype=np.int64))
                     interesting = _union(interesting, exits)
                 elif level == depth:  # between members a comma or a key may come; in a value, after its quote
                     interesting = _union(interesting, exits if cursor.in_string
