@@ -152,11 +152,23 @@ class TokenStructure:
 _NO_TOKENS = np.zeros(0, dtype=np.int64)
 
 
+@dataclass(frozen=True, eq=False)
+class _Plan:
+    """What a mask row is checked on at one cursor: a packed token set, token ids found by content, token ids
+    refused as they are (only inside a key), and whether every byte of a key matters (a closed object's key)."""
+
+    interesting: np.ndarray | None
+    extra: np.ndarray
+    refused: list[np.ndarray]
+    closed_key: bool
+
+
 @dataclass(eq=False)
 class _Verdicts:
-    """What the guard knows under one cursor signature: the verdict of each structure class, and (packed, like a
-    mask row) the tokens judged so far and those refused."""
+    """What the guard knows under one cursor signature: its plan, the verdict of each structure class, and
+    (packed, like a mask row) the tokens judged so far and those refused."""
 
+    plan: _Plan | None
     classes: dict[int, bool]
     known: np.ndarray
     refused: np.ndarray
@@ -374,11 +386,103 @@ class SchemaGuard:
         """Clear, in one mask row, the tokens that `advance` would refuse."""
         if not self.active:
             return
+        words = row.numpy().view(np.uint32)  # shares memory with the tensor row
+        depth = len(cursor.frames) - 1
+        # A verdict that read no text from before the token (no jsonschema anchor looked at it: `_scan`'s trace)
+        # depends only on the cursor's signature and the structure the token writes (`TokenMarks.structure`: in a
+        # string value, the bytes from its closing quote on; whitespace dropped), so it is computed once per
+        # structure class and kept, per signature, across rows and requests (`_Verdicts`), with what to look at
+        # (`_Plan`), the tokens already judged and those refused: a row seen again under a known signature only
+        # clears the known refusals and looks at the tokens not judged yet. The rest are scanned one by one. (At
+        # depth 0 a literal's text decides whether the root is checked, and a key's text is its name: neither is
+        # shared.)
+        memo: _Verdicts | None = None
+        if depth > 0 and not cursor.escape and not (cursor.in_string and cursor.string_is_key):
+            signature = cursor.signature(text)
+            memo = self._verdicts.get(signature)
+            if memo is None:
+                if len(self._verdicts) > 1024:
+                    self._verdicts.clear()
+                memo = self._verdicts[signature] = _Verdicts(self._plan(words, text, cursor, backend), {},
+                                                             np.zeros_like(words), np.zeros_like(words))
+            elif memo.any_refused:
+                words &= ~memo.refused
+            plan = memo.plan
+        else:
+            plan = self._plan(words, text, cursor, backend)
+        if plan is None:
+            return
+        interesting, extra, refused, closed_key = plan.interesting, plan.extra, list(plan.refused), plan.closed_key
+        structure = backend.byte_marks().structure
+        todo = _NO_TOKENS
+        if interesting is not None:
+            hit = words & interesting[: words.shape[0]]
+            if memo is not None:
+                hit &= ~memo.known
+            hit = hit.view(np.uint64) if hit.shape[0] % 2 == 0 else hit
+            nonzero = np.flatnonzero(hit)
+            width = hit.dtype.itemsize * 8
+            at = np.flatnonzero(np.unpackbits(hit[nonzero].view(np.uint8), bitorder="little"))
+            todo = nonzero[at // width] * width + at % width
+        if extra.size:
+            live = words if memo is None else words & ~memo.known
+            ids = extra[((live[extra >> 5] >> (extra & 31).astype(np.uint32)) & 1).astype(bool)]
+            todo = np.concatenate([todo, ids])
+        # Every candidate is checked (no bound on their number).
+        buf = bytes(text) if todo.size else b""
+        if todo.size and memo is not None:
+            classes = (structure.in_string if cursor.in_string else structure.outside)[todo]
+            todo = todo[classes >= 0]  # tokens that do not close the string write no structure: nothing to check
+            classes = classes[classes >= 0]
+            shared = memo.classes
+            verdict: dict[int, int] = {}  # class -> 1 ok, 0 refused, -1 read earlier text
+            for c in set(classes.tolist()):
+                ok = shared.get(c)
+                if ok is None:
+                    trace: list[tuple[Any, ...]] = []
+                    ok = _scan(buf + structure.texts[c], cursor, structure.texts[c], self, trace) is not None
+                    if trace:
+                        verdict[c] = -1
+                        continue
+                    shared[c] = ok
+                verdict[c] = ok
+            unknown = [c for c, v in verdict.items() if v < 0]
+            is_unknown = np.isin(classes, unknown) if unknown else np.zeros(len(classes), dtype=bool)
+            judged = todo[~is_unknown]
+            _set_bits(memo.known, judged)
+            bad = [c for c, v in verdict.items() if v == 0]
+            if bad:
+                out = todo[np.isin(classes, bad)]
+                _set_bits(memo.refused, out)
+                memo.any_refused = True
+                refused.append(out)
+            todo = todo[is_unknown]
+        if todo.size:  # one by one, sharing the verdict of tokens equal up to their last byte that closes something
+            token_bytes = backend.token_bytes()
+            verdicts: dict[bytes, bool] = {}
+            bad = []
+            for t in todo.tolist():
+                piece = token_bytes[t]
+                if closed_key or depth == 0 or self._closed_objects:  # there, every key byte can matter
+                    key = piece
+                else:
+                    key = piece[: max(piece.rfind(b'"'), piece.rfind(b","), piece.rfind(b"]"), piece.rfind(b"}")) + 1]
+                ok = verdicts.get(key)
+                if ok is None:
+                    ok = verdicts[key] = _scan(buf + key, cursor, key, self) is not None
+                if not ok:
+                    bad.append(t)
+            refused.append(np.array(bad, dtype=np.int64))
+        for ids in refused:
+            if ids.size:
+                np.bitwise_and.at(words, ids >> 5, ~(np.uint32(1) << (ids & 31).astype(np.uint32)))
+
+    def _plan(self, words: np.ndarray, text: bytearray, cursor: Cursor, backend: GrammarBackend) -> _Plan | None:
+        """What a row must be checked on at this cursor (None: nothing); `words` only for a closed object's key."""
         path = cursor.path(len(cursor.frames) - 1)
         relevant, objects = self._near(path)
         if not relevant and not objects:
-            return
-        words = row.numpy().view(np.uint32)  # shares memory with the tensor row
+            return None
         depth = len(cursor.frames) - 1
         marks = backend.byte_marks()
         packed = marks.packed
@@ -450,88 +554,8 @@ class SchemaGuard:
                 repeats = [self._repeat_tokens(key, typed, backend) for key in frame.keys]
                 (refused if in_key else extra).extend(repeats)  # in its key: refused as they are (key_ok's rule)
         if interesting is None and not extra and not refused:
-            return
-        # A verdict that read no text from before the token (no jsonschema anchor looked at it: `_scan`'s trace)
-        # depends only on the cursor's signature and the structure the token writes (`TokenMarks.structure`: in a
-        # string value, the bytes from its closing quote on; whitespace dropped), so it is computed once per
-        # structure class and kept, per signature, across rows and requests, with the tokens already judged
-        # (`_Verdicts`): a row seen again under a known signature only clears the known refusals and looks at the
-        # tokens not judged yet. The rest are scanned one by one. (At depth 0 a literal's text decides whether the
-        # root is checked, and a key's text is its name: neither is shared.)
-        buf = bytes(text)
-        memo: _Verdicts | None = None
-        if depth > 0 and not cursor.escape and not in_key_string:
-            signature = cursor.signature(buf)
-            memo = self._verdicts.get(signature)
-            if memo is None:
-                if len(self._verdicts) > 1024:
-                    self._verdicts.clear()
-                memo = self._verdicts[signature] = _Verdicts({}, np.zeros_like(words), np.zeros_like(words))
-            elif memo.any_refused:
-                words &= ~memo.refused
-        todo = _NO_TOKENS
-        if interesting is not None:
-            hit = words & interesting[: words.shape[0]]
-            if memo is not None:
-                hit &= ~memo.known
-            hit = hit.view(np.uint64) if hit.shape[0] % 2 == 0 else hit
-            nonzero = np.flatnonzero(hit)
-            width = hit.dtype.itemsize * 8
-            at = np.flatnonzero(np.unpackbits(hit[nonzero].view(np.uint8), bitorder="little"))
-            todo = nonzero[at // width] * width + at % width
-        if extra:
-            ids = np.concatenate(extra)
-            if ids.size:
-                live = words if memo is None else words & ~memo.known
-                ids = ids[((live[ids >> 5] >> (ids & 31).astype(np.uint32)) & 1).astype(bool)]
-                todo = np.concatenate([todo, ids])
-        # Every candidate is checked (no bound on their number).
-        if todo.size and memo is not None:
-            classes = (structure.in_string if cursor.in_string else structure.outside)[todo]
-            todo = todo[classes >= 0]  # tokens that do not close the string write no structure: nothing to check
-            classes = classes[classes >= 0]
-            shared = memo.classes
-            verdict: dict[int, int] = {}  # class -> 1 ok, 0 refused, -1 read earlier text
-            for c in set(classes.tolist()):
-                ok = shared.get(c)
-                if ok is None:
-                    trace: list[tuple[Any, ...]] = []
-                    ok = _scan(buf + structure.texts[c], cursor, structure.texts[c], self, trace) is not None
-                    if trace:
-                        verdict[c] = -1
-                        continue
-                    shared[c] = ok
-                verdict[c] = ok
-            unknown = [c for c, v in verdict.items() if v < 0]
-            is_unknown = np.isin(classes, unknown) if unknown else np.zeros(len(classes), dtype=bool)
-            judged = todo[~is_unknown]
-            _set_bits(memo.known, judged)
-            bad = [c for c, v in verdict.items() if v == 0]
-            if bad:
-                out = todo[np.isin(classes, bad)]
-                _set_bits(memo.refused, out)
-                memo.any_refused = True
-                refused.append(out)
-            todo = todo[is_unknown]
-        if todo.size:  # one by one, sharing the verdict of tokens equal up to their last byte that closes something
-            token_bytes = backend.token_bytes()
-            verdicts: dict[bytes, bool] = {}
-            bad = []
-            for t in todo.tolist():
-                piece = token_bytes[t]
-                if closed_key or depth == 0 or self._closed_objects:  # there, every key byte can matter
-                    key = piece
-                else:
-                    key = piece[: max(piece.rfind(b'"'), piece.rfind(b","), piece.rfind(b"]"), piece.rfind(b"}")) + 1]
-                ok = verdicts.get(key)
-                if ok is None:
-                    ok = verdicts[key] = _scan(buf + key, cursor, key, self) is not None
-                if not ok:
-                    bad.append(t)
-            refused.append(np.array(bad, dtype=np.int64))
-        for ids in refused:
-            if ids.size:
-                np.bitwise_and.at(words, ids >> 5, ~(np.uint32(1) << (ids & 31).astype(np.uint32)))
+            return None
+        return _Plan(interesting, np.concatenate(extra) if extra else _NO_TOKENS, refused, closed_key)
 
     def _prefix_tokens(self, name: str, typed: bytes, marks: TokenMarks) -> np.ndarray:
         """Tokens that continue the key typed so far along `name` without closing it (a proper prefix of the
