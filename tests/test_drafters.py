@@ -462,3 +462,36 @@ def test_first_propose_of_a_long_prompt_sets_off_no_collection(method):
     finally:
         gc.callbacks.remove(callback)
     assert max(seen, default=0) == 0 and len(seen) <= 2, seen
+
+
+@pytest.mark.parametrize("method", ["ngram", "suffix", "recycling", "auto"])
+def test_prepare_indexes_a_prompt_chunk_by_chunk(method, monkeypatch):
+    """Issue 19 ("no pauses"): `prepare` (called by the engine while a prompt is prefilled) lets the drafter catch
+    up chunk by chunk, so its first `propose` only indexes the last chunk; and the drafts are those of a drafter
+    that saw the whole prompt at once."""
+    from leapdecode.spec import index as index_module
+    rng = random.Random(3)
+    prompt = [rng.randrange(500) for _ in range(3000)] * 2      # copies: the drafts are not empty
+    chunk = 256
+
+    def fresh():
+        return make_drafter(method, vocab_size=512) if method in ("auto", "recycling") else make_drafter(method)
+
+    whole = fresh().propose([DraftRequest(1, prompt, len(prompt), 8)])[0]
+    drafter = fresh()
+    for end in range(chunk, len(prompt), chunk):
+        drafter.prepare(1, prompt[:end])
+    sizes = []
+    original = index_module.NgramIndex._extend
+    monkeypatch.setattr(index_module.NgramIndex, "_extend", lambda self, new: (sizes.append(len(new)), original(self, new)))
+    learned = []
+    if method in ("recycling", "auto"):
+        from leapdecode.spec.recycling import RecyclingDrafter
+        original_learn = RecyclingDrafter._learn
+        def spy(self, seq_id, token_ids):
+            learned.append(len(token_ids) - self._learned.get(seq_id, 0))
+            return original_learn(self, seq_id, token_ids)
+        monkeypatch.setattr(RecyclingDrafter, "_learn", spy)
+    first = drafter.propose([DraftRequest(1, prompt, len(prompt), 8)])[0]
+    assert max(sizes + learned, default=0) <= chunk, (sizes, learned)
+    assert (first.tokens, first.parents) == (whole.tokens, whole.parents)

@@ -230,3 +230,22 @@ def test_controller_speculates_when_cheap_and_accepted_not_when_costly():
     light = cheap.draft_lengths([(i, 8, 0.6) for i in range(2)], other_tokens=2)
     heavy = Controller(8, StepTimeModel(c0=10e-3, c1=1e-4)).draft_lengths([(i, 8, 0.6) for i in range(256)], 256)
     assert sum(heavy) / 256 < sum(light) / 2
+
+
+def test_long_prompt_is_indexed_during_prefill_not_in_the_first_decode_step(llama_dir, monkeypatch):
+    """Issue 19 ("no pauses"): while a long prompt is prefilled in chunks the engine hands the prefilled tokens to
+    the drafter (`Speculator.prepare`), so no step indexes more than about a chunk; the output is unchanged."""
+    from leapdecode.spec import index as index_module
+    rng = random.Random(5)
+    prompt = [rng.randrange(2, 384) for _ in range(50)] * 4                # 200 tokens that repeat: drafts exist
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    plain = make_llm(llama_dir, max_num_batched_tokens=32)
+    want = plain.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+    sizes = []
+    original = index_module.NgramIndex._extend
+    monkeypatch.setattr(index_module.NgramIndex, "_extend", lambda self, new: (sizes.append(len(new)), original(self, new)))
+    llm = make_llm(llama_dir, max_num_batched_tokens=32, speculative_config=spec("suffix"))
+    got = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+    assert got == want
+    assert sum(sizes) >= len(prompt) and max(sizes) <= 32, sizes
+    assert_pool_free(llm)

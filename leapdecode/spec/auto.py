@@ -190,6 +190,11 @@ class AutoDrafter:
         for drafter in self.drafters.values():
             drafter.observe(seq_id, token_ids, num_accepted, topk)
 
+    def prepare(self, seq_id: int, token_ids: Sequence[int]) -> None:
+        for drafter in self.drafters.values():
+            if hasattr(drafter, "prepare"):
+                drafter.prepare(seq_id, token_ids)
+
     def finish(self, seq_id: int, token_ids: Sequence[int], num_prompt_tokens: int) -> None:
         self._stats.pop(seq_id, None)
         self._last.pop(seq_id, None)

@@ -70,6 +70,10 @@ class Drafter(Protocol):
     def finish(self, seq_id: int, token_ids: Sequence[int], num_prompt_tokens: int) -> None:
         """The sequence ended; drop per-request state (and learn from its output, for global drafters)."""
 
+    # Optional: ``prepare(seq_id, token_ids)``, the committed tokens so far of a sequence still being prefilled, so a
+    # drafter can index a long prompt chunk by chunk instead of all at once in its first ``propose`` (see
+    # ``Speculator.prepare``).
+
 
 class PerRequestDrafter:
     """Base for drafters that draft each request on its own and catch up with its committed tokens lazily in
@@ -84,6 +88,11 @@ class PerRequestDrafter:
 
     def draft_one(self, req: DraftRequest) -> Draft:
         raise NotImplementedError
+
+    def prepare(self, seq_id: int, token_ids: Sequence[int]) -> None:
+        """Catch up with a sequence's committed tokens ahead of its first draft (a prompt being prefilled chunk by
+        chunk), so no single step pays for indexing a whole long prompt. Nothing to do by default."""
+        del seq_id, token_ids
 
     def observe(self, seq_id: int, token_ids: Sequence[int], num_accepted: int,
                 topk: Sequence[Sequence[int]] | None = None) -> None:

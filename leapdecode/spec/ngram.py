@@ -65,6 +65,9 @@ class NgramDrafter(PerRequestDrafter):
         self._indexes[req.seq_id] = index
         return self._draft(index, req.max_draft)
 
+    def prepare(self, seq_id: int, token_ids: Sequence[int]) -> None:
+        self._indexes[seq_id] = sync_index(self._indexes.get(seq_id), token_ids, self._sizes)
+
     def finish(self, seq_id: int, token_ids: Sequence[int], num_prompt_tokens: int) -> None:
         self._indexes.pop(seq_id, None)
 

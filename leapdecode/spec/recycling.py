@@ -112,6 +112,9 @@ class RecyclingDrafter(PerRequestDrafter):
                     self._set_row(int(token_ids[pos]), as_int_list(row))
         self._learn(seq_id, token_ids)
 
+    def prepare(self, seq_id: int, token_ids: Sequence[int]) -> None:
+        self._learn(seq_id, token_ids)
+
     def finish(self, seq_id: int, token_ids: Sequence[int], num_prompt_tokens: int) -> None:
         self._learned.pop(seq_id, None)
 

@@ -187,6 +187,9 @@ class SuffixDrafter(PerRequestDrafter):
         chain = all(p == i - 1 for i, p in enumerate(parents))       # parents are topological by construction
         return Draft(best.tokens, None if chain else parents, best.first_token_prob)
 
+    def prepare(self, seq_id: int, token_ids: Sequence[int]) -> None:
+        self._local[seq_id] = sync_index(self._local.get(seq_id), token_ids, self._local_sizes)
+
     def finish(self, seq_id: int, token_ids: Sequence[int], num_prompt_tokens: int) -> None:
         """Drop the request's index and add its output to the global cache (evicting the oldest outputs)."""
         self._local.pop(seq_id, None)
