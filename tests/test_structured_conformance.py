@@ -345,6 +345,21 @@ def test_fast_metaschema_check_agrees_with_jsonschema() -> None:
     for good in ({"type": "object", "properties": {"a": {"pattern": "^[a-z]+$"}}},
                  {"$schema": "http://json-schema.org/draft-07/schema#", "items": [{}], "additionalItems": False}):
         check_schema(good)
+    # draft 4's meta-schema names itself with "id", not "$id": it takes the fast path too (it fell back to
+    # jsonschema's ~20 ms check on OpenAPI-sized schemas), and its own rules still hold
+    draft4 = "http://json-schema.org/draft-04/schema#"
+    good4 = {"$schema": draft4, "properties": {"a": {"type": "integer", "minimum": 0, "exclusiveMinimum": True}}}
+    check_schema(good4)
+    try:
+        import jsonschema_rs  # noqa: F401
+    except ImportError:
+        pass
+    else:
+        from leapdecode.structured.spec import _fast_check
+        from jsonschema import Draft4Validator
+        assert _fast_check(good4, Draft4Validator)
+    with pytest.raises(ValueError, match="at properties/a/exclusiveMinimum"):
+        check_schema({"$schema": draft4, "properties": {"a": {"exclusiveMinimum": 3}}})
     for bad, message in (({"type": "strnig"}, "at type"), ({"minLength": -1}, "at minLength"),
                          ({"pattern": "(unclosed"}, "is not a 'regex'"),
                          ({"patternProperties": {"(": {}}}, "is not a 'regex'")):

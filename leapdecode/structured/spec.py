@@ -195,8 +195,8 @@ def _fast_check(schema: Any, cls: Any) -> bool:
     except ImportError:
         return False
     declared = schema.get("$schema")
-    if declared is not None and (not isinstance(declared, str)
-                                 or declared.rstrip("#") != str(cls.META_SCHEMA.get("$id", "")).rstrip("#")):
+    meta_id = cls.META_SCHEMA.get("$id") or cls.META_SCHEMA.get("id", "")    # draft 4 says "id"
+    if declared is not None and (not isinstance(declared, str) or declared.rstrip("#") != str(meta_id).rstrip("#")):
         return False  # only the bundled drafts: never let the fast validator fetch a meta-schema
     try:
         if not jsonschema_rs.meta.is_valid(schema):
