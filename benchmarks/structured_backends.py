@@ -26,6 +26,8 @@ Columns
   compile p50/p99    process CPU time per compilation (ours: spec check, meta-schema check, lowering,
                      llguidance, guard, the first-mask probe; llguidance: grammar + matcher construction)
   mask p50/p99       process CPU time of one mask row, over the tokens of the valid compact instances
+  paired             mask times over only the valid compact instances that every row compiled and accepted whole
+                     (the same schemas and the same tokens for each row: the fair comparison of cost)
 
 Usage: python benchmarks/structured_backends.py [--tokenizer DIR] [--sets suite,realistic] [--limit N]
 """
@@ -329,6 +331,7 @@ def measure(cases: list, runners: list, tokenizer: Any, mask_tokens_cap: int) ->
         for value, valid in instances:
             forms = (json.dumps(value, separators=(",", ":"), ensure_ascii=False), json.dumps(value, indent=2, ensure_ascii=False))
             encoded.append(([tokenizer.encode(f, add_special_tokens=False) for f in forms], valid))
+        walked: dict[str, list[tuple[bool, list[float]]]] = {}   # runner -> per valid instance: (accepted, mask times)
         for runner in runners:  # interleaved: every runner on this schema before the next schema
             st = stats[runner.name]
             start = time.process_time()
@@ -341,8 +344,11 @@ def measure(cases: list, runners: list, tokenizer: Any, mask_tokens_cap: int) ->
             st["compile"].append(time.process_time() - start)
             st["compiled"] += 1
             for (compact, indented), valid in encoded:
-                times = st["mask"] if valid and len(compact) <= mask_tokens_cap else None
+                times = [] if valid and len(compact) <= mask_tokens_cap else None
                 got_c = runner.walk(compiled, compact, times)
+                if times is not None:
+                    st["mask"] += times
+                    walked.setdefault(runner.name, []).append((got_c, times))
                 got_i = runner.walk(compiled, indented, None)
                 st["valid_n" if valid else "invalid_n"] += 1
                 if valid:
@@ -350,6 +356,13 @@ def measure(cases: list, runners: list, tokenizer: Any, mask_tokens_cap: int) ->
                     st["valid_i"] += got_i
                 else:
                     st["invalid"] += not got_c and not got_i
+        # paired: the instances every row compiled and accepted whole (so the same tokens were masked by each)
+        if len(walked) == len(runners) and len({len(w) for w in walked.values()}) == 1:
+            for i in range(len(next(iter(walked.values())))):
+                if all(w[i][0] for w in walked.values()):
+                    totals["paired"] = totals.get("paired", 0) + 1
+                    for name, w in walked.items():
+                        stats[name].setdefault("paired_mask", []).extend(w[i][1])
     return {"totals": totals, **stats}
 
 
@@ -376,6 +389,16 @@ def table(title: str, result: dict[str, Any]) -> str:
             f"{1e3 * quantile(st['compile'], 0.5):.2f} / {1e3 * quantile(st['compile'], 0.99):.1f} | "
             f"{1e6 * quantile(st['mask'], 0.5):.0f} / {1e6 * quantile(st['mask'], 0.99):.0f} |"
         )
+    paired = [(name, st["paired_mask"]) for name, st in result.items() if name != "totals" and st.get("paired_mask")]
+    if paired:
+        lines += ["", f"Paired: the {t.get('paired', 0)} valid instances (compact) that every row compiled and "
+                  "accepted whole, so each row masked the same tokens:", "",
+                  "| | mask p50 / p99 µs | ratio to llguidance (raw) p50 / p99 |", "|---|---|---|"]
+        base = dict(paired).get(RawLLGuidance.name)
+        for name, xs in paired:
+            ratio = (f"{quantile(xs, 0.5) / quantile(base, 0.5):.1f}x / {quantile(xs, 0.99) / quantile(base, 0.99):.1f}x"
+                     if base else "-")
+            lines.append(f"| {name} | {1e6 * quantile(xs, 0.5):.0f} / {1e6 * quantile(xs, 0.99):.0f} | {ratio} |")
     return "\n".join(lines)
 
 
@@ -411,7 +434,7 @@ def main() -> None:
         print(table(title, result) + f"\n({time.time() - started:.0f} s)\n", flush=True)
     if args.json:
         pathlib.Path(args.json).write_text(json.dumps(
-            {k: {n: ({kk: vv for kk, vv in st.items() if kk not in ("compile", "mask")} if n != "totals" else st)
+            {k: {n: ({kk: vv for kk, vv in st.items() if kk not in ("compile", "mask", "paired_mask")} if n != "totals" else st)
                  for n, st in v.items()} for k, v in out.items()}, indent=1))
 
 
