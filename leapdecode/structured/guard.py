@@ -933,6 +933,7 @@ _ORDER_BLOCKERS = frozenset({
     "dependentSchemas", "dependencies", "unevaluatedProperties", "dependentRequired", "propertyNames",
 })
 _MAX_PATTERNS_PER_OBJECT = 32
+MAX_EXPANDED = 3  # properties of a closed object written into the grammar in every order (3! = 6 branches)
 
 
 @dataclass
@@ -942,6 +943,7 @@ class FreeOrder:
 
     sites: dict[int, tuple[dict[str, Any], list[tuple[Any, ...]], bool]]
     unions: list[tuple[dict[str, Any], list[tuple[Any, ...]]]]
+    expanded: frozenset[int] = frozenset()  # small closed objects the grammar takes in any order exactly
 
     def keys(self) -> Any:
         return self.sites.keys()
@@ -1039,6 +1041,14 @@ def free_order_sites(schema: Any) -> FreeOrder:
         for i, pats in patterns.items()
         if i not in bad and len(pats) <= _MAX_PATTERNS_PER_OBJECT and _free_order_ok(nodes[i])
     }
+    # A closed object with at most MAX_EXPANDED properties, joined to no other subschema (allOf, $ref), is
+    # written into the grammar as the anyOf of its property orders (`lowering.lower`'s `expand`): exact, so the
+    # guard does not follow it (a few orders cost llguidance little; 24 for four properties cost ~6 ms to compile).
+    joined = _joined(schema, nodes)
+    expanded = frozenset(i for i, (node, _, in_union) in sites.items()
+                         if not in_union and i not in joined and _closed(node) is not None
+                         and len(node["properties"]) <= MAX_EXPANDED)
+    sites = {i: site for i, site in sites.items() if i not in expanded}
     # A relaxed union branch leaves `required` (of whichever branch applies) to a check of the whole union at
     # the close of its value: one jsonschema anchor per union with a relaxed branch.
     relaxed_unions = [
@@ -1048,7 +1058,30 @@ def free_order_sites(schema: Any) -> FreeOrder:
             for b in _branches(node)
         )
     ]
-    return FreeOrder(sites, relaxed_unions) if sites else FreeOrder({}, [])
+    return FreeOrder(sites, relaxed_unions, expanded) if sites else FreeOrder({}, [], expanded)
+
+
+def _joined(root: dict[str, Any], nodes: dict[int, Any]) -> set[int]:
+    """ids of the subschemas llguidance intersects with another one: allOf members and their holder, and the two
+    ends of a $ref that has other keywords beside it."""
+    out: set[int] = set()
+    for i, node in nodes.items():
+        members = [m for m in node.get("allOf") or [] if isinstance(m, dict)] if isinstance(node.get("allOf"), list) else []
+        if members:
+            out.add(i)
+            out.update(id(m) for m in members)
+        ref = node.get("$ref")
+        if isinstance(ref, str) and len(node) > 1:
+            target = resolve_local_ref(root, ref)
+            out.add(i)
+            if isinstance(target, dict):
+                out.add(id(target))
+        if isinstance(ref, str):
+            target = resolve_local_ref(root, ref)
+            for m in target.get("allOf") or [] if isinstance(target, dict) and isinstance(target.get("allOf"), list) else []:
+                if isinstance(m, dict):
+                    out.add(id(m))
+    return out
 
 
 def _closed(node: dict[str, Any]) -> tuple[tuple[bytes, str], ...] | None:

@@ -7,6 +7,7 @@ is a loop over it. Values of `DATA_KEYWORDS` are instances, not subschemas, and 
 from __future__ import annotations
 
 import copy
+import itertools
 import threading
 import time
 from contextlib import contextmanager
@@ -113,9 +114,13 @@ def exact_name_regex(name: str) -> str:
 
 
 _REGEX_META = frozenset("\\.+*?()|[]{}^$#&-~")
+# Keywords of an expanded object that stay on it rather than move into its anyOf branches (`lower`'s `expand`).
+_STAY_OUTSIDE = frozenset({"$defs", "definitions", "$schema", "$id", "id", "$anchor", "$dynamicAnchor", "$comment",
+                           "title", "description", "examples", "default"})
 
 
-def lower(schema: Any, regex_ok: Callable[[str], bool], dropped: list[str], relax: Iterable[int] = ()) -> Any:
+def lower(schema: Any, regex_ok: Callable[[str], bool], dropped: list[str], relax: Iterable[int] = (),
+          expand: Iterable[int] = ()) -> Any:
     """Rewrite `schema` into a form the library takes, without changing which instances are valid, except where
     noted in `dropped` (then the guard re-checks):
 
@@ -128,7 +133,9 @@ def lower(schema: Any, regex_ok: Callable[[str], bool], dropped: list[str], rela
     * the object subschemas whose ids are in `relax` (chosen by `guard.free_order_sites`) take their
       properties in any order: each declared property becomes an exact-name pattern property (llguidance fixes
       the order of `properties`, not of pattern properties) and `required` is removed; the guard refuses a
-      repeated key and closes the object only with every required key (over-approximation, checked).
+      repeated key and closes the object only with every required key (over-approximation, checked);
+    * the (small, closed) object subschemas whose ids are in `expand` become the anyOf of their properties in
+      every order (llguidance keeps each branch's order): any order, exactly, with no guard.
     """
     memo: dict[int, Any] = {}
     schema = {} if schema is True else copy.deepcopy(schema, memo)
@@ -139,6 +146,15 @@ def lower(schema: Any, regex_ok: Callable[[str], bool], dropped: list[str], rela
             node.pop("required", None)
             node["patternProperties"] = {**{exact_name_regex(name): sub for name, sub in props.items()},
                                          **node.get("patternProperties", {})}
+    for key in expand:
+        node = memo.get(key)
+        if isinstance(node, dict) and len(node.get("properties", ())) > 1:
+            props = node.pop("properties")
+            rest = {k: v for k, v in node.items() if k not in _STAY_OUTSIDE}   # definitions, ids stay where they are
+            for key in rest:
+                del node[key]
+            node["anyOf"] = [{**rest, "properties": {name: props[name] for name in order}}
+                             for order in itertools.permutations(props)]
     for node, _ in iter_subschemas(schema):
         for key in _INTEGER_KEYWORDS:
             value = node.get(key)
