@@ -796,6 +796,26 @@ def test_json_text_orders_nested_objects_by_their_own_schema() -> None:
     assert json_text({"k": [1]}, {}, indent=2) == '{\n  "k": [\n    1\n  ]\n}'
 
 
+def _check_row_against_brute_force(backend: GrammarBackend, tokenizer: Any, matcher: Any, context: str) -> int:
+    """Assert the matcher's mask row is exactly what the grammar allows minus what `accept` refuses; returns the
+    number of tokens compared."""
+    row, raw = allocate_token_bitmask(1, backend.vocab_size), allocate_token_bitmask(1, backend.vocab_size)
+    matcher.fill_bitmask(row, 0)
+    allowed = bitmask_to_bool(row[0], backend.vocab_size)
+    matcher._state.fill(raw, 0)
+    grammar = bitmask_to_bool(raw[0], backend.vocab_size)
+    checked = 0
+    for t in torch.nonzero(grammar).flatten().tolist():
+        if t == tokenizer.eos_token_id:
+            continue
+        ok = matcher.accept(t)
+        if ok:
+            matcher.rollback(1)
+        assert bool(allowed[t]) == ok, (context, matcher.text, tokenizer.decode([t]))
+        checked += 1
+    return checked
+
+
 def test_guard_checks_every_candidate(backend: GrammarBackend, tokenizer: Any) -> None:
     """Issue 14: the guard checked at most 64 candidate tokens per row and masked the rest (canonical tokens such
     as `"},` among them). Now a guarded row is exactly: what the grammar allows, minus what the guard refuses."""
@@ -805,19 +825,7 @@ def test_guard_checks_every_candidate(backend: GrammarBackend, tokenizer: Any) -
     for prefix in ('{"w":"ab', '{"w":"n', '{"n":1', '{"n":1,"w":"x"'):
         matcher = backend.matcher(compiled)
         assert matcher.accept_tokens(_encode(tokenizer, prefix)) == len(_encode(tokenizer, prefix))
-        row = allocate_token_bitmask(1, backend.vocab_size)
-        matcher.fill_bitmask(row, 0)
-        allowed = bitmask_to_bool(row[0], backend.vocab_size)
-        raw = allocate_token_bitmask(1, backend.vocab_size)
-        matcher._state.fill(raw, 0)
-        grammar = bitmask_to_bool(raw[0], backend.vocab_size)
-        for t in torch.nonzero(grammar).flatten().tolist():
-            if t == tokenizer.eos_token_id:
-                continue
-            ok = matcher.accept(t)
-            if ok:
-                matcher.rollback(1)
-            assert bool(allowed[t]) == ok, (prefix, tokenizer.decode([t]))
+        _check_row_against_brute_force(backend, tokenizer, matcher, prefix)
 
 
 def test_free_key_order_in_unions_of_objects(backend: GrammarBackend, tokenizer: Any) -> None:
@@ -899,8 +907,6 @@ def test_guarded_rows_are_exactly_grammar_minus_refusals(backend: GrammarBackend
     structure classes were wrong."""
     compiled = backend.compile(_schema_spec(_GUARDED_SCHEMAS[index]))
     assert compiled.guard is not None and compiled.guard.active
-    raw = allocate_token_bitmask(1, backend.vocab_size)
-    row = allocate_token_bitmask(1, backend.vocab_size)
     checked = 0
     for _ in range(2):
         for instance in _GUARDED_INSTANCES[index]:
@@ -908,18 +914,7 @@ def test_guarded_rows_are_exactly_grammar_minus_refusals(backend: GrammarBackend
                 text = json.dumps(instance, indent=indent, separators=None if indent else (",", ":"))
                 matcher = backend.matcher(compiled)
                 for token in _encode(tokenizer, text):
-                    matcher.fill_bitmask(row, 0)
-                    allowed = bitmask_to_bool(row[0], backend.vocab_size)
-                    matcher._state.fill(raw, 0)
-                    grammar = bitmask_to_bool(raw[0], backend.vocab_size)
-                    for t in torch.nonzero(grammar).flatten().tolist():
-                        if t == tokenizer.eos_token_id:
-                            continue
-                        ok = matcher.accept(t)
-                        if ok:
-                            matcher.rollback(1)
-                        assert bool(allowed[t]) == ok, (text, matcher.text, tokenizer.decode([t]))
-                        checked += 1
+                    checked += _check_row_against_brute_force(backend, tokenizer, matcher, text)
                     assert matcher.accept(token), (text, matcher.text)
                 assert matcher.accept(tokenizer.eos_token_id), text
     assert checked > 1000

@@ -630,22 +630,19 @@ class SchemaGuard:
 
     def _at(self, path: tuple[Any, ...]) -> tuple[list[_Anchor], list[_ObjectRule]]:
         """The anchors and object rules that apply exactly at `path` (cached: the scans ask per event)."""
-        hit = self._at_cache.get(path)
-        if hit is None:
-            hit = ([a for a in self.anchors if a.matches(path)], [o for o in self.objects if o.matches(path)])
-            if len(self._at_cache) > 65536:
-                self._at_cache.clear()
-            self._at_cache[path] = hit
-        return hit
+        return self._rules(self._at_cache, path, "matches")
 
     def _near(self, path: tuple[Any, ...]) -> tuple[list[_Anchor], list[_ObjectRule]]:
         """The anchors and object rules on `path`, above it or below it (those a token written here can reach)."""
-        hit = self._near_cache.get(path)
+        return self._rules(self._near_cache, path, "compatible")
+
+    def _rules(self, cache: dict, path: tuple[Any, ...], test: str) -> tuple[list[_Anchor], list[_ObjectRule]]:
+        hit = cache.get(path)
         if hit is None:
-            hit = ([a for a in self.anchors if a.compatible(path)], [o for o in self.objects if o.compatible(path)])
-            if len(self._near_cache) > 65536:
-                self._near_cache.clear()
-            self._near_cache[path] = hit
+            hit = ([a for a in self.anchors if getattr(a, test)(path)], [o for o in self.objects if getattr(o, test)(path)])
+            if len(cache) > 65536:
+                cache.clear()
+            cache[path] = hit
         return hit
 
 
