@@ -186,6 +186,19 @@ def _escaped(name: str) -> bytes:
     return json.dumps(name, ensure_ascii=False)[1:-1].encode()
 
 
+def _key_text(raw: bytes) -> str:
+    """The name written by a JSON string (quotes included in `raw`); without escapes it is the bytes between."""
+    if b"\\" not in raw:
+        try:
+            return raw[1:-1].decode("utf-8")
+        except UnicodeDecodeError:
+            pass
+    try:
+        return json.loads(raw)
+    except ValueError:
+        return raw.decode("utf-8", "replace")
+
+
 def _closing_quote(piece: bytes) -> int:
     """Offset of the first unescaped quote in `piece` (read from inside a string, not after a backslash)."""
     q = piece.find(b'"')
@@ -745,14 +758,19 @@ def _scan(buf: bytes, cursor: Cursor, piece: bytes, guard: SchemaGuard,
     frames = list(cursor.frames)
 
     def value_ok(path: tuple[Any, ...], raw: bytes) -> bool:
-        if trace is not None and guard._at(path)[0]:
+        if not guard._at(path)[0]:
+            return True  # no anchor here: nothing to check
+        if trace is not None:
             trace.append(path)
         return guard.value_ok(path, raw)
 
-    def partial_ok(path: tuple[Any, ...], raw: bytes) -> bool:
-        if trace is not None and any(a.monotone is not None for a in guard._at(path)[0]):
+    def partial_ok(path: tuple[Any, ...], start: int, end: int, close: int) -> bool:
+        """The container's text so far (buf[start:end] plus its closing bracket) against the monotone anchors."""
+        if not any(a.monotone is not None for a in guard._at(path)[0]):
+            return True
+        if trace is not None:
             trace.append(path)
-        return guard.partial_ok(path, raw)
+        return guard.partial_ok(path, buf[start:end] + bytes([close]))
     copied = [False] * len(frames)
 
     def top() -> _Frame:  # copy-on-write, so earlier cursors stay valid for rollback
@@ -788,10 +806,7 @@ def _scan(buf: bytes, cursor: Cursor, piece: bytes, guard: SchemaGuard,
                 f = top()
                 raw = buf[string_start : pos + 1]
                 if string_is_key:
-                    try:
-                        f.key = json.loads(raw)
-                    except ValueError:
-                        f.key = raw.decode("utf-8", "replace")
+                    f.key = _key_text(raw)
                     f.expect_key = False
                     if not guard.key_ok(path_of(len(frames) - 2), f.key, f.keys):
                         return None
@@ -818,7 +833,7 @@ def _scan(buf: bytes, cursor: Cursor, piece: bytes, guard: SchemaGuard,
                 if not guard.more_keys_ok(path_of(depth - 1), f.keys):
                     return None
             if c == ord(","):
-                if f.has_value and not partial_ok(path_of(depth - 1), buf[f.start : pos] + bytes([f.kind + 2])):
+                if f.has_value and not partial_ok(path_of(depth - 1), f.start, pos, f.kind + 2):
                     return None
                 f.index += 1
                 f.key, f.expect_key, f.has_value = None, f.kind == ord("{"), False
