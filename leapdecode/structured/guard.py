@@ -416,13 +416,13 @@ class SchemaGuard:
             if memo is None:
                 if len(self._verdicts) > 1024:
                     self._verdicts.clear()
-                memo = self._verdicts[signature] = _Verdicts(self._plan(words, text, cursor, backend), {},
+                memo = self._verdicts[signature] = _Verdicts(self._plan(text, cursor, backend), {},
                                                              np.zeros_like(words), np.zeros_like(words))
             elif memo.any_refused:
                 words &= ~memo.refused
             plan = memo.plan
         else:
-            plan = self._plan(words, text, cursor, backend)
+            plan = self._plan(text, cursor, backend)
         if plan is None:
             return
         interesting, extra, refused, closed_key = plan.interesting, plan.extra, list(plan.refused), plan.closed_key
@@ -490,8 +490,9 @@ class SchemaGuard:
             if ids.size:
                 np.bitwise_and.at(words, ids >> 5, ~(np.uint32(1) << (ids & 31).astype(np.uint32)))
 
-    def _plan(self, words: np.ndarray, text: bytearray, cursor: Cursor, backend: GrammarBackend) -> _Plan | None:
-        """What a row must be checked on at this cursor (None: nothing); `words` only for a closed object's key."""
+    def _plan(self, text: bytearray, cursor: Cursor, backend: GrammarBackend) -> _Plan | None:
+        """What a row must be checked on at this cursor (None: nothing), whatever the row allows (refusing a
+        token the row does not allow changes nothing)."""
         path = cursor.path(len(cursor.frames) - 1)
         relevant, objects = self._near(path)
         if not relevant and not objects:
@@ -552,7 +553,6 @@ class SchemaGuard:
                     ids = [self._prefix_tokens(name, typed, marks) for _, name in o.closed if name in frame.keys]
                     ids = np.concatenate(ids) if ids else _NO_TOKENS
                     if ids.size:  # no quote in them: only `key_prefix_ok` can refuse them (checked directly)
-                        ids = ids[((words[ids >> 5] >> (ids & 31).astype(np.uint32)) & 1).astype(bool)]
                         owner, token_bytes = cursor.path(level - 1), backend.token_bytes()
                         refused.append(np.array([t for t in ids.tolist() if not self.key_prefix_ok(
                             owner, typed + token_bytes[t], frame.keys)], dtype=np.int64))
@@ -858,23 +858,28 @@ def _scan(buf: bytes, cursor: Cursor, piece: bytes, guard: SchemaGuard,
     return Cursor(tuple(frames), len(buf), in_string, escape, string_start, string_is_key)
 
 
-def _guarded_keys(dropped: tuple[str, ...]) -> set[str]:
+def _guarded_keys(dropped: tuple[str, ...]) -> tuple[set[str], set[str] | None]:
     """Map the backend's `dropped` notes ("uniqueItems", "oneOf (compiled as anyOf)", "Unknown format: x")
-    to schema keywords; an unrecognised note guards every known keyword (conservative)."""
+    to schema keywords, and the names of the unknown formats; an unrecognised note guards every known keyword
+    (conservative), and then the formats are None (nothing may be left unguarded)."""
     keys: set[str] = set()
+    formats: set[str] | None = set()
     for note in dropped:
         word = note.split(" ")[0].strip(":")
         if word in _GUARDED_KEYWORDS:
             keys.add(word)
         elif note.lower().startswith("unknown format"):
             keys.add("format")
+            if formats is not None and ":" in note:
+                formats.add(note.split(":", 1)[1].split(" (")[0].strip())
         else:
             keys |= _GUARDED_KEYWORDS
+            formats = None
     if keys & {"if", "then", "else"}:
         keys |= {"if", "then", "else"}
     if keys & {"contains", "minContains", "maxContains"}:
         keys |= {"contains", "minContains", "maxContains"}
-    return keys
+    return keys, formats
 
 
 # Anchor discovery walks instance paths, which recursive `$ref`s make infinite and diamond-shaped `$defs`
@@ -888,23 +893,17 @@ def _find_anchors(schema: Any, validator: Any, dropped: tuple[str, ...]) -> list
     """Root anchor plus one per subschema (at a fixed instance path) that uses a keyword the grammar dropped.
 
     Linear in the schema's size, bounded by MAX_ANCHOR_VISITS, and cancellable (`check_deadline`)."""
-    keys = _guarded_keys(dropped)
+    keys, formats = _guarded_keys(dropped)
     # A format the grammar dropped and jsonschema does not check either (e.g. CloudFormation's
     # "AWS::IAM::Role.Arn") needs no anchor: neither side enforces it, so the grammar is exact there.
-    formats = {note.split(":", 1)[1].split(" (")[0].strip() for note in dropped
-               if note.lower().startswith("unknown format") and ":" in note}
     checked = getattr(validator.format_checker, "checkers", {}) if validator.format_checker is not None else {}
-    useless = {f for f in formats if f not in checked}
-    conservative = any(note.split(" ")[0].strip(":") not in _GUARDED_KEYWORDS
-                       and not note.lower().startswith("unknown format") for note in dropped)
+    useless = {f for f in formats if f not in checked} if formats is not None else set()
 
     def guarded(node: dict[str, Any]) -> bool:
         used = keys & node.keys()
-        if not conservative and used == {"format"} and node.get("format") in useless:
-            return False
-        return bool(used)
+        return bool(used) and not (used == {"format"} and node.get("format") in useless)
 
-    if not conservative and all(note.lower().startswith("unknown format") for note in dropped) and not any(
+    if formats is not None and all(note.lower().startswith("unknown format") for note in dropped) and not any(
         isinstance(node, dict) and guarded(node) for node, _ in iter_subschemas(schema)
     ):
         return []  # only unchecked formats were dropped: nothing for rules B/C to check (rule A stays)
@@ -1075,7 +1074,8 @@ def free_order_sites(schema: Any) -> FreeOrder:
 
 def _joined(root: dict[str, Any], nodes: dict[int, Any]) -> set[int]:
     """ids of the subschemas llguidance intersects with another one: allOf members and their holder, and the two
-    ends of a $ref that has other keywords beside it."""
+    ends of a $ref that has other keywords beside it. (`nodes` holds every subschema reached, $ref targets and
+    allOf members included, so each allOf is seen at its holder.)"""
     out: set[int] = set()
     for i, node in nodes.items():
         members = [m for m in node.get("allOf") or [] if isinstance(m, dict)] if isinstance(node.get("allOf"), list) else []
@@ -1088,11 +1088,6 @@ def _joined(root: dict[str, Any], nodes: dict[int, Any]) -> set[int]:
             out.add(i)
             if isinstance(target, dict):
                 out.add(id(target))
-        if isinstance(ref, str):
-            target = resolve_local_ref(root, ref)
-            for m in target.get("allOf") or [] if isinstance(target, dict) and isinstance(target.get("allOf"), list) else []:
-                if isinstance(m, dict):
-                    out.add(id(m))
     return out
 
 

@@ -151,8 +151,8 @@ def lower(schema: Any, regex_ok: Callable[[str], bool], dropped: list[str], rela
         if isinstance(node, dict) and len(node.get("properties", ())) > 1:
             props = node.pop("properties")
             rest = {k: v for k, v in node.items() if k not in _STAY_OUTSIDE}   # definitions, ids stay where they are
-            for key in rest:
-                del node[key]
+            for moved in rest:
+                del node[moved]
             node["anyOf"] = [{**rest, "properties": {name: props[name] for name in order}}
                              for order in itertools.permutations(props)]
     for node, _ in iter_subschemas(schema):
