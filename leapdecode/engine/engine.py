@@ -351,8 +351,8 @@ class Engine:
         """Draft proposals for this step: contrastive search's candidates for its sequences, the drafter's for the
         others, then the grammar's (forced tokens, or cut drafts)."""
         if self.speculator is not None:         # index long prompts chunk by chunk, not in their first draft
-            self.speculator.prepare([s for s in self.scheduler.running
-                                     if s.is_prefill and s.num_computed_tokens and self.requests[s.request_id].draftable])
+            self.speculator.prepare([s for s in self.scheduler.running if s.is_prefill and s.num_computed_tokens
+                                     and self.requests[s.request_id].draftable])
         decoding = [s for s in self.scheduler.decoding() if self.requests[s.request_id].draftable]
         if not decoding:
             return {}

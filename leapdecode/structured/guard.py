@@ -652,7 +652,8 @@ class SchemaGuard:
     def _rules(self, cache: dict, path: tuple[Any, ...], test: str) -> tuple[list[_Anchor], list[_ObjectRule]]:
         hit = cache.get(path)
         if hit is None:
-            hit = ([a for a in self.anchors if getattr(a, test)(path)], [o for o in self.objects if getattr(o, test)(path)])
+            hit = ([a for a in self.anchors if getattr(a, test)(path)],
+                   [o for o in self.objects if getattr(o, test)(path)])
             if len(cache) > 65536:
                 cache.clear()
             cache[path] = hit
@@ -1078,7 +1079,8 @@ def _joined(root: dict[str, Any], nodes: dict[int, Any]) -> set[int]:
     allOf members included, so each allOf is seen at its holder.)"""
     out: set[int] = set()
     for i, node in nodes.items():
-        members = [m for m in node.get("allOf") or [] if isinstance(m, dict)] if isinstance(node.get("allOf"), list) else []
+        all_of = node.get("allOf")
+        members = [m for m in all_of if isinstance(m, dict)] if isinstance(all_of, list) else []
         if members:
             out.add(i)
             out.update(id(m) for m in members)
