@@ -223,6 +223,7 @@ MACHINES = {
 class _Seq:
     def __init__(self, seq_id: int, prompt: list[int]) -> None:
         self.seq_id, self.token_ids, self.num_prompt_tokens = seq_id, list(prompt), len(prompt)
+        self.params, self.index, self.block_table = None, 0, ()     # what model drafters read; unused here
 
 
 def controller_replay(make: Callable[[], Drafter], records: list[Record], k: int, machine: str,

@@ -34,6 +34,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Mapping, Sequence
 
+from leapdecode.spec.calibration import AcceptanceModel, Offer, choose, depth_bucket
 from leapdecode.spec.drafter import Draft, Drafter, DraftRequest
 from leapdecode.spec.index import as_int_list
 from leapdecode.spec.tree import DraftTree
@@ -84,7 +85,8 @@ class AutoDrafter:
         return any(getattr(d, "wants_topk", False) for d in self.drafters.values())
 
     def __init__(self, drafters: Mapping[str, Drafter], score_weight: float = 0.5, decay: float = 0.7,
-                 prior_decay: float = 0.98, fill: bool = True, costly: Sequence[str] = ()) -> None:
+                 prior_decay: float = 0.98, fill: bool = True, costly: Sequence[str] = (),
+                 calibrate: bool = True, min_accept_prob: float = 0.2) -> None:
         if not drafters:
             raise ValueError("AutoDrafter needs at least one drafter")
         if len(costly) > 1 or any(name not in drafters for name in costly):
@@ -96,6 +98,11 @@ class AutoDrafter:
         self.drafters = dict(drafters)
         self.score_weight, self.decay, self.prior_decay = score_weight, decay, prior_decay
         self.fill = bool(fill)
+        if not 0.0 <= min_accept_prob <= 1.0:
+            raise ValueError(f"min_accept_prob must be in [0, 1], got {min_accept_prob!r}")
+        self.calibrate, self.min_accept_prob = bool(calibrate), float(min_accept_prob)
+        self.acceptance = AcceptanceModel()
+        self._offers: dict[int, list[Offer]] = {}     # the offers of each request's latest calibrated draft
         self._prior = {name: _Stats() for name in self.drafters}
         self._stats: dict[int, dict[str, _Stats]] = {}
         self._last: dict[int, dict[str, Draft]] = {}     # each drafter's latest draft per request
@@ -135,11 +142,21 @@ class AutoDrafter:
     # -- Drafter protocol ------------------------------------------------------------------------------------------
     def propose(self, requests: list[DraftRequest]) -> list[Draft]:
         self.requests_seen += len(requests)
-        proposals = {name: drafter.propose(requests) for name, drafter in self.drafters.items()
-                     if name != self.costly}
-        drafts = [{name: proposals[name][i] for name in proposals} for i in range(len(requests))]
-        values = [{name: self.expected_accepted(name, req.seq_id, d) for name, d in per.items()}
-                  for req, per in zip(requests, drafts)]
+        if self.calibrate:
+            gathered = [self._gather(req) for req in requests]
+            offers = [[offer for _, offer in g] for g in gathered]
+            chosen = [choose(o, self.acceptance, req.max_draft, self.min_accept_prob)
+                      for o, req in zip(offers, requests)]
+            calibrated = [d for d, _ in chosen]
+            offers = [o + [merged] for o, (_, merged) in zip(offers, chosen)]
+            values = [{"calibrated": sum(d.confidence or ())} for d in calibrated]
+            drafts: list[dict[str, Draft]] = [{} for _ in requests]
+        else:
+            proposals = {name: drafter.propose(requests) for name, drafter in self.drafters.items()
+                         if name != self.costly}
+            drafts = [{name: proposals[name][i] for name in proposals} for i in range(len(requests))]
+            values = [{name: self.expected_accepted(name, req.seq_id, d) for name, d in per.items()}
+                      for req, per in zip(requests, drafts)]
         self.last_costly_seconds = 0.0
         if self.costly is not None:            # the model drafter, only where the free drafts promise less
             promises = [self._promise(req) if req.max_draft > 0 else 0.0 for req in requests]
@@ -157,8 +174,18 @@ class AutoDrafter:
                     values[i][self.costly] = self.expected_accepted(self.costly, requests[i].seq_id, d)
                 self.last_costly_seconds = time.perf_counter() - t0
         out = []
-        for req, per, vals in zip(requests, drafts, values):
+        for i, (req, per, vals) in enumerate(zip(requests, drafts, values)):
             self._last[req.seq_id] = per
+            if self.calibrate:
+                self._offers[req.seq_id] = offers[i]
+                best = max(vals, key=vals.get)
+                draft = per[best] if best == self.costly else calibrated[i]
+                if best == self.costly:
+                    self.chosen[best] += 1
+                elif draft.tokens:        # credit the drafter most confident in the draft's best token
+                    self.chosen[self._most_confident(gathered[i], draft.tokens[0])] += 1
+                out.append(draft)
+                continue
             ranked = sorted((name for name in per if vals[name] > 0.0), key=lambda n: -vals[n])
             if not ranked:
                 out.append(Draft())
@@ -172,8 +199,42 @@ class AutoDrafter:
             out.append(best)
         return out
 
+    def _most_confident(self, gathered: list[tuple[str, Offer]], root: int) -> str:
+        best, name = -1.0, ""
+        for n, offer in gathered:
+            for tok, par, key, prior in zip(offer.tokens, offer.parents, offer.keys, offer.priors):
+                if par < 0 and tok == root:
+                    p = self.acceptance.estimate(key, prior)
+                    if p > best:
+                        best, name = p, n
+        return name
+
+    def _gather(self, req: DraftRequest) -> list[tuple[str, Offer]]:
+        """Every free drafter's offers for ``req``: its own (``offers``) or its draft with generic evidence (the
+        drafter's name and the depth; prior: its score for the first token, an even chance deeper)."""
+        out: list[tuple[str, Offer]] = []
+        for name, drafter in self.drafters.items():
+            if name == self.costly:
+                continue
+            if hasattr(drafter, "offers"):
+                out += [(name, offer) for offer in drafter.offers(req)]
+                continue
+            d = drafter.propose([req])[0]
+            if not d.tokens:
+                continue
+            tree, offer, depth = d.tree, Offer(), []
+            for i, tok in enumerate(tree.tokens):
+                par = tree.parent(i)
+                depth.append(1 if par < 0 else depth[par] + 1)
+                offer.add(tok, par, (name, depth_bucket(depth[-1])), d.score if par < 0 else 0.5)
+            out.append((name, offer))
+        return out
+
     def observe(self, seq_id: int, token_ids: Sequence[int], num_accepted: int,
                 topk: Sequence[Sequence[int]] | None = None) -> None:
+        offers = self._offers.pop(seq_id, None)
+        if offers:
+            self.acceptance.learn(offers, as_int_list(token_ids[max(0, len(token_ids) - num_accepted - 1):]))
         drafts = self._last.pop(seq_id, None)
         if drafts is not None:
             committed = as_int_list(token_ids[max(0, len(token_ids) - num_accepted - 1):])
@@ -196,6 +257,7 @@ class AutoDrafter:
                 drafter.prepare(seq_id, token_ids)
 
     def finish(self, seq_id: int, token_ids: Sequence[int], num_prompt_tokens: int) -> None:
+        self._offers.pop(seq_id, None)
         self._stats.pop(seq_id, None)
         self._last.pop(seq_id, None)
         for drafter in self.drafters.values():

@@ -191,14 +191,16 @@ class Controller:
         unlikely = (1.0 - p) ** a.fail_run
         return p * min(1.0, unlikely / self.run_alarm) if a.fail_run else p
 
-    def _values(self, proposals: list[tuple[int, int, float]], K: int) -> np.ndarray:
+    def _values(self, proposals: list[tuple], K: int) -> np.ndarray:
         """[R, K]: P(draft tokens 1..j of request r all accepted), j = 1..K (vectorised :meth:`alpha` times the
-        conditional acceptance at each depth, the request's own shrunk toward the global per-depth rate)."""
-        own = [self._acc.get(sid) for sid, _, _ in proposals]
+        conditional acceptance at each depth, the request's own shrunk toward the global per-depth rate). A draft
+        that carries calibrated per-token probabilities (a 4th element, best first: spec/calibration.py) is valued
+        by them instead."""
+        own = [self._acc.get(p[0]) for p in proposals]
         zero = _Acceptance()
         own = [a if a is not None else zero for a in own]
         stats = np.array([(a.first_acc, a.first_n, a.fail_run, a.cont_acc, a.cont_n) for a in own]).reshape(-1, 5)
-        scores = np.clip(np.array([score for _, _, score in proposals], dtype=np.float64), 0.02, 0.98)
+        scores = np.clip(np.array([p[2] for p in proposals], dtype=np.float64), 0.02, 0.98)
         ps = self.prior_strength
         ga, gn = self._g_first
         prior = (ga + ps * scores) / (gn + ps)
@@ -210,7 +212,12 @@ class Controller:
             d = np.arange(2, K + 1)
             g = (self._g_depth_acc[d] + 0.6) / (self._g_depth_n[d] + 1.0)
             values[:, 1:] = (stats[:, 3:4] + g[None, :]) / (stats[:, 4:5] + 1.0)
-        return np.cumprod(values, axis=1)
+        values = np.cumprod(values, axis=1)
+        for r, p in enumerate(proposals):
+            if len(p) > 3 and p[3]:
+                conf = p[3][:K]
+                values[r, :len(conf)] = conf
+        return values
 
     def observe(self, seq_id: int, num_drafted: int, num_accepted: int) -> None:
         """A draft of ``num_drafted`` tokens of which ``num_accepted`` were accepted (verified, or scored in the
@@ -238,20 +245,21 @@ class Controller:
         self._score.pop(seq_id, None)
 
     # -- the decision ----------------------------------------------------------------------------------------------
-    def draft_lengths(self, proposals: list[tuple[int, int, float]], other_tokens: int,
+    def draft_lengths(self, proposals: list[tuple], other_tokens: int,
                       draft_seconds: float = 0.0) -> list[int]:
-        """proposals: (seq_id, draft length on offer, drafter score) per decoding request; other_tokens: tokens the
+        """proposals: (seq_id, draft length on offer, drafter score[, per-token confidence]) per decoding request
+        (the confidence, when given, values the draft's tokens: see :meth:`_values`); other_tokens: tokens the
         step computes anyway (one per decode, plus prefill chunks); draft_seconds: what drafting costs per step.
         Returns how many draft tokens to keep for each."""
         self.num_calls += 1
         R = len(proposals)
         keep = [0] * R
-        lengths = np.array([min(n, self.max_draft) for _, n, _ in proposals], dtype=np.int64)
+        lengths = np.array([min(p[1], self.max_draft) for p in proposals], dtype=np.int64)
         K = int(lengths.max(initial=0))
         if K <= 0:
             return keep
-        for sid, _, score in proposals:
-            self._score[sid] = score
+        for p in proposals:
+            self._score[p[0]] = p[2]
         values = self._values(proposals, K)
         values[np.arange(K)[None, :] >= lengths[:, None]] = -1.0          # beyond what is on offer
         flat = values.ravel()

@@ -23,6 +23,9 @@ class Draft:
     # from (siblings of a tree: drawn without replacement from their shared row, listed in the order drawn);
     # verification then uses min(1, p/q) and the residual, recursively over siblings (sampling/rejection.py)
     probs: object | None = None
+    # optional: per node, the estimated probability that its whole path is accepted (spec/calibration.py); nodes
+    # then come best first, so a prefix of the draft is the most valuable draft of its size
+    confidence: list[float] | None = None
 
     @staticmethod
     def from_tree(tree: DraftTree, score: float = 0.0, probs: object | None = None) -> "Draft":
@@ -70,6 +73,8 @@ class Drafter(Protocol):
     def finish(self, seq_id: int, token_ids: Sequence[int], num_prompt_tokens: int) -> None:
         """The sequence ended; drop per-request state (and learn from its output, for global drafters)."""
 
+    # Optional: ``offers(request) -> list[Offer]``, the candidate nodes with the evidence behind each, for the
+    # calibrating chooser of ``auto`` (spec/calibration.py).
     # Optional: ``prepare(seq_id, token_ids)``, the committed tokens so far of a sequence still being prefilled, so a
     # drafter can index a long prompt chunk by chunk instead of all at once in its first ``propose`` (see
     # ``Speculator.prepare``).

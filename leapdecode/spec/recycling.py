@@ -30,6 +30,7 @@ from typing import Sequence
 
 import numpy as np
 
+from leapdecode.spec.calibration import Offer, depth_bucket
 from leapdecode.spec.drafter import Draft, DraftRequest, PerRequestDrafter
 from leapdecode.spec.index import as_int_list
 
@@ -202,22 +203,54 @@ class RecyclingDrafter(PerRequestDrafter):
     def successors(self, a: int, b: int) -> list[int]:
         """Ranked successors of token ``b`` preceded by ``a`` (-1 when unknown): confident tri-grams, the matrix
         row, then the other tri-grams; no duplicates."""
+        return [t for t, _ in self.ranked(a, b)]
+
+    def ranked(self, a: int, b: int) -> list[tuple[int, int]]:
+        """:meth:`successors` with each one's tri-gram count after (a, b) (0: from the matrix alone)."""
         row = self.adjacency[b].tolist() if b < len(self.adjacency) else []
         if not self.use_trigrams:
-            return [t for t in row if t >= 0]
+            return [(t, 0) for t in row if t >= 0]
         tri = self.trigram_successors(a, b)
+        count = dict(tri)
         ranked = [t for t, c in tri if c >= self.trigram_min_count]
         ranked += [t for t in row if t >= 0] + [t for t, c in tri if c < self.trigram_min_count]
-        return list(dict.fromkeys(ranked))
+        return [(t, count.get(t, 0)) for t in dict.fromkeys(ranked)]
 
     def _draft(self, before: int, last: int, max_draft: int) -> Draft:
-        """Fill the static tree breadth-first: a node's token is its parent's successor of the node's rank."""
+        tokens, parents, ranks, _ = self._fill(before, last, max_draft)
+        if not tokens:
+            return Draft()
+        score = sum(self.rank_probs[r] for r, p in zip(ranks, parents) if p == -1)
+        chain = all(p == i - 1 for i, p in enumerate(parents))   # topological by construction (BFS order)
+        return Draft(tokens, None if chain else parents, min(1.0, score))
+
+    def offers(self, req: DraftRequest) -> list[Offer]:
+        """The draft as calibration offers (spec/calibration.py): each node's evidence is its successor rank, how
+        often the tri-gram ending in it was seen, and its depth; its prior is the rank's prior acceptance."""
+        if req.max_draft <= 0 or not len(req.token_ids):
+            return []
+        self._learn(req.seq_id, req.token_ids)
+        tail = as_int_list(req.token_ids[-2:])
+        before, last = (tail[0], tail[1]) if len(tail) == 2 else (-1, tail[0])
+        tokens, parents, ranks, counts = self._fill(before, last, req.max_draft)
+        offer = Offer()
+        depth: list[int] = []
+        for tok, par, rank, count in zip(tokens, parents, ranks, counts):
+            depth.append(1 if par < 0 else depth[par] + 1)
+            key = ("recycling", min(rank, 3), min(count, 4), depth_bucket(depth[-1]))
+            offer.add(tok, par, key, self.rank_probs[rank])
+        return [offer] if tokens else []
+
+    def _fill(self, before: int, last: int, max_draft: int) -> tuple[list[int], list[int], list[int], list[int]]:
+        """Fill the static tree breadth-first: a node's token is its parent's successor of the node's rank.
+        Returns tokens, parents, each node's rank and its tri-gram count."""
         shape = static_tree(max_draft, self.rank_probs)
-        out_tokens: list[int] = []
-        out_parents: list[int] = []
+        tokens: list[int] = []
+        parents: list[int] = []
+        ranks: list[int] = []
+        counts: list[int] = []
         node_of_shape: list[int] = []           # shape node -> draft index, or -1 when it could not be filled
-        cache: dict[tuple[int, int], list[int]] = {}
-        score = 0.0
+        cache: dict[tuple[int, int], list[tuple[int, int]]] = {}
         for parent_shape, rank in shape:
             if parent_shape == -1:
                 pair, parent = (before, last), -1
@@ -226,20 +259,17 @@ class RecyclingDrafter(PerRequestDrafter):
                 if parent < 0:
                     node_of_shape.append(-1)
                     continue
-                grand = out_parents[parent]
-                pair = (out_tokens[grand] if grand >= 0 else last, out_tokens[parent])
+                grand = parents[parent]
+                pair = (tokens[grand] if grand >= 0 else last, tokens[parent])
             succ = cache.get(pair)
             if succ is None:
-                succ = cache[pair] = self.successors(*pair)
+                succ = cache[pair] = self.ranked(*pair)
             if rank >= len(succ):
                 node_of_shape.append(-1)
                 continue
-            out_tokens.append(succ[rank])
-            out_parents.append(parent)
-            node_of_shape.append(len(out_tokens) - 1)
-            if parent == -1:
-                score += self.rank_probs[rank]
-        if not out_tokens:
-            return Draft()
-        chain = all(p == i - 1 for i, p in enumerate(out_parents))   # topological by construction (BFS order)
-        return Draft(out_tokens, None if chain else out_parents, min(1.0, score))
+            tokens.append(succ[rank][0])
+            counts.append(succ[rank][1])
+            parents.append(parent)
+            ranks.append(rank)
+            node_of_shape.append(len(tokens) - 1)
+        return tokens, parents, ranks, counts

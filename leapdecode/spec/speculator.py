@@ -33,6 +33,10 @@ if TYPE_CHECKING:
     from leapdecode.engine.sequence import Sequence
 
 
+OFFER_FLOOR = 0.02
+"""With the controller on, a calibrated drafter offers every token at least this likely to be accepted."""
+
+
 class Speculator:
     def __init__(self, cfg: SpeculativeConfig, vocab_size: int, step_time: StepTimeModel | None = None,
                  runner: object | None = None) -> None:
@@ -59,6 +63,12 @@ class Speculator:
         self._step_draft_seconds = 0.0   # drafting time inside this step (charged apart, so not in its step time)
         if self.controller is not None and getattr(self.drafter, "costly", None) is not None:
             self.drafter.costly_gate = self._costly_pays
+        if self.controller is not None and cfg.drafter is None and "min_accept_prob" not in cfg.options and \
+                hasattr(self.drafter, "min_accept_prob"):
+            # calibrated drafts (spec/calibration.py) carry each token's probability, and the controller keeps the
+            # tokens that pay on this machine: offer it nearly everything (the drafter's own bar is for running
+            # without a controller)
+            self.drafter.min_accept_prob = OFFER_FLOOR
         self._shadow: dict[int, tuple[DraftTree, int]] = {}   # seq_id -> (draft, committed tokens when drafted)
         # while speculation is off, the controller is asked again only when something it uses has changed
         self._speculating = True
@@ -157,7 +167,8 @@ class Speculator:
         if ctl is None:
             return {s.seq_id: DraftTree.of(d.tokens, d.parents) for s, d in zip(seqs, drafts) if d.tokens}
         charge = self.draft_seconds_ema + (self.costly_seconds_ema if costly > 0 else 0.0)
-        keep = ctl.draft_lengths([(s.seq_id, len(d), d.score) for s, d in zip(seqs, drafts)], base, charge)
+        keep = ctl.draft_lengths([(s.seq_id, len(d), d.score, d.confidence) for s, d in zip(seqs, drafts)], base,
+                                 charge)
         self._speculating = any(keep)
         out = {}
         for s, d, k in zip(seqs, drafts, keep):

@@ -37,6 +37,7 @@ from typing import Sequence
 
 import numpy as np
 
+from leapdecode.spec.calibration import Offer, depth_bucket
 from leapdecode.spec.drafter import Draft, DraftRequest, PerRequestDrafter
 from leapdecode.spec.index import SENTINEL, NgramIndex, as_int_list, continuation, sync_index
 
@@ -128,6 +129,14 @@ def expand_continuations(rows: list[list[int]], max_nodes: int, min_prob: float,
     return out
 
 
+def _match_bucket(m: int) -> int:
+    return m if m <= 6 else (8 if m <= 9 else (12 if m <= 15 else 16))
+
+
+def _share_bucket(p: float) -> int:
+    return 0 if p < 0.3 else (1 if p < 0.6 else (2 if p < 0.95 else 3))
+
+
 class SuffixDrafter(PerRequestDrafter):
     """SuffixDecoding drafter: per-request suffix index over prompt + output, and a global one over past outputs.
 
@@ -189,6 +198,30 @@ class SuffixDrafter(PerRequestDrafter):
 
     def prepare(self, seq_id: int, token_ids: Sequence[int]) -> None:
         self._local[seq_id] = sync_index(self._local.get(seq_id), token_ids, self._local_sizes)
+
+    def offers(self, req: DraftRequest) -> list[Offer]:
+        """Both sources' best trees as calibration offers (spec/calibration.py), instead of the better one: each
+        node's evidence is its source, the pattern's match length, the share of the parent's continuations that
+        continue with it (its prior) and its depth."""
+        if req.max_draft <= 0:
+            return []
+        local = sync_index(self._local.get(req.seq_id), req.token_ids, self._local_sizes)
+        self._local[req.seq_id] = local
+        trees = [("local", self.speculate(local, local, req.max_draft))]
+        if len(self._global):
+            trees.append(("global", self.speculate(self._global, local, req.max_draft)))
+        out = []
+        for source, tree in trees:
+            if not tree.tokens:
+                continue
+            offer, depth = Offer(), []
+            match = _match_bucket(tree.match_length)
+            for tok, par, p in zip(tree.tokens, tree.parents, tree.probs):
+                depth.append(1 if par < 0 else depth[par] + 1)
+                share = p / tree.probs[par] if par >= 0 else p
+                offer.add(tok, par, ("suffix", source, match, _share_bucket(share), depth_bucket(depth[-1])), share)
+            out.append(offer)
+        return out
 
     def finish(self, seq_id: int, token_ids: Sequence[int], num_prompt_tokens: int) -> None:
         """Drop the request's index and add its output to the global cache (evicting the oldest outputs)."""

@@ -1,0 +1,160 @@
+"""Calibrated drafting: how likely is each draft token to be accepted, learned from what verification commits.
+
+Every model-free drafter has some evidence behind each token it proposes (a suffix match of some length whose
+continuations agree in some proportion; a successor of some rank in Token Recycling's matrix, seen after the same
+two tokens some number of times), and some guess of what that evidence is worth. The guesses are not calibrated:
+a 1-token suffix match whose occurrences all continue alike is "probability 1" to SuffixDecoding and right about a
+third of the time on chat. Drafting every token whose guess clears a fixed bar verifies many tokens that fail
+(``auto`` with ``fill`` verified 2.6-4.8 tokens per output token in replay), which a CPU pays for in full.
+
+So each proposed node carries a *key* (the kind of evidence: drafter, source, match-length bucket, ...) and a
+*prior* (the drafter's own estimate of P(node accepted | parent accepted)). :class:`AcceptanceModel` keeps, per
+key, how often such nodes were accepted when their parent was: a Beta posterior around the prior, so an unseen key
+trusts the drafter and a seen one trusts the record. It learns from **every** offered node, chosen or not, whose
+parent path matches the committed tokens (the committed tokens of a step are the target's own, whatever was
+drafted, so a node the step did not verify is still judged against them, up to the bonus token's depth). The
+estimate is global (per workload, across requests, like the drafters' global caches) and forgets slowly
+(``horizon``), so it follows a change of workload.
+
+:func:`choose` merges the offers of several drafters into one tree (a path offered twice is one node), gives each
+node the probability that its whole path is accepted, the product of its conditional estimates (two sources
+proposing the same token are combined as independent evidence, 1 - prod(1 - p)), and keeps the most probable
+nodes down to ``min_prob``, best first. Best first matters: the speculator's controller keeps a *prefix* of a
+draft when verification is costly, and a prefix of a best-first draft is the most valuable draft of its size. The
+draft's ``confidence`` holds those probabilities, so the controller values each token by it (spec/controller.py).
+
+This is SpecDec++'s question (Huang et al. 2024: stop drafting when the predicted acceptance falls below a
+threshold) answered without a model: the predictor is a table over the model-free evidence, fitted online.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Hashable, Sequence
+
+from leapdecode.spec.drafter import Draft
+
+
+@dataclass
+class Offer:
+    """Draft nodes one drafter offers, each with the evidence behind it. ``parents`` are topological (-1: the
+    request's last committed token); ``keys[i]`` names the kind of evidence for node i (a calibration bucket);
+    ``priors[i]`` is the drafter's own estimate of P(node i accepted | its parent accepted)."""
+    tokens: list[int] = field(default_factory=list)
+    parents: list[int] = field(default_factory=list)
+    keys: list[Hashable] = field(default_factory=list)
+    priors: list[float] = field(default_factory=list)
+
+    def add(self, token: int, parent: int, key: Hashable, prior: float) -> int:
+        self.tokens.append(token)
+        self.parents.append(parent)
+        self.keys.append(key)
+        self.priors.append(prior)
+        return len(self.tokens) - 1
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+
+def depth_bucket(depth: int) -> int:
+    """Depths 1, 2, 3, then 4-6 and 7+: deep nodes are rare, so they share a bucket."""
+    return depth if depth <= 3 else (4 if depth <= 6 else 7)
+
+
+class AcceptanceModel:
+    """P(node accepted | parent accepted) per evidence key; see the module doc. ``strength``: how many
+    observations the drafter's prior counts for; ``horizon``: a key's counts are halved when they pass it."""
+
+    def __init__(self, strength: float = 4.0, horizon: float = 4096.0) -> None:
+        if not strength > 0 or not horizon > 0:
+            raise ValueError(f"strength and horizon must be positive, got {strength!r}, {horizon!r}")
+        self.strength, self.horizon = float(strength), float(horizon)
+        self._counts: dict[Hashable, list[float]] = {}      # key -> [accepted, judged]
+
+    def estimate(self, key: Hashable, prior: float) -> float:
+        c = self._counts.get(key)
+        if c is None:
+            return prior
+        return (c[0] + self.strength * prior) / (c[1] + self.strength)
+
+    def record(self, key: Hashable, accepted: bool) -> None:
+        c = self._counts.get(key)
+        if c is None:
+            c = self._counts[key] = [0.0, 0.0]
+        c[0] += accepted
+        c[1] += 1.0
+        if c[1] > self.horizon:
+            c[0] *= 0.5
+            c[1] *= 0.5
+
+    def learn(self, offers: Sequence[Offer], committed: Sequence[int]) -> None:
+        """Judge every offered node whose parent path equals the committed tokens (``committed``: the tokens the
+        step committed after the drafts' root, accepted drafts then the bonus token)."""
+        n = len(committed)
+        for offer in offers:
+            hit: list[bool] = []
+            depth: list[int] = []
+            for tok, par, key in zip(offer.tokens, offer.parents, offer.keys):
+                d = 1 if par < 0 else depth[par] + 1
+                depth.append(d)
+                judged = d <= n and (par < 0 or hit[par])
+                ok = judged and tok == committed[d - 1]
+                hit.append(ok)
+                if judged:
+                    self.record(key, ok)
+
+    def snapshot(self) -> dict[Hashable, tuple[float, float]]:
+        """(accepted, judged) per key, for benchmarks and tests."""
+        return {k: (c[0], c[1]) for k, c in self._counts.items()}
+
+
+def choose(offers: Sequence[Offer], model: AcceptanceModel, max_nodes: int,
+           min_prob: float) -> tuple[Draft, Offer]:
+    """One best-first draft from ``offers``: nodes whose path probability is at least ``min_prob``, the
+    ``max_nodes`` most probable, each node's probability in ``confidence`` (see the module doc). Also returns the
+    merged candidates as an offer of their own (evidence: the best source's estimate, how many sources agree, the
+    rank among siblings, the depth), which the caller hands back to :meth:`AcceptanceModel.learn` with the offers."""
+    index: dict[tuple[int, int], int] = {}       # (merged parent, token) -> merged node
+    merged = Offer()
+    best: list[float] = []                        # the highest conditional estimate any source gives the node
+    agree: list[int] = []                         # how many sources offer it
+    for offer in offers:
+        local: list[int] = []
+        for tok, par, key, prior in zip(offer.tokens, offer.parents, offer.keys, offer.priors):
+            mp = local[par] if par >= 0 else -1
+            j = index.get((mp, tok))
+            if j is None:
+                j = index[(mp, tok)] = merged.add(tok, mp, None, 0.0)
+                best.append(0.0)
+                agree.append(0)
+            best[j] = max(best[j], model.estimate(key, prior))
+            agree[j] += 1
+            local.append(j)
+    # second stage: sources overlap and compete (two sources offering one token are not independent evidence; a
+    # sibling the sources rate higher makes a node less likely), so the merged node's conditional is calibrated
+    # again, on what the merge sees
+    rank: list[int] = []
+    siblings: dict[int, list[int]] = {}
+    for j, mp in enumerate(merged.parents):
+        siblings.setdefault(mp, []).append(j)
+    rank = [0] * len(merged.tokens)
+    for group in siblings.values():
+        for r, j in enumerate(sorted(group, key=lambda j: -best[j])):
+            rank[j] = r
+    path: list[float] = []
+    depth: list[int] = []
+    for j, mp in enumerate(merged.parents):      # merged nodes are topological: a parent is merged first
+        depth.append(1 if mp < 0 else depth[mp] + 1)
+        key = ("merged", min(9, int(best[j] * 10)), min(agree[j], 3), min(rank[j], 2), depth_bucket(depth[-1]))
+        merged.keys[j], merged.priors[j] = key, best[j]
+        path.append((path[mp] if mp >= 0 else 1.0) * model.estimate(key, best[j]))
+    # best first; ties keep merge order, so a parent (merged before its children, at least as probable) precedes
+    # them and every prefix of the order is a tree
+    order = sorted((j for j in range(len(path)) if path[j] >= min_prob), key=lambda j: -path[j])[:max(0, max_nodes)]
+    if not order:
+        return Draft(), merged
+    out = {j: i for i, j in enumerate(order)}
+    out_parents = [out[merged.parents[j]] if merged.parents[j] >= 0 else -1 for j in order]
+    chain = all(p == i - 1 for i, p in enumerate(out_parents))
+    first = min(1.0, sum(path[j] for j in order if merged.parents[j] < 0))    # sibling roots are disjoint events
+    return Draft([merged.tokens[j] for j in order], None if chain else out_parents, first,
+                 confidence=[path[j] for j in order]), merged
