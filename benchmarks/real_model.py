@@ -44,6 +44,7 @@ import torch  # noqa: E402
 
 BENCH = os.environ.get("LEAPDECODE_BENCH_DATA", os.path.join(os.path.dirname(REPO), "shared", "bench"))
 METHODS = ("ngram", "suffix", "recycling", "auto")
+VARIANTS = {"auto_fill": ("auto", {"calibrate": False})}   # --methods names beyond the drafters': (method, options)
 
 
 def read_jsonl(*parts: str) -> list[dict]:
@@ -267,11 +268,11 @@ def spec_batches(path: str, tasks: dict[str, list[list[int]]], batches: list[int
     CPU time is the work done: on a machine shared with other jobs it is far less noisy than wall time, which
     also counts the time spent waiting for a core)."""
     from leapdecode import LLM, SamplingParams
-    from leapdecode.spec.registry import make_drafter
     configs = ("plain", *methods)
     llms = {}
     for method in configs:
-        spec = None if method == "plain" else {"method": method, "num_speculative_tokens": k_spec}
+        base, options = VARIANTS.get(method, (method, {}))
+        spec = None if method == "plain" else {"method": base, "num_speculative_tokens": k_spec, "options": options}
         llms[method] = LLM(path, kv_cache_memory=kv, speculative_config=spec, max_num_seqs=max(batches))
         llms[method].generate([tasks["GSM8K"][0][:8]], SamplingParams(max_tokens=2), use_tqdm=False)
     mixed = [p for group in zip(*tasks.values()) for p in group]
@@ -304,8 +305,7 @@ def spec_batches(path: str, tasks: dict[str, list[list[int]]], batches: list[int
                 if spec is not None:
                     # a fresh drafter for every measured run: a repeat must not draft from the global cache of
                     # outputs that an earlier repeat produced for the same prompt (greedy outputs repeat exactly)
-                    spec.drafter = make_drafter(method, **({"vocab_size": llm.engine.vocab_size}
-                                                           if method in ("recycling", "auto") else {}))
+                    spec.drafter = spec.new_drafter()
                     d0, s0 = spec.drafter_seconds, spec.num_proposals
                 tok = wall = cpu = steps = acc = drafted = 0
                 ids = []

@@ -11,6 +11,7 @@ accepts), emits it plus the target's bonus token, and calls ``observe``. Reporte
 
   tok/step    tokens emitted per verification step (accepted drafts + the bonus): the speedup bound of speculation
   draft len   mean draft tokens (tree nodes) proposed per step
+  verified/out  tokens verified per output token: (steps + draft tokens) / emitted tokens (what a CPU pays for)
   accept      accepted draft tokens / proposed draft tokens
   us/step     drafter CPU time per step (propose + observe; thread CPU time, so other processes on a shared
               machine do not inflate it), median and p99
@@ -304,6 +305,10 @@ def drafter_factories(vocab_size: int) -> dict[str, tuple[Callable[[], Drafter],
         "recycling(tokens)": (lambda: make_drafter("recycling", vocab_size=vocab_size), False),
         "auto+topk": (lambda: make_drafter("auto", vocab_size=vocab_size), True),
         "auto(tokens)": (lambda: make_drafter("auto", vocab_size=vocab_size), False),
+        # the uncalibrated auto of earlier rounds: best draft by expected length, topped up with the others' guesses
+        "auto_fill(tokens)": (lambda: make_drafter("auto", vocab_size=vocab_size, calibrate=False), False),
+        # calibrated auto offering down to the bar the speculator sets under the controller
+        "auto_0.02(tokens)": (lambda: make_drafter("auto", vocab_size=vocab_size, min_accept_prob=0.02), False),
         "arctic_suffix": (lambda: ArcticSuffix(tree=False), False),
         "arctic_suffix_tree": (lambda: ArcticSuffix(tree=True), False),
     }
@@ -378,13 +383,14 @@ def main() -> None:
             results[name] = replay(available[name](), records, k, use_topk=factories[name][1])
         ref = _total(results["hf_prompt_lookup"]) if "hf_prompt_lookup" in results else None
         table = Table(title=f"replay, k={k} (tokens per step include the bonus token)")
-        for col in ("drafter", "tok/step", "vs HF PLD", "draft len", "accept", "us/step med", "us/step p99"):
+        for col in ("drafter", "tok/step", "vs HF PLD", "draft len", "verified/out", "accept", "us/step med",
+                    "us/step p99"):
             table.add_column(col, justify="left" if col == "drafter" else "right")
         for name, per_ds in results.items():
             s = _total(per_ds)
             ratio = f"{(s.emitted / s.steps) / (ref.emitted / ref.steps):.2f}x" if ref else "-"
             table.add_row(name, f"{s.emitted / s.steps:.3f}", ratio, f"{s.drafted / s.steps:.2f}",
-                          f"{s.accepted / max(1, s.drafted):.1%}", f"{np.median(s.micros):.0f}",
+                          f"{(s.steps + s.drafted) / s.emitted:.2f}", f"{s.accepted / max(1, s.drafted):.1%}", f"{np.median(s.micros):.0f}",
                           f"{np.percentile(s.micros, 99):.0f}")
         console.print(table)
         by_ds = Table(title=f"tokens per step by dataset, k={k}")

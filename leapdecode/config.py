@@ -72,7 +72,8 @@ class SpeculativeConfig:
             known = {"method", "num_speculative_tokens", "adaptive", "options", "drafter"}
             options = {k: v for k, v in value.items() if k not in known}
             base = {k: v for k, v in value.items() if k in known}
-            return cls(**base, options={**base.pop("options", {}), **options})
+            given = base.pop("options", None) or {}         # popped before ``base`` is unpacked
+            return cls(**base, options={**given, **options})
         raise ValueError(f"speculative_config must be a SpeculativeConfig or a dict, got {type(value).__name__}")
 
 

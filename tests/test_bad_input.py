@@ -138,3 +138,6 @@ def test_bad_engine_config(llama_dir, kwargs, field):
 def test_speculative_config_accepts_a_dict():
     cfg = SpeculativeConfig.from_any({"method": "ngram", "num_speculative_tokens": 3, "n_max": 5})
     assert cfg.method == "ngram" and cfg.num_speculative_tokens == 3 and cfg.options == {"n_max": 5}
+    # options may also come as their own dict, beside loose keys (the loose keys win)
+    cfg = SpeculativeConfig.from_any({"method": "auto", "options": {"calibrate": False, "decay": 0.5}, "decay": 0.6})
+    assert cfg.method == "auto" and cfg.options == {"calibrate": False, "decay": 0.6}

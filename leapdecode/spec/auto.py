@@ -1,22 +1,29 @@
 """Auto drafting: run several model-free drafters and pick, per request and step, the most promising draft.
 
 No drafter wins everywhere: suffix/prompt lookup is superb when the output copies its input or earlier outputs and
-useless on fresh text, where Token Recycling's learned successors still get a token or two accepted. The auto
-drafter asks every drafter each step (they are cheap) and keeps one draft per request, the one with the highest
-expected accepted length
+useless on fresh text, where Token Recycling's learned successors still get a token or two accepted.
+
+**Calibrated (the default, ``calibrate=True``).** Every drafter that can (``offers``: suffix, recycling) hands over
+its candidate nodes with the evidence behind each; others are wrapped with generic evidence (their name and the
+depth). :func:`~leapdecode.spec.calibration.choose` merges them into one tree and keeps, best first, the nodes whose
+probability of being accepted (learned online per kind of evidence, see spec/calibration.py) is at least
+``min_accept_prob``; the draft carries those probabilities in ``confidence``. Cross-checking replaces topping up:
+two sources proposing the same token raise its estimate, and a guess no evidence supports is not verified. In
+replay (benchmarks/README.md) this verifies 1.5-1.7 tokens per output token where filling verified 2.6-4.8, for
+about 90% of filling's tokens per step; under the controller the bar drops to 0.02 and the controller keeps what
+pays on the machine at hand.
+
+**Uncalibrated (``calibrate=False``, the earlier behaviour).** Each drafter proposes, and the draft with the
+highest expected accepted length wins,
 
     E[accepted] ~= P(first token accepted) * E[accepted length | first accepted], capped at the draft's depth,
 
 where P blends the drafter's own ``score`` for this draft with the drafter's recent first-token hit rate on this
 request, and the conditional length is that drafter's recent average on this request. With ``fill=True`` the
 budget the best draft leaves unused goes to the other drafts, in order of their expected value, merged into one
-tree (shared prefixes are stored once), so a short confident suffix match is complemented by Token Recycling's
-guesses instead of leaving verification slots empty. The merged tree contains the chosen draft whole, so filling
-never accepts fewer tokens; it only adds tree nodes to verify. Both histories are
-exponential moving averages fed in :meth:`observe`, for *every* drafter, not only the chosen one: the committed
-tokens tell what each unused draft would have had accepted. That counterfactual is censored at the tokens the step
-committed (accepted + bonus), so it slightly underestimates drafters that were not chosen; fresh requests start from
-per-drafter averages over all requests.
+tree (shared prefixes are stored once). Both histories are exponential moving averages fed in :meth:`observe`, for
+*every* drafter, not only the chosen one: the committed tokens tell what each unused draft would have had accepted
+(censored at the tokens the step committed); fresh requests start from per-drafter averages over all requests.
 
 **A drafter that runs a model** (``costly``: draft_model, layer_skip or eagle, at most one) is not asked every step:
 its drafts cost a sizeable share of a step. It is asked only for the requests whose best model-free draft promises
@@ -222,11 +229,13 @@ class AutoDrafter:
             d = drafter.propose([req])[0]
             if not d.tokens:
                 continue
-            tree, offer, depth = d.tree, Offer(), []
-            for i, tok in enumerate(tree.tokens):
-                par = tree.parent(i)
-                depth.append(1 if par < 0 else depth[par] + 1)
-                offer.add(tok, par, (name, depth_bucket(depth[-1])), d.score if par < 0 else 0.5)
+            tree = d.tree
+            parents = [tree.parent(i) for i in range(len(tree))]
+            depths: list[int] = []
+            for par in parents:
+                depths.append(1 if par < 0 else depths[par] + 1)
+            offer = Offer(list(tree.tokens), parents, depths, [(name, depth_bucket(x)) for x in depths],
+                          [d.score if par < 0 else 0.5 for par in parents])
             out.append((name, offer))
         return out
 

@@ -37,19 +37,21 @@ from leapdecode.spec.drafter import Draft
 @dataclass
 class Offer:
     """Draft nodes one drafter offers, each with the evidence behind it. ``parents`` are topological (-1: the
-    request's last committed token); ``keys[i]`` names the kind of evidence for node i (a calibration bucket);
-    ``priors[i]`` is the drafter's own estimate of P(node i accepted | its parent accepted)."""
+    request's last committed token) and ``depths`` their depths (1: a child of the root); ``keys[i]`` names the
+    kind of evidence for node i (a calibration bucket, see :func:`evidence`); ``priors[i]`` is the drafter's own
+    estimate of P(node i accepted | its parent accepted)."""
     tokens: list[int] = field(default_factory=list)
     parents: list[int] = field(default_factory=list)
+    depths: list[int] = field(default_factory=list)
     keys: list[Hashable] = field(default_factory=list)
     priors: list[float] = field(default_factory=list)
 
-    def add(self, token: int, parent: int, key: Hashable, prior: float) -> int:
-        self.tokens.append(token)
-        self.parents.append(parent)
-        self.keys.append(key)
-        self.priors.append(prior)
-        return len(self.tokens) - 1
+    @staticmethod
+    def chain(tokens: list[int], key: int, prior: float) -> "Offer":
+        """A chain whose node at depth d has the evidence ``key + depth_bucket(d)``."""
+        n = len(tokens)
+        return Offer(tokens, list(range(-1, n - 1)), list(range(1, n + 1)), [key + b for b in _BUCKETS[:n]] +
+                     [key + 7] * (n - len(_BUCKETS)), [prior] * n)
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -58,6 +60,19 @@ class Offer:
 def depth_bucket(depth: int) -> int:
     """Depths 1, 2, 3, then 4-6 and 7+: deep nodes are rare, so they share a bucket."""
     return depth if depth <= 3 else (4 if depth <= 6 else 7)
+
+
+_BUCKETS = [depth_bucket(d) for d in range(1, 8)]
+
+
+def evidence(kind: int, a: int = 0, b: int = 0) -> int:
+    """An evidence key as an int (cheap to hash): a kind (which drafter and source, < 1000) and two fields
+    (< 100 each), with the last two digits left for the node's :func:`depth_bucket` (added by the caller)."""
+    return ((kind * 100 + a) * 100 + b) * 100
+
+
+MERGED = 999
+"""The kind of the chooser's own second-stage keys."""
 
 
 class AcceptanceModel:
@@ -76,31 +91,26 @@ class AcceptanceModel:
             return prior
         return (c[0] + self.strength * prior) / (c[1] + self.strength)
 
-    def record(self, key: Hashable, accepted: bool) -> None:
-        c = self._counts.get(key)
-        if c is None:
-            c = self._counts[key] = [0.0, 0.0]
-        c[0] += accepted
-        c[1] += 1.0
-        if c[1] > self.horizon:
-            c[0] *= 0.5
-            c[1] *= 0.5
-
     def learn(self, offers: Sequence[Offer], committed: Sequence[int]) -> None:
         """Judge every offered node whose parent path equals the committed tokens (``committed``: the tokens the
         step committed after the drafts' root, accepted drafts then the bonus token)."""
         n = len(committed)
+        counts, horizon = self._counts, self.horizon
         for offer in offers:
-            hit: list[bool] = []
-            depth: list[int] = []
-            for tok, par, key in zip(offer.tokens, offer.parents, offer.keys):
-                d = 1 if par < 0 else depth[par] + 1
-                depth.append(d)
-                judged = d <= n and (par < 0 or hit[par])
-                ok = judged and tok == committed[d - 1]
-                hit.append(ok)
-                if judged:
-                    self.record(key, ok)
+            hit = [False] * len(offer.tokens)
+            for i, (tok, par, d) in enumerate(zip(offer.tokens, offer.parents, offer.depths)):
+                if d > n or (par >= 0 and not hit[par]):
+                    continue
+                ok = hit[i] = tok == committed[d - 1]
+                key = offer.keys[i]
+                c = counts.get(key)
+                if c is None:
+                    c = counts[key] = [0.0, 0.0]
+                c[0] += ok
+                c[1] += 1.0
+                if c[1] > horizon:
+                    c[0] *= 0.5
+                    c[1] *= 0.5
 
     def snapshot(self) -> dict[Hashable, tuple[float, float]]:
         """(accepted, judged) per key, for benchmarks and tests."""
@@ -113,48 +123,66 @@ def choose(offers: Sequence[Offer], model: AcceptanceModel, max_nodes: int,
     ``max_nodes`` most probable, each node's probability in ``confidence`` (see the module doc). Also returns the
     merged candidates as an offer of their own (evidence: the best source's estimate, how many sources agree, the
     rank among siblings, the depth), which the caller hands back to :meth:`AcceptanceModel.learn` with the offers."""
-    index: dict[tuple[int, int], int] = {}       # (merged parent, token) -> merged node
-    merged = Offer()
+    counts, strength = model._counts, model.strength
+    index: dict[int, int] = {}                   # (merged parent + 1) << 32 | token -> merged node
+    tokens: list[int] = []
+    parents: list[int] = []
+    depths: list[int] = []
     best: list[float] = []                        # the highest conditional estimate any source gives the node
     agree: list[int] = []                         # how many sources offer it
     for offer in offers:
         local: list[int] = []
-        for tok, par, key, prior in zip(offer.tokens, offer.parents, offer.keys, offer.priors):
+        for tok, par, d, key, prior in zip(offer.tokens, offer.parents, offer.depths, offer.keys, offer.priors):
             mp = local[par] if par >= 0 else -1
-            j = index.get((mp, tok))
+            ik = (mp + 1) << 32 | tok
+            j = index.get(ik)
+            c = counts.get(key)
+            e = prior if c is None else (c[0] + strength * prior) / (c[1] + strength)
             if j is None:
-                j = index[(mp, tok)] = merged.add(tok, mp, None, 0.0)
-                best.append(0.0)
-                agree.append(0)
-            best[j] = max(best[j], model.estimate(key, prior))
-            agree[j] += 1
+                j = index[ik] = len(tokens)
+                tokens.append(tok)
+                parents.append(mp)
+                depths.append(d)
+                best.append(e)
+                agree.append(1)
+            else:
+                if e > best[j]:
+                    best[j] = e
+                agree[j] += 1
             local.append(j)
     # second stage: sources overlap and compete (two sources offering one token are not independent evidence; a
     # sibling the sources rate higher makes a node less likely), so the merged node's conditional is calibrated
     # again, on what the merge sees
-    rank: list[int] = []
-    siblings: dict[int, list[int]] = {}
-    for j, mp in enumerate(merged.parents):
-        siblings.setdefault(mp, []).append(j)
-    rank = [0] * len(merged.tokens)
-    for group in siblings.values():
-        for r, j in enumerate(sorted(group, key=lambda j: -best[j])):
-            rank[j] = r
+    n = len(tokens)
+    rank = [0] * n
+    groups: dict[int, list[int]] = {}
+    for j, mp in enumerate(parents):
+        groups.setdefault(mp, []).append(j)
+    for group in groups.values():
+        if len(group) > 1:                        # siblings: ranked by their best estimate
+            for r, i in enumerate(sorted(group, key=lambda i: -best[i])):
+                rank[i] = r
+    keys: list[int] = []
     path: list[float] = []
-    depth: list[int] = []
-    for j, mp in enumerate(merged.parents):      # merged nodes are topological: a parent is merged first
-        depth.append(1 if mp < 0 else depth[mp] + 1)
-        key = ("merged", min(9, int(best[j] * 10)), min(agree[j], 3), min(rank[j], 2), depth_bucket(depth[-1]))
-        merged.keys[j], merged.priors[j] = key, best[j]
-        path.append((path[mp] if mp >= 0 else 1.0) * model.estimate(key, best[j]))
+    base = evidence(MERGED)
+    for j in range(n):                            # merged nodes are topological: a parent is merged first
+        b = best[j]
+        key = base + min(9, int(b * 10)) * 10000 + min(agree[j], 3) * 1000 + min(rank[j], 2) * 100 + \
+            _BUCKETS[min(depths[j], 7) - 1]
+        keys.append(key)
+        c = counts.get(key)
+        e = b if c is None else (c[0] + strength * b) / (c[1] + strength)
+        mp = parents[j]
+        path.append(e if mp < 0 else path[mp] * e)
+    merged = Offer(tokens, parents, depths, keys, best)
     # best first; ties keep merge order, so a parent (merged before its children, at least as probable) precedes
     # them and every prefix of the order is a tree
-    order = sorted((j for j in range(len(path)) if path[j] >= min_prob), key=lambda j: -path[j])[:max(0, max_nodes)]
+    order = sorted((j for j in range(n) if path[j] >= min_prob), key=lambda j: -path[j])[:max(0, max_nodes)]
     if not order:
         return Draft(), merged
     out = {j: i for i, j in enumerate(order)}
-    out_parents = [out[merged.parents[j]] if merged.parents[j] >= 0 else -1 for j in order]
+    out_parents = [out[parents[j]] if parents[j] >= 0 else -1 for j in order]
     chain = all(p == i - 1 for i, p in enumerate(out_parents))
-    first = min(1.0, sum(path[j] for j in order if merged.parents[j] < 0))    # sibling roots are disjoint events
-    return Draft([merged.tokens[j] for j in order], None if chain else out_parents, first,
+    first = min(1.0, sum(path[j] for j in order if parents[j] < 0))    # sibling roots are disjoint events
+    return Draft([tokens[j] for j in order], None if chain else out_parents, first,
                  confidence=[path[j] for j in order]), merged

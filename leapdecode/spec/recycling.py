@@ -30,11 +30,13 @@ from typing import Sequence
 
 import numpy as np
 
-from leapdecode.spec.calibration import Offer, depth_bucket
+from leapdecode.spec.calibration import _BUCKETS, Offer, evidence
 from leapdecode.spec.drafter import Draft, DraftRequest, PerRequestDrafter
 from leapdecode.spec.index import as_int_list
 
 _COUNT_MAX = int(np.iinfo(np.uint16).max)
+
+RECYCLING = 5                    # evidence kind (spec/calibration.py)
 
 DEFAULT_RANK_PROBS = (0.55, 0.16, 0.08, 0.05, 0.04, 0.03, 0.02, 0.02)
 """Prior acceptance rate of the successor of each rank, used only to shape the static tree."""
@@ -233,12 +235,13 @@ class RecyclingDrafter(PerRequestDrafter):
         tail = as_int_list(req.token_ids[-2:])
         before, last = (tail[0], tail[1]) if len(tail) == 2 else (-1, tail[0])
         tokens, parents, ranks, counts = self._fill(before, last, req.max_draft)
-        offer = Offer()
-        depth: list[int] = []
-        for tok, par, rank, count in zip(tokens, parents, ranks, counts):
-            depth.append(1 if par < 0 else depth[par] + 1)
-            key = ("recycling", min(rank, 3), min(count, 4), depth_bucket(depth[-1]))
-            offer.add(tok, par, key, self.rank_probs[rank])
+        depths: list[int] = []
+        keys: list[int] = []
+        for par, rank, count in zip(parents, ranks, counts):
+            d = 1 if par < 0 else depths[par] + 1
+            depths.append(d)
+            keys.append(evidence(RECYCLING, min(rank, 3), min(count, 4)) + _BUCKETS[min(d, 7) - 1])
+        offer = Offer(tokens, parents, depths, keys, [self.rank_probs[r] for r in ranks])
         return [offer] if tokens else []
 
     def _fill(self, before: int, last: int, max_draft: int) -> tuple[list[int], list[int], list[int], list[int]]:

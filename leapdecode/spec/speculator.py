@@ -42,17 +42,10 @@ class Speculator:
                  runner: object | None = None) -> None:
         """``runner``: the target's model runner, handed to drafters that run a model (``registry.MODEL_METHODS``)."""
         self.cfg = cfg
-        if cfg.drafter is not None:
-            self.drafter = cfg.drafter
-        else:
-            options = dict(cfg.options)
-            if cfg.method in ("recycling", "auto"):
-                options.setdefault("vocab_size", vocab_size)
-            if cfg.model_methods:            # a model drafter, alone or inside auto
-                options.setdefault("num_speculative_tokens", cfg.num_speculative_tokens)
-            self.drafter = make_drafter(cfg.method, runner=runner, **options)
-        self._probs: dict[int, tuple[DraftTree, object]] = {}   # this step's drafts' q (model drafters)
+        self._vocab_size, self._runner = vocab_size, runner
         self.controller = Controller(cfg.num_speculative_tokens, step_time) if cfg.adaptive else None
+        self.drafter = cfg.drafter if cfg.drafter is not None else self.new_drafter()
+        self._probs: dict[int, tuple[DraftTree, object]] = {}   # this step's drafts' q (model drafters)
         self.num_proposals = 0
         self.num_shadow_proposals = 0
         self.drafter_seconds = 0.0       # total time inside the drafter (bounded: a sum, not a history)
@@ -63,12 +56,6 @@ class Speculator:
         self._step_draft_seconds = 0.0   # drafting time inside this step (charged apart, so not in its step time)
         if self.controller is not None and getattr(self.drafter, "costly", None) is not None:
             self.drafter.costly_gate = self._costly_pays
-        if self.controller is not None and cfg.drafter is None and "min_accept_prob" not in cfg.options and \
-                hasattr(self.drafter, "min_accept_prob"):
-            # calibrated drafts (spec/calibration.py) carry each token's probability, and the controller keeps the
-            # tokens that pay on this machine: offer it nearly everything (the drafter's own bar is for running
-            # without a controller)
-            self.drafter.min_accept_prob = OFFER_FLOOR
         self._shadow: dict[int, tuple[DraftTree, int]] = {}   # seq_id -> (draft, committed tokens when drafted)
         # while speculation is off, the controller is asked again only when something it uses has changed
         self._speculating = True
@@ -79,6 +66,24 @@ class Speculator:
         self._gap = self.shadow_gap      # ... at least; more for a costly drafter (see _propose_shadows)
         self._steps = 0
         self._shadow_after: dict[int, int] = {}
+
+    def new_drafter(self):
+        """A fresh drafter as the config says (benchmarks use it to start each run from empty caches)."""
+        cfg = self.cfg
+        options = dict(cfg.options)
+        if cfg.method in ("recycling", "auto"):
+            options.setdefault("vocab_size", self._vocab_size)
+        if cfg.model_methods:            # a model drafter, alone or inside auto
+            options.setdefault("num_speculative_tokens", cfg.num_speculative_tokens)
+        if self.controller is not None and cfg.method == "auto":
+            # calibrated drafts (spec/calibration.py) carry each token's probability, and the controller keeps the
+            # tokens that pay on this machine: offer it nearly everything (the drafter's own bar is for running
+            # without a controller)
+            options.setdefault("min_accept_prob", OFFER_FLOOR)
+        drafter = make_drafter(cfg.method, runner=self._runner, **options)
+        if self.controller is not None and getattr(drafter, "costly", None) is not None:
+            drafter.costly_gate = self._costly_pays
+        return drafter
 
     @property
     def speculating(self) -> bool:

@@ -37,7 +37,7 @@ from typing import Sequence
 
 import numpy as np
 
-from leapdecode.spec.calibration import Offer, depth_bucket
+from leapdecode.spec.calibration import _BUCKETS, Offer, evidence
 from leapdecode.spec.drafter import Draft, DraftRequest, PerRequestDrafter
 from leapdecode.spec.index import SENTINEL, NgramIndex, as_int_list, continuation, sync_index
 
@@ -49,6 +49,10 @@ class SpeculationTree:
     parents: list[int] = field(default_factory=list)
     probs: list[float] = field(default_factory=list)
     match_length: int = 0
+    # the continuation of the newest occurrence among the longest matches, whole (prompt lookup's draft), and
+    # that match's length: offered beside the tree to a calibrating chooser (see :meth:`SuffixDrafter.offers`)
+    recent: list[int] = field(default_factory=list)
+    recent_match: int = 0
 
     @property
     def expected_accepted(self) -> float:
@@ -129,6 +133,9 @@ def expand_continuations(rows: list[list[int]], max_nodes: int, min_prob: float,
     return out
 
 
+SUFFIX_LOCAL, SUFFIX_GLOBAL = 1, 2       # evidence kinds (spec/calibration.py); + 2: the newest match's continuation
+
+
 def _match_bucket(m: int) -> int:
     return m if m <= 6 else (8 if m <= 9 else (12 if m <= 15 else 16))
 
@@ -207,20 +214,27 @@ class SuffixDrafter(PerRequestDrafter):
             return []
         local = sync_index(self._local.get(req.seq_id), req.token_ids, self._local_sizes)
         self._local[req.seq_id] = local
-        trees = [("local", self.speculate(local, local, req.max_draft))]
+        trees = [self.speculate(local, local, req.max_draft)]
         if len(self._global):
-            trees.append(("global", self.speculate(self._global, local, req.max_draft)))
+            trees.append(self.speculate(self._global, local, req.max_draft))
         out = []
-        for source, tree in trees:
+        for kind, tree in zip((SUFFIX_LOCAL, SUFFIX_GLOBAL), trees):
+            if tree.recent:             # kinds + 2: the newest occurrence's whole continuation
+                out.append(Offer.chain(tree.recent, evidence(kind + 2, _match_bucket(tree.recent_match)), 0.5))
             if not tree.tokens:
                 continue
-            offer, depth = Offer(), []
-            match = _match_bucket(tree.match_length)
-            for tok, par, p in zip(tree.tokens, tree.parents, tree.probs):
-                depth.append(1 if par < 0 else depth[par] + 1)
-                share = p / tree.probs[par] if par >= 0 else p
-                offer.add(tok, par, ("suffix", source, match, _share_bucket(share), depth_bucket(depth[-1])), share)
-            out.append(offer)
+            base = evidence(kind, _match_bucket(tree.match_length))
+            parents, probs = tree.parents, tree.probs
+            depths: list[int] = []
+            keys: list[int] = []
+            shares: list[float] = []
+            for par, p in zip(parents, probs):
+                d = 1 if par < 0 else depths[par] + 1
+                share = p / probs[par] if par >= 0 else p
+                depths.append(d)
+                shares.append(share)
+                keys.append(base + _share_bucket(share) * 100 + _BUCKETS[min(d, 7) - 1])
+            out.append(Offer(tree.tokens, parents, depths, keys, shares))
         return out
 
     def finish(self, seq_id: int, token_ids: Sequence[int], num_prompt_tokens: int) -> None:
@@ -259,6 +273,9 @@ class SuffixDrafter(PerRequestDrafter):
             return SpeculationTree()
         lengths = self.match_lengths(source, followers, anchor, context)
         best = SpeculationTree()
+        longest = max(lengths)
+        newest = max(f for f, m in zip(followers, lengths) if m == longest)
+        recent = self._rows(source, [newest], max_draft, periodic=source is context)[0]
         previous_count = 0
         for tried, length in enumerate(sorted(set(lengths), reverse=True)):
             limit = min(max_draft, int(self.max_spec_factor * length + self.max_spec_offset))
@@ -273,6 +290,7 @@ class SuffixDrafter(PerRequestDrafter):
             candidate.match_length = length
             if candidate.expected_accepted > best.expected_accepted:
                 best = candidate
+        best.recent, best.recent_match = recent, longest
         return best
 
     def match_lengths(self, source: NgramIndex, followers: list[int], anchor: int,
