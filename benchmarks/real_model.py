@@ -16,9 +16,10 @@ batch 1       chat-templated MT-Bench turn-1 questions, one at a time, --decode-
 batch 32      32 chat-templated GSM8K questions submitted together, --batch-tokens tokens each (EOS ignored):
               generated tokens / wall time; transformers: one left-padded ``generate`` call over the 32.
 speculation   per task type (MT-Bench turn 2 after the model's own turn-1 answer, GSM8K, HumanEval as "complete this
-              function"), --prompts-per-task prompts at batch 1, up to --spec-tokens tokens (stopping at EOS), for
-              plain decoding and each drafter (ngram, suffix, recycling, auto), all five LLMs alive and run back
-              to back per prompt in a rotating order: tok/s (generated tokens / wall time), tokens per step
+              function", code edits: record_outputs.py's EDIT_TASKS, rewrites that copy most of their input),
+              --prompts-per-task prompts at batch 1, up to --spec-tokens tokens (stopping at EOS), for plain
+              decoding and each drafter (ngram, suffix, recycling, auto), all five LLMs alive and run back to back
+              per prompt in a rotating order: tok/s (generated tokens / wall time), tokens per step
               (RequestOutput.metrics), ms per step, ratio to plain on the same prompts, and whether the greedy
               tokens are identical to plain's.
 
@@ -207,7 +208,10 @@ def spec_tasks(llm, tok, k: int, n: int) -> dict[str, list[list[int]]]:
     gsm = [chat_ids(tok, user(q["question"])) for q in read_jsonl("gsm8k", "test.jsonl")[:k]]
     he = [chat_ids(tok, user("Complete this Python function:\n```python\n" + q["prompt"] + "```"))
           for q in read_jsonl("humaneval", "HumanEval.jsonl")[:k]]
-    return {"MT-Bench turn 2": mt_prompts, "GSM8K": gsm, "HumanEval": he}
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from record_outputs import EDIT_TASKS          # copy-heavy rewrites: type hints, docstrings, renames, fixes
+    edits = [chat_ids(tok, user(f"{instruction}\n\n{text}")) for instruction, text in EDIT_TASKS[:k]]
+    return {"MT-Bench turn 2": mt_prompts, "GSM8K": gsm, "HumanEval": he, "Code edits": edits}
 
 
 def speculation(path: str, tok, tasks: dict[str, list[list[int]]], n: int, kv: str, k_spec: int) -> list[dict]:

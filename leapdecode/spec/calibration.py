@@ -38,7 +38,8 @@ from leapdecode.spec.drafter import Draft
 class Offer:
     """Draft nodes one drafter offers, each with the evidence behind it. ``parents`` are topological (-1: the
     request's last committed token) and ``depths`` their depths (1: a child of the root); ``keys[i]`` names the
-    kind of evidence for node i (a calibration bucket, see :func:`evidence`); ``priors[i]`` is the drafter's own
+    kind of evidence for node i (a calibration bucket, see :func:`evidence`; None: not to be learnt from, nor are
+    its descendants); ``priors[i]`` is the drafter's own
     estimate of P(node i accepted | its parent accepted)."""
     tokens: list[int] = field(default_factory=list)
     parents: list[int] = field(default_factory=list)
@@ -98,11 +99,10 @@ class AcceptanceModel:
         counts, horizon = self._counts, self.horizon
         for offer in offers:
             hit = [False] * len(offer.tokens)
-            for i, (tok, par, d) in enumerate(zip(offer.tokens, offer.parents, offer.depths)):
-                if d > n or (par >= 0 and not hit[par]):
+            for i, (tok, par, d, key) in enumerate(zip(offer.tokens, offer.parents, offer.depths, offer.keys)):
+                if d > n or (par >= 0 and not hit[par]) or key is None:
                     continue
                 ok = hit[i] = tok == committed[d - 1]
-                key = offer.keys[i]
                 c = counts.get(key)
                 if c is None:
                     c = counts[key] = [0.0, 0.0]
@@ -162,17 +162,21 @@ def choose(offers: Sequence[Offer], model: AcceptanceModel, max_nodes: int,
         if len(group) > 1:                        # siblings: ranked by their best estimate
             for r, i in enumerate(sorted(group, key=lambda i: -best[i])):
                 rank[i] = r
-    keys: list[int] = []
+    keys: list[int | None] = []
     path: list[float] = []
     base = evidence(MERGED)
     for j in range(n):                            # merged nodes are topological: a parent is merged first
-        b = best[j]
-        key = base + min(9, int(b * 10)) * 10000 + min(agree[j], 3) * 1000 + min(rank[j], 2) * 100 + \
-            _BUCKETS[min(depths[j], 7) - 1]
+        mp = parents[j]
+        if mp >= 0 and path[mp] < min_prob:       # so is this path: never drafted, and not learnt from
+            keys.append(None)
+            path.append(0.0)
+            continue
+        b, a, r, d = best[j], agree[j], rank[j], depths[j]
+        key = base + (90000 if b >= 0.9 else int(b * 10) * 10000) + (3000 if a >= 3 else a * 1000) + \
+            (200 if r >= 2 else r * 100) + (_BUCKETS[d - 1] if d < 8 else 7)
         keys.append(key)
         c = counts.get(key)
         e = b if c is None else (c[0] + strength * b) / (c[1] + strength)
-        mp = parents[j]
         path.append(e if mp < 0 else path[mp] * e)
     merged = Offer(tokens, parents, depths, keys, best)
     # best first; ties keep merge order, so a parent (merged before its children, at least as probable) precedes
