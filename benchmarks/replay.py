@@ -390,8 +390,8 @@ def main() -> None:
             s = _total(per_ds)
             ratio = f"{(s.emitted / s.steps) / (ref.emitted / ref.steps):.2f}x" if ref else "-"
             table.add_row(name, f"{s.emitted / s.steps:.3f}", ratio, f"{s.drafted / s.steps:.2f}",
-                          f"{(s.steps + s.drafted) / s.emitted:.2f}", f"{s.accepted / max(1, s.drafted):.1%}", f"{np.median(s.micros):.0f}",
-                          f"{np.percentile(s.micros, 99):.0f}")
+                          f"{(s.steps + s.drafted) / s.emitted:.2f}", f"{s.accepted / max(1, s.drafted):.1%}",
+                          f"{np.median(s.micros):.0f}", f"{np.percentile(s.micros, 99):.0f}")
         console.print(table)
         by_ds = Table(title=f"tokens per step by dataset, k={k}")
         by_ds.add_column("drafter")

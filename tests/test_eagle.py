@@ -323,6 +323,10 @@ def test_eagle_bad_head_is_a_clear_error(tiny_dir, tmp_path):
     from conftest import make_llm
     with pytest.raises(ValueError, match="no EAGLE head"):
         make_llm(tiny_dir("llama"), speculative_config={"method": "eagle", "model": str(tmp_path)})
+    for online, field in (("yes", "online"), ({"window": 1}, "window"), ({"lr": 0}, "lr"), ({"bogus": 1}, "online")):
+        with pytest.raises(ValueError, match=field):
+            make_llm(tiny_dir("llama"), speculative_config={"method": "eagle", "model": str(tmp_path),
+                                                            "online": online})
 
 
 @pytest.mark.slow
@@ -346,3 +350,39 @@ def test_shipped_head_on_the_default_model():
     assert out.metrics.num_draft_tokens > 0 and out.metrics.num_accepted_tokens > 0
     eng = llm.engine
     assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
+
+
+def test_online_distillation_raises_acceptance_and_keeps_the_output(tiny_dir, tmp_path):
+    """Online Speculative Decoding (spec/online.py): an untrained head, served the same workload round after round,
+    learns it from the committed features (acceptance rises well above the same head kept fixed) while every output
+    stays plain decoding's; fails if the drafter never trains (online off gives the fixed head's acceptance)."""
+    from conftest import assert_pool_free, make_llm
+    from leapdecode import SamplingParams
+    path = tiny_dir("llama")
+    llm = make_llm(path, enable_prefix_caching=False)
+    prompts = [[5, 17, 90, 3], [44, 250, 8, 8, 31], [100, 101, 102], [7, 7, 300, 12]]
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    plain = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
+    torch.manual_seed(0)
+    head = EagleHead(EagleConfig.for_target(llm.engine.model_cfg, intermediate_size=64))
+    head_dir = str(tmp_path / "head")
+    head.save_pretrained(head_dir, dtype=torch.float32)
+    rates = {}
+    for online in (False, {"every": 1, "lr": 3e-3, "window": 16, "batch": 8, "w_cls": 1.0, "max_share": 1.0}):
+        llm = make_llm(path, enable_prefix_caching=False, speculative_config={
+            "method": "eagle", "model": head_dir, "adaptive": False, "num_speculative_tokens": 4, "int8": False,
+            "online": online})
+        per_round = []
+        for _ in range(6):
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            assert [list(o.outputs[0].token_ids) for o in outs] == plain
+            per_round.append(sum(o.metrics.num_accepted_tokens for o in outs) /
+                             max(1, sum(o.metrics.num_draft_tokens for o in outs)))
+        drafter = llm.engine.speculator.drafter
+        assert (drafter.online is not None) == bool(online)
+        if online:
+            assert drafter.online.steps > 0
+        rates[bool(online)] = per_round
+        assert_pool_free(llm)
+    fixed, learned = rates[False], rates[True]
+    assert learned[-1] > max(fixed) + 0.15 and learned[-1] > learned[0] + 0.15, rates

@@ -414,8 +414,11 @@ class EagleDrafter:
     dropped in :meth:`finish`."""
 
     def __init__(self, head: EagleHead, depth: int = 6, top_k: int = 1, dynamic: bool = True,
-                 feature_layer: int | None = None) -> None:
+                 feature_layer: int | None = None, online=None) -> None:
+        """``online``: an :class:`~leapdecode.spec.online.OnlineDistiller` that keeps training ``head`` on the
+        committed features it sees (None: the head is fixed)."""
         self.head, self.depth, self.top_k, self.dynamic = head, depth, top_k, dynamic
+        self.online = online
         # the engine captures this hidden state (HF numbering; the target's num_layers = after the final norm)
         self.capture_layers: tuple[int, ...] = () if feature_layer is None else (feature_layer,)
         self.states: dict[int, HeadState] = {}
@@ -424,12 +427,15 @@ class EagleDrafter:
 
     @classmethod
     def for_runner(cls, runner, model: str | None = None, num_speculative_tokens: int = 4, top_k: int = 1,
-                   depth: int | None = None, dynamic: bool = True, int8: bool | None = None) -> "EagleDrafter":
+                   depth: int | None = None, dynamic: bool = True, int8: bool | None = None,
+                   online: bool | dict = False) -> "EagleDrafter":
         """The drafter for ``speculative_config={"method": "eagle", ...}``: the head at ``model`` (default: the
         shipped SmolLM2-135M head) bound to the target in ``runner``; chains of ``num_speculative_tokens`` when
         ``top_k == 1``, else EAGLE-2 trees of ``depth`` levels (default 6) and up to ``num_speculative_tokens``
         nodes. ``int8``: the head's matmuls from int8 weights (default: on a CPU where that is measurably faster;
-        lossless, see :meth:`EagleHead.quantize_int8`)."""
+        lossless, see :meth:`EagleHead.quantize_int8`). ``online``: keep distilling the head on the served
+        workload (True, or a dict of :class:`~leapdecode.spec.online.OnlineConfig` fields); the head's own matmuls
+        then stay float (they are trained), only its frozen LM head rows may be int8."""
         for name, v in (("num_speculative_tokens", num_speculative_tokens), ("top_k", top_k)):
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"eagle: {name} must be a positive integer, got {v!r}")
@@ -437,11 +443,27 @@ class EagleDrafter:
             depth = num_speculative_tokens if top_k == 1 else 6
         if not isinstance(depth, int) or depth < 1:
             raise ValueError(f"eagle: depth must be a positive integer, got {depth!r}")
+        if not isinstance(online, (bool, dict)):
+            raise ValueError(f"eagle: online must be a bool or a dict of OnlineConfig fields, got {online!r}")
+        distiller_cfg = None
+        if online is not False:
+            from leapdecode.spec.online import OnlineConfig
+            try:
+                distiller_cfg = OnlineConfig(**(online if isinstance(online, dict) else {}))
+            except TypeError as e:
+                raise ValueError(f"eagle: bad online option: {e}") from None
         head = load_head_for(runner.model, model, runner.dtype, runner.device)
         from leapdecode.model import int8_linear
         if int8_linear.choose(int8, runner.dtype, runner.device, head.lm_weight, "eagle") is not None:
-            head.quantize_int8()
-        return cls(head, depth, top_k, dynamic, feature_layer=runner.model_cfg.num_layers)
+            if distiller_cfg is None:
+                head.quantize_int8()
+            else:
+                head.lm_int8 = int8_linear.Int8Linear(head.lm_weight)
+        distiller = None
+        if distiller_cfg is not None:
+            from leapdecode.spec.online import OnlineDistiller
+            distiller = OnlineDistiller(head, distiller_cfg)
+        return cls(head, depth, top_k, dynamic, feature_layer=runner.model_cfg.num_layers, online=distiller)
 
     def observe_hidden(self, plan, result, hidden: dict[int, torch.Tensor]) -> None:
         """After a verified forward: ``hidden[layer]`` holds the target's hidden state for every token row of
@@ -490,6 +512,8 @@ class EagleDrafter:
         if start < n:
             feats = torch.stack([store[p] for p in range(start, n)])
             state = extend_state(self.head, state, feats, token_ids[start + 1:n + 1], start)
+            if self.online is not None:
+                self.online.add(seq_id, start, feats, token_ids[start:n])
         for p in [p for p in store if p < n]:
             del store[p]
         self.states[seq_id] = state
@@ -515,6 +539,8 @@ class EagleDrafter:
             for (i, _, _), (toks, probs) in zip(chains, draft_chains(self.head, [c[1] for c in chains],
                                                                       [c[2] for c in chains])):
                 out[i] = Draft(toks, None, score=probs[0] if probs else 0.0)
+        if self.online is not None:
+            self.online.maybe_train()
         return out
 
     def observe(self, seq_id: int, token_ids: Sequence[int], num_accepted: int,
@@ -524,6 +550,8 @@ class EagleDrafter:
     def finish(self, seq_id: int, token_ids: Sequence[int], num_prompt_tokens: int) -> None:
         self.states.pop(seq_id, None)
         self.features.pop(seq_id, None)
+        if self.online is not None:
+            self.online.finish(seq_id)
 
 
 def shipped_head_path() -> str:
