@@ -386,3 +386,44 @@ def test_online_distillation_raises_acceptance_and_keeps_the_output(tiny_dir, tm
         assert_pool_free(llm)
     fixed, learned = rates[False], rates[True]
     assert learned[-1] > max(fixed) + 0.15 and learned[-1] > learned[0] + 0.15, rates
+
+
+def test_prefix_cached_prompt_keeps_the_heads_context(tiny_dir, tmp_path):
+    """The engine's prefix cache computes no target features for a repeated prompt's cached blocks; the head's own
+    prefix cache (HeadPrefixCache) restores its keys/values for them, so the second request drafts exactly what it
+    drafts with prefix caching off. Fails if the drafter starts from the first uncached position instead."""
+    from conftest import assert_pool_free, make_llm
+    from leapdecode import SamplingParams
+    path = tiny_dir("llama")
+    torch.manual_seed(0)
+    head = EagleHead(EagleConfig.for_target(make_llm(path).engine.model_cfg, intermediate_size=64))
+    for p in head.parameters():               # a head whose drafts depend on the whole context
+        torch.nn.init.normal_(p, 0.0, 0.2)
+    head_dir = str(tmp_path / "head")
+    head.save_pretrained(head_dir, dtype=torch.float32)
+    prompt = list(range(3, 43))               # 40 tokens: the engine caches its first two 16-token blocks
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+
+    def second_request_drafts(prefix_caching: bool):
+        llm = make_llm(path, enable_prefix_caching=prefix_caching, speculative_config={
+            "method": "eagle", "model": head_dir, "adaptive": False, "num_speculative_tokens": 3, "int8": False})
+        drafter = llm.engine.speculator.drafter
+        seen: list[list[list[int]]] = []
+        propose = drafter.propose
+
+        def recorded(reqs):
+            out = propose(reqs)
+            seen.append([list(d.tokens) for d in out])
+            return out
+        drafter.propose = recorded
+        first = llm.generate([prompt], params, use_tqdm=False)[0]
+        seen.clear()
+        second = llm.generate([prompt], params, use_tqdm=False)[0]
+        assert list(first.outputs[0].token_ids) == list(second.outputs[0].token_ids)
+        assert_pool_free(llm)
+        return seen, drafter, second
+
+    cached, drafter, second = second_request_drafts(True)
+    plain, _, _ = second_request_drafts(False)
+    assert drafter.prefix.hits >= 2                   # both cached blocks served by the head's prefix cache
+    assert cached == plain and any(any(d) for d in cached)

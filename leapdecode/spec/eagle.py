@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import math
 import os
+from collections import OrderedDict
 from dataclasses import asdict, dataclass, field
 from typing import Sequence
 
@@ -33,6 +34,7 @@ from torch import nn
 
 from leapdecode.model.layers import GatedMLP, RMSNorm, RotaryEmbedding
 from leapdecode.spec.drafter import Draft, DraftRequest
+from leapdecode.spec.index import as_int_list
 from leapdecode.spec.tree import DraftTree
 
 HEAD_ARCHITECTURE = "LeapdecodeEagleHead"
@@ -403,6 +405,62 @@ def draft(head: EagleHead, state: HeadState, depth: int, top_k: int = 1, budget:
 
 # -- the drafter --------------------------------------------------------------------------------------------------
 
+class HeadPrefixCache:
+    """The head's keys/values of committed pairs, per chunk of ``CHUNK`` pairs, for sequences whose prompt prefix
+    the engine's prefix cache serves: the engine computes no target features for cached blocks, so without this a
+    head would draft from the first uncached position on, blind to the (often shared: system prompts) prefix.
+
+    Chunk j holds pairs 16j .. 16j+15, whose keys/values depend on tokens x_0 .. x_{16j+16} only (pair i reads the
+    feature of x_0..x_i and the token x_{i+1}); it is keyed by a hash chained over those tokens. Least recently
+    used chunks are dropped beyond ``max_chunks``. After an online update of the head (spec/online.py) stored chunks
+    are from the older weights: slightly worse drafts, never a wrong output."""
+
+    CHUNK = 16
+
+    def __init__(self, max_chunks: int = 1024) -> None:
+        self.max_chunks = max_chunks
+        self._chunks: OrderedDict[int, tuple[torch.Tensor, torch.Tensor]] = OrderedDict()
+        self.hits = 0                    # chunks served
+
+    @classmethod
+    def _key(cls, previous: int, tokens: list[int], j: int) -> int:
+        if j == 0:
+            previous = hash(("eagle-prefix", tokens[0]))
+        return hash((previous, tuple(tokens[cls.CHUNK * j + 1:cls.CHUNK * (j + 1) + 1])))
+
+    def load(self, tokens: list[int], start: int) -> HeadState | None:
+        """A state holding pairs 0 .. start-1 (``start`` a multiple of CHUNK), or None when a chunk is missing."""
+        if start % self.CHUNK:
+            return None
+        ks, vs, key = [], [], 0
+        for j in range(start // self.CHUNK):
+            key = self._key(key, tokens, j)
+            chunk = self._chunks.get(key)
+            if chunk is None:
+                return None
+            self._chunks.move_to_end(key)
+            ks.append(chunk[0])
+            vs.append(chunk[1])
+        self.hits += len(ks)
+        return HeadState(torch.cat(ks, 2), torch.cat(vs, 2), 0, None)
+
+    def store(self, state: HeadState, token_ids: Sequence[int], done: int, key: int) -> tuple[int, int]:
+        """Put the chunks of ``state`` (base 0) not stored yet (``done`` of them were, the last with ``key``);
+        returns the new (done, key)."""
+        complete = state.next_pos // self.CHUNK
+        if complete <= done:
+            return done, key
+        tokens = as_int_list(token_ids[:self.CHUNK * complete + 1])
+        for j in range(done, complete):
+            key = self._key(key, tokens, j)
+            if key not in self._chunks:
+                sl = slice(self.CHUNK * j, self.CHUNK * (j + 1))
+                self._chunks[key] = (state.k[:, :, sl].clone(), state.v[:, :, sl].clone())
+                if len(self._chunks) > self.max_chunks:
+                    self._chunks.popitem(last=False)
+        return complete, key
+
+
 class EagleDrafter:
     """Drafts from the head over the target's hidden states.
 
@@ -423,6 +481,8 @@ class EagleDrafter:
         self.capture_layers: tuple[int, ...] = () if feature_layer is None else (feature_layer,)
         self.states: dict[int, HeadState] = {}
         self.features: dict[int, dict[int, torch.Tensor]] = {}    # seq_id -> position -> feature [d]
+        self.prefix = HeadPrefixCache()
+        self._stored: dict[int, tuple[int, int]] = {}   # seq_id -> (chunks put in ``prefix``, the last one's key)
         self.num_drafts = 0
 
     @classmethod
@@ -508,7 +568,10 @@ class EagleDrafter:
             start = n - 1
             while start - 1 in store:
                 start -= 1
-            state = None
+            # the engine's prefix cache computed no features for a cached prompt prefix: take the head's keys
+            # and values of that prefix from an earlier sequence (exact: they depend on its tokens only)
+            state = self.prefix.load(as_int_list(token_ids), start) if start > 0 else None
+            self._stored.pop(seq_id, None)
         if start < n:
             feats = torch.stack([store[p] for p in range(start, n)])
             state = extend_state(self.head, state, feats, token_ids[start + 1:n + 1], start)
@@ -517,6 +580,8 @@ class EagleDrafter:
         for p in [p for p in store if p < n]:
             del store[p]
         self.states[seq_id] = state
+        if state is not None and state.base == 0:
+            self._stored[seq_id] = self.prefix.store(state, token_ids, *self._stored.get(seq_id, (0, 0)))
         return state
 
     def propose(self, requests: list[DraftRequest]) -> list[Draft]:
@@ -550,6 +615,7 @@ class EagleDrafter:
     def finish(self, seq_id: int, token_ids: Sequence[int], num_prompt_tokens: int) -> None:
         self.states.pop(seq_id, None)
         self.features.pop(seq_id, None)
+        self._stored.pop(seq_id, None)
         if self.online is not None:
             self.online.finish(seq_id)
 
