@@ -427,3 +427,35 @@ def test_prefix_cached_prompt_keeps_the_heads_context(tiny_dir, tmp_path):
     plain, _, _ = second_request_drafts(False)
     assert drafter.prefix.hits >= 2                   # both cached blocks served by the head's prefix cache
     assert cached == plain and any(any(d) for d in cached)
+
+
+def test_online_distillation_with_int8_drafting(tiny_dir, tmp_path):
+    """With int8 drafting, the float head is trained and drafting reads an int8 copy made again after each update;
+    outputs stay plain decoding's."""
+    from conftest import make_llm
+    from leapdecode import SamplingParams
+    from leapdecode.model import int8_linear
+    from leapdecode.model.int8_linear import Int8Linear
+    if not int8_linear.available():
+        pytest.skip("no fbgemm/x86 quantized backend in this torch build")
+    path = tiny_dir("llama")
+    llm = make_llm(path, enable_prefix_caching=False)
+    prompts = [[5, 17, 90, 3], [44, 250, 8, 8, 31]]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    plain = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
+    torch.manual_seed(0)
+    head_dir = str(tmp_path / "head")
+    EagleHead(EagleConfig.for_target(llm.engine.model_cfg, intermediate_size=64)).save_pretrained(
+        head_dir, dtype=torch.float32)
+    llm = make_llm(path, enable_prefix_caching=False, speculative_config={
+        "method": "eagle", "model": head_dir, "adaptive": False, "int8": True,
+        "online": {"every": 1, "window": 8, "max_share": 1.0}})
+    drafter = llm.engine.speculator.drafter
+    first = drafter.head
+    assert isinstance(first.fc, Int8Linear) and isinstance(first.lm_int8, Int8Linear)
+    assert not isinstance(drafter.online.head.fc, Int8Linear)          # the trained head is float
+    for _ in range(2):
+        assert [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)] == plain
+    assert drafter.online.steps > 0 and drafter.head is not first and isinstance(drafter.head.fc, Int8Linear)
+    x = torch.randn(1, 2 * llm.engine.model_cfg.hidden_size)
+    assert not torch.equal(first.fc(x), drafter.head.fc(x))              # the copy carries the trained weights

@@ -477,6 +477,7 @@ class EagleDrafter:
         committed features it sees (None: the head is fixed)."""
         self.head, self.depth, self.top_k, self.dynamic = head, depth, top_k, dynamic
         self.online = online
+        self._lm_int8 = None             # with online training on int8: drafting reads an int8 copy of the head
         # the engine captures this hidden state (HF numbering; the target's num_layers = after the final norm)
         self.capture_layers: tuple[int, ...] = () if feature_layer is None else (feature_layer,)
         self.states: dict[int, HeadState] = {}
@@ -494,8 +495,8 @@ class EagleDrafter:
         ``top_k == 1``, else EAGLE-2 trees of ``depth`` levels (default 6) and up to ``num_speculative_tokens``
         nodes. ``int8``: the head's matmuls from int8 weights (default: on a CPU where that is measurably faster;
         lossless, see :meth:`EagleHead.quantize_int8`). ``online``: keep distilling the head on the served
-        workload (True, or a dict of :class:`~leapdecode.spec.online.OnlineConfig` fields); the head's own matmuls
-        then stay float (they are trained), only its frozen LM head rows may be int8."""
+        workload (True, or a dict of :class:`~leapdecode.spec.online.OnlineConfig` fields): the float head is
+        trained, and with int8 drafting reads an int8 copy of it, made again after each update."""
         for name, v in (("num_speculative_tokens", num_speculative_tokens), ("top_k", top_k)):
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"eagle: {name} must be a positive integer, got {v!r}")
@@ -514,16 +515,28 @@ class EagleDrafter:
                 raise ValueError(f"eagle: bad online option: {e}") from None
         head = load_head_for(runner.model, model, runner.dtype, runner.device)
         from leapdecode.model import int8_linear
-        if int8_linear.choose(int8, runner.dtype, runner.device, head.lm_weight, "eagle") is not None:
-            if distiller_cfg is None:
+        use_int8 = int8_linear.choose(int8, runner.dtype, runner.device, head.lm_weight, "eagle") is not None
+        if distiller_cfg is None:
+            if use_int8:
                 head.quantize_int8()
-            else:
-                head.lm_int8 = int8_linear.Int8Linear(head.lm_weight)
-        distiller = None
-        if distiller_cfg is not None:
-            from leapdecode.spec.online import OnlineDistiller
-            distiller = OnlineDistiller(head, distiller_cfg)
-        return cls(head, depth, top_k, dynamic, feature_layer=runner.model_cfg.num_layers, online=distiller)
+            return cls(head, depth, top_k, dynamic, feature_layer=runner.model_cfg.num_layers)
+        # online: the float head is trained; drafting reads an int8 copy of it, refreshed after each update
+        from leapdecode.spec.online import OnlineDistiller
+        drafter = cls(head, depth, top_k, dynamic, feature_layer=runner.model_cfg.num_layers,
+                      online=OnlineDistiller(head, distiller_cfg))
+        if use_int8:
+            drafter._lm_int8 = int8_linear.Int8Linear(head.lm_weight)
+            drafter.head = drafter._drafting_copy()
+        return drafter
+
+    _INT8_LAYERS = ["fc", "qkv_proj", "o_proj", "mlp.gate_up_proj", "mlp.down_proj"]
+
+    def _drafting_copy(self) -> EagleHead:
+        """An int8 copy of the trained head's matmuls (norms and buffers shared), for drafting."""
+        from leapdecode.model import int8_linear
+        head = int8_linear.int8_copy(self.online.head, self._INT8_LAYERS)
+        head.lm_int8 = self._lm_int8
+        return head
 
     def observe_hidden(self, plan, result, hidden: dict[int, torch.Tensor]) -> None:
         """After a verified forward: ``hidden[layer]`` holds the target's hidden state for every token row of
@@ -604,8 +617,8 @@ class EagleDrafter:
             for (i, _, _), (toks, probs) in zip(chains, draft_chains(self.head, [c[1] for c in chains],
                                                                       [c[2] for c in chains])):
                 out[i] = Draft(toks, None, score=probs[0] if probs else 0.0)
-        if self.online is not None:
-            self.online.maybe_train()
+        if self.online is not None and self.online.maybe_train() and self._lm_int8 is not None:
+            self.head = self._drafting_copy()
         return out
 
     def observe(self, seq_id: int, token_ids: Sequence[int], num_accepted: int,
