@@ -150,61 +150,81 @@ class AutoDrafter:
     def propose(self, requests: list[DraftRequest]) -> list[Draft]:
         self.requests_seen += len(requests)
         if self.calibrate:
-            gathered = [self._gather(req) for req in requests]
-            offers = [[offer for _, offer in g] for g in gathered]
-            chosen = [choose(o, self.acceptance, req.max_draft, self.min_accept_prob)
-                      for o, req in zip(offers, requests)]
-            calibrated = [d for d, _ in chosen]
-            offers = [o + [merged] for o, (_, merged) in zip(offers, chosen)]
-            values = [{"calibrated": sum(d.confidence or ())} for d in calibrated]
-            drafts: list[dict[str, Draft]] = [{} for _ in requests]
+            out, promised, credit, drafts = self._propose_calibrated(requests)
         else:
-            proposals = {name: drafter.propose(requests) for name, drafter in self.drafters.items()
-                         if name != self.costly}
-            drafts = [{name: proposals[name][i] for name in proposals} for i in range(len(requests))]
-            values = [{name: self.expected_accepted(name, req.seq_id, d) for name, d in per.items()}
-                      for req, per in zip(requests, drafts)]
-        self.last_costly_seconds = 0.0
-        if self.costly is not None:            # the model drafter, only where the free drafts promise less
-            promises = [self._promise(req) if req.max_draft > 0 else 0.0 for req in requests]
-            asked = [i for i, req in enumerate(requests)
-                     if req.max_draft > 0 and max(values[i].values(), default=0.0) < promises[i]]
-            if asked and self.costly_gate is not None and \
-                    not self.costly_gate([requests[i] for i in asked], [promises[i] for i in asked]):
-                self.costly_gated += len(asked)
-                asked = []
-            self.costly_asked += len(asked)
-            if asked:
-                t0 = time.perf_counter()
-                for i, d in zip(asked, self.drafters[self.costly].propose([requests[i] for i in asked])):
-                    drafts[i][self.costly] = d
-                    values[i][self.costly] = self.expected_accepted(self.costly, requests[i].seq_id, d)
-                self.last_costly_seconds = time.perf_counter() - t0
-        out = []
-        for i, (req, per, vals) in enumerate(zip(requests, drafts, values)):
+            out, promised, credit, drafts = self._propose_ranked(requests)
+        for i, draft in self._ask_costly(requests, promised, drafts).items():
+            out[i], credit[i] = draft, self.costly
+        for req, name, per in zip(requests, credit, drafts):
             self._last[req.seq_id] = per
-            if self.calibrate:
-                self._offers[req.seq_id] = offers[i]
-                best = max(vals, key=vals.get)
-                draft = per[best] if best == self.costly else calibrated[i]
-                if best == self.costly:
-                    self.chosen[best] += 1
-                elif draft.tokens:        # credit the drafter most confident in the draft's best token
-                    self.chosen[self._most_confident(gathered[i], draft.tokens[0])] += 1
-                out.append(draft)
-                continue
-            ranked = sorted((name for name in per if vals[name] > 0.0), key=lambda n: -vals[n])
+            if name is not None:
+                self.chosen[name] += 1
+        return out
+
+    def _propose_calibrated(self, requests: list[DraftRequest]):
+        """Per request: the calibrated draft (see the module doc), its expected accepted tokens, the drafter to
+        credit (the one most confident in the draft's best token), and no per-drafter drafts (the acceptance model
+        learns from the offers instead)."""
+        out, promised, credit = [], [], []
+        for req in requests:
+            gathered = self._gather(req)
+            offers = [offer for _, offer in gathered]
+            draft, merged = choose(offers, self.acceptance, req.max_draft, self.min_accept_prob)
+            self._offers[req.seq_id] = offers + [merged]
+            out.append(draft)
+            promised.append(sum(draft.confidence or ()))
+            credit.append(self._most_confident(gathered, draft.tokens[0]) if draft.tokens else None)
+        return out, promised, credit, [{} for _ in requests]
+
+    def _propose_ranked(self, requests: list[DraftRequest]):
+        """Uncalibrated, per request: of the free drafters' drafts the one with the highest expected accepted
+        length (topped up with the others' with ``fill``), its expected value, its drafter, and every drafter's
+        draft (for their records)."""
+        proposals = {name: drafter.propose(requests) for name, drafter in self.drafters.items()
+                     if name != self.costly}
+        drafts = [{name: proposals[name][i] for name in proposals} for i in range(len(requests))]
+        out, promised, credit = [], [], []
+        for req, per in zip(requests, drafts):
+            values = {name: self.expected_accepted(name, req.seq_id, d) for name, d in per.items()}
+            ranked = sorted((name for name in per if values[name] > 0.0), key=lambda n: -values[n])
+            credit.append(ranked[0] if ranked else None)
             if not ranked:
                 out.append(Draft())
+                promised.append(0.0)
                 continue
-            self.chosen[ranked[0]] += 1
             best = per[ranked[0]]
-            mergeable = [name for name in ranked if per[name].probs is None]
-            if self.fill and best.probs is None and len(mergeable) > 1 and len(best.tokens) < req.max_draft:
-                merged = DraftTree.merge((per[name].tree for name in mergeable), req.max_draft)
+            if self.fill and len(ranked) > 1 and len(best.tokens) < req.max_draft:
+                merged = DraftTree.merge((per[name].tree for name in ranked), req.max_draft)
                 best = Draft.from_tree(merged, score=best.score)
             out.append(best)
-        return out
+            promised.append(values[ranked[0]])
+        return out, promised, credit, drafts
+
+    def _ask_costly(self, requests: list[DraftRequest], promised: list[float],
+                    drafts: list[dict[str, Draft]]) -> dict[int, Draft]:
+        """The model drafter's drafts that beat the free ones (request index -> draft); it is asked only
+        where the free draft promises less than its record, and only if ``costly_gate`` agrees. Its drafts go into
+        ``drafts`` (for its record)."""
+        self.last_costly_seconds = 0.0
+        if self.costly is None:
+            return {}
+        promises = [self._promise(req) if req.max_draft > 0 else 0.0 for req in requests]
+        asked = [i for i, req in enumerate(requests) if req.max_draft > 0 and promised[i] < promises[i]]
+        if asked and self.costly_gate is not None and \
+                not self.costly_gate([requests[i] for i in asked], [promises[i] for i in asked]):
+            self.costly_gated += len(asked)
+            asked = []
+        self.costly_asked += len(asked)
+        if not asked:
+            return {}
+        won = {}
+        t0 = time.perf_counter()
+        for i, d in zip(asked, self.drafters[self.costly].propose([requests[i] for i in asked])):
+            drafts[i][self.costly] = d
+            if self.expected_accepted(self.costly, requests[i].seq_id, d) > promised[i]:
+                won[i] = d
+        self.last_costly_seconds = time.perf_counter() - t0
+        return won
 
     def _most_confident(self, gathered: list[tuple[str, Offer]], root: int) -> str:
         best, name = -1.0, ""
