@@ -9,9 +9,9 @@ depth). :func:`~leapdecode.spec.calibration.choose` merges them into one tree an
 probability of being accepted (learned online per kind of evidence, see spec/calibration.py) is at least
 ``min_accept_prob``; the draft carries those probabilities in ``confidence``. Cross-checking replaces topping up:
 two sources proposing the same token raise its estimate, and a guess no evidence supports is not verified. In
-replay (benchmarks/README.md) this verifies 1.5-1.7 tokens per output token where filling verified 2.6-4.8, for
-about 90% of filling's tokens per step; under the controller the bar drops to 0.02 and the controller keeps what
-pays on the machine at hand.
+replay (benchmarks/README.md) this verifies 1.4-1.7 tokens per output token where filling verified 1.9-4.8, for
+87-94% of filling's tokens per step; under the controller the bar drops to 0.02 (there the calibrated draft beats
+filling on both counts) and the controller keeps what pays on the machine at hand.
 
 **Uncalibrated (``calibrate=False``, the earlier behaviour).** Each drafter proposes, and the draft with the
 highest expected accepted length wins,
