@@ -258,6 +258,31 @@ def test_step_time_excludes_the_drafters_own_time():
     assert spec.controller.step_time(5) == pytest.approx(0.010, abs=1e-6)
 
 
+def test_online_training_time_is_not_charged_as_drafting():
+    """A drafter that trains online (spec/online.py) reports that time apart (``last_train_seconds``): the
+    controller's drafting charge and the shadow gap leave it out (a bounded, opted-into investment), or the
+    controller would turn off the drafter that is learning; it is still drafter time, not step time."""
+    import time as _time
+
+    class TrainingDrafter(FakeDrafter):
+        last_train_seconds = 0.0
+
+        def propose(self, requests):
+            out = super().propose(requests)
+            t0 = _time.perf_counter()
+            _time.sleep(0.05)                       # an optimizer step
+            self.last_train_seconds = _time.perf_counter() - t0
+            return out
+
+    cfg = SpeculativeConfig(method="ngram", num_speculative_tokens=4, adaptive=True, drafter=TrainingDrafter(0.9))
+    spec = Speculator(cfg, 50_000, StepTimeModel())
+    spec.propose([Seq(0)], [4], 0)
+    assert spec.drafter_seconds >= 0.05 and spec.num_proposals == 1
+    assert spec.draft_seconds_ema < 0.01, spec.draft_seconds_ema
+    spec.observe_step(5, spec.drafter_seconds + 0.010)
+    assert spec.controller.step_time(5) == pytest.approx(0.010, abs=1e-6)
+
+
 def test_probe_times_each_size_after_an_untimed_first_forward():
     """The start-up probe must not time a size's first forward (one-off costs: allocations, oneDNN kernels made
     per shape): a first call of 80 ms per size must not show in the curve, whose true cost is 1 ms + 0.1 ms/token."""

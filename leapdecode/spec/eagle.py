@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import time
 from collections import OrderedDict
 from dataclasses import asdict, dataclass, field
 from typing import Sequence
@@ -478,6 +479,9 @@ class EagleDrafter:
         self.head, self.depth, self.top_k, self.dynamic = head, depth, top_k, dynamic
         self.online = online
         self._lm_int8 = None             # with online training on int8: drafting reads an int8 copy of the head
+        # time the last propose spent training (online): a bounded investment (OnlineConfig.max_share), which the
+        # speculator does not charge as drafting cost, or the controller would turn off the head that is learning
+        self.last_train_seconds = 0.0
         # the engine captures this hidden state (HF numbering; the target's num_layers = after the final norm)
         self.capture_layers: tuple[int, ...] = () if feature_layer is None else (feature_layer,)
         self.states: dict[int, HeadState] = {}
@@ -617,8 +621,12 @@ class EagleDrafter:
             for (i, _, _), (toks, probs) in zip(chains, draft_chains(self.head, [c[1] for c in chains],
                                                                       [c[2] for c in chains])):
                 out[i] = Draft(toks, None, score=probs[0] if probs else 0.0)
-        if self.online is not None and self.online.maybe_train() and self._lm_int8 is not None:
-            self.head = self._drafting_copy()
+        self.last_train_seconds = 0.0
+        if self.online is not None:
+            t0 = time.perf_counter()
+            if self.online.maybe_train() and self._lm_int8 is not None:
+                self.head = self._drafting_copy()
+            self.last_train_seconds = time.perf_counter() - t0
         return out
 
     def observe(self, seq_id: int, token_ids: Sequence[int], num_accepted: int,

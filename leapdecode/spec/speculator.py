@@ -96,17 +96,20 @@ class Speculator:
         return bool(getattr(self.drafter, "wants_topk", False))
 
     def _draft(self, reqs: list[DraftRequest]):
-        """(drafts, seconds in the free drafters, seconds in auto's model drafter)."""
+        """(drafts, seconds in the free drafters, seconds in auto's model drafter). A drafter's online training
+        (``last_train_seconds``, spec/online.py) is in neither: it is a bounded investment the user opted into
+        (``OnlineConfig.max_share``); charged as drafting, it would turn off the very head that is learning."""
         t0 = time.perf_counter()
         drafts = self.drafter.propose(reqs)
         dt = time.perf_counter() - t0
         self.drafter_seconds += dt
         self._step_draft_seconds += dt
-        costly = min(getattr(self.drafter, "last_costly_seconds", 0.0), dt)
+        train = min(getattr(self.drafter, "last_train_seconds", 0.0), dt)
+        costly = min(getattr(self.drafter, "last_costly_seconds", 0.0), dt - train)
         if costly > 0:
             ema = self.costly_seconds_ema
             self.costly_seconds_ema = costly if ema == 0 else 0.8 * ema + 0.2 * costly
-        return drafts, dt - costly, costly
+        return drafts, dt - train - costly, costly
 
     def _costly_pays(self, reqs: list[DraftRequest], promises: list[float]) -> bool:
         """Auto's gate: do the model drafter's promised accepted tokens for ``reqs`` beat plain decoding, charged
