@@ -11,9 +11,11 @@ verification decides every token, so the output is the same with it on or off (g
 the draft's q is the head's at drafting time).
 
 Budget: a step costs a forward and backward over ``batch * window`` pairs (on SmolLM2-135M's head, 4 x 32 pairs:
-tens of ms on a CPU), taken once per ``every`` drafting calls, and inside the drafter's time, which the speculation
-controller charges to drafting. ``max_share`` caps training at that share of the wall time since the distiller
-started (measured, not assumed), so a slow machine trains less rather than decoding slower.
+tens of ms on a CPU), taken once per ``every`` drafting calls. ``max_share`` caps training at that share of the
+wall time since the distiller started (measured, not assumed), so a slow machine trains less rather than decoding
+slower. The drafter reports the time apart (``EagleDrafter.last_train_seconds``) and the speculation controller
+does not charge it as drafting cost: it is an investment the user opted into, bounded by ``max_share``; charged
+per step, it made the controller turn off the head that was learning (benchmarks/README.md).
 
 Sequence state that the head computed before an update (its per-sequence keys/values) is kept: it came from the
 previous weights, which only makes those drafts slightly worse until the sequence's next tokens, never wrong.
