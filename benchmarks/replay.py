@@ -233,14 +233,17 @@ def controller_replay(make: Callable[[], Drafter], records: list[Record], k: int
     drafting time is the drafter's real wall time. Returns (tokens/s, plain tokens/s, verified per output token)."""
     from leapdecode.config import SpeculativeConfig
     from leapdecode.spec.controller import StepTimeModel
-    from leapdecode.spec.speculator import Speculator
+    from leapdecode.spec.speculator import OFFER_FLOOR, Speculator
 
     curve = MACHINES[machine]
     probe = StepTimeModel()
     for n in (1, 64, 1, 64):
         probe.observe(n, curve(n))
+    drafter = make()
+    if adaptive and hasattr(drafter, "min_accept_prob"):
+        drafter.min_accept_prob = OFFER_FLOOR      # what the speculator gives a calibrated auto it builds itself
     spec = Speculator(SpeculativeConfig(method="ngram", num_speculative_tokens=k, adaptive=adaptive,
-                                        drafter=make()), 1 << 20, probe)
+                                        drafter=drafter), 1 << 20, probe)
     seconds = plain = 0.0
     tokens = verified = 0
     for seq_id, rec in enumerate(records):
