@@ -184,3 +184,16 @@ def test_controller_values_drafts_by_their_confidence():
         keep = ctl.draft_lengths([(1, 6, a[0], a), (2, 6, b[0], b)], other_tokens=2)
         confident = 0 if a is sure else 1
         assert keep[confident] >= 4 and keep[1 - confident] == 0, keep
+
+
+def test_drafters_without_offers_join_with_generic_evidence():
+    """A drafter that has no ``offers`` (prompt lookup) takes part through its draft, keyed by its name and depth:
+    on a copy workload its evidence is learnt and the calibrated auto copies well."""
+    rng = random.Random(5)
+    passage = [rng.randrange(1000) for _ in range(200)]
+    prompt, output = [rng.randrange(1000) for _ in range(20)] + passage, passage[:150]
+    auto = make_drafter("auto", vocab_size=1000, methods=["ngram"])
+    tps, ver = replay(auto, prompt, output, k=8)
+    keys = auto.acceptance.snapshot()
+    assert any(isinstance(k, tuple) and k[0] == "ngram" for k in keys), keys
+    assert tps > 4.0 and ver < 1.5, (tps, ver)
