@@ -44,7 +44,7 @@ from typing import Callable, Mapping, Sequence
 from leapdecode.spec.calibration import AcceptanceModel, Offer, choose, depth_bucket
 from leapdecode.spec.drafter import Draft, Drafter, DraftRequest
 from leapdecode.spec.index import as_int_list
-from leapdecode.spec.tree import DraftTree
+from leapdecode.spec.tree import DraftTree, node_depths
 
 
 def accepted_length(draft: Draft, truth: Sequence[int]) -> int:
@@ -56,10 +56,7 @@ def _depth(draft: Draft) -> int:
     """``draft.tree.depth`` without building the tree (a chain's depth is its length)."""
     if draft.parents is None:
         return len(draft.tokens)
-    depth: list[int] = []
-    for p in draft.parents:
-        depth.append(1 if p < 0 else depth[p] + 1)
-    return max(depth, default=0)
+    return max(node_depths(draft.parents), default=0)
 
 
 def _accepted(draft: Draft, truth: Sequence[int]) -> int:
@@ -254,9 +251,7 @@ class AutoDrafter:
                 continue
             tree = d.tree
             parents = [tree.parent(i) for i in range(len(tree))]
-            depths: list[int] = []
-            for par in parents:
-                depths.append(1 if par < 0 else depths[par] + 1)
+            depths = tree.depths()
             offer = Offer(list(tree.tokens), parents, depths, [(name, depth_bucket(x)) for x in depths],
                           [d.score if par < 0 else 0.5 for par in parents])
             out.append((name, offer))

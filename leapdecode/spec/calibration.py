@@ -50,9 +50,9 @@ class Offer:
     @staticmethod
     def chain(tokens: list[int], key: int, prior: float) -> "Offer":
         """A chain whose node at depth d has the evidence ``key + depth_bucket(d)``."""
-        n = len(tokens)
-        return Offer(tokens, list(range(-1, n - 1)), list(range(1, n + 1)), [key + b for b in _BUCKETS[:n]] +
-                     [key + 7] * (n - len(_BUCKETS)), [prior] * n)
+        depths = list(range(1, len(tokens) + 1))
+        return Offer(tokens, list(range(-1, len(tokens) - 1)), depths, [key + depth_bucket(d) for d in depths],
+                     [prior] * len(tokens))
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -62,8 +62,6 @@ def depth_bucket(depth: int) -> int:
     """Depths 1, 2, 3, then 4-6 and 7+: deep nodes are rare, so they share a bucket."""
     return depth if depth <= 3 else (4 if depth <= 6 else 7)
 
-
-_BUCKETS = [depth_bucket(d) for d in range(1, 8)]
 
 
 def evidence(kind: int, a: int = 0, b: int = 0) -> int:
@@ -123,7 +121,7 @@ def choose(offers: Sequence[Offer], model: AcceptanceModel, max_nodes: int,
     ``max_nodes`` most probable, each node's probability in ``confidence`` (see the module doc). Also returns the
     merged candidates as an offer of their own (evidence: the best source's estimate, how many sources agree, the
     rank among siblings, the depth), which the caller hands back to :meth:`AcceptanceModel.learn` with the offers."""
-    counts, strength = model._counts, model.strength
+    counts, strength = model._counts, model.strength        # AcceptanceModel.estimate, inlined: the hot loop
     index: dict[int, int] = {}                   # (merged parent + 1) << 32 | token -> merged node
     tokens: list[int] = []
     parents: list[int] = []
@@ -173,7 +171,7 @@ def choose(offers: Sequence[Offer], model: AcceptanceModel, max_nodes: int,
             continue
         b, a, r, d = best[j], agree[j], rank[j], depths[j]
         key = base + (90000 if b >= 0.9 else int(b * 10) * 10000) + (3000 if a >= 3 else a * 1000) + \
-            (200 if r >= 2 else r * 100) + (_BUCKETS[d - 1] if d < 8 else 7)
+            (200 if r >= 2 else r * 100) + depth_bucket(d)
         keys.append(key)
         c = counts.get(key)
         e = b if c is None else (c[0] + strength * b) / (c[1] + strength)

@@ -39,6 +39,7 @@ from leapdecode.spec.index import as_int_list
 from leapdecode.spec.tree import DraftTree
 
 HEAD_ARCHITECTURE = "LeapdecodeEagleHead"
+INT8_LAYERS = ["fc", "qkv_proj", "o_proj", "mlp.gate_up_proj", "mlp.down_proj"]   # the head's own matmuls
 
 
 @dataclass
@@ -164,7 +165,7 @@ class EagleHead(nn.Module):
         from leapdecode.model import int8_linear
         if self.lm_weight is None:
             raise ValueError("bind the target's embedding and LM head before quantizing the head")
-        int8_linear.quantize_linears(self, ["fc", "qkv_proj", "o_proj", "mlp.gate_up_proj", "mlp.down_proj"])
+        int8_linear.quantize_linears(self, INT8_LAYERS)
         self.lm_int8 = int8_linear.Int8Linear(self.lm_weight)
         return self
 
@@ -533,12 +534,10 @@ class EagleDrafter:
             drafter.head = drafter._drafting_copy()
         return drafter
 
-    _INT8_LAYERS = ["fc", "qkv_proj", "o_proj", "mlp.gate_up_proj", "mlp.down_proj"]
-
     def _drafting_copy(self) -> EagleHead:
         """An int8 copy of the trained head's matmuls (norms and buffers shared), for drafting."""
         from leapdecode.model import int8_linear
-        head = int8_linear.int8_copy(self.online.head, self._INT8_LAYERS)
+        head = int8_linear.int8_copy(self.online.head, INT8_LAYERS)
         head.lm_int8 = self._lm_int8
         return head
 

@@ -30,9 +30,10 @@ from typing import Sequence
 
 import numpy as np
 
-from leapdecode.spec.calibration import _BUCKETS, Offer, evidence
+from leapdecode.spec.calibration import Offer, depth_bucket, evidence
 from leapdecode.spec.drafter import Draft, DraftRequest, PerRequestDrafter
 from leapdecode.spec.index import as_int_list
+from leapdecode.spec.tree import node_depths
 
 _COUNT_MAX = int(np.iinfo(np.uint16).max)
 
@@ -98,10 +99,12 @@ class RecyclingDrafter(PerRequestDrafter):
 
     # -- Drafter protocol (propose: PerRequestDrafter) --------------------------------------------------------------
     def draft_one(self, req: DraftRequest) -> Draft:
-        self._learn(req.seq_id, req.token_ids)
-        last = int(req.token_ids[-1])
-        before = int(req.token_ids[-2]) if len(req.token_ids) >= 2 else -1
-        return self._draft(before, last, req.max_draft)
+        tokens, parents, ranks, _ = self._fill_request(req)
+        if not tokens:
+            return Draft()
+        score = sum(self.rank_probs[r] for r, p in zip(ranks, parents) if p == -1)
+        chain = all(p == i - 1 for i, p in enumerate(parents))   # topological by construction (BFS order)
+        return Draft(tokens, None if chain else parents, min(1.0, score))
 
     def observe(self, seq_id: int, token_ids: Sequence[int], num_accepted: int,
                 topk: Sequence[Sequence[int]] | None = None) -> None:
@@ -218,31 +221,24 @@ class RecyclingDrafter(PerRequestDrafter):
         ranked += [t for t in row if t >= 0] + [t for t, c in tri if c < self.trigram_min_count]
         return [(t, count.get(t, 0)) for t in dict.fromkeys(ranked)]
 
-    def _draft(self, before: int, last: int, max_draft: int) -> Draft:
-        tokens, parents, ranks, _ = self._fill(before, last, max_draft)
-        if not tokens:
-            return Draft()
-        score = sum(self.rank_probs[r] for r, p in zip(ranks, parents) if p == -1)
-        chain = all(p == i - 1 for i, p in enumerate(parents))   # topological by construction (BFS order)
-        return Draft(tokens, None if chain else parents, min(1.0, score))
-
     def offers(self, req: DraftRequest) -> list[Offer]:
         """The draft as calibration offers (spec/calibration.py): each node's evidence is its successor rank, how
         often the tri-gram ending in it was seen, and its depth; its prior is the rank's prior acceptance."""
         if req.max_draft <= 0 or not len(req.token_ids):
             return []
-        self._learn(req.seq_id, req.token_ids)
-        tail = as_int_list(req.token_ids[-2:])
-        before, last = (tail[0], tail[1]) if len(tail) == 2 else (-1, tail[0])
-        tokens, parents, ranks, counts = self._fill(before, last, req.max_draft)
-        depths: list[int] = []
-        keys: list[int] = []
-        for par, rank, count in zip(parents, ranks, counts):
-            d = 1 if par < 0 else depths[par] + 1
-            depths.append(d)
-            keys.append(evidence(RECYCLING, min(rank, 3), min(count, 4)) + _BUCKETS[min(d, 7) - 1])
+        tokens, parents, ranks, counts = self._fill_request(req)
+        depths = node_depths(parents)
+        keys = [evidence(RECYCLING, min(rank, 3), min(count, 4)) + depth_bucket(d)
+                for rank, count, d in zip(ranks, counts, depths)]
         offer = Offer(tokens, parents, depths, keys, [self.rank_probs[r] for r in ranks])
         return [offer] if tokens else []
+
+    def _fill_request(self, req: DraftRequest) -> tuple[list[int], list[int], list[int], list[int]]:
+        """Learn the request's new committed tokens, then :meth:`_fill` from its last two."""
+        self._learn(req.seq_id, req.token_ids)
+        last = int(req.token_ids[-1])
+        before = int(req.token_ids[-2]) if len(req.token_ids) >= 2 else -1
+        return self._fill(before, last, req.max_draft)
 
     def _fill(self, before: int, last: int, max_draft: int) -> tuple[list[int], list[int], list[int], list[int]]:
         """Fill the static tree breadth-first: a node's token is its parent's successor of the node's rank.

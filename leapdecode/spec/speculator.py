@@ -54,8 +54,6 @@ class Speculator:
         self._gate_calls = 0
         self._step_shape = (0, 0)        # this step's (decoding requests, tokens computed anyway), for the gate
         self._step_draft_seconds = 0.0   # drafting time inside this step (charged apart, so not in its step time)
-        if self.controller is not None and getattr(self.drafter, "costly", None) is not None:
-            self.drafter.costly_gate = self._costly_pays
         self._shadow: dict[int, tuple[DraftTree, int]] = {}   # seq_id -> (draft, committed tokens when drafted)
         # while speculation is off, the controller is asked again only when something it uses has changed
         self._speculating = True
@@ -80,10 +78,19 @@ class Speculator:
             # tokens that pay on this machine: offer it nearly everything (the drafter's own bar is for running
             # without a controller)
             options.setdefault("min_accept_prob", OFFER_FLOOR)
-        drafter = make_drafter(cfg.method, runner=self._runner, **options)
+        return make_drafter(cfg.method, runner=self._runner, **options)
+
+    @property
+    def drafter(self):
+        return self._drafter
+
+    @drafter.setter
+    def drafter(self, drafter) -> None:
+        """Any drafter set here (the config's, a fresh one from :meth:`new_drafter`) gets auto's model-drafter gate
+        when the controller is on."""
         if self.controller is not None and getattr(drafter, "costly", None) is not None:
             drafter.costly_gate = self._costly_pays
-        return drafter
+        self._drafter = drafter
 
     @property
     def speculating(self) -> bool:

@@ -37,9 +37,10 @@ from typing import Sequence
 
 import numpy as np
 
-from leapdecode.spec.calibration import _BUCKETS, Offer, evidence
+from leapdecode.spec.calibration import Offer, depth_bucket, evidence
 from leapdecode.spec.drafter import Draft, DraftRequest, PerRequestDrafter
 from leapdecode.spec.index import SENTINEL, NgramIndex, as_int_list, continuation, sync_index
+from leapdecode.spec.tree import node_depths
 
 
 @dataclass
@@ -190,13 +191,7 @@ class SuffixDrafter(PerRequestDrafter):
 
     # -- Drafter protocol (propose and observe: PerRequestDrafter) --------------------------------------------------
     def draft_one(self, req: DraftRequest) -> Draft:
-        local = sync_index(self._local.get(req.seq_id), req.token_ids, self._local_sizes)
-        self._local[req.seq_id] = local
-        best = self.speculate(local, local, req.max_draft)
-        if len(self._global):
-            other = self.speculate(self._global, local, req.max_draft)
-            if other.expected_accepted > best.expected_accepted:
-                best = other
+        best = max(self._trees(req, recent=False), key=lambda t: t.expected_accepted)   # ties: the local tree
         if not best.tokens:
             return Draft()
         parents = best.parents
@@ -212,30 +207,29 @@ class SuffixDrafter(PerRequestDrafter):
         continue with it (its prior) and its depth."""
         if req.max_draft <= 0:
             return []
-        local = sync_index(self._local.get(req.seq_id), req.token_ids, self._local_sizes)
-        self._local[req.seq_id] = local
-        trees = [self.speculate(local, local, req.max_draft)]
-        if len(self._global):
-            trees.append(self.speculate(self._global, local, req.max_draft))
         out = []
-        for kind, tree in zip((SUFFIX_LOCAL, SUFFIX_GLOBAL), trees):
+        for kind, tree in zip((SUFFIX_LOCAL, SUFFIX_GLOBAL), self._trees(req, recent=True)):
             if tree.recent:             # kinds + 2: the newest occurrence's whole continuation
                 out.append(Offer.chain(tree.recent, evidence(kind + 2, _match_bucket(tree.recent_match)), 0.5))
             if not tree.tokens:
                 continue
             base = evidence(kind, _match_bucket(tree.match_length))
             parents, probs = tree.parents, tree.probs
-            depths: list[int] = []
-            keys: list[int] = []
-            shares: list[float] = []
-            for par, p in zip(parents, probs):
-                d = 1 if par < 0 else depths[par] + 1
-                share = p / probs[par] if par >= 0 else p
-                depths.append(d)
-                shares.append(share)
-                keys.append(base + _share_bucket(share) * 100 + _BUCKETS[min(d, 7) - 1])
+            depths = node_depths(parents)
+            shares = [p / probs[par] if par >= 0 else p for par, p in zip(parents, probs)]
+            keys = [base + _share_bucket(s) * 100 + depth_bucket(d) for s, d in zip(shares, depths)]
             out.append(Offer(tree.tokens, parents, depths, keys, shares))
         return out
+
+    def _trees(self, req: DraftRequest, recent: bool) -> list[SpeculationTree]:
+        """The request's index brought up to date, and the best tree from it and (when it holds anything) from the
+        global cache; ``recent``: with the newest match's continuation (see :class:`SpeculationTree`)."""
+        local = sync_index(self._local.get(req.seq_id), req.token_ids, self._local_sizes)
+        self._local[req.seq_id] = local
+        trees = [self.speculate(local, local, req.max_draft, recent)]
+        if len(self._global):
+            trees.append(self.speculate(self._global, local, req.max_draft, recent))
+        return trees
 
     def finish(self, seq_id: int, token_ids: Sequence[int], num_prompt_tokens: int) -> None:
         """Drop the request's index and add its output to the global cache (evicting the oldest outputs)."""
@@ -258,8 +252,10 @@ class SuffixDrafter(PerRequestDrafter):
             self._global.evict_before(self._global_starts[0] - 1)   # keep the sentinel before the oldest kept
 
     # -- speculation -----------------------------------------------------------------------------------------------
-    def speculate(self, source: NgramIndex, context: NgramIndex, max_draft: int) -> SpeculationTree:
-        """Best draft for ``context`` (a request's tokens) from the continuations recorded in ``source``."""
+    def speculate(self, source: NgramIndex, context: NgramIndex, max_draft: int,
+                  recent: bool = False) -> SpeculationTree:
+        """Best draft for ``context`` (a request's tokens) from the continuations recorded in ``source``;
+        ``recent``: also the newest longest match's whole continuation (``SpeculationTree.recent``)."""
         ctx = context.tokens
         followers: list[int] = []
         anchor = 0
@@ -273,9 +269,6 @@ class SuffixDrafter(PerRequestDrafter):
             return SpeculationTree()
         lengths = self.match_lengths(source, followers, anchor, context)
         best = SpeculationTree()
-        longest = max(lengths)
-        newest = max(f for f, m in zip(followers, lengths) if m == longest)
-        recent = self._rows(source, [newest], max_draft, periodic=source is context)[0]
         previous_count = 0
         for tried, length in enumerate(sorted(set(lengths), reverse=True)):
             limit = min(max_draft, int(self.max_spec_factor * length + self.max_spec_offset))
@@ -290,7 +283,11 @@ class SuffixDrafter(PerRequestDrafter):
             candidate.match_length = length
             if candidate.expected_accepted > best.expected_accepted:
                 best = candidate
-        best.recent, best.recent_match = recent, longest
+        if recent:
+            longest = max(lengths)
+            newest = max(f for f, m in zip(followers, lengths) if m == longest)
+            best.recent = self._rows(source, [newest], max_draft, periodic=source is context)[0]
+            best.recent_match = longest
         return best
 
     def match_lengths(self, source: NgramIndex, followers: list[int], anchor: int,

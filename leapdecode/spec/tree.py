@@ -15,6 +15,14 @@ from dataclasses import dataclass
 from typing import Iterable, Sequence
 
 
+def node_depths(parents: Sequence[int]) -> list[int]:
+    """Depth of each node of a tree given by topological ``parents`` (-1: a child of the last committed token)."""
+    depth: list[int] = []
+    for p in parents:
+        depth.append(1 if p < 0 else depth[p] + 1)
+    return depth
+
+
 @dataclass(frozen=True)
 class DraftTree:
     tokens: tuple[int, ...] = ()
@@ -52,10 +60,7 @@ class DraftTree:
         """Depth of each node: 1 for a child of the last committed token."""
         if self.parents is None:
             return list(range(1, len(self.tokens) + 1))
-        depth: list[int] = []
-        for p in self.parents:
-            depth.append(1 if p < 0 else depth[p] + 1)
-        return depth
+        return node_depths(self.parents)
 
     @property
     def depth(self) -> int:
