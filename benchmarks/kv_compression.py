@@ -98,6 +98,7 @@ CONFIGS = [
     Config("int4-saliency", "int4 + saliency", "-", {"kv_cache_dtype": "int4", "kv_cache_salient_ratio": 0.125}),
     Config("sparse-10", "auto", "10%", {"sparse_attention": {"budget": 0.10}}),
     Config("sparse-5", "auto", "5%", {"sparse_attention": {"budget": 0.05}}),
+    Config("sparse-10-tidal", "auto", "10% tidal", {"sparse_attention": {"budget": 0.10, "selection": "tidal"}}),
     Config("int4+sparse-10", "int4", "10%", {"kv_cache_dtype": "int4", "sparse_attention": {"budget": 0.10}}),
 ]
 SECTIONS = ("memory", "speed", "ppl", "greedy", "needle")

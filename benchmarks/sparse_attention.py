@@ -1,9 +1,11 @@
-"""Decode attention per layer, full vs sparse (attention/sparse.py, TidalDecode-style), at long contexts.
+"""Decode attention per layer, full vs sparse (attention/sparse.py: per-layer top-k or TidalDecode), at long contexts.
 
 One decode step of a whole model's attention through the torch backend on a random paged KV cache (every layer its
 own cache, as in a model): plan once, then ``attend`` layer by layer. Full attention reads the whole context at
-every layer; with sparse attention the layers below the first selection layer and the selection layers read it
-all, every other layer only budget + window selected keys. Shapes default to SmolLM2-135M's (30 layers, 9 query
+every layer. With ``--selection per_layer`` (the default) the first ``--dense-layers`` read it all and every other
+layer (a "sparse layer" in the table) reads every key, but only the values of its top budget + window positions;
+with ``--selection tidal`` the layers below the first selection layer and the selection layers read it all, every
+other layer only budget + window selected keys and values. Shapes default to SmolLM2-135M's (30 layers, 9 query
 heads, 3 KV heads, head_dim 64). One row per context length; the sparse module's own dense layers (its gather and
 SDPA code over the whole context) are timed beside the ordinary full path, so the gain from reading fewer keys
 shows apart from that of its gather (``index_select``) and grouped-query SDPA. ``time_decode_attention`` returns
@@ -16,7 +18,7 @@ KL(full || sparse) and the text's NLL (``teacher_forced_quality``).
 
     python benchmarks/sparse_attention.py                          # 2k/4k/8k, budget 0.1, window 32, batch 1
     python benchmarks/sparse_attention.py --contexts 8192 --budget 256 --batch 4 --threads 2
-    python benchmarks/sparse_attention.py --quality 3000 64 --selection-layers 2 12
+    python benchmarks/sparse_attention.py --quality 3000 64 --selection tidal --selection-layers 2 12
 """
 from __future__ import annotations
 
@@ -63,9 +65,11 @@ def _time_step(backend: TorchAttention, caches: list[torch.Tensor], qs: list[tor
 def time_decode_attention(contexts: tuple[int, ...] = (2048, 4096, 8192), budget: float | int = 0.1,
                           window: int = 32, selection_layers: tuple[int, ...] | None = None, batch: int = 1,
                           num_layers: int = 30, heads: int = 9, kv_heads: int = 3, head_dim: int = 64,
-                          block_size: int = 16, repeats: int = 7, dtype: torch.dtype = torch.float32) -> list[dict]:
+                          block_size: int = 16, repeats: int = 7, dtype: torch.dtype = torch.float32,
+                          selection: str = "per_layer", dense_layers: int = 2) -> list[dict]:
     """Median decode-attention times (ms) full vs sparse per context length, as a list of dict rows."""
-    cfg = SparseAttentionConfig(budget=budget, window=window, selection_layers=selection_layers)
+    cfg = SparseAttentionConfig(budget=budget, window=window, selection_layers=selection_layers, selection=selection,
+                                dense_layers=dense_layers)
     policy = SparseAttention(cfg, num_layers)
     full, sparse = TorchAttention(), TorchAttention(policy)
     scale = head_dim ** -0.5
@@ -84,16 +88,17 @@ def time_decode_attention(contexts: tuple[int, ...] = (2048, 4096, 8192), budget
                 if name == "sparse":
                     for layer, t in enumerate(per_layer):
                         kind = ("dense" if layer < policy.first_selection else
-                                "selection" if layer in policy.selection_layers else "sparse")
+                                "selection" if layer in policy.selection_layers and not policy.per_layer else
+                                "sparse")
                         kinds[kind].append(t)
         ms = {k: statistics.median(v[1:]) * 1e3 for k, v in times.items()}
         layer_ms = {k: statistics.median(v[len(v) // (repeats + 1):]) * 1e3 for k, v in kinds.items() if v}
-        sparse_layers = num_layers - len(policy.selection_layers) - policy.first_selection
+        sparse_layers = num_layers - policy.first_selection - (0 if policy.per_layer else len(policy.selection_layers))
         rows.append({
             "context": n, "batch": batch, "keys_read": min(n, policy.num_selected(n) + window),
             "full_ms_per_layer": ms["full"] / num_layers, "sparse_layer_ms": layer_ms.get("sparse", float("nan")),
             "dense_layer_ms": layer_ms.get("dense", float("nan")),
-            "selection_layer_ms": layer_ms["selection"], "full_step_ms": ms["full"], "sparse_step_ms": ms["sparse"],
+            "selection_layer_ms": layer_ms.get("selection", float("nan")), "full_step_ms": ms["full"], "sparse_step_ms": ms["sparse"],
             "sparse_layers": sparse_layers, "layer_speedup": ms["full"] / num_layers / layer_ms.get("sparse", 1e9),
             "step_speedup": ms["full"] / ms["sparse"]})
         del caches
@@ -152,7 +157,9 @@ def main() -> None:
     p.add_argument("--budget", type=lambda s: float(s) if "." in s else int(s), default=0.1,
                    help="a fraction of the context (0.1) or a token count (256)")
     p.add_argument("--window", type=int, default=32)
-    p.add_argument("--selection-layers", type=int, nargs="+", default=None)
+    p.add_argument("--selection", choices=("per_layer", "tidal"), default="per_layer")
+    p.add_argument("--dense-layers", type=int, default=2, help="per_layer: layers that attend fully")
+    p.add_argument("--selection-layers", type=int, nargs="+", default=None, help="tidal: the selection layers")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--layers", type=int, default=30)
     p.add_argument("--heads", type=int, default=9)
@@ -167,8 +174,11 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     sel = tuple(args.selection_layers) if args.selection_layers else None
     if args.quality:
-        cfg = SparseAttentionConfig(budget=args.budget, window=args.window, selection_layers=sel)
-        name = f"budget {args.budget}, window {args.window}, selection layers {sel or 'default'}"
+        cfg = SparseAttentionConfig(budget=args.budget, window=args.window, selection_layers=sel,
+                                    selection=args.selection, dense_layers=args.dense_layers)
+        name = (f"{args.selection}, budget {args.budget}, window {args.window}, " +
+                (f"selection layers {sel or 'default'}" if args.selection == "tidal" else
+                 f"{args.dense_layers} dense layers"))
         print(f"# teacher-forced quality: {args.quality[0]} context tokens, {args.quality[1]} decodes, "
               f"model {args.model or 'SmolLM2-135M-Instruct'}")
         print("| attention | top-1 agreement with full | KL(full || sparse) | NLL |\n|---|---|---|---|")
@@ -176,12 +186,15 @@ def main() -> None:
             print(f"| {r['config']} | {r['top1']:.3f} | {r['kl']:.4f} | {r['nll']:.4f} |")
         return
     rows = time_decode_attention(tuple(args.contexts), args.budget, args.window, sel, args.batch, args.layers,
-                                 args.heads, args.kv_heads, args.head_dim, repeats=args.repeats)
-    layers = SparseAttentionConfig(selection_layers=sel).layers_for(args.layers)
+                                 args.heads, args.kv_heads, args.head_dim, repeats=args.repeats,
+                                 selection=args.selection, dense_layers=args.dense_layers)
+    layers = SparseAttentionConfig(selection_layers=sel, selection=args.selection,
+                                   dense_layers=args.dense_layers).layers_for(args.layers)
     print(f"# decode attention, torch backend, {platform.processor() or platform.machine()}, "
           f"torch {torch.__version__}, {args.threads} thread(s), load {os.getloadavg()[0]:.1f}; "
           f"{args.layers} layers, {args.heads}/{args.kv_heads} heads, head_dim {args.head_dim}, float32; "
-          f"budget {args.budget} + window {args.window}, selection layers {layers}; median of {args.repeats}")
+          f"{args.selection}: budget {args.budget} + window {args.window}, layers that choose positions {layers}; "
+          f"median of {args.repeats}")
     print("| context | batch | keys read (sparse layer) | full ms/layer | dense-layer ms | selection-layer ms "
           "| sparse-layer ms | full ms/step | sparse ms/step | sparse layer vs full | step vs full |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
@@ -191,8 +204,9 @@ def main() -> None:
               f"{r['full_step_ms']:.2f} | {r['sparse_step_ms']:.2f} | {r['layer_speedup']:.2f}x | "
               f"{r['step_speedup']:.2f}x |")
     print("full: the torch backend's ordinary decode path; dense / selection / sparse: the sparse module's layers "
-          "below the first selection layer (whole context, same gather and SDPA as its sparse layers), its "
-          "selection layers (whole context + top-k) and the others (selected keys only)")
+          "below the first selection layer (whole context, same gather and SDPA as its sparse layers), tidal's "
+          "selection layers (whole context + top-k) and the others (tidal: selected keys only; per_layer: every "
+          "key scored, selected keys attended)")
 
 
 if __name__ == "__main__":

@@ -59,11 +59,17 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="most draft tokens per request per step (default: 4)")
     z = p.add_argument_group("sparse long-context decoding (lossy: changes outputs at long contexts)")
     z.add_argument("--sparse-attention", default=None, metavar="BUDGET",
-                   help="TidalDecode-style sparse decode attention: layers above a selection layer read only BUDGET "
-                        "positions it chose plus the recent window; a fraction of the context (0.1) or a token "
-                        "count (256) (default: off)")
+                   help="sparse decode attention: a sparse layer attends over BUDGET chosen positions plus the "
+                        "recent window; a fraction of the context (0.1) or a token count (256) (default: off)")
+    z.add_argument("--sparse-selection", choices=("per_layer", "tidal"), default="per_layer",
+                   help="per_layer: each layer attends over its own top positions per KV head (reads every key); "
+                        "tidal: TidalDecode, a few selection layers choose positions the layers above reuse "
+                        "(default: per_layer)")
+    z.add_argument("--sparse-dense-layers", type=int, default=2, metavar="N",
+                   help="per_layer: the first N layers attend fully (default: 2)")
     z.add_argument("--sparse-selection-layers", type=int, nargs="+", default=None, metavar="L",
-                   help="the layers that attend fully and choose positions (default: 2 and the layer at 40%% depth)")
+                   help="tidal: the layers that attend fully and choose positions (default: 2 and the layer at "
+                        "40%% depth)")
     z.add_argument("--sparse-window", type=int, default=32, metavar="W",
                    help="recent positions every sparse layer also reads (default: 32)")
 
@@ -101,7 +107,8 @@ def _sparse_attention(args: argparse.Namespace) -> Any:
         text = args.sparse_attention.strip()
         budget = float(text) if any(c in text for c in ".eE") else int(text)
         layers = tuple(args.sparse_selection_layers) if args.sparse_selection_layers else None
-        return SparseAttentionConfig(budget=budget, selection_layers=layers, window=args.sparse_window)
+        return SparseAttentionConfig(budget=budget, selection_layers=layers, window=args.sparse_window,
+                                     selection=args.sparse_selection, dense_layers=args.sparse_dense_layers)
     except ValueError as exc:
         if "sparse_attention" in str(exc):
             raise CLIError(str(exc)) from None

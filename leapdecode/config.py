@@ -77,20 +77,32 @@ class SpeculativeConfig:
         raise ValueError(f"speculative_config must be a SpeculativeConfig or a dict, got {type(value).__name__}")
 
 
+SPARSE_SELECTIONS = ("per_layer", "tidal")
+
+
 @dataclass(frozen=True)
 class SparseAttentionConfig:
-    """LOSSY, opt-in: TidalDecode-style position-persistent sparse attention for decode rows (attention/sparse.py).
+    """LOSSY, opt-in: sparse attention for long decode rows (attention/sparse.py). Prefill and verification rows
+    always attend fully.
 
-    ``budget``: positions each sparse layer reads besides the window, chosen by the last selection layer: a fraction
-    of the context (a float in (0, 1]) or a token count (an int >= 1); a context no longer than budget + window
-    attends fully, so its outputs are exact. ``selection_layers``: the layers (0-based, ascending) that attend fully
-    and choose the positions for the layers above them; the layers below the first attend fully too. None: layer 2
-    and one at 40% depth (the paper's layers 2 and 13 of Llama-3-8B's 32). ``window``: the most recent positions
-    (the current token included) that every sparse layer also reads. Prefill and verification rows always attend
-    fully."""
+    ``budget``: positions a sparse layer reads besides the window: a fraction of the context (a float in (0, 1]) or a
+    token count (an int >= 1); a context no longer than budget + window attends fully, so its outputs are exact.
+    ``window``: the most recent positions (the current token included) that every sparse layer also reads.
+    ``selection``: how positions are chosen.
+
+    - ``"per_layer"`` (default; top-k attention): every layer from ``dense_layers`` up ranks the earlier positions
+      by its own attention scores, per KV head, and attends to its top ``budget`` (plus the window); the layers
+      below ``dense_layers`` attend fully. It reads every key but only the chosen values.
+    - ``"tidal"`` (TidalDecode): ``selection_layers`` (0-based, ascending) attend fully and choose one set of
+      positions that the layers above them reuse (until the next selection layer); the layers below the first
+      attend fully. None: layer 2 and one at 40% depth (the paper's layers 2 and 13 of Llama-3-8B's 32). It reads
+      far less, but on SmolLM2-135M the positions a layer needs do not persist from one layer to the next (see
+      attention/sparse.py for the measurement)."""
     budget: float | int = 0.1
     selection_layers: tuple[int, ...] | None = None
     window: int = 32
+    selection: str = "per_layer"
+    dense_layers: int = 2
 
     def __post_init__(self) -> None:
         b = self.budget
@@ -98,8 +110,13 @@ class SparseAttentionConfig:
                 isinstance(b, float) and not 0.0 < b <= 1.0):
             raise ValueError("sparse_attention.budget must be a fraction of the context in (0, 1] or a token count "
                              f">= 1, got {b!r}")
+        if self.selection not in SPARSE_SELECTIONS:
+            raise ValueError(f"sparse_attention.selection must be one of {SPARSE_SELECTIONS}, got {self.selection!r}")
         layers = self.selection_layers
         if layers is not None:
+            if self.selection != "tidal":
+                raise ValueError("sparse_attention.selection_layers applies to selection='tidal' only (with "
+                                 "'per_layer' every layer from dense_layers up selects its own positions)")
             if isinstance(layers, int) or not all(isinstance(i, int) and not isinstance(i, bool) for i in layers):
                 raise ValueError(f"sparse_attention.selection_layers must be layer indices, got {layers!r}")
             layers = tuple(layers)
@@ -110,9 +127,18 @@ class SparseAttentionConfig:
         if isinstance(self.window, bool) or not isinstance(self.window, int) or self.window < 1:
             raise ValueError(f"sparse_attention.window must be an integer >= 1 (it includes the current token), "
                              f"got {self.window!r}")
+        d = self.dense_layers
+        if isinstance(d, bool) or not isinstance(d, int) or d < 0:
+            raise ValueError(f"sparse_attention.dense_layers must be an integer >= 0, got {d!r}")
 
     def layers_for(self, num_layers: int) -> tuple[int, ...]:
-        """The selection layers for a model of ``num_layers`` layers (the default resolved, the given checked)."""
+        """The layers that choose positions, for a model of ``num_layers`` layers (the default resolved, the given
+        checked): with "per_layer", every layer from ``dense_layers`` up."""
+        if self.selection == "per_layer":
+            if self.dense_layers >= num_layers:
+                raise ValueError(f"sparse_attention.dense_layers {self.dense_layers} leaves none of the model's "
+                                 f"{num_layers} layers sparse")
+            return tuple(range(self.dense_layers, num_layers))
         if self.selection_layers is None:
             first = min(2, num_layers - 1)
             return tuple(sorted({first, max(first, round(0.4 * num_layers))}))
@@ -126,10 +152,10 @@ class SparseAttentionConfig:
         if value is None or isinstance(value, cls):
             return value
         if isinstance(value, dict):
-            unknown = set(value) - {"budget", "selection_layers", "window"}
+            fields = ("budget", "window", "selection", "dense_layers", "selection_layers")
+            unknown = set(value) - set(fields)
             if unknown:
-                raise ValueError(f"sparse_attention has no field(s) {sorted(unknown)}: use budget, "
-                                 "selection_layers, window")
+                raise ValueError(f"sparse_attention has no field(s) {sorted(unknown)}: use {', '.join(fields)}")
             return cls(**value)
         raise ValueError(f"sparse_attention must be a SparseAttentionConfig or a dict, got {type(value).__name__}")
 
@@ -194,9 +220,6 @@ class EngineConfig:
                                  f"not {self.kv_cache_dtype!r}")
             if isinstance(r, bool) or not isinstance(r, (int, float)) or not 0 <= r <= 1:
                 raise ValueError(f"kv_cache_salient_ratio must be a number in [0, 1], got {r!r}")
-        if self.sparse_attention is not None and self.kv_cache_dtype != "auto":
-            raise ValueError(f"sparse_attention reads the full-precision cache: it does not combine with "
-                             f"kv_cache_dtype={self.kv_cache_dtype!r} yet")
         self.torch_device = torch.device(self.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self._check_tensor_parallel()
 

@@ -1,5 +1,6 @@
-"""Sparse long-context decoding (attention/sparse.py, TidalDecode): exact when the budget covers the context, the
-paper's selection rule against a reference written here, and the engine's guarantees with a small (lossy) budget."""
+"""Sparse long-context decoding (attention/sparse.py: per-layer top-k and TidalDecode): exact when the budget covers
+the context, each selection rule against a reference written here, and the engine's guarantees with a small (lossy)
+budget."""
 import math
 import random
 
@@ -88,7 +89,10 @@ def test_budget_covering_the_context_equals_full_attention_exactly(budget):
     lens, qlens = [150, 90, 12, 60], [1, 1, 1, 5]          # decodes and a prefill chunk in one step
     cache, meta, _ = paged_batch(lens, qlens)
     _, full = run_layers(TorchAttention(), cache, meta)
-    _, sparse = run_layers(sparse_backend(budget=budget, window=4, selection_layers=(1, 3)), cache, meta)
+    for cfg in ({"selection": "tidal", "selection_layers": (1, 3)}, {"dense_layers": 1}):
+        _, sparse = run_layers(sparse_backend(budget=budget, window=4, **cfg), cache, meta)
+        assert not any(isinstance(p, SparseStep) for p in meta.plan)
+        assert all(torch.equal(a, b) for a, b in zip(full, sparse))
     assert not any(isinstance(p, SparseStep) for p in meta.plan)
     assert all(torch.equal(a, b) for a, b in zip(full, sparse))
 
@@ -98,9 +102,11 @@ def test_selection_and_sparse_layers_follow_the_papers_rule(monkeypatch):
     budget, window, sel = 0.25, 4, (1, 3)
     cache, meta, tables = paged_batch(lens, qlens, seed=2)
     gathers = []
-    monkeypatch.setattr(SparseStep, "_gather_blocks",
-                        lambda self, kv, _orig=SparseStep._gather_blocks: gathers.append(1) or _orig(self, kv))
-    qs, outs = run_layers(sparse_backend(budget=budget, window=window, selection_layers=sel), cache, meta)
+    monkeypatch.setattr(SparseStep, "_context",
+                        lambda self, kv, values=True, _orig=SparseStep._context:
+                        gathers.append(1) or _orig(self, kv, values))
+    qs, outs = run_layers(sparse_backend(budget=budget, window=window, selection="tidal", selection_layers=sel),
+                          cache, meta)
     (step,) = [p for p in meta.plan if isinstance(p, SparseStep)]
     assert step.rows == [0, 1, 2]
     # only the full and selection layers read whole contexts; the sparse layers gather selected slots only
@@ -134,7 +140,7 @@ def test_selecting_every_position_reproduces_full_attention():
     """The sparse gather through the block table is exact: with every position selected it is full attention."""
     lens = [64, 33]
     cache, meta, _ = paged_batch(lens, [1, 1], seed=3)
-    backend = sparse_backend(budget=1, window=1, selection_layers=(0,))
+    backend = sparse_backend(budget=1, window=1, selection="tidal", selection_layers=(0,))
     backend.plan(meta)
     (step,) = [p for p in meta.plan if isinstance(p, SparseStep)]
     q = torch.randn(2, H, D, generator=torch.Generator().manual_seed(5))
@@ -151,7 +157,7 @@ def test_selecting_every_position_reproduces_full_attention():
 
 def test_a_forward_that_skips_the_selection_layer_selects_at_its_first_sparse_layer():
     cache, meta, _ = paged_batch([80], [1], seed=4)
-    backend = sparse_backend(budget=8, window=2, selection_layers=(1,))
+    backend = sparse_backend(budget=8, window=2, selection="tidal", selection_layers=(1,))
     backend.plan(meta)
     q = torch.randn(1, H, D, generator=torch.Generator().manual_seed(6))
     out = backend.attend(q, cache[3], meta, SCALE, layer=3)      # layer 1 skipped (layer-skip drafting)
@@ -163,9 +169,75 @@ def test_a_forward_that_skips_the_selection_layer_selects_at_its_first_sparse_la
     torch.testing.assert_close(out, plain.attend(q, cache[3], meta, SCALE), rtol=1e-5, atol=1e-6)
 
 
+def ref_top_k(q, k, n_chosen, window):
+    """per_layer's rule for one KV head's query group q [group, D] over k [n, D]: the top ``n_chosen`` earlier
+    positions by the attention probability summed over the group, plus the ``window`` most recent positions."""
+    n = k.shape[0]
+    score = torch.softmax(q.double() @ k.T * SCALE, -1).sum(0)
+    return set(score[:n - window].topk(n_chosen).indices.tolist()) | set(range(n - window, n))
+
+
+def test_per_layer_selection_follows_its_rule():
+    """Each layer from dense_layers up attends, per KV head, over that head's own top positions: its outputs equal
+    exact attention restricted to the reference rule's positions (and differ from TidalDecode's shared choice)."""
+    lens, qlens = [100, 70, 41, 6, 30], [1, 1, 1, 1, 4]
+    budget, window, dense = 0.25, 4, 2
+    cache, meta, tables = paged_batch(lens, qlens, seed=7)
+    qs, outs = run_layers(sparse_backend(budget=budget, window=window, dense_layers=dense), cache, meta)
+    (step,) = [p for p in meta.plan if isinstance(p, SparseStep)]
+    assert step.rows == [0, 1, 2]
+    _, tidal = run_layers(sparse_backend(budget=budget, window=window, selection="tidal", selection_layers=(dense,)),
+                          cache, meta)
+    group = H // HKV
+    for i in step.rows:
+        n, row = lens[i], int(meta.query_start_loc[i])
+        for layer in range(LAYERS):
+            k_all, v_all = context(cache[layer], tables[i], n)
+            q = qs[layer][row].double()
+            if layer < dense:
+                ref = ref_attention(q, k_all, v_all)
+            else:
+                heads = []
+                for g in range(HKV):
+                    keep = sorted(ref_top_k(q[g * group:(g + 1) * group], k_all[:, g], math.ceil(budget * n), window))
+                    p = torch.softmax(q[g * group:(g + 1) * group] @ k_all[keep, g].T * SCALE, -1)
+                    heads.append(p @ v_all[keep, g])
+                ref = torch.cat(heads)
+            torch.testing.assert_close(outs[layer][row].double(), ref, rtol=1e-5, atol=1e-5)
+        assert not torch.allclose(outs[LAYERS - 1][row], tidal[LAYERS - 1][row], rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.parametrize("cfg", [{"dense_layers": 1}, {"selection": "tidal", "selection_layers": (1, 3)}],
+                         ids=["per_layer", "tidal"])
+def test_a_quantized_cache_is_read_as_its_dequantized_values(cfg):
+    """Sparse rows over an fp8 cache attend exactly as over a full-precision cache holding its dequantized values."""
+    from leapdecode.attention.kv_cache import Fp8Layer
+    from leapdecode.attention.kv_quant import fp8_decode, fp8_scale, fp8_encode
+    lens = [90, 60]
+    cache, meta, _ = paged_batch(lens, [1, 1], seed=8)
+    L, _, nb, bs, h, d = cache.shape
+    flat = cache.view(L, 2, nb * bs, h, d)
+    scales = fp8_scale(flat)                                                        # [L, 2, slots, h]
+    codes = fp8_encode(flat, scales)
+    fp8 = [Fp8Layer(codes[i].view(2, nb, bs, h, d), scales[i].view(2, nb, bs, h), torch.float32) for i in range(L)]
+    dequantized = fp8_decode(codes, scales, torch.float32).view(cache.shape)
+    backend = sparse_backend(budget=0.2, window=4, **cfg)
+    g = torch.Generator().manual_seed(9)
+    qs = [torch.randn(2, H, D, generator=g) for _ in range(LAYERS)]
+    backend.plan(meta)
+    got = [backend.attend(qs[i], fp8[i], meta, SCALE, layer=i) for i in range(LAYERS)]
+    backend.plan(meta)
+    want = [backend.attend(qs[i], dequantized[i], meta, SCALE, layer=i) for i in range(LAYERS)]
+    assert any(isinstance(p, SparseStep) for p in meta.plan)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+
 # -- through the engine -------------------------------------------------------------------------------------------
 
-SPARSE = {"budget": 16, "window": 4, "selection_layers": (1, 3)}
+TIDAL = {"budget": 16, "window": 4, "selection": "tidal", "selection_layers": (1, 3)}
+PER_LAYER = {"budget": 16, "window": 4, "dense_layers": 1}
+MODES = pytest.mark.parametrize("sparse", [PER_LAYER, TIDAL], ids=["per_layer", "tidal"])
 PARAMS = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, logprobs=1)
 
 
@@ -190,14 +262,16 @@ def full_outputs(deep_dir):
 
 
 @pytest.mark.parametrize("budget", [1.0, 512])
-def test_generate_with_a_budget_covering_the_context_is_bit_for_bit_full(deep_dir, full_outputs, budget):
-    llm = make_llm(deep_dir, max_model_len=512, sparse_attention={"budget": budget, "selection_layers": (1, 3)})
+@MODES
+def test_generate_with_a_budget_covering_the_context_is_bit_for_bit_full(deep_dir, full_outputs, budget, sparse):
+    llm = make_llm(deep_dir, max_model_len=512, sparse_attention={**sparse, "budget": budget})
     assert run(llm, long_prompts()) == full_outputs
     assert_pool_free(llm)
 
 
-def test_small_budget_is_lossy_but_batch_invariant_prefix_cache_safe_and_leak_free(deep_dir, full_outputs):
-    llm = make_llm(deep_dir, max_model_len=512, sparse_attention=SPARSE)
+@MODES
+def test_small_budget_is_lossy_but_batch_invariant_prefix_cache_safe_and_leak_free(deep_dir, full_outputs, sparse):
+    llm = make_llm(deep_dir, max_model_len=512, sparse_attention=sparse)
     prompts = long_prompts()
     batched = run(llm, prompts)
     # the feature is on: every long prompt's outputs move; the 10-token prompt attends fully (exactly) until its
@@ -205,29 +279,31 @@ def test_small_budget_is_lossy_but_batch_invariant_prefix_cache_safe_and_leak_fr
     assert all(b[1] != f[1] for b, f in zip(batched[:3], full_outputs[:3]))
     assert batched[3][0][:11] == full_outputs[3][0][:11]
     alone = [run(llm, [p])[0] for p in prompts]                    # (prefix-cache hits: the prompts ran before)
-    cold = run(make_llm(deep_dir, max_model_len=512, sparse_attention=SPARSE, enable_prefix_caching=False), prompts)
+    cold = run(make_llm(deep_dir, max_model_len=512, sparse_attention=sparse, enable_prefix_caching=False), prompts)
     for other in (alone, cold):
         assert [t for t, _ in other] == [t for t, _ in batched]
         assert [lp for _, lp in other] == pytest.approx([lp for _, lp in batched], rel=1e-5)
     assert_pool_free(llm)
 
 
-def test_verification_rows_keep_full_attention(deep_dir, full_outputs):
+@MODES
+def test_verification_rows_keep_full_attention(deep_dir, full_outputs, sparse):
     """A draft every step (some of it wrong) makes every row a verification row, so outputs are full attention's;
     all but the last token, which has no room left for a draft and is a (sparse) decode."""
     prompts = long_prompts()
     truth = {tuple(p): [t] for p, (t, _) in zip(prompts, full_outputs)}
     spec = SpeculativeConfig(drafter=OracleDrafter(truth, wrong_every=3), num_speculative_tokens=3, adaptive=False)
-    llm = make_llm(deep_dir, max_model_len=512, sparse_attention=SPARSE, speculative_config=spec)
+    llm = make_llm(deep_dir, max_model_len=512, sparse_attention=sparse, speculative_config=spec)
     assert [t[:-1] for t, _ in run(llm, prompts)] == [t[:-1] for t, _ in full_outputs]
     assert_pool_free(llm)
 
 
-def test_layer_skip_drafting_runs_on_the_sparse_backend(deep_dir):
+@MODES
+def test_layer_skip_drafting_runs_on_the_sparse_backend(deep_dir, sparse):
     """The layer-skip drafter runs the target's layers (its selection layer skipped) through the same backend."""
     spec = {"method": "layer_skip", "num_speculative_tokens": 3, "adaptive": False, "skip": [1, 2],
             "threshold": 0.0}
-    llm = make_llm(deep_dir, max_model_len=512, sparse_attention=SPARSE, speculative_config=spec)
+    llm = make_llm(deep_dir, max_model_len=512, sparse_attention=sparse, speculative_config=spec)
     outs = llm.generate(long_prompts((150, 60)), SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True),
                         use_tqdm=False)
     assert [len(o.outputs[0].token_ids) for o in outs] == [8, 8]
@@ -235,12 +311,30 @@ def test_layer_skip_drafting_runs_on_the_sparse_backend(deep_dir):
     assert_pool_free(llm)
 
 
+@pytest.mark.parametrize("kv_cache_dtype", ["fp8", "int8", "int4"])
+def test_sparse_decoding_over_a_quantized_cache(deep_dir, kv_cache_dtype):
+    """Both lossy features together: sparse rows read the quantized cache (int8/int4 open blocks from the window);
+    with a budget covering the context the outputs are the quantized cache's own, with a small one they move."""
+    prompts = long_prompts((300, 140))
+    plain = run(make_llm(deep_dir, max_model_len=512, kv_cache_dtype=kv_cache_dtype), prompts)
+    covering = make_llm(deep_dir, max_model_len=512, kv_cache_dtype=kv_cache_dtype, sparse_attention={"budget": 1.0})
+    assert run(covering, prompts) == plain
+    for sparse in (PER_LAYER, TIDAL):
+        llm = make_llm(deep_dir, max_model_len=512, kv_cache_dtype=kv_cache_dtype, sparse_attention=sparse)
+        outs = run(llm, prompts)
+        assert all(len(t) == PARAMS.max_tokens for t, _ in outs)
+        assert all(o[1] != p[1] for o, p in zip(outs, plain))
+        assert_pool_free(llm)
+
+
 @pytest.mark.parametrize("cfg, field", [
     ({"budget": 0}, "budget"), ({"budget": -3}, "budget"), ({"budget": 1.5}, "budget"), ({"budget": 0.0}, "budget"),
     ({"budget": True}, "budget"), ({"budget": "10%"}, "budget"),
-    ({"selection_layers": ()}, "selection_layers"), ({"selection_layers": (3, 1)}, "selection_layers"),
-    ({"selection_layers": (2, 2)}, "selection_layers"), ({"selection_layers": (-1,)}, "selection_layers"),
-    ({"selection_layers": 2}, "selection_layers"), ({"selection_layers": (1.5,)}, "selection_layers"),
+    *[({"selection": "tidal", "selection_layers": bad}, "selection_layers") for bad in ((), (3, 1), (2, 2), (-1,), 2,
+                                                                                       (1.5,))],
+    ({"selection_layers": (2, 12)}, "selection_layers"),          # per_layer (the default) has no selection layers
+    ({"selection": "quest"}, "selection"), ({"dense_layers": -1}, "dense_layers"), ({"dense_layers": 1.0},
+                                                                                     "dense_layers"),
     ({"window": 0}, "window"), ({"window": 2.0}, "window"), ({"budgets": 3}, "budgets"),
 ])
 def test_bad_parameters_name_the_field(cfg, field):
@@ -250,21 +344,28 @@ def test_bad_parameters_name_the_field(cfg, field):
 
 def test_bad_parameters_at_engine_start(deep_dir, tiny_dir):
     with pytest.raises(ValueError, match="selection_layers"):
-        make_llm(deep_dir, sparse_attention={"selection_layers": (2, 6)})      # the model has 6 layers
+        make_llm(deep_dir, sparse_attention={"selection": "tidal", "selection_layers": (2, 6)})   # 6 layers
+    with pytest.raises(ValueError, match="dense_layers"):
+        make_llm(deep_dir, sparse_attention={"dense_layers": 6})
     with pytest.raises(ValueError, match="sparse_attention must be"):
         make_llm(deep_dir, sparse_attention=0.1)
     with pytest.raises(ValueError, match="sliding-window"):
         make_llm(tiny_dir("mistral"), sparse_attention={"budget": 8})
     with pytest.raises(ValueError, match="sparse_attention runs on the torch"):
         get_backend("triton", torch.device("cpu"), SparseAttention(SparseAttentionConfig(), 6))
-    assert SparseAttentionConfig().layers_for(30) == (2, 12) and SparseAttentionConfig().layers_for(32) == (2, 13)
+    tidal = SparseAttentionConfig(selection="tidal")
+    assert tidal.layers_for(30) == (2, 12) and tidal.layers_for(32) == (2, 13)
+    assert SparseAttentionConfig().layers_for(5) == (2, 3, 4)
 
 
 def test_cli_flags(capsys):
     from leapdecode.cli import _sparse_attention, build_parser, main
-    args = build_parser().parse_args(["generate", "--sparse-attention", "0.1", "--sparse-selection-layers", "2", "9",
-                                      "--sparse-window", "8", "x"])
-    assert _sparse_attention(args) == SparseAttentionConfig(budget=0.1, selection_layers=(2, 9), window=8)
+    args = build_parser().parse_args(["generate", "--sparse-attention", "0.1", "--sparse-selection", "tidal",
+                                      "--sparse-selection-layers", "2", "9", "--sparse-window", "8", "x"])
+    assert _sparse_attention(args) == SparseAttentionConfig(budget=0.1, selection_layers=(2, 9), window=8,
+                                                            selection="tidal")
+    args = build_parser().parse_args(["generate", "--sparse-attention", "0.05", "--sparse-dense-layers", "3", "x"])
+    assert _sparse_attention(args) == SparseAttentionConfig(budget=0.05, dense_layers=3)
     assert _sparse_attention(build_parser().parse_args(["generate", "--sparse-attention", "256", "x"])).budget == 256
     assert _sparse_attention(build_parser().parse_args(["generate", "x"])) is None
     assert main(["generate", "--sparse-attention", "0", "x"]) == 2

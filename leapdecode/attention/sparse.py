@@ -1,31 +1,37 @@
-"""Position-persistent sparse attention for decode rows: LOSSY, opt-in (``EngineConfig.sparse_attention``).
+"""Sparse attention for long decode rows: LOSSY, opt-in (``EngineConfig.sparse_attention``). Two ways to choose what a
+layer reads (``SparseAttentionConfig.selection``); both always read the ``window`` most recent positions (the current
+token included) besides the ``budget`` chosen ones, and leave rows whose context is no longer than budget + window in
+the backend's ordinary full-attention batch, so their outputs are exact. Only decode rows (one query, no token tree)
+are sparse; prefill and verification rows attend fully.
 
-TidalDecode (Yang, Zhang, Chen, Li and Jia, "TidalDecode: Fast and Accurate LLM Decoding with Position Persistent
-Sparse Attention", 2024, arXiv:2410.05076) observes that the positions a decoding query attends to most overlap
-strongly from one layer to the next. So, within one decode step, a few *token-selection layers* attend fully and
-keep the positions with the highest attention scores, and every layer above a selection layer (until the next one)
-attends only to those positions: it reads k keys instead of n. The paper attends fully in layers 0-1, selects at
-layer 2 and re-selects at one middle layer (layer 13 of Llama-3-8B's 32); layers below the first selection layer
-attend fully here too (nothing is selected yet).
+**per_layer** (the default; top-k attention, Gupta et al., "Memory-efficient Transformers via Top-k Attention",
+2021): every layer from ``dense_layers`` up scores every earlier position with its own query, per KV head (the
+attention probability the position receives, summed over the head's query group), and attends exactly over its top
+``budget`` positions and the window. It reads every key but only the chosen values and attends over ~budget keys;
+the layers below ``dense_layers`` attend fully (as Quest and TidalDecode leave the first two layers dense).
 
-Selection rule. The paper ranks keys by the current query's attention scores (q.k, the same order as the softmax
-probabilities within a head). Here one set of positions is chosen per sequence per step, shared by every head, by
-the attention probability each key receives summed over all the selection layer's query heads (the attention mass
-the layer gives it). Positions persist across layers but heads do not correspond from one layer to the next (head
-3 of layer 2 and head 3 of layer 7 are unrelated), so a per-head choice has no meaning for the layers that reuse
-it; measured on SmolLM2-135M (3k tokens of license text, 48 teacher-forced decodes, budget 10%), the shared choice
-gave a mean KL to full attention of 0.11 against 0.18 for a choice per KV head. One set per sequence also makes a
-sparse layer's read one gather of contiguous (slot, all heads) rows. The ``window`` most recent positions (the
-current token included, as in the paper's reference, which always keeps the last one) are always read; the top
-``budget`` of the earlier positions join them. A row whose context is no longer than budget + window is not sparse
-at all: it stays in the backend's ordinary full-attention batch, so its outputs are exact. Only decode rows (one
-query, no token tree) are sparse; prefill and verification rows attend fully.
+**tidal** (TidalDecode, Yang, Zhang, Chen, Li and Jia, "TidalDecode: Fast and Accurate LLM Decoding with Position
+Persistent Sparse Attention", 2024, arXiv:2410.05076): the paper observes that the positions a decoding query
+attends to most overlap strongly from one layer to the next, so a few *token-selection layers* attend fully and keep
+the positions with the highest attention scores, and every layer above a selection layer (until the next one) reads
+only those: k keys and values instead of n. One set of positions is chosen per sequence per step, shared by every
+head, by the attention probability each key receives summed over all the selection layer's query heads (heads do not
+correspond from one layer to the next, so a per-head choice has no meaning for the layers that reuse it; on
+SmolLM2-135M the shared choice gave a mean KL to full attention of 0.11 against 0.18 per KV head).
 
-Positions are logical token indices, turned into cache slots through the sequence's block table once per selection,
-so paged KV and shared prefix-cache blocks need nothing special. The state of one step (which rows, what was
-selected) lives in the ``SparseStep`` the backend puts into ``meta.plan``: per step, never global. Not done here:
-the paper's KV-cache correction (re-filling the KV of sparsely decoded tokens with full attention); their KV,
-computed with sparse attention, is cached and prefix-shared like any other.
+Why per_layer is the default, measured on SmolLM2-135M-Instruct (needle in an 8k haystack of licence texts, greedy):
+with each layer choosing its own top 10% (or 5%) per KV head, the answers were identical to full attention's on
+every prompt tried; with tidal selection at layers (2, 12) no needle was found even at a 50% budget. Ranked by
+layer 2's attention, the needle's digits sit near the bottom of 8,000 positions, while the layers that copy them
+(14-23) rank them in their top 10%: positions do not persist across this model's layers (the paper's models are
+7-8B). Other tidal layer sets (2-12-20, 8-16-22, 14-21, re-selecting every 2nd layer) found the needle on some
+prompts and not others. tidal reads ~6x less at 8k; per_layer ~1.5-2x less (it reads all keys).
+
+Positions are logical token indices, turned into cache slots through the sequence's block table, so paged KV and
+shared prefix-cache blocks need nothing special. The state of one step (which rows, what was selected) lives in the
+``SparseStep`` the backend puts into ``meta.plan``: per step, never global. Not done here: TidalDecode's KV-cache
+correction (re-filling the KV of sparsely decoded tokens with full attention); their KV, computed with sparse
+attention, is cached and prefix-shared like any other.
 """
 from __future__ import annotations
 
@@ -35,7 +41,10 @@ import torch
 import torch.nn.functional as F
 
 from leapdecode.attention.backend import AttentionMetadata
+from leapdecode.attention.kv_cache import Fp8Layer, IntLayer
 from leapdecode.config import SparseAttentionConfig
+
+KVLayer = torch.Tensor | Fp8Layer | IntLayer       # one layer of the cache, in any kv_cache_dtype
 
 
 class SparseAttention:
@@ -43,6 +52,7 @@ class SparseAttention:
 
     def __init__(self, cfg: SparseAttentionConfig, num_layers: int) -> None:
         self.budget, self.window = cfg.budget, cfg.window
+        self.per_layer = cfg.selection == "per_layer"
         self.selection_layers = frozenset(cfg.layers_for(num_layers))
         self.first_selection = min(self.selection_layers)
 
@@ -63,8 +73,9 @@ class SparseAttention:
 
 
 class SparseStep:
-    """One step's sparse decode rows: dense attention below the first selection layer, dense attention plus a new
-    selection at each selection layer, attention over the selected positions everywhere else."""
+    """One step's sparse decode rows: dense attention below the first selection layer; then, per_layer: each layer
+    attends over its own top positions; tidal: dense attention plus a new selection at each selection layer,
+    attention over the selected positions everywhere else."""
 
     def __init__(self, policy: SparseAttention, meta: AttentionMetadata, rows: list[int]) -> None:
         dev = meta.positions.device
@@ -75,7 +86,9 @@ class SparseStep:
         idx = torch.tensor(rows, device=dev)
         self.out_index = meta.query_start_loc[idx]                                    # the rows' query tokens
         self.block_size = meta.block_size
-        self.blocks = meta.block_tables[idx, :-(-self.max_len // meta.block_size)]    # [B, nblocks]
+        nblocks = -(-self.max_len // meta.block_size)
+        self.blocks = meta.block_tables[idx, :nblocks]                                # [B, nblocks]
+        self.kv_window = meta.kv_window[idx, :nblocks] if meta.kv_window is not None else None   # int8/int4
         seq_lens = torch.tensor(lens, device=dev)
         key = torch.arange(self.max_len, device=dev)
         self.key_valid = key[None, :] < seq_lens[:, None]                             # [B, max_len]
@@ -85,35 +98,47 @@ class SparseStep:
         # the padded top-k slots of rows with fewer chosen positions are masked; the window is always valid
         chosen_valid = torch.arange(self.num_chosen, device=dev)[None, :] < torch.tensor(chosen, device=dev)[:, None]
         self.selected_valid = torch.cat([chosen_valid, torch.ones(len(rows), w, dtype=torch.bool, device=dev)], 1)
-        self.positions: torch.Tensor | None = None     # [B, num_chosen + window] logical positions selected
+        self.positions: torch.Tensor | None = None     # [B, num_chosen + window] logical positions selected (tidal)
         self._slots: torch.Tensor | None = None        # the same as cache slots, flat
+        if policy.per_layer:                           # the cache slot of every position of each row
+            bs = meta.block_size
+            self.position_slots = (self.blocks[:, :, None] * bs + torch.arange(bs, device=dev)).flatten(1)
 
-    def attend(self, q: torch.Tensor, kv_cache: torch.Tensor, scale: float, layer: int | None) -> torch.Tensor:
+    def attend(self, q: torch.Tensor, kv_cache: KVLayer, scale: float, layer: int | None) -> torch.Tensor:
         """q: the step's [T, H, D] queries -> [B, H, D] outputs of this step's sparse rows at ``layer``."""
         if layer is None:
             raise ValueError("sparse attention needs the layer index: call attend(..., layer=i)")
         q = q[self.out_index]
         if layer < self.policy.first_selection:
             return self._dense(q, kv_cache, scale)
+        if self.policy.per_layer:
+            return self._top_k(q, kv_cache, scale)
         if layer in self.policy.selection_layers or self._slots is None:   # (a forward may skip a selection layer)
             return self._select(q, kv_cache, scale)
         return self._sparse(q, kv_cache, scale)
 
-    def _gather_blocks(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Every key and value of the rows' contexts: [B, Hkv, max_len, D] each."""
-        B, nb = self.blocks.shape
-        _, _, bs, hkv, d = kv_cache.shape
-        k, v = (kv_cache[i].index_select(0, self.blocks.flatten()).view(B, nb * bs, hkv, d)[:, :self.max_len]
-                for i in (0, 1))
-        return k.transpose(1, 2), v.transpose(1, 2)
+    def _context(self, kv_cache: KVLayer, values: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The rows' whole contexts, [B, max_len, Hkv, D] keys and values (None when not asked for and the cache is
+        full precision, where the values a layer needs are gathered by slot instead). A quantized cache is read
+        dequantized, keys and values together (int8/int4: open blocks from the full-precision window)."""
+        if isinstance(kv_cache, Fp8Layer):
+            k, v = kv_cache.read(self.blocks)
+        elif isinstance(kv_cache, IntLayer):
+            k, v = kv_cache.read(self.blocks, self.kv_window)
+        else:
+            B = len(self.rows)
+            _, _, bs, hkv, d = kv_cache.shape
+            k, v = (kv_cache[i].index_select(0, self.blocks.flatten()).view(B, -1, hkv, d) if i == 0 or values
+                    else None for i in (0, 1))
+        return k[:, :self.max_len], (v[:, :self.max_len] if v is not None else None)
 
-    def _dense(self, q: torch.Tensor, kv_cache: torch.Tensor, scale: float) -> torch.Tensor:
-        k, v = self._gather_blocks(kv_cache)
-        return _grouped_attention(q, k, v, self.key_valid, scale)
+    def _dense(self, q: torch.Tensor, kv_cache: KVLayer, scale: float) -> torch.Tensor:
+        k, v = self._context(kv_cache)
+        return _grouped_attention(q, k.transpose(1, 2), v.transpose(1, 2), self.key_valid, scale)
 
-    def _select(self, q: torch.Tensor, kv_cache: torch.Tensor, scale: float) -> torch.Tensor:
+    def _select(self, q: torch.Tensor, kv_cache: KVLayer, scale: float) -> torch.Tensor:
         """Full attention with its probabilities, from which the positions of the layers above are chosen."""
-        k, v = self._gather_blocks(kv_cache)
+        k, v = (t.transpose(1, 2) for t in self._context(kv_cache))                  # [B, Hkv, max_len, D]
         B, hkv, _, d = k.shape
         qg = q.view(B, hkv, -1, d).float()                                           # [B, Hkv, group, D]
         logits = torch.matmul(qg, k.float().transpose(-1, -2)) * scale               # [B, Hkv, group, max_len]
@@ -125,13 +150,42 @@ class SparseStep:
         self._slots = (blk * self.block_size + self.positions % self.block_size).flatten()
         return out
 
-    def _sparse(self, q: torch.Tensor, kv_cache: torch.Tensor, scale: float) -> torch.Tensor:
-        """Attention over the selected positions only: budget + window keys are read, not the whole context."""
+    def _top_k(self, q: torch.Tensor, kv_cache: KVLayer, scale: float) -> torch.Tensor:
+        """per_layer: each KV head scores every position with this layer's queries and attends over its top
+        positions and the window (every key is read, only the chosen values)."""
+        B = len(self.rows)
+        k, v = self._context(kv_cache, values=False)                                  # [B, n, Hkv, D]
+        hkv, d = k.shape[2], k.shape[3]
+        qg = q.view(B, hkv, -1, d)                                                     # [B, Hkv, group, D]
+        logits = torch.matmul(qg, k.permute(0, 2, 3, 1)).float() * scale             # [B, Hkv, group, n]
+        probs = logits.masked_fill_(~self.key_valid[:, None, None], float("-inf")).softmax(-1)
+        score = probs.sum(2).masked_fill_(~self.candidate[:, None], float("-inf"))    # [B, Hkv, n]
+        pos = torch.cat([score.topk(self.num_chosen, -1).indices,
+                         self.window_pos[:, None].expand(-1, hkv, -1)], -1)            # [B, Hkv, K]
+        rows = torch.arange(B, device=q.device)[:, None, None]
+        heads = torch.arange(hkv, device=q.device)[None, :, None]
+        keys = k[rows, pos, heads]                                                     # [B, Hkv, K, D]
+        if v is not None:
+            values = v[rows, pos, heads]
+        else:
+            slots = self.position_slots.gather(1, pos.flatten(1)).view(B, hkv, -1)
+            values = kv_cache[1].flatten(0, 1)[slots, heads]
+        o = F.scaled_dot_product_attention(qg, keys, values.to(keys.dtype),
+                                           attn_mask=self.selected_valid[:, None, None], scale=scale)
+        return o.view(B, -1, d)
+
+    def _sparse(self, q: torch.Tensor, kv_cache: KVLayer, scale: float) -> torch.Tensor:
+        """Attention over the selected positions only: budget + window keys are read, not the whole context (a
+        quantized cache is dequantized whole first: correct, not faster)."""
         B, K = self.positions.shape
-        _, nb, bs, hkv, d = kv_cache.shape
-        k, v = (kv_cache[i].view(nb * bs, hkv, d).index_select(0, self._slots).view(B, K, hkv, d).transpose(1, 2)
-                for i in (0, 1))
-        return _grouped_attention(q, k, v, self.selected_valid, scale)
+        if isinstance(kv_cache, torch.Tensor):
+            _, nb, bs, hkv, d = kv_cache.shape
+            k, v = (kv_cache[i].view(nb * bs, hkv, d).index_select(0, self._slots).view(B, K, hkv, d)
+                    for i in (0, 1))
+        else:
+            rows = torch.arange(B, device=q.device)[:, None]
+            k, v = (t[rows, self.positions] for t in self._context(kv_cache))
+        return _grouped_attention(q, k.transpose(1, 2), v.transpose(1, 2), self.selected_valid, scale)
 
 
 def _grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor,
