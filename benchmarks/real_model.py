@@ -16,7 +16,8 @@ batch 1       chat-templated MT-Bench turn-1 questions, one at a time, --decode-
 batch 32      32 chat-templated GSM8K questions submitted together, --batch-tokens tokens each (EOS ignored):
               generated tokens / wall time; transformers: one left-padded ``generate`` call over the 32.
 speculation   per task type (MT-Bench turn 2 after the model's own turn-1 answer, GSM8K, HumanEval as "complete this
-              function", code edits: record_outputs.py's EDIT_TASKS, rewrites that copy most of their input),
+              function", code edits: record_outputs.py's EDIT_TASKS, rewrites that copy most of their input;
+              summarization and document QA over sections of the Python language reference, ``doc_tasks``),
               --prompts-per-task prompts at batch 1, up to --spec-tokens tokens (stopping at EOS), for plain
               decoding and each drafter (ngram, suffix, recycling, auto), all five LLMs alive and run back to back
               per prompt in a rotating order: tok/s (generated tokens / wall time), tokens per step
@@ -211,7 +212,24 @@ def spec_tasks(llm, tok, k: int, n: int) -> dict[str, list[list[int]]]:
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from record_outputs import EDIT_TASKS          # copy-heavy rewrites: type hints, docstrings, renames, fixes
     edits = [chat_ids(tok, user(f"{instruction}\n\n{text}")) for instruction, text in EDIT_TASKS[:k]]
-    return {"MT-Bench turn 2": mt_prompts, "GSM8K": gsm, "HumanEval": he, "Code edits": edits}
+    return {"MT-Bench turn 2": mt_prompts, "GSM8K": gsm, "HumanEval": he, "Code edits": edits, **doc_tasks(tok, k)}
+
+
+def doc_tasks(tok, k: int) -> dict[str, list[list[int]]]:
+    """Summarization and retrieval-augmented question answering (a retrieved document, then a question about it)
+    over sections of the Python language reference that ships with every Python (``pydoc_data.topics``): public
+    text on every machine, and the workloads whose answers copy from the prompt. Sections of 1,200-4,000
+    characters (~300-1,000 tokens), spread over the alphabet; the two tasks use different sections."""
+    from pydoc_data.topics import topics
+    names = [t for t in sorted(topics) if 1200 <= len(topics[t]) <= 4000]
+    pick = names[::max(1, len(names) // (2 * k))][:2 * k]
+    docs = [topics[t].strip() for t in pick]
+    summaries = [chat_ids(tok, user(d + "\n\nSummarize the documentation above in a few sentences."))
+                 for d in docs[0::2]]
+    questions = [chat_ids(tok, user("Answer the question using the documentation below.\n\nDocumentation:\n" + d +
+                                    f"\n\nQuestion: What does the documentation say about {d.splitlines()[0]}? "
+                                    "Answer with the relevant details.")) for d in docs[1::2]]
+    return {"Summarization": summaries, "Document QA": questions}
 
 
 def speculation(path: str, tok, tasks: dict[str, list[list[int]]], n: int, kv: str, k_spec: int) -> list[dict]:
@@ -278,7 +296,7 @@ def spec_batches(path: str, tasks: dict[str, list[list[int]]], batches: list[int
         base, options = VARIANTS.get(method, (method, {}))
         spec = None if method == "plain" else {"method": base, "num_speculative_tokens": k_spec, "options": options}
         llms[method] = LLM(path, kv_cache_memory=kv, speculative_config=spec, max_num_seqs=max(batches))
-        llms[method].generate([tasks["GSM8K"][0][:8]], SamplingParams(max_tokens=2), use_tqdm=False)
+        llms[method].generate([next(iter(tasks.values()))[0][:8]], SamplingParams(max_tokens=2), use_tqdm=False)
     mixed = [p for group in zip(*tasks.values()) for p in group]
 
     def take(pool: list, count: int, rep: int) -> list:
@@ -378,6 +396,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--tokens-by-batch", default="1:64,16:48,64:32", help="--spec-batches: max tokens per batch")
     ap.add_argument("--methods", default=",".join(METHODS))
+    ap.add_argument("--tasks", default=None, help="--spec-batches: only these task types, comma-separated "
+                    "(e.g. 'Summarization,Document QA'; default: all)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     if args.spec_batches:
@@ -432,6 +452,12 @@ def spec_batches_main(args) -> None:
     tok = llm.get_tokenizer()
     k = args.batch_prompts if any(b > 1 for b in batches) else args.prompts_per_task
     tasks = spec_tasks(llm, tok, k, 96)
+    if args.tasks:
+        wanted = args.tasks.split(",")
+        unknown = [t for t in wanted if t not in tasks]
+        if unknown:
+            raise SystemExit(f"--tasks: no task {unknown}; the tasks are {list(tasks)}")
+        tasks = {t: tasks[t] for t in wanted}
     del llm
     rows = spec_batches(path, tasks, batches, {b: n.get(b, 32) for b in batches}, args.kv_cache_memory, k_spec,
                         args.repeats, tuple(args.methods.split(",")), args.prompts_per_task)
