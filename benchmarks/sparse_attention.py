@@ -66,7 +66,7 @@ def time_decode_attention(contexts: tuple[int, ...] = (2048, 4096, 8192), budget
                           window: int = 32, selection_layers: tuple[int, ...] | None = None, batch: int = 1,
                           num_layers: int = 30, heads: int = 9, kv_heads: int = 3, head_dim: int = 64,
                           block_size: int = 16, repeats: int = 7, dtype: torch.dtype = torch.float32,
-                          selection: str = "per_layer", dense_layers: int = 2) -> list[dict]:
+                          selection: str | None = None, dense_layers: int = 2) -> list[dict]:
     """Median decode-attention times (ms) full vs sparse per context length, as a list of dict rows."""
     cfg = SparseAttentionConfig(budget=budget, window=window, selection_layers=selection_layers, selection=selection,
                                 dense_layers=dense_layers)
@@ -157,7 +157,8 @@ def main() -> None:
     p.add_argument("--budget", type=lambda s: float(s) if "." in s else int(s), default=0.1,
                    help="a fraction of the context (0.1) or a token count (256)")
     p.add_argument("--window", type=int, default=32)
-    p.add_argument("--selection", choices=("per_layer", "tidal"), default="per_layer")
+    p.add_argument("--selection", choices=("per_layer", "tidal"), default=None,
+                   help="default: tidal with --selection-layers, else per_layer")
     p.add_argument("--dense-layers", type=int, default=2, help="per_layer: layers that attend fully")
     p.add_argument("--selection-layers", type=int, nargs="+", default=None, help="tidal: the selection layers")
     p.add_argument("--batch", type=int, default=1)
@@ -176,8 +177,8 @@ def main() -> None:
     if args.quality:
         cfg = SparseAttentionConfig(budget=args.budget, window=args.window, selection_layers=sel,
                                     selection=args.selection, dense_layers=args.dense_layers)
-        name = (f"{args.selection}, budget {args.budget}, window {args.window}, " +
-                (f"selection layers {sel or 'default'}" if args.selection == "tidal" else
+        name = (f"{cfg.selection}, budget {args.budget}, window {args.window}, " +
+                (f"selection layers {sel or 'default'}" if cfg.selection == "tidal" else
                  f"{args.dense_layers} dense layers"))
         print(f"# teacher-forced quality: {args.quality[0]} context tokens, {args.quality[1]} decodes, "
               f"model {args.model or 'SmolLM2-135M-Instruct'}")
@@ -188,12 +189,12 @@ def main() -> None:
     rows = time_decode_attention(tuple(args.contexts), args.budget, args.window, sel, args.batch, args.layers,
                                  args.heads, args.kv_heads, args.head_dim, repeats=args.repeats,
                                  selection=args.selection, dense_layers=args.dense_layers)
-    layers = SparseAttentionConfig(selection_layers=sel, selection=args.selection,
-                                   dense_layers=args.dense_layers).layers_for(args.layers)
+    cfg = SparseAttentionConfig(selection_layers=sel, selection=args.selection, dense_layers=args.dense_layers)
+    layers = cfg.layers_for(args.layers)
     print(f"# decode attention, torch backend, {platform.processor() or platform.machine()}, "
           f"torch {torch.__version__}, {args.threads} thread(s), load {os.getloadavg()[0]:.1f}; "
           f"{args.layers} layers, {args.heads}/{args.kv_heads} heads, head_dim {args.head_dim}, float32; "
-          f"{args.selection}: budget {args.budget} + window {args.window}, layers that choose positions {layers}; "
+          f"{cfg.selection}: budget {args.budget} + window {args.window}, layers that choose positions {layers}; "
           f"median of {args.repeats}")
     print("| context | batch | keys read (sparse layer) | full ms/layer | dense-layer ms | selection-layer ms "
           "| sparse-layer ms | full ms/step | sparse ms/step | sparse layer vs full | step vs full |")

@@ -88,7 +88,7 @@ class SparseAttentionConfig:
     ``budget``: positions a sparse layer reads besides the window: a fraction of the context (a float in (0, 1]) or a
     token count (an int >= 1); a context no longer than budget + window attends fully, so its outputs are exact.
     ``window``: the most recent positions (the current token included) that every sparse layer also reads.
-    ``selection``: how positions are chosen.
+    ``selection``: how positions are chosen (None: "tidal" when ``selection_layers`` is given, else "per_layer").
 
     - ``"per_layer"`` (default; top-k attention): every layer from ``dense_layers`` up ranks the earlier positions
       by its own attention scores, per KV head, and attends to its top ``budget`` (plus the window); the layers
@@ -101,7 +101,7 @@ class SparseAttentionConfig:
     budget: float | int = 0.1
     selection_layers: tuple[int, ...] | None = None
     window: int = 32
-    selection: str = "per_layer"
+    selection: str | None = None
     dense_layers: int = 2
 
     def __post_init__(self) -> None:
@@ -110,6 +110,8 @@ class SparseAttentionConfig:
                 isinstance(b, float) and not 0.0 < b <= 1.0):
             raise ValueError("sparse_attention.budget must be a fraction of the context in (0, 1] or a token count "
                              f">= 1, got {b!r}")
+        if self.selection is None:
+            object.__setattr__(self, "selection", "per_layer" if self.selection_layers is None else "tidal")
         if self.selection not in SPARSE_SELECTIONS:
             raise ValueError(f"sparse_attention.selection must be one of {SPARSE_SELECTIONS}, got {self.selection!r}")
         layers = self.selection_layers

@@ -332,7 +332,7 @@ def test_sparse_decoding_over_a_quantized_cache(deep_dir, kv_cache_dtype):
     ({"budget": True}, "budget"), ({"budget": "10%"}, "budget"),
     *[({"selection": "tidal", "selection_layers": bad}, "selection_layers") for bad in ((), (3, 1), (2, 2), (-1,), 2,
                                                                                        (1.5,))],
-    ({"selection_layers": (2, 12)}, "selection_layers"),          # per_layer (the default) has no selection layers
+    ({"selection": "per_layer", "selection_layers": (2, 12)}, "selection_layers"),   # per_layer has none
     ({"selection": "quest"}, "selection"), ({"dense_layers": -1}, "dense_layers"), ({"dense_layers": 1.0},
                                                                                      "dense_layers"),
     ({"window": 0}, "window"), ({"window": 2.0}, "window"), ({"budgets": 3}, "budgets"),
@@ -355,6 +355,9 @@ def test_bad_parameters_at_engine_start(deep_dir, tiny_dir):
         get_backend("triton", torch.device("cpu"), SparseAttention(SparseAttentionConfig(), 6))
     tidal = SparseAttentionConfig(selection="tidal")
     assert tidal.layers_for(30) == (2, 12) and tidal.layers_for(32) == (2, 13)
+    # selection layers alone mean tidal (the API before per_layer existed); no selection at all means per_layer
+    assert SparseAttentionConfig(selection_layers=(2, 9)).selection == "tidal"
+    assert SparseAttentionConfig().selection == "per_layer"
     assert SparseAttentionConfig().layers_for(5) == (2, 3, 4)
 
 
@@ -365,7 +368,10 @@ def test_cli_flags(capsys):
     assert _sparse_attention(args) == SparseAttentionConfig(budget=0.1, selection_layers=(2, 9), window=8,
                                                             selection="tidal")
     args = build_parser().parse_args(["generate", "--sparse-attention", "0.05", "--sparse-dense-layers", "3", "x"])
-    assert _sparse_attention(args) == SparseAttentionConfig(budget=0.05, dense_layers=3)
+    assert _sparse_attention(args) == SparseAttentionConfig(budget=0.05, dense_layers=3, selection="per_layer")
+    args = build_parser().parse_args(["generate", "--sparse-attention", "0.1", "--sparse-selection-layers", "2",
+                                      "--sparse-window", "8", "x"])
+    assert _sparse_attention(args).selection == "tidal"
     assert _sparse_attention(build_parser().parse_args(["generate", "--sparse-attention", "256", "x"])).budget == 256
     assert _sparse_attention(build_parser().parse_args(["generate", "x"])) is None
     assert main(["generate", "--sparse-attention", "0", "x"]) == 2
