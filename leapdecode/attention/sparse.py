@@ -19,13 +19,14 @@ head, by the attention probability each key receives summed over all the selecti
 correspond from one layer to the next, so a per-head choice has no meaning for the layers that reuse it; on
 SmolLM2-135M the shared choice gave a mean KL to full attention of 0.11 against 0.18 per KV head).
 
-Why per_layer is the default, measured on SmolLM2-135M-Instruct (needle in an 8k haystack of licence texts, greedy):
-with each layer choosing its own top 10% (or 5%) per KV head, the answers were identical to full attention's on
-every prompt tried; with tidal selection at layers (2, 12) no needle was found even at a 50% budget. Ranked by
-layer 2's attention, the needle's digits sit near the bottom of 8,000 positions, while the layers that copy them
-(14-23) rank them in their top 10%: positions do not persist across this model's layers (the paper's models are
-7-8B). Other tidal layer sets (2-12-20, 8-16-22, 14-21, re-selecting every 2nd layer) found the needle on some
-prompts and not others. tidal reads ~6x less at 8k; per_layer ~1.5-2x less (it reads all keys).
+Why per_layer is the default, measured on SmolLM2-135M-Instruct (needle in an 8k haystack of licence texts, greedy;
+benchmarks/kv_compression.py): with each layer choosing its own top 10% (or 5%) per KV head, every answer was
+identical to full attention's (10 of 10 prompts); tidal at layers (2, 12) found 2 of the 10 needles full attention
+found 8 of, and in smaller trials 0 of 2 at a 30% budget, 1 of 2 at 50%. Ranked by layer 2's attention, the
+needle's digits sit near the bottom of 8,000 positions, while the layers that copy them (14-23) rank them in their
+top 10%: positions do not persist across this model's layers (the paper's models are 7-8B). Of twelve other tidal
+layer sets tried on 2 prompts, one found both needles ((12, 18, 24)), three found one, eight none. tidal reads ~6x
+less at 8k; per_layer reads every key and ~10% of the values.
 
 Positions are logical token indices, turned into cache slots through the sequence's block table, so paged KV and
 shared prefix-cache blocks need nothing special. The state of one step (which rows, what was selected) lives in the
