@@ -86,8 +86,8 @@ class SparseStep:
         self.max_len, self.num_chosen = max(lens), max(chosen)
         idx = torch.tensor(rows, device=dev)
         self.out_index = meta.query_start_loc[idx]                                    # the rows' query tokens
-        self.block_size = meta.block_size
-        nblocks = -(-self.max_len // meta.block_size)
+        bs = meta.block_size
+        nblocks = -(-self.max_len // bs)
         self.blocks = meta.block_tables[idx, :nblocks]                                # [B, nblocks]
         self.kv_window = meta.kv_window[idx, :nblocks] if meta.kv_window is not None else None   # int8/int4
         seq_lens = torch.tensor(lens, device=dev)
@@ -101,9 +101,8 @@ class SparseStep:
         self.selected_valid = torch.cat([chosen_valid, torch.ones(len(rows), w, dtype=torch.bool, device=dev)], 1)
         self.positions: torch.Tensor | None = None     # [B, num_chosen + window] logical positions selected (tidal)
         self._slots: torch.Tensor | None = None        # the same as cache slots, flat
-        if policy.per_layer:                           # the cache slot of every position of each row
-            bs = meta.block_size
-            self.position_slots = (self.blocks[:, :, None] * bs + torch.arange(bs, device=dev)).flatten(1)
+        # the cache slot of every position of each row [B, nblocks * bs]: both selections gather through it
+        self.position_slots = (self.blocks[:, :, None] * bs + torch.arange(bs, device=dev)).flatten(1)
 
     def attend(self, q: torch.Tensor, kv_cache: KVLayer, scale: float, layer: int | None) -> torch.Tensor:
         """q: the step's [T, H, D] queries -> [B, H, D] outputs of this step's sparse rows at ``layer``."""
@@ -147,8 +146,7 @@ class SparseStep:
         out = torch.matmul(probs, v.float()).view(B, -1, d).to(q.dtype)
         score = probs.sum((1, 2)).masked_fill_(~self.candidate, float("-inf"))      # [B, max_len], all heads
         self.positions = torch.cat([score.topk(self.num_chosen, -1).indices, self.window_pos], -1)
-        blk = self.blocks.gather(1, self.positions // self.block_size)
-        self._slots = (blk * self.block_size + self.positions % self.block_size).flatten()
+        self._slots = self.position_slots.gather(1, self.positions).flatten()
         return out
 
     def _top_k(self, q: torch.Tensor, kv_cache: KVLayer, scale: float) -> torch.Tensor:
@@ -171,7 +169,7 @@ class SparseStep:
         else:
             slots = self.position_slots.gather(1, pos.flatten(1)).view(B, hkv, -1)
             values = kv_cache[1].flatten(0, 1)[slots, heads]
-        o = F.scaled_dot_product_attention(qg, keys, values.to(keys.dtype),
+        o = F.scaled_dot_product_attention(qg, keys, values,
                                            attn_mask=self.selected_valid[:, None, None], scale=scale)
         return o.view(B, -1, d)
 
