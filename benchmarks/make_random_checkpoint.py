@@ -46,6 +46,12 @@ SHAPES: dict[str, tuple[str, str, dict, dict]] = {
         sliding_window=32768, max_window_layers=24, bos_token_id=151643, eos_token_id=151643),
         # Qwen2ForCausalLM always has q/k/v biases (attention_bias is not a Qwen2 config field)
         dict(bos_token_id=151643, eos_token_id=151643, do_sample=False, max_new_tokens=2048)),
+    "smollm2-135m": ("LlamaConfig", "smollm2-tokenizer", dict(   # the default model's shape (SmolLM2-135M-Instruct)
+        vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+        num_key_value_heads=3, head_dim=64, max_position_embeddings=8192, rms_norm_eps=1e-5,
+        tie_word_embeddings=True, rope_parameters={"rope_type": "default", "rope_theta": 100000.0},
+        bos_token_id=1, eos_token_id=2),
+        dict(bos_token_id=1, eos_token_id=2, do_sample=False)),
     "llama-3.1-8b": ("LlamaConfig", "llama3-tokenizer", dict(
         vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
         num_key_value_heads=8, head_dim=128, max_position_embeddings=131072, rms_norm_eps=1e-5,
