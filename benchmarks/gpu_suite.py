@@ -353,11 +353,15 @@ def section_spec(args, rep: Report) -> None:
                           kv_cache_memory="4GiB")
                 prompts = code_prompts(llm.engine.tokenizer, batch, args.spec_prompt_len)
                 params = SamplingParams(temperature=0.0, max_tokens=args.spec_output_len, ignore_eos=True)
-                llm.generate(prompts[:2], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True),
+                # warm-up over every prompt: the first prefill of a batch this size compiles its kernels (up
+                # to 0.6 s on an H200), which a 2-prompt warm-up left inside the first timed run
+                llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True),
                              use_tqdm=False)
                 times, outs = [], None
                 for _ in range(args.repeats):
-                    steps0 = llm.engine.stats.get("steps", 0)
+                    sp = llm.engine.speculator
+                    if sp is not None:      # every run from empty drafter caches (suffix keeps finished outputs)
+                        sp.drafter = sp.new_drafter()
                     torch.cuda.synchronize()
                     t0 = time.perf_counter()
                     outs = llm.generate(prompts, params, use_tqdm=False)

@@ -77,15 +77,23 @@ def fabricated_drafting(spec):
 
 
 def simulate(step_time, q, batch=1, steps=300, k=8, adaptive=True, noise=0.03, q_after=None, switch=None, seed=0,
-             probe_time=None):
+             probe_time=None, graphs=None):
     """Run the speculator on a fabricated machine; returns (tokens/s, draft tokens per request per step).
-    ``probe_time``: what the start-up probe measures (default: the machine's own curve)."""
+    ``probe_time``: what the start-up probe measures (default: the machine's own curve). ``graphs``: a CUDA-graph
+    machine, (bucket(num_seqs, q) -> (B, Q) or None, real seconds of a bucket, its replay time at start-up):
+    steps a bucket holds cost the bucket's time, whatever their token count."""
     drafter = FakeDrafter(q, seed)
     cfg = SpeculativeConfig(method="ngram", num_speculative_tokens=k, adaptive=adaptive, drafter=drafter)
     probe = StepTimeModel()
     for n in (1, 2, 4, 8, 16, 64, 1, 64):
         probe.observe(n, (probe_time or step_time)(n))
     spec = fabricated_drafting(Speculator(cfg, 50_000, probe))
+    if graphs is not None:
+        bucket_of, bucket_seconds, replay_seconds = graphs
+        for b in {bucket_of(batch, x) for x in range(1, k + 2)} - {None}:
+            probe.graphs.set_prior(b, replay_seconds(b))
+        if spec.controller is not None:
+            spec.controller.graph_bucket = bucket_of
     rng = random.Random(seed + 1)
     seqs = [Seq(i) for i in range(batch)]
     seconds, tokens, per_step = 0.0, 0, []
@@ -103,9 +111,10 @@ def simulate(step_time, q, batch=1, steps=300, k=8, adaptive=True, noise=0.03, q
             s.token_ids += [truth(s.seq_id, pos + j) for j in range(acc + 1)]
             tokens += acc + 1
             spec.observe(s, len(d) if d else 0, acc, None)
-        t = step_time(n) * (1 + noise * (2 * rng.random() - 1))
+        bucket = graphs[0](batch, 1 + max((len(d) for d in drafts.values()), default=0)) if graphs else None
+        t = (graphs[1](bucket) if bucket else step_time(n)) * (1 + noise * (2 * rng.random() - 1))
         seconds += t
-        spec.observe_step(n, t)
+        spec.observe_step(n, t, bucket)
         per_step.append((n - batch) / batch)
     return tokens / seconds, per_step, spec
 
@@ -304,3 +313,46 @@ def test_probe_times_each_size_after_an_untimed_first_forward():
     model = Engine._probe_step_time(fake)
     for n in (1, 2, 4, 8, 16, 64):
         assert model(n) < 0.001 + 0.0001 * n + 0.04, (n, model(n))
+
+
+# An H200 running a small model from CUDA graphs (benchmarks/results/h200-2026-11-27, the embedded 4-layer model at
+# batch 1): the decode bucket's step 0.6 ms, the verification bucket (5 tokens) 0.75 ms whatever its fill, replays
+# alone 0.3 / 0.35 ms; the start-up probe's eager forwards cost 1.0-1.1 ms up to 4 tokens and 2.8 ms at 8.
+def h200_eager(n):
+    return 0.0010 + 0.000025 * (n - 1) if n <= 4 else 0.0028 + 0.0002 * (n - 8)
+
+
+def h200_bucket(num_seqs, q):
+    return (num_seqs, 1) if q == 1 else (num_seqs, 5) if q <= 5 else None
+
+
+H200_GRAPHS = (h200_bucket, lambda b: 0.0006 if b[1] == 1 else 0.00075, lambda b: 0.0003 if b[1] == 1 else 0.00035)
+
+
+def test_graph_steps_are_priced_by_their_bucket_not_their_token_count():
+    """Once a verification graph is paid for, its rows are filled: with acceptance ~0.9 the controller drafts all
+    4 tokens. Priced by token count through the probe's eager curve (a 5-token step interpolated between the
+    4- and 8-token forwards looks 1.5x a 4-token one), it drafted 3 and ran 1.6x slower than fixed k = 4 on the
+    H200 (the run this machine is fabricated from)."""
+    rate, per_step, spec = simulate(h200_eager, 0.95, k=4, steps=200, graphs=H200_GRAPHS)
+    assert np.mean(per_step[-100:]) > 3.5
+    fixed = simulate(h200_eager, 0.95, k=4, steps=200, graphs=H200_GRAPHS, adaptive=False)[0]
+    assert rate >= 0.95 * fixed
+    assert rate >= 2.5 * 1 / 0.0006                       # plain decoding: one token per 0.6 ms step
+    # the step times went to the buckets, not to the token-count curve
+    assert spec.controller.step_time.graphs((1, 5)) == pytest.approx(0.00075, rel=0.05)
+
+
+def test_graph_times_fall_back_to_replay_time_plus_the_host_share():
+    st = StepTimeModel()
+    st.graphs.set_prior((1, 1), 0.0003)
+    st.graphs.set_prior((1, 5), 0.00035)
+    st.graphs.set_prior((64, 1), 0.0005)
+    assert st.graphs((1, 5)) == pytest.approx(0.00035)          # nothing real seen yet: the replay alone
+    st.observe(1, 0.0006, graph=(1, 1))
+    assert st.graphs((1, 5)) == pytest.approx(0.00065)          # + the 0.3 ms the host added at batch 1
+    st.observe(64, 0.0030, graph=(64, 1))
+    assert st.graphs((64, 1)) == pytest.approx(0.0030)
+    assert st.graphs((2, 1)) is None                            # no prior, never seen
+    assert st.steps_since_seen(1, (1, 1)) == 1 and st.steps_since_seen(5, (1, 5)) > 1000
+    assert st(64) == pytest.approx(st.c0 + st.c1 * 64)         # graph steps left the token-count curve alone

@@ -523,6 +523,29 @@ class TestOnGPU:
         assert outs["spec"] == outs["plain"]
         assert stats["draft_tokens"] > 0 and stats["accepted_tokens"] > stats["draft_tokens"] // 10, stats
 
+    def test_adaptive_speculation_prices_graph_buckets(self):
+        """With graphs on, the controller's step times are kept per graph bucket: every captured bucket has its
+        replay time as a prior, the decode and verification buckets the engine replayed have real times, graph
+        steps stay out of the token-count curve, and the output is plain decoding's."""
+        from leapdecode import LLM, SamplingParams
+        from leapdecode.assets import default_model_path
+        prompts = ["def fibonacci(n):\n    a, b = 0, 1\n    for _ in range(n):\n        a, b = b, a + b\n    ",
+                   "for i in range(10):\n    print(i)\nfor i in range(10):\n    "]
+        params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
+        outs = {}
+        for label, cfg in (("plain", None), ("spec", {"method": "ngram", "num_speculative_tokens": 4})):
+            llm = LLM(default_model_path(), dtype="float32", device="cuda", attention_backend="triton",
+                      kv_cache_memory="256MiB", speculative_config=cfg, max_num_seqs=2)
+            outs[label] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+            eng = llm.engine
+        assert outs["spec"] == outs["plain"]
+        st, graphs = eng.speculator.controller.step_time, eng.runner.graphs
+        assert set(st.graphs._prior) == set(graphs.graphs)
+        assert all(0 < t < 0.1 for t in st.graphs._prior.values())
+        assert st.graphs.last_seen((2, 1)) is not None and st.graphs.last_seen((2, 5)) is not None
+        assert eng.stats["accepted_tokens"] > 0
+        assert eng.speculator.controller.graph_bucket(2, 3) == (2, 5)
+
     def test_triton_backend_on_cuda_by_name_and_opt_in(self, monkeypatch):
         from leapdecode.attention.backend import get_backend
         assert get_backend("triton", torch.device("cuda")).name == "triton"

@@ -141,10 +141,33 @@ class CudaGraphs:
         shape = step_shape(plan)
         if shape is None or batch.meta.block_tables.shape[1] > self.max_blocks:
             return None
-        n, q = shape
-        b = self.batch_bucket(n)
-        q = next((x for x in self.query_lens if x >= q), None)
-        return None if b is None or q is None else self.graphs.get((b, q))
+        bucket = self.shape_bucket(*shape)
+        return None if bucket is None else self.graphs.get(bucket)
+
+    def shape_bucket(self, num_seqs: int, max_q: int) -> tuple[int, int] | None:
+        """The (batch, query length) bucket that would run a step of ``num_seqs`` sequences of at most ``max_q``
+        tokens each, or None (eager). The speculation controller prices draft sizes with it."""
+        b = self.batch_bucket(num_seqs)
+        q = next((x for x in self.query_lens if x >= max_q), None)
+        return None if b is None or q is None or (b, q) not in self.graphs else (b, q)
+
+    @torch.inference_mode()
+    def replay_seconds(self, repeats: int = 3) -> dict[tuple[int, int], float]:
+        """Seconds per replay of every captured graph on its capture-time inputs (no KV written): the GPU's
+        share of each bucket's step, the speculation controller's prior. Empty when graphs run eagerly."""
+        out: dict[tuple[int, int], float] = {}
+        self.static.slot_mapping.fill_(-1)
+        for bucket, g in self.graphs.items():
+            if g.graph is None:
+                continue
+            g.graph.replay()
+            torch.cuda.synchronize(self.device)
+            t0 = time.perf_counter()
+            for _ in range(repeats):
+                g.graph.replay()
+            torch.cuda.synchronize(self.device)
+            out[bucket] = (time.perf_counter() - t0) / repeats
+        return out
 
     def batch_bucket(self, num_seqs: int) -> int | None:
         """The smallest captured batch size holding ``num_seqs`` sequences (None: more than the largest)."""

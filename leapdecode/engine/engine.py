@@ -458,7 +458,9 @@ class Engine:
             self._finished(seq)
         self.stats["steps"] += 1
         if self.speculator is not None:
-            self.speculator.observe_step(plan.num_tokens, time.perf_counter() - started)
+            # (the runner's last step is this one: speculation never runs overlapped, see _overlap_safe)
+            self.speculator.observe_step(plan.num_tokens, time.perf_counter() - started,
+                                         getattr(self.runner, "last_graph", None))
         outputs = [self._output(req) for req in touched.values() if req.beam is None or req.finished]
         if self._ended_outside_a_step:          # beam searches that ended in this step
             self._ended_outside_a_step = [r for r in self._ended_outside_a_step if r not in touched]
@@ -531,8 +533,12 @@ class Engine:
                     torch.cuda.synchronize(self.device)
                 t0 = time.perf_counter()
                 self.runner.execute(plan).logits.cpu()
-                if timed:
+                if timed and getattr(self.runner, "last_graph", None) is None:   # graph steps: timed below
                     model.observe(n, time.perf_counter() - t0)
+        graphs = getattr(self.runner, "graphs", None)
+        if graphs is not None:          # every CUDA graph bucket's replay: what its steps cost before the host's share
+            for bucket, seconds in graphs.replay_seconds().items():
+                model.graphs.set_prior(bucket, seconds)
         return model
 
 

@@ -70,6 +70,7 @@ class ModelRunner:
         self.buffers = InputBuffers(self.device, windowed=self.kv_layout.windowed)
         self.pad = cfg.pad_to_buckets if cfg.pad_to_buckets is not None else self.device.type == "cuda"
         self.graphs = self._cuda_graphs()
+        self.last_graph: tuple[int, int] | None = None   # the graph bucket the last step replayed (its timing key)
 
     def _cuda_graphs(self) -> CudaGraphs | None:
         """CUDA graphs for decode and verification steps (engine/cuda_graphs.py), captured now; None where they do
@@ -177,6 +178,7 @@ class ModelRunner:
             tokens = last_sampled[rows].to(idx.dtype) if self.tp.is_first else torch.empty_like(idx)
             batch.input_ids[idx] = self.tp.broadcast(tokens)
         graph = self.graphs.bucket(plan, batch) if self.graphs is not None and not (capture or all_rows) else None
+        self.last_graph = (graph.batch, graph.query_len) if graph is not None else None
         if graph is not None:
             return ForwardOutput(self.graphs.replay(graph, batch))
         self.backend.plan(batch.meta)

@@ -18,6 +18,14 @@ where B is one bonus token per decoding request and ``base`` the tokens the step
   probe's value times the ratio real/probe observed at the nearest sizes. Mixed naively, a real 16-token step next
   to the probe's cheaper 17..64-token points made extra tokens look free (the curve is flattened to stay
   non-decreasing), and speculation at batch 16 ran below plain decoding.
+- **Graph steps cost their shape, not their token count**: a step replayed from a CUDA graph runs the bucket
+  (sequences, tokens per sequence) that holds it, so verifying 1 draft token costs what verifying k costs, and
+  the 1-token decode bucket is another kernel. Those steps are timed per bucket (:class:`GraphTimes`), apart from
+  the token-count curve; a bucket not yet seen costs its replay time at start-up plus the host's share measured on
+  the nearest bucket seen. The controller asks the runner which bucket a step of m draft tokens would run, so on a
+  GPU, once a verification graph is paid for, its rows are filled (interpolating the probe's eager 4- and 8-token
+  forwards instead priced a 5-token verification at 2.5x the 4-token one on an H200, and the controller drafted 3
+  where 4 ran 1.6x faster).
 - **Value, learned per request** (SpecDec++-like): the j-th draft token is worth P(tokens 1..j accepted) =
   p1 * prod c(d), with p1 the request's own fast-decaying first-token acceptance shrunk toward the drafter's score and
   the global rate, and c(d) the conditional acceptance at depth d (the request's own, shrunk toward the global
@@ -54,6 +62,44 @@ class _Bucket:
         return sum(n for n, _ in self.obs) / len(self.obs), ts[len(ts) // 2]
 
 
+class GraphTimes:
+    """Seconds of steps replayed from a CUDA graph, per bucket (sequences, tokens per sequence): the median of the
+    last few real steps, else the bucket's replay time at start-up (:meth:`set_prior`) plus the host's share (real
+    minus replay) seen on the observed bucket of the nearest batch size."""
+
+    def __init__(self, window: int = 5) -> None:
+        self.window = window
+        self._obs: dict[tuple[int, int], deque] = {}
+        self._seen: dict[tuple[int, int], int] = {}
+        self._prior: dict[tuple[int, int], float] = {}
+
+    def set_prior(self, bucket: tuple[int, int], seconds: float) -> None:
+        self._prior[bucket] = seconds
+
+    def observe(self, bucket: tuple[int, int], seconds: float, step: int) -> None:
+        d = self._obs.get(bucket)
+        if d is None:
+            d = self._obs[bucket] = deque(maxlen=self.window)
+        d.append(seconds)
+        self._seen[bucket] = step
+
+    def last_seen(self, bucket: tuple[int, int]) -> int | None:
+        return self._seen.get(bucket)
+
+    def __call__(self, bucket: tuple[int, int]) -> float | None:
+        d = self._obs.get(bucket)
+        if d:
+            return sorted(d)[len(d) // 2]
+        prior = self._prior.get(bucket)
+        if prior is None:
+            return None
+        seen = [b for b in self._obs if b in self._prior]
+        if not seen:
+            return prior
+        near = min(seen, key=lambda b: (abs(b[0] - bucket[0]), abs(b[1] - bucket[1])))
+        return prior + max(self(near) - self._prior[near], 0.0)
+
+
 class StepTimeModel:
     """T(n): seconds for a step that computes n tokens (see the module doc). ``c0``/``c1``: the line's prior."""
 
@@ -64,6 +110,7 @@ class StepTimeModel:
         self.num_observed = 0
         self._points: tuple | None = None
         self._prior: tuple[np.ndarray, np.ndarray, float] | None = None    # (xs, ys, slope beyond): the shape
+        self.graphs = GraphTimes(window)     # steps replayed from CUDA graphs: timed per bucket, not per token
 
     def mark_prior(self) -> None:
         """Keep what has been observed so far (the start-up probe) as the shape of the curve, not as measurements:
@@ -83,10 +130,15 @@ class StepTimeModel:
             out = out + np.maximum(ns - xs[-1], 0.0) * slope
         return out
 
-    def observe(self, num_tokens: int, seconds: float) -> None:
+    def observe(self, num_tokens: int, seconds: float, graph: tuple[int, int] | None = None) -> None:
+        """A step of ``num_tokens`` tokens took ``seconds``; ``graph``: the CUDA graph bucket it replayed, if any
+        (its time goes to :attr:`graphs`, not to the token-count curve)."""
         if num_tokens <= 0 or not seconds > 0.0:
             return
         self.num_observed += 1
+        if graph is not None:
+            self.graphs.observe(graph, seconds, self.num_observed)
+            return
         d = self.decay
         self._sw = d * self._sw + 1
         self._sx = d * self._sx + num_tokens
@@ -105,8 +157,12 @@ class StepTimeModel:
         b.last_seen = self.num_observed
         self._points = None
 
-    def steps_since_seen(self, num_tokens: int) -> int:
-        """Steps since a step of this size (its bucket) was last observed; a large number if never."""
+    def steps_since_seen(self, num_tokens: int, graph: tuple[int, int] | None = None) -> int:
+        """Steps since a step of this size (its bucket, or its graph bucket) was last observed; a large number
+        if never."""
+        if graph is not None:
+            seen = self.graphs.last_seen(graph)
+            return self.num_observed - seen if seen is not None else 1 << 30
         b = self._buckets.get(_bucket(num_tokens))
         return self.num_observed - b.last_seen if b is not None else 1 << 30
 
@@ -154,13 +210,17 @@ class _Acceptance:
 
 class Controller:
     """See the module doc. ``max_draft``: most draft tokens per request; ``decay``: per-step forgetting of a
-    request's own acceptance; ``min_gain``: how much better than plain decoding a draft must be predicted to be."""
+    request's own acceptance; ``min_gain``: how much better than plain decoding a draft must be predicted to be;
+    ``graph_bucket(num_seqs, tokens_per_seq)``: the CUDA graph bucket the runner would replay for such a step, or
+    None (it runs eagerly), from ``CudaGraphs.shape_bucket``."""
 
     def __init__(self, max_draft: int, step_time: StepTimeModel | None = None, decay: float = 0.8,
                  first_decay: float = 0.85, run_alarm: float = 0.1,
                  prior_strength: float = 3.0, min_gain: float = 0.03, global_decay: float = 0.98,
-                 explore_every: int = 32, explore_tolerance: float = 0.1, stale_after: int = 128) -> None:
+                 explore_every: int = 32, explore_tolerance: float = 0.1, stale_after: int = 128,
+                 graph_bucket=None) -> None:
         self.max_draft = max_draft
+        self.graph_bucket = graph_bucket
         self.step_time = step_time or StepTimeModel()
         self.step_time.mark_prior()      # what it holds now (the start-up probe) is the curve's shape
         self.run_alarm = run_alarm
@@ -246,10 +306,11 @@ class Controller:
 
     # -- the decision ----------------------------------------------------------------------------------------------
     def draft_lengths(self, proposals: list[tuple], other_tokens: int,
-                      draft_seconds: float = 0.0) -> list[int]:
+                      draft_seconds: float = 0.0, num_seqs: int | None = None) -> list[int]:
         """proposals: (seq_id, draft length on offer, drafter score[, per-token confidence]) per decoding request
         (the confidence, when given, values the draft's tokens: see :meth:`_values`); other_tokens: tokens the
-        step computes anyway (one per decode, plus prefill chunks); draft_seconds: what drafting costs per step.
+        step computes anyway (one per decode, plus prefill chunks); draft_seconds: what drafting costs per step;
+        num_seqs: the step's sequences when it holds decodes only (a shape a CUDA graph may run), else None.
         Returns how many draft tokens to keep for each."""
         self.num_calls += 1
         R = len(proposals)
@@ -266,7 +327,7 @@ class Controller:
         M = int(lengths.sum())
         order = np.argsort(-flat, kind="stable")[:M]
         expected = float(R) + np.concatenate(([0.0], np.cumsum(flat[order])))
-        cost = self.step_time.predict(other_tokens + np.arange(M + 1))
+        cost, graphs = self._costs(other_tokens, order, K, num_seqs)
         cost[1:] += draft_seconds
         goodput = expected / cost
         best = int(np.argmax(goodput))
@@ -274,7 +335,7 @@ class Controller:
         chosen = best if goodput[best] > plain * (1.0 + self.min_gain) else 0
         explored = False
         if self.explore_every and self.num_calls % self.explore_every == 0:
-            chosen, explored = self._explore(chosen, best, goodput, other_tokens)
+            chosen, explored = self._explore(chosen, best, goodput, other_tokens, graphs)
         self.last_choice = {"tokens": chosen, "best": best, "gain": float(goodput[chosen] / plain),
                             "explored": explored}
         if chosen:
@@ -282,24 +343,60 @@ class Controller:
             keep = counts.tolist()
         return keep
 
-    def _explore(self, chosen: int, best: int, goodput: np.ndarray, base: int) -> tuple[int, bool]:
+    def step_seconds(self, tokens: int, num_seqs: int | None = None, per_seq: int = 1) -> float:
+        """Predicted seconds of a step of ``tokens`` tokens; of its graph bucket when it holds ``num_seqs``
+        decoding sequences of at most ``per_seq`` tokens each and a graph would run it."""
+        if self.graph_bucket is not None and num_seqs:
+            bucket = self.graph_bucket(num_seqs, per_seq)
+            t = self.step_time.graphs(bucket) if bucket is not None else None
+            if t is not None:
+                return t
+        return self.step_time(tokens)
+
+    def _costs(self, other_tokens: int, order: np.ndarray, K: int, num_seqs: int | None):
+        """Predicted seconds of the step with the m = 0..M most valuable draft tokens, and m -> the graph bucket
+        that step would replay (None: eager), or None for no graphs. The m-th token of the greedy order is at depth
+        order % K + 1 of its draft, so the step's longest sequence after m tokens is 1 + the running maximum of
+        those depths: non-decreasing in m, so each bucket prices one contiguous run of m."""
+        M = len(order)
+        cost = self.step_time.predict(other_tokens + np.arange(M + 1))
+        if self.graph_bucket is None or not num_seqs:
+            return cost, None
+        q = np.empty(M + 1, dtype=np.int64)
+        q[0] = 1
+        q[1:] = 1 + np.maximum.accumulate(order % K + 1)
+        buckets = {}
+        lo = 0
+        while lo <= M:
+            depth = int(q[lo])
+            hi = int(np.searchsorted(q, depth, side="right"))
+            bucket = buckets[depth] = self.graph_bucket(num_seqs, depth)
+            t = self.step_time.graphs(bucket) if bucket is not None else None
+            if t is not None:
+                cost[lo:hi] = t
+            lo = hi
+        return cost, (lambda m: buckets[int(q[m])])
+
+    def _explore(self, chosen: int, best: int, goodput: np.ndarray, base: int, graphs) -> tuple[int, bool]:
         """Measure what the model has not seen lately, when it is predicted to be close: plain decoding while
         speculating, or the best draft size while not."""
         st = self.step_time
-        if chosen > 0 and st.steps_since_seen(base) > self.stale_after:
+        graph = graphs or (lambda m: None)  # noqa: E731
+        if chosen > 0 and st.steps_since_seen(base, graph(0)) > self.stale_after:
             return 0, True
         if chosen == 0 and best == 0 and len(goodput) > 1:
             best = 1 + int(np.argmax(goodput[1:]))
         if chosen == 0 and best > 0 and goodput[best] >= goodput[0] * (1.0 - self.explore_tolerance) \
-                and st.steps_since_seen(base + best) > self.explore_every:
+                and st.steps_since_seen(base + best, graph(best)) > self.explore_every:
             return best, True
         return chosen, False
 
-    def worth_drafting(self, offers: list[tuple[int, int]], other_tokens: int, draft_seconds: float = 0.0) -> bool:
+    def worth_drafting(self, offers: list[tuple[int, int]], other_tokens: int, draft_seconds: float = 0.0,
+                       num_seqs: int | None = None) -> bool:
         """Could any draft pay this step? offers: (seq_id, room). Uses each request's last drafter score; a cheap
         check that lets the speculator skip the drafter when speculation is off."""
         probe = [(sid, room, self._score.get(sid, 0.5)) for sid, room in offers]
         calls, last = self.num_calls, self.last_choice
-        keep = self.draft_lengths(probe, other_tokens, draft_seconds)
+        keep = self.draft_lengths(probe, other_tokens, draft_seconds, num_seqs)
         self.num_calls, self.last_choice = calls, last
         return any(keep) or (self.explore_every > 0 and (calls + 1) % self.explore_every == 0)

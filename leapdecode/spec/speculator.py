@@ -43,7 +43,10 @@ class Speculator:
         """``runner``: the target's model runner, handed to drafters that run a model (``registry.MODEL_METHODS``)."""
         self.cfg = cfg
         self._vocab_size, self._runner = vocab_size, runner
-        self.controller = Controller(cfg.num_speculative_tokens, step_time) if cfg.adaptive else None
+        graphs = getattr(runner, "graphs", None)       # steps a CUDA graph replays cost their bucket's time
+        self.controller = Controller(cfg.num_speculative_tokens, step_time,
+                                     graph_bucket=graphs.shape_bucket if graphs is not None else None) \
+            if cfg.adaptive else None
         self.drafter = cfg.drafter if cfg.drafter is not None else self.new_drafter()
         self._probs: dict[int, tuple[DraftTree, object]] = {}   # this step's drafts' q (model drafters)
         self.num_proposals = 0
@@ -53,6 +56,7 @@ class Speculator:
         self.costly_seconds_ema = 0.0    # auto's model drafter: time per step that asks it
         self._gate_calls = 0
         self._step_shape = (0, 0)        # this step's (decoding requests, tokens computed anyway), for the gate
+        self._graph_seqs: int | None = None   # this step's sequences if it holds decodes only (a graph's shape)
         self._step_draft_seconds = 0.0   # drafting time inside this step (charged apart, so not in its step time)
         self._shadow: dict[int, tuple[DraftTree, int]] = {}   # seq_id -> (draft, committed tokens when drafted)
         # while speculation is off, the controller is asked again only when something it uses has changed
@@ -127,9 +131,11 @@ class Speculator:
             return True
         ctl, (decodes, base) = self.controller, self._step_shape
         extra = sum(min(r.max_draft, self.cfg.num_speculative_tokens) for r in reqs)
-        cheap = self.draft_seconds_ema
-        plain = decodes / (ctl.step_time(base) + cheap)
-        spec = (decodes + sum(promises)) / (ctl.step_time(base + extra) + cheap + self.costly_seconds_ema)
+        deepest = 1 + max((min(r.max_draft, self.cfg.num_speculative_tokens) for r in reqs), default=0)
+        cheap, seqs = self.draft_seconds_ema, self._graph_seqs
+        plain = decodes / (ctl.step_seconds(base, seqs) + cheap)
+        spec = (decodes + sum(promises)) / (ctl.step_seconds(base + extra, seqs, deepest) + cheap
+                                            + self.costly_seconds_ema)
         return spec > plain * (1.0 + ctl.min_gain)
 
     def prepare(self, prefilling: list["Sequence"]) -> None:
@@ -162,13 +168,14 @@ class Speculator:
         ctl = self.controller
         base = len(decoding) + other_tokens
         self._step_shape = (len(decoding), base)
+        self._graph_seqs = len(decoding) if other_tokens == 0 else None
         if ctl is not None and not self._speculating:
             batch = tuple(r.seq_id for r in reqs)
             self._quiet_steps += 1
             if batch != self._batch or self._quiet_steps >= 8:      # (the count restarts: every 8 steps, not
                 self._news, self._batch, self._quiet_steps = True, batch, 0   # every step after the 8th)
             if not (self._news and ctl.worth_drafting([(r.seq_id, r.max_draft) for r in reqs], base,
-                                                      self.draft_seconds_ema)):
+                                                      self.draft_seconds_ema, self._graph_seqs)):
                 self._news = False
                 self._propose_shadows(reqs, base)
                 return {}
@@ -183,7 +190,7 @@ class Speculator:
             return {s.seq_id: DraftTree.of(d.tokens, d.parents) for s, d in zip(seqs, drafts) if d.tokens}
         charge = self.draft_seconds_ema + (self.costly_seconds_ema if costly > 0 else 0.0)
         keep = ctl.draft_lengths([(s.seq_id, len(d), d.score, d.confidence) for s, d in zip(seqs, drafts)], base,
-                                 charge)
+                                 charge, self._graph_seqs)
         self._speculating = any(keep)
         out = {}
         for s, d, k in zip(seqs, drafts, keep):
@@ -212,7 +219,7 @@ class Speculator:
         self.num_shadow_proposals += 1
         # a drafter that runs a model is not cheap: space shadow drafts so they cost at most ~2% of decoding
         # (at 5%, EAGLE's shadows at batch 16 plus its catch-up cost ~9% of a run where it never drafted)
-        step = self.controller.step_time(base)
+        step = self.controller.step_seconds(base, self._graph_seqs)
         self._gap = max(self.shadow_gap, math.ceil(dt / (0.02 * step))) if step > 0 else self.shadow_gap
         for r, d in zip(need, drafts):
             if d.tokens:
@@ -236,11 +243,12 @@ class Speculator:
                 self._score_shadow(seq)
         self.drafter.observe(seq.seq_id, seq.token_ids, num_accepted, topk)
 
-    def observe_step(self, num_tokens: int, seconds: float) -> None:
+    def observe_step(self, num_tokens: int, seconds: float, graph: tuple[int, int] | None = None) -> None:
         """A step's wall time from before drafting to its commit; the drafter's own time in it is taken out (the
-        controller charges drafting apart), the rest (scheduling drafts, verifying them) is the step's cost."""
+        controller charges drafting apart), the rest (scheduling drafts, verifying them) is the step's cost.
+        ``graph``: the CUDA graph bucket the step replayed, if any."""
         if self.controller is not None:
-            self.controller.step_time.observe(num_tokens, max(seconds - self._step_draft_seconds, 1e-9))
+            self.controller.step_time.observe(num_tokens, max(seconds - self._step_draft_seconds, 1e-9), graph)
         self._step_draft_seconds = 0.0
 
     def finish(self, seq: "Sequence") -> None:
