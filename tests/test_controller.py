@@ -71,23 +71,31 @@ def fabricated_drafting(spec):
     test asserts does not depend on how loaded the machine running it is."""
     def draft(reqs):
         spec.drafter_seconds += DRAFT_SECONDS * len(reqs)
+        spec._step_draft_seconds += DRAFT_SECONDS * len(reqs)
         return spec.drafter.propose(reqs), DRAFT_SECONDS * len(reqs), 0.0
     spec._draft = draft
     return spec
 
 
 def simulate(step_time, q, batch=1, steps=300, k=8, adaptive=True, noise=0.03, q_after=None, switch=None, seed=0,
-             probe_time=None, graphs=None):
+             probe_time=None, graphs=None, spike=None, wrong=False, guard=True):
     """Run the speculator on a fabricated machine; returns (tokens/s, draft tokens per request per step).
     ``probe_time``: what the start-up probe measures (default: the machine's own curve). ``graphs``: a CUDA-graph
     machine, (bucket(num_seqs, q) -> (B, Q) or None, real seconds of a bucket, its replay time at start-up):
-    steps a bucket holds cost the bucket's time, whatever their token count."""
+    steps a bucket holds cost the bucket's time, whatever their token count. ``spike``: (every, seconds), a cost every so many
+    verifying steps (a collection set off by draft allocations, a drafter's periodic rebuild): the median of a
+    size's recent steps, the controller's cost model, never sees it. ``wrong``: a controller that always keeps
+    every draft (a cost model that is wrong); ``guard``: the measured throughput guard on."""
     drafter = FakeDrafter(q, seed)
     cfg = SpeculativeConfig(method="ngram", num_speculative_tokens=k, adaptive=adaptive, drafter=drafter)
     probe = StepTimeModel()
     for n in (1, 2, 4, 8, 16, 64, 1, 64):
         probe.observe(n, (probe_time or step_time)(n))
     spec = fabricated_drafting(Speculator(cfg, 50_000, probe))
+    if wrong:
+        spec.controller.draft_lengths = lambda proposals, *a, **k: [p[1] for p in proposals]
+    if not guard:
+        spec.guard = None
     if graphs is not None:
         bucket_of, bucket_seconds, replay_seconds = graphs
         for b in {bucket_of(batch, x) for x in range(1, k + 2)} - {None}:
@@ -96,13 +104,14 @@ def simulate(step_time, q, batch=1, steps=300, k=8, adaptive=True, noise=0.03, q
             spec.controller.graph_bucket = bucket_of
     rng = random.Random(seed + 1)
     seqs = [Seq(i) for i in range(batch)]
-    seconds, tokens, per_step = 0.0, 0, []
+    seconds, tokens, per_step, spiky = 0.0, 0, [], 0
     for step in range(steps):
         if switch is not None and step == switch:
             drafter.q = q_after
-        drafted_before = spec.drafter_seconds
+        drafted_before, tokens_before = spec.drafter_seconds, tokens
         drafts = spec.propose(seqs, [k] * batch, 0)
-        seconds += spec.drafter_seconds - drafted_before       # drafting is on the step's critical path
+        drafting = spec.drafter_seconds - drafted_before        # drafting is on the step's critical path
+        seconds += drafting
         n = batch + sum(len(d) for d in drafts.values())
         for s in seqs:
             d = drafts.get(s.seq_id)
@@ -113,8 +122,11 @@ def simulate(step_time, q, batch=1, steps=300, k=8, adaptive=True, noise=0.03, q
             spec.observe(s, len(d) if d else 0, acc, None)
         bucket = graphs[0](batch, 1 + max((len(d) for d in drafts.values()), default=0)) if graphs else None
         t = (graphs[1](bucket) if bucket else step_time(n)) * (1 + noise * (2 * rng.random() - 1))
+        if spike and n > batch:
+            spiky += 1
+            t += spike[1] if spiky % spike[0] == 0 else 0.0
         seconds += t
-        spec.observe_step(n, t, bucket)
+        spec.observe_step(n, drafting + t, bucket, tokens - tokens_before)
         per_step.append((n - batch) / batch)
     return tokens / seconds, per_step, spec
 
@@ -356,3 +368,39 @@ def test_graph_times_fall_back_to_replay_time_plus_the_host_share():
     assert st.graphs((2, 1)) is None                            # no prior, never seen
     assert st.steps_since_seen(1, (1, 1)) == 1 and st.steps_since_seen(5, (1, 5)) > 1000
     assert st(64) == pytest.approx(st.c0 + st.c1 * 64)         # graph steps left the token-count curve alone
+
+
+def test_the_guard_overrules_a_controller_that_is_wrong():
+    """Measured tokens per second, drafter on against off, have the last word: where the controller's models are
+    wrong (here it keeps every draft; on the H200 unpriced host work made adaptive speculation 0.2-0.8x of plain
+    at batch 64), the guard finds speculation slower than plain decoding and switches the drafter off."""
+    plain = plain_rate(cpu_heavy)
+    rate, per_step, spec = simulate(cpu_heavy, 0.3, steps=600, wrong=True)
+    assert spec.guard.num_vetoes >= 1 and spec.guard.vetoed
+    assert np.mean(per_step[-200:]) < 0.5
+    assert rate >= 0.85 * plain
+    unguarded = simulate(cpu_heavy, 0.3, steps=600, wrong=True, guard=False)[0]
+    assert unguarded < 0.6 * plain
+
+
+def test_guard_windows_vetoes_and_cooldowns():
+    from leapdecode.spec.guard import ThroughputGuard
+    g = ThroughputGuard(margin=0.08, window=4, refresh=100, cooldown=10, min_samples=4)
+    modes = []
+    for _ in range(4):                      # the drafter's modes first: nothing to compare yet
+        modes.append(g.bare(8))
+        g.record(8, "spec", 0.010, 8)
+    assert modes == [False] * 4
+    for _ in range(4):                      # then a window of bare steps at this batch size
+        assert g.bare(8)
+        g.record(8, "bare", 0.010, 10)      # 1.0 ms a token against speculation's 1.25
+    assert not g.bare(8)
+    g.record(8, "spec", 0.010, 8)
+    assert g.num_vetoes == 1 and g.vetoed and g.cooldown == 20
+    assert all(g.bare(8) for _ in range(9))             # the cool-down: no drafter at all
+    assert not g.bare(8) and not g.vetoed
+    g.record(8, "spec", 0.010, 8)
+    assert g.num_vetoes == 1                            # one fresh sample: not yet
+    assert not g.bare(8)
+    g.record(8, "spec", 0.010, 8)
+    assert g.num_vetoes == 2 and g.cooldown == 40       # still slower: again, for twice as long

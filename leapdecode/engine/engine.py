@@ -424,6 +424,7 @@ class Engine:
     def _commit(self, plan: StepPlan, result: StepResult, started: float) -> list[RequestOutput]:
         """Hand the result to the scheduler, then do the per-request bookkeeping it does not own."""
         now = time.time()
+        generated = self.stats["generation_tokens"]
         drafted = {c.seq_id: len(c.draft) for c in plan.seqs if c.draft and c.seq_id not in self.contrastive}
         if self._unscheduled:
             for c in plan.seqs:
@@ -460,7 +461,8 @@ class Engine:
         if self.speculator is not None:
             # (the runner's last step is this one: speculation never runs overlapped, see _overlap_safe)
             self.speculator.observe_step(plan.num_tokens, time.perf_counter() - started,
-                                         getattr(self.runner, "last_graph", None))
+                                         getattr(self.runner, "last_graph", None),
+                                         self.stats["generation_tokens"] - generated)
         outputs = [self._output(req) for req in touched.values() if req.beam is None or req.finished]
         if self._ended_outside_a_step:          # beam searches that ended in this step
             self._ended_outside_a_step = [r for r in self._ended_outside_a_step if r not in touched]

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Sequence as Seq
 from leapdecode.config import SpeculativeConfig
 from leapdecode.spec.controller import Controller, StepTimeModel
 from leapdecode.spec.drafter import DraftRequest
+from leapdecode.spec.guard import ThroughputGuard
 from leapdecode.spec.registry import make_drafter
 from leapdecode.spec.tree import DraftTree
 
@@ -47,6 +48,10 @@ class Speculator:
         self.controller = Controller(cfg.num_speculative_tokens, step_time,
                                      graph_bucket=graphs.shape_bucket if graphs is not None else None) \
             if cfg.adaptive else None
+        self.guard = ThroughputGuard() if cfg.adaptive else None   # measured rates overrule the controller
+        self._guard_seqs: int | None = None    # this step's decodes when the guard compares it (decodes only)
+        self._guard_bare = False               # ... and whether it ran without the drafter
+        self._step_drafted = 0                 # draft tokens verified this step
         self.drafter = cfg.drafter if cfg.drafter is not None else self.new_drafter()
         self._probs: dict[int, tuple[DraftTree, object]] = {}   # this step's drafts' q (model drafters)
         self.num_proposals = 0
@@ -165,6 +170,11 @@ class Speculator:
         self._probs = {}
         if not reqs:
             return {}
+        if self.guard is not None and other_tokens == 0:
+            self._guard_seqs = len(decoding)
+            self._guard_bare = self.guard.bare(len(decoding))
+            if self._guard_bare:
+                return {}
         ctl = self.controller
         base = len(decoding) + other_tokens
         self._step_shape = (len(decoding), base)
@@ -237,18 +247,25 @@ class Speculator:
             self._news = True
 
     def observe(self, seq: "Sequence", num_drafted: int, num_accepted: int, topk: Seq | None) -> None:
+        self._step_drafted += num_drafted
         if self.controller is not None:
             self.controller.observe(seq.seq_id, num_drafted, num_accepted)
             if num_drafted == 0 and seq.seq_id in self._shadow:
                 self._score_shadow(seq)
         self.drafter.observe(seq.seq_id, seq.token_ids, num_accepted, topk)
 
-    def observe_step(self, num_tokens: int, seconds: float, graph: tuple[int, int] | None = None) -> None:
+    def observe_step(self, num_tokens: int, seconds: float, graph: tuple[int, int] | None = None,
+                     emitted: int = 0) -> None:
         """A step's wall time from before drafting to its commit; the drafter's own time in it is taken out (the
         controller charges drafting apart), the rest (scheduling drafts, verifying them) is the step's cost.
-        ``graph``: the CUDA graph bucket the step replayed, if any."""
+        ``graph``: the CUDA graph bucket the step replayed, if any; ``emitted``: the tokens it committed (the
+        guard compares whole steps, drafting included, per emitted token)."""
         if self.controller is not None:
             self.controller.step_time.observe(num_tokens, max(seconds - self._step_draft_seconds, 1e-9), graph)
+        if self.guard is not None and self._guard_seqs is not None:
+            mode = "bare" if self._guard_bare else "spec" if self._step_drafted else "quiet"
+            self.guard.record(self._guard_seqs, mode, seconds, emitted)
+        self._guard_seqs, self._guard_bare, self._step_drafted = None, False, 0
         self._step_draft_seconds = 0.0
 
     def finish(self, seq: "Sequence") -> None:

@@ -1,0 +1,121 @@
+"""The last word on speculation: measured tokens per second with the drafter against without it.
+
+The controller (spec/controller.py) decides from models of cost and acceptance; a cost it does not model (the
+host's per-sequence work around drafts on a GPU whose step is all host time, a drafter's bookkeeping, shadow drafts,
+collections that land in later steps) can make it speculate, or keep drafting shadows, where plain decoding is
+faster. The guard measures what each mode really delivers, seconds per emitted token over whole steps (drafting
+included), per batch size:
+
+- ``bare``: the drafter is not asked at all (plain decoding);
+- ``spec``: drafts were verified this step;
+- ``quiet``: the drafter was asked (shadow drafts, the controller's check) but nothing was verified.
+
+Once the drafter's modes have a few samples at a batch size, and every ``refresh`` steps after, it runs a short
+window of bare steps there, so the bare rate is current; when
+the measured spec or quiet rate is worse than bare by more than ``margin``, the drafter is switched off for a
+cool-down that doubles each time this repeats (up to ``max_cooldown``) and resets when speculation wins again.
+Steps with prefill chunks are not compared (their cost is the prompt's, not the mode's).
+
+On the H200 the embedded model's plain decoding at batch 64 is ~2 ms a step of host work, and each of n-gram,
+suffix and draft-model speculation, adaptive, ran at 0.18-0.78x of it: the guard is what holds the controller's
+promise of never being slower than plain decoding where its models are wrong.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from leapdecode.spec.controller import _bucket
+
+MODES = ("bare", "spec", "quiet")
+QUICK = 4             # samples that settle a clear loss (and start the first bare window)
+CLEAR_LOSS = 1.5      # a mode this much slower than bare is vetoed on QUICK samples, not min_samples
+
+
+@dataclass
+class _Rate:
+    seconds: float = 0.0      # decayed sums over this mode's steps: a ratio of sums, not a mean of ratios (a
+    tokens: float = 0.0       # spec step emits 1 to k + 1 tokens; one bad step must not outweigh ten good ones)
+    count: int = 0
+    fresh: int = 0            # samples since the last veto
+    at: int = 0               # the guard's step count at the last sample
+
+    @property
+    def spt(self) -> float:
+        """Seconds per emitted token."""
+        return self.seconds / self.tokens if self.tokens > 0 else 0.0
+
+
+@dataclass
+class _Batch:
+    rates: dict[str, _Rate] = field(default_factory=lambda: {m: _Rate() for m in MODES})
+    window_at: int | None = None     # the step the last bare window started
+
+
+class ThroughputGuard:
+    def __init__(self, margin: float = 0.08, window: int = 8, refresh: int = 256, cooldown: int = 64,
+                 max_cooldown: int = 4096, min_samples: int = 16, decay: float = 0.97) -> None:
+        """``margin``: how much slower a mode must measure than bare to be vetoed. The controller makes the fine
+        choices; the guard is for clear losses: a speculative step emits 1 to k + 1 tokens, so over ~15 steps a
+        ratio of sums still varies by several percent, and a smaller margin vetoed speculation that paid 1.1x."""
+        self.margin, self.window, self.refresh = margin, window, refresh
+        self.base_cooldown, self.cooldown, self.max_cooldown = cooldown, cooldown, max_cooldown
+        self.min_samples, self.decay = min_samples, decay
+        self.steps = 0
+        self.veto_until = 0
+        self.num_vetoes = 0
+        self._bare_left = 0
+        self._batches: dict[int, _Batch] = {}
+
+    def _batch(self, num_seqs: int) -> _Batch:
+        key = _bucket(num_seqs)
+        b = self._batches.get(key)
+        if b is None:
+            b = self._batches[key] = _Batch()
+        return b
+
+    @property
+    def vetoed(self) -> bool:
+        return self.steps < self.veto_until
+
+    def bare(self, num_seqs: int) -> bool:
+        """Called once per step that has decodes: must this step run without the drafter?"""
+        self.steps += 1
+        if self.steps < self.veto_until:
+            return True
+        if self._bare_left > 0:
+            self._bare_left -= 1
+            return True
+        b = self._batch(num_seqs)
+        measured = b.rates["spec"].count + b.rates["quiet"].count >= QUICK   # something to compare
+        if measured and (b.window_at is None or self.steps - b.window_at > self.refresh):
+            b.window_at = self.steps
+            self._bare_left = self.window - 1
+            return True
+        return False
+
+    def record(self, num_seqs: int, mode: str, seconds: float, emitted: int) -> None:
+        """A decode-only step of ``num_seqs`` sequences ran in ``mode`` for ``seconds`` (drafting included) and
+        emitted ``emitted`` tokens."""
+        if emitted <= 0 or not seconds > 0.0:
+            return
+        b = self._batch(num_seqs)
+        r = b.rates[mode]
+        r.seconds = self.decay * r.seconds + seconds
+        r.tokens = self.decay * r.tokens + emitted
+        r.count += 1
+        r.fresh += 1
+        r.at = self.steps
+        bare = b.rates["bare"]
+        if mode == "bare" or r.fresh < 2 or bare.count < QUICK:
+            return
+        worse = r.spt / bare.spt if bare.spt > 0 else 1.0
+        if worse > 1.0 + self.margin and (r.count >= self.min_samples or worse > CLEAR_LOSS and r.count >= QUICK):
+            # the evidence stays (decaying): after the cool-down two more bad steps veto again, while a real
+            # change (the text starts to copy) outweighs it within ~10 steps
+            self.veto_until = self.steps + self.cooldown
+            self.cooldown = min(2 * self.cooldown, self.max_cooldown)
+            self.num_vetoes += 1
+            for m in ("spec", "quiet"):
+                b.rates[m].fresh = 0
+        elif mode == "spec" and r.spt < bare.spt * (1.0 - self.margin):
+            self.cooldown = self.base_cooldown
