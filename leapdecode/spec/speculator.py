@@ -199,12 +199,14 @@ class Speculator:
         if ctl is None:
             return {s.seq_id: DraftTree.of(d.tokens, d.parents) for s, d in zip(seqs, drafts) if d.tokens}
         charge = self.draft_seconds_ema + (self.costly_seconds_ema if costly > 0 else 0.0)
+        trees = [DraftTree.of(d.tokens, d.parents) if d.tokens else None for d in drafts]
+        # a step with a token tree runs eagerly (engine/cuda_graphs.py step_shape): price it by its tokens
+        chains = all(t is None or t.parents is None for t in trees)
         keep = ctl.draft_lengths([(s.seq_id, len(d), d.score, d.confidence) for s, d in zip(seqs, drafts)], base,
-                                 charge, self._graph_seqs)
+                                 charge, self._graph_seqs if chains else None)
         self._speculating = any(keep)
         out = {}
-        for s, d, k in zip(seqs, drafts, keep):
-            tree = DraftTree.of(d.tokens, d.parents) if d.tokens else None
+        for s, tree, k in zip(seqs, trees, keep):
             if k > 0:
                 out[s.seq_id] = tree.prefix(k)
                 self._shadow.pop(s.seq_id, None)
