@@ -252,6 +252,24 @@ def test_tokenizer_and_chat_template_from_metadata(tiny_dir, tmp_path):
     assert again.apply_chat_template(messages) == llm.apply_chat_template(messages)
 
 
+def test_conversion_cache_is_keyed_by_content_not_path(tiny_dir, tmp_path):
+    """The same file at another path with another mtime (the default model installed in a fresh clone's virtual
+    environment) shares one cache entry; a different file of the same size does not."""
+    import shutil
+    import time
+    a = write_gguf(tiny_dir("llama_tied"), str(tmp_path / "a.gguf"), Q.Q8_0)
+    os.makedirs(tmp_path / "elsewhere")
+    time.sleep(0.01)
+    b = shutil.copy(a, tmp_path / "elsewhere" / "a.gguf")
+    assert os.stat(a).st_mtime_ns != os.stat(b).st_mtime_ns
+    assert gguf_mod.cache_dir(a) == gguf_mod.cache_dir(str(b))
+    data = bytearray(open(a, "rb").read())
+    data[-10] ^= 0xFF                         # one byte of the last tensor's data
+    c = tmp_path / "c.gguf"
+    c.write_bytes(bytes(data))
+    assert gguf_mod.cache_dir(str(c)) != gguf_mod.cache_dir(a)
+
+
 def test_truncated_file_is_a_clear_error(tiny_dir, tmp_path):
     path = write_gguf(tiny_dir("llama_tied"), str(tmp_path / "whole.gguf"), Q.F32)
     data = open(path, "rb").read()

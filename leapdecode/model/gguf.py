@@ -10,7 +10,8 @@ tensors, quantized or not, under llama.cpp's names. We read it with the ``gguf``
 - the tokenizer is built by transformers' own GGUF conversion (it knows llama.cpp's tokenizer types).
 
 Reading a GGUF is slow in pure Python (the reader parses every vocabulary string; dequantizing is numpy work), so
-the first load writes what it found to a cache directory keyed by the file's path, size and modification time:
+the first load writes what it found to a cache directory keyed by the file's content (its size and a hash of
+sampled bytes, so the same file installed in another virtual environment or clone shares one conversion):
 ``config.json``, ``generation_config.json``, the tokenizer files and the fused weights in the dtype used
 (``weights-<dtype>.safetensors``). Later loads read only those. ``LEAPDECODE_CACHE_DIR`` moves the cache
 (default ``~/.cache/leapdecode``); ``LEAPDECODE_GGUF_CACHE=0`` turns it off; weights larger than
@@ -322,11 +323,32 @@ def cache_enabled() -> bool:
 
 
 def cache_dir(path: str) -> str:
-    """Where this file's converted config, tokenizer and weights live: keyed by real path, size and mtime."""
+    """Where this file's converted config, tokenizer and weights live: keyed by its content (:func:`_content_key`).
+    Keyed by path and mtime, every clean clone's install of the default model converted it again: 38 copies of
+    540 MB on one development machine."""
     real, size, mtime = _stat_key(path)
-    key = hashlib.sha256(f"{CACHE_FORMAT}|{real}|{size}|{mtime}".encode()).hexdigest()[:24]
     stem = os.path.splitext(os.path.basename(real))[0][:60]
-    return os.path.join(cache_root(), "gguf", f"{stem}-{key}")
+    return os.path.join(cache_root(), "gguf", f"{stem}-{_content_key(real, size, mtime)}")
+
+
+_SAMPLE = 1 << 16       # bytes read at each of _SAMPLES evenly spaced offsets, besides the first and last MiB
+_SAMPLES = 16
+
+
+@functools.lru_cache(maxsize=16)
+def _content_key(real_path: str, size: int, mtime_ns: int) -> str:
+    """sha256 of the cache format, the size, the first and last MiB (header and metadata; the last tensors) and 16
+    samples of 64 KiB in between (the weights of a fine-tune with the same tokenizer and size differ there): 3 MiB
+    read, not the file. (Path and mtime only key the memo.)"""
+    h = hashlib.sha256(f"{CACHE_FORMAT}|{size}|".encode())
+    with open(real_path, "rb") as f:
+        h.update(f.read(1 << 20))
+        for i in range(1, _SAMPLES + 1):
+            f.seek(size * i // (_SAMPLES + 1))
+            h.update(f.read(_SAMPLE))
+        f.seek(max(size - (1 << 20), 0))
+        h.update(f.read(1 << 20))
+    return h.hexdigest()[:24]
 
 
 def _write_json_atomic(path: str, obj: Any) -> None:
