@@ -29,6 +29,7 @@ Timings on a shared CPU are noisy; the machine, load average and versions are pr
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import platform
@@ -297,7 +298,9 @@ def spec_batches(path: str, tasks: dict[str, list[list[int]]], batches: list[int
         spec = None if method == "plain" else {"method": base, "num_speculative_tokens": k_spec, "options": options}
         llms[method] = LLM(path, kv_cache_memory=kv, speculative_config=spec, max_num_seqs=max(batches))
         llms[method].generate([next(iter(tasks.values()))[0][:8]], SamplingParams(max_tokens=2), use_tqdm=False)
-    mixed = [p for group in zip(*tasks.values()) for p in group]
+    # round robin over the tasks, every prompt of each (zip stopped at the shortest: 10 code edits capped a batch
+    # of six task types at 60 prompts)
+    mixed = [p for group in itertools.zip_longest(*tasks.values()) for p in group if p is not None]
 
     def take(pool: list, count: int, rep: int) -> list:
         """Repeat ``rep``'s ``count`` prompts: the next slice of the pool (wrapping round when it is short)."""

@@ -72,11 +72,14 @@ class GraphTimes:
         self._obs: dict[tuple[int, int], deque] = {}
         self._seen: dict[tuple[int, int], int] = {}
         self._prior: dict[tuple[int, int], float] = {}
+        self._memo: dict[tuple[int, int], float | None] = {}   # answers since the last change (asked every step)
 
     def set_prior(self, bucket: tuple[int, int], seconds: float) -> None:
         self._prior[bucket] = seconds
+        self._memo.clear()
 
     def observe(self, bucket: tuple[int, int], seconds: float, step: int) -> None:
+        self._memo.clear()
         d = self._obs.get(bucket)
         if d is None:
             d = self._obs[bucket] = deque(maxlen=self.window)
@@ -87,6 +90,12 @@ class GraphTimes:
         return self._seen.get(bucket)
 
     def __call__(self, bucket: tuple[int, int]) -> float | None:
+        if bucket in self._memo:
+            return self._memo[bucket]
+        self._memo[bucket] = t = self._predict(bucket)
+        return t
+
+    def _predict(self, bucket: tuple[int, int]) -> float | None:
         d = self._obs.get(bucket)
         if d:
             return sorted(d)[len(d) // 2]
