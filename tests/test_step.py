@@ -183,3 +183,29 @@ def test_torch_attention_pads_decodes_apart_from_verification_rows():
     decode, verify = meta.plan
     assert decode.valid_q is None and decode.q_index.shape == (2, 1)       # the two decodes, one query each
     assert verify.valid_q is not None and verify.q_index.shape == (1, 5)   # the verification row alone
+
+
+def test_torch_attention_groups_decodes_by_context_length():
+    """Decode attention reads every gathered key, padding included: 8 short and 8 long decodes are two padded
+    batches (each to its own longest context), not one padded to 1,000 keys, and every row's output equals the
+    row attended alone."""
+    from leapdecode.attention.torch_ref import TorchAttention
+    from leapdecode.engine.input_batch import InputBuffers
+    bs, hkv, d, group = 16, 2, 8, 2
+    lens = [12, 20, 9, 30, 17, 25, 11, 14] + [900, 1000, 950, 980, 910, 990, 1000, 930]
+    seqs, block = [], 0
+    for i, n in enumerate(lens):
+        nb = -(-n // bs)
+        seqs.append(ScheduledSeq(i, n - 1, (5,), tuple(range(block, block + nb)), samples=True))
+        block += nb
+    meta = InputBuffers(torch.device("cpu")).build(lay_out(0, bs, seqs), None).meta
+    backend = TorchAttention()
+    backend.plan(meta)
+    assert sorted(g.max_k for g in meta.plan) == [30, 1000]
+    gen = torch.Generator().manual_seed(0)
+    cache = torch.randn(2, block, bs, hkv, d, generator=gen)
+    q = torch.randn(len(lens), hkv * group, d, generator=gen)
+    out = backend.attend(q, cache, meta, 0.3)
+    for i in (0, 3, 9):                      # a row attended alone: same result
+        alone = InputBuffers(torch.device("cpu")).build(lay_out(0, bs, [seqs[i]]), None).meta
+        torch.testing.assert_close(backend.attend(q[i:i + 1], cache, alone, 0.3)[0], out[i], rtol=0, atol=1e-6)

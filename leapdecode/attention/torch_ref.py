@@ -1,7 +1,8 @@
 """Portable attention over the paged cache in plain PyTorch: runs on CPU and CUDA, and is the test oracle.
 
-Sequences with short query runs are attended in padded batches (plain decodes in one, verification and short
-prefills in another, so a decode row is never padded to a verification's length), long prefill chunks one by one,
+Sequences with short query runs are attended in padded batches (plain decodes in groups of similar context length,
+verification and short prefills in another, so a decode row is never padded to a verification's length nor to a
+much longer context), long prefill chunks one by one,
 all through one function with an explicit mask built from token positions, so chunked prefill, token trees and
 sliding windows share a single rule: a query at position p sees keys at positions <= p
 that are earlier context or (for trees) its ancestors. The masks and gather indices are built once per step in
@@ -28,6 +29,27 @@ from leapdecode.attention.sparse import SparseAttention, SparseStep
 # Sequences with at most this many query tokens (decodes, verification, short prefills) share one padded batch;
 # longer prefill chunks run alone so padding never multiplies their cost.
 BATCH_MAX_QUERY = 32
+# A padded batch is split where a sequence's context is more than PAD_RATIO times the shortest in its group (and
+# the group has MIN_GROUP rows): decode attention is a memory-bound read of every gathered key, padding included
+# (64 decodes of 100-1,000 tokens padded to 1,000 read ~4x the keys they attend).
+PAD_RATIO = 2.0
+MIN_GROUP = 8
+
+
+def _by_length(rows: list[int], lens: list[int]) -> list[list[int]]:
+    """``rows`` in groups of similar context length (ascending), each padded only to its own longest."""
+    order = sorted(rows, key=lambda i: lens[i])
+    groups: list[list[int]] = [[]]
+    for i in order:
+        g = groups[-1]
+        if len(g) >= MIN_GROUP and lens[i] > PAD_RATIO * lens[g[0]]:
+            groups.append([i])
+        else:
+            g.append(i)
+    if len(groups) > 1 and len(groups[-1]) < MIN_GROUP:     # a short tail joins the group before it
+        tail = groups.pop()
+        groups[-1] += tail
+    return [g for g in groups if g]
 
 
 @dataclass
@@ -59,7 +81,7 @@ class TorchAttention(AttentionBackend):
         # row would pay for the longest row's queries (at batch 16, SDPA cost doubled on speculating steps)
         single = [i for i in short if meta.query_lens[i] == 1 and meta.tree(i) is None]
         multi = [i for i in short if meta.query_lens[i] > 1 or meta.tree(i) is not None]
-        groups = [_group(meta, g) for g in (single, multi) if g]
+        groups = [_group(meta, g) for g in _by_length(single, meta.seq_lens_host) + [multi] if g]
         groups += [_group(meta, [i]) for i, n in enumerate(meta.query_lens) if n > BATCH_MAX_QUERY]
         meta.plan = groups + ([sparse] if sparse is not None else [])
 
