@@ -175,6 +175,8 @@ class Speculator:
             self._guard_bare = self.guard.bare(len(decoding))
             if self._guard_bare:
                 return {}
+        elif self.guard is not None and self.guard.vetoed:
+            return {}                   # steps with prefill chunks are not compared, but a veto holds for them too
         ctl = self.controller
         base = len(decoding) + other_tokens
         self._step_shape = (len(decoding), base)
