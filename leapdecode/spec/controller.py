@@ -48,7 +48,8 @@ _EXACT = 32                      # token counts up to this are buckets of their 
 _RATIO = math.log(1.125)         # then ~12% wide buckets
 
 
-def _bucket(n: int) -> int:
+def size_bucket(n: int) -> int:
+    """A size's bucket: exact up to 32, then ~12% wide (step times per token count; the guard's batch sizes)."""
     return n if n <= _EXACT else _EXACT + 1 + int(math.log(n / _EXACT) / _RATIO)
 
 
@@ -159,9 +160,9 @@ class StepTimeModel:
             slope = (self._sw * self._sxy - self._sx * self._sy) / var
             self.c1 = max(slope, 1e-9)
             self.c0 = max((self._sy - self.c1 * self._sx) / self._sw, 1e-6)
-        b = self._buckets.get(_bucket(num_tokens))
+        b = self._buckets.get(size_bucket(num_tokens))
         if b is None:
-            b = self._buckets[_bucket(num_tokens)] = _Bucket(deque(maxlen=self.window))
+            b = self._buckets[size_bucket(num_tokens)] = _Bucket(deque(maxlen=self.window))
         b.obs.append((num_tokens, seconds))
         b.last_seen = self.num_observed
         self._points = None
@@ -172,7 +173,7 @@ class StepTimeModel:
         if graph is not None:
             seen = self.graphs.last_seen(graph)
             return self.num_observed - seen if seen is not None else 1 << 30
-        b = self._buckets.get(_bucket(num_tokens))
+        b = self._buckets.get(size_bucket(num_tokens))
         return self.num_observed - b.last_seen if b is not None else 1 << 30
 
     def _curve(self) -> tuple:

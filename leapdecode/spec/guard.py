@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from leapdecode.spec.controller import _bucket
+from leapdecode.spec.controller import size_bucket
 
 MODES = ("bare", "spec", "quiet")
 QUICK = 4             # samples that settle a clear loss (and start the first bare window)
@@ -67,7 +67,7 @@ class ThroughputGuard:
         self._batches: dict[int, _Batch] = {}
 
     def _batch(self, num_seqs: int) -> _Batch:
-        key = _bucket(num_seqs)
+        key = size_bucket(num_seqs)
         b = self._batches.get(key)
         if b is None:
             b = self._batches[key] = _Batch()
