@@ -356,12 +356,14 @@ class Controller:
     def step_seconds(self, tokens: int, num_seqs: int | None = None, per_seq: int = 1) -> float:
         """Predicted seconds of a step of ``tokens`` tokens; of its graph bucket when it holds ``num_seqs``
         decoding sequences of at most ``per_seq`` tokens each and a graph would run it."""
-        if self.graph_bucket is not None and num_seqs:
-            bucket = self.graph_bucket(num_seqs, per_seq)
-            t = self.step_time.graphs(bucket) if bucket is not None else None
-            if t is not None:
-                return t
-        return self.step_time(tokens)
+        t = self._graph_seconds(num_seqs, per_seq)[1] if self.graph_bucket is not None and num_seqs else None
+        return t if t is not None else self.step_time(tokens)
+
+    def _graph_seconds(self, num_seqs: int, per_seq: int) -> tuple[tuple[int, int] | None, float | None]:
+        """(the graph bucket a step of ``num_seqs`` sequences of at most ``per_seq`` tokens replays, its predicted
+        seconds); (None, None) when it runs eagerly, a time of None when the bucket has neither prior nor steps."""
+        bucket = self.graph_bucket(num_seqs, per_seq)
+        return bucket, (self.step_time.graphs(bucket) if bucket is not None else None)
 
     def _costs(self, other_tokens: int, order: np.ndarray, K: int, num_seqs: int | None):
         """Predicted seconds of the step with the m = 0..M most valuable draft tokens, and m -> the graph bucket
@@ -380,8 +382,7 @@ class Controller:
         while lo <= M:
             depth = int(q[lo])
             hi = int(np.searchsorted(q, depth, side="right"))
-            bucket = buckets[depth] = self.graph_bucket(num_seqs, depth)
-            t = self.step_time.graphs(bucket) if bucket is not None else None
+            buckets[depth], t = self._graph_seconds(num_seqs, depth)
             if t is not None:
                 cost[lo:hi] = t
             lo = hi

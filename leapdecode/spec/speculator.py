@@ -49,8 +49,7 @@ class Speculator:
                                      graph_bucket=graphs.shape_bucket if graphs is not None else None) \
             if cfg.adaptive else None
         self.guard = ThroughputGuard() if cfg.adaptive else None   # measured rates overrule the controller
-        self._guard_seqs: int | None = None    # this step's decodes when the guard compares it (decodes only)
-        self._guard_bare = False               # ... and whether it ran without the drafter
+        self._guard_bare = False               # this step runs without the drafter (the guard's bare mode)
         self._step_drafted = 0                 # draft tokens verified this step
         self.drafter = cfg.drafter if cfg.drafter is not None else self.new_drafter()
         self._probs: dict[int, tuple[DraftTree, object]] = {}   # this step's drafts' q (model drafters)
@@ -61,7 +60,9 @@ class Speculator:
         self.costly_seconds_ema = 0.0    # auto's model drafter: time per step that asks it
         self._gate_calls = 0
         self._step_shape = (0, 0)        # this step's (decoding requests, tokens computed anyway), for the gate
-        self._graph_seqs: int | None = None   # this step's sequences if it holds decodes only (a graph's shape)
+        # this step's sequences when it holds decodes only (a CUDA graph's shape; the steps the guard compares);
+        # None otherwise, and between steps
+        self._decode_seqs: int | None = None
         self._step_draft_seconds = 0.0   # drafting time inside this step (charged apart, so not in its step time)
         self._shadow: dict[int, tuple[DraftTree, int]] = {}   # seq_id -> (draft, committed tokens when drafted)
         # while speculation is off, the controller is asked again only when something it uses has changed
@@ -135,12 +136,11 @@ class Speculator:
         if self.costly_seconds_ema <= 0 or self._gate_calls % 32 == 0:
             return True
         ctl, (decodes, base) = self.controller, self._step_shape
-        extra = sum(min(r.max_draft, self.cfg.num_speculative_tokens) for r in reqs)
-        deepest = 1 + max((min(r.max_draft, self.cfg.num_speculative_tokens) for r in reqs), default=0)
-        cheap, seqs = self.draft_seconds_ema, self._graph_seqs
+        rooms = [min(r.max_draft, self.cfg.num_speculative_tokens) for r in reqs]
+        cheap, seqs = self.draft_seconds_ema, self._decode_seqs
         plain = decodes / (ctl.step_seconds(base, seqs) + cheap)
-        spec = (decodes + sum(promises)) / (ctl.step_seconds(base + extra, seqs, deepest) + cheap
-                                            + self.costly_seconds_ema)
+        spec = (decodes + sum(promises)) / (ctl.step_seconds(base + sum(rooms), seqs, 1 + max(rooms, default=0))
+                                            + cheap + self.costly_seconds_ema)
         return spec > plain * (1.0 + ctl.min_gain)
 
     def prepare(self, prefilling: list["Sequence"]) -> None:
@@ -170,9 +170,9 @@ class Speculator:
         self._probs = {}
         if not reqs:
             return {}
-        if self.guard is not None and other_tokens == 0:
-            self._guard_seqs = len(decoding)
-            self._guard_bare = self.guard.bare(len(decoding))
+        self._decode_seqs = len(decoding) if other_tokens == 0 else None
+        if self.guard is not None and self._decode_seqs is not None:
+            self._guard_bare = self.guard.bare(self._decode_seqs)
             if self._guard_bare:
                 return {}
         elif self.guard is not None and self.guard.vetoed:
@@ -180,14 +180,13 @@ class Speculator:
         ctl = self.controller
         base = len(decoding) + other_tokens
         self._step_shape = (len(decoding), base)
-        self._graph_seqs = len(decoding) if other_tokens == 0 else None
         if ctl is not None and not self._speculating:
             batch = tuple(r.seq_id for r in reqs)
             self._quiet_steps += 1
             if batch != self._batch or self._quiet_steps >= 8:      # (the count restarts: every 8 steps, not
                 self._news, self._batch, self._quiet_steps = True, batch, 0   # every step after the 8th)
             if not (self._news and ctl.worth_drafting([(r.seq_id, r.max_draft) for r in reqs], base,
-                                                      self.draft_seconds_ema, self._graph_seqs)):
+                                                      self.draft_seconds_ema, self._decode_seqs)):
                 self._news = False
                 self._propose_shadows(reqs, base)
                 return {}
@@ -205,7 +204,7 @@ class Speculator:
         # a step with a token tree runs eagerly (engine/cuda_graphs.py step_shape): price it by its tokens
         chains = all(t is None or t.parents is None for t in trees)
         keep = ctl.draft_lengths([(s.seq_id, len(d), d.score, d.confidence) for s, d in zip(seqs, drafts)], base,
-                                 charge, self._graph_seqs if chains else None)
+                                 charge, self._decode_seqs if chains else None)
         self._speculating = any(keep)
         out = {}
         for s, tree, k in zip(seqs, trees, keep):
@@ -233,7 +232,7 @@ class Speculator:
         self.num_shadow_proposals += 1
         # a drafter that runs a model is not cheap: space shadow drafts so they cost at most ~2% of decoding
         # (at 5%, EAGLE's shadows at batch 16 plus its catch-up cost ~9% of a run where it never drafted)
-        step = self.controller.step_seconds(base, self._graph_seqs)
+        step = self.controller.step_seconds(base, self._decode_seqs)
         self._gap = max(self.shadow_gap, math.ceil(dt / (0.02 * step))) if step > 0 else self.shadow_gap
         for r, d in zip(need, drafts):
             if d.tokens:
@@ -266,10 +265,10 @@ class Speculator:
         guard compares whole steps, drafting included, per emitted token)."""
         if self.controller is not None:
             self.controller.step_time.observe(num_tokens, max(seconds - self._step_draft_seconds, 1e-9), graph)
-        if self.guard is not None and self._guard_seqs is not None:
+        if self.guard is not None and self._decode_seqs is not None:
             mode = "bare" if self._guard_bare else "spec" if self._step_drafted else "quiet"
-            self.guard.record(self._guard_seqs, mode, seconds, emitted)
-        self._guard_seqs, self._guard_bare, self._step_drafted = None, False, 0
+            self.guard.record(self._decode_seqs, mode, seconds, emitted)
+        self._decode_seqs, self._guard_bare, self._step_drafted = None, False, 0
         self._step_draft_seconds = 0.0
 
     def finish(self, seq: "Sequence") -> None:
