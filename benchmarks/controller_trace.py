@@ -2,7 +2,9 @@
 token count, drafting time per step, the controller's time per call and the draft sizes it chose, its step-time
 model, and the guard's measured seconds per token per mode. GPU when there is one (graphs, Triton), else CPU.
 
-    CASES=plain,ngram,ngram4,suffix,suffix4,draft BATCHES=1,64 NEW=128 python benchmarks/controller_trace.py
+    CASES=plain,ngram,ngram4,suffix,suffix4,draft,draft4 BATCHES=1,64 NEW=128 python benchmarks/controller_trace.py
+    GUARD=0 ...     # the guard switched off (the controller alone)
+    SKIP=1 ...      # start from the second prompt (the first, at batch 1, is a digit loop the draft model misses)
     PROF=64 ...     # also cProfile plain decoding at that batch (the host's share of a step, function by function)
 
 A development tool (one line per case, not a table): the H200 traces of 2026-11-27 are in
@@ -24,12 +26,23 @@ def run(label, spec, batch):
     llm = LLM(default_model_path(), dtype="bfloat16" if DEV == "cuda" else "float32", device=DEV, attention_backend=BACK,
               max_model_len=1024, max_num_seqs=batch, speculative_config=spec, enable_prefix_caching=False,
               kv_cache_memory="4GiB" if DEV == "cuda" else "1GiB")
-    prompts = gs.code_prompts(llm.engine.tokenizer, batch, 96)
+    skip = int(os.environ.get("SKIP", 0))
+    prompts = gs.code_prompts(llm.engine.tokenizer, batch + skip, 96)[skip:]
     params = SamplingParams(temperature=0.0, max_tokens=out_len, ignore_eos=True)
     llm.generate(prompts[:2], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), use_tqdm=False)
     sp = llm.engine.speculator
     rec = []
+    props = []
     if sp is not None:
+        if os.environ.get("GUARD") == "0":
+            sp.guard = None
+        drafter = sp.drafter
+        orig_prop = drafter.propose
+        def prop(reqs):
+            sync(); t0 = time.perf_counter(); r = orig_prop(reqs); sync()
+            props.append((time.perf_counter() - t0, len(reqs), sum(q.max_draft for q in reqs)))
+            return r
+        drafter.propose = prop
         orig_obs = sp.observe_step
         def obs(n, s, *a):
             rec.append(("step", n, s, sp._step_draft_seconds)); orig_obs(n, s, *a)
@@ -65,6 +78,12 @@ def run(label, spec, batch):
             line += " | model T(b..b+8) ms " + " ".join(f"{x*1e3:.2f}" for x in ctl.step_time.predict(np.arange(batch, batch + 9)))
             line += f" draft_ema {sp.draft_seconds_ema*1e3:.3f}ms speculating={sp._speculating}"
         line += f" acc {llm.engine.stats['accepted_tokens']}/{llm.engine.stats['draft_tokens']}"
+        if props:
+            ts = sorted(p[0] for p in props)
+            line += (f" | propose calls {len(props)} med {statistics.median(ts)*1e3:.3f}ms max {ts[-1]*1e3:.1f}ms"
+                     f" sum {sum(ts)*1e3:.1f}ms first5 " + ",".join(f"{p[0]*1e3:.1f}" for p in props[:5]))
+            if hasattr(drafter, "stats"):
+                line += f" drafter stats {drafter.stats}"
         g = getattr(sp, "guard", None)
         if g is not None:
             line += f" | guard vetoes {g.num_vetoes} vetoed_now {g.vetoed} " + " ".join(
@@ -78,7 +97,9 @@ for batch in [int(b) for b in os.environ.get("BATCHES", "1").split(",")]:
                 "ngram4": {"method": "ngram", "num_speculative_tokens": 4, "adaptive": False},
                 "suffix": {"method": "suffix", "num_speculative_tokens": 4},
                 "suffix4": {"method": "suffix", "num_speculative_tokens": 4, "adaptive": False},
-                "draft": {"method": "draft_model", "model": default_draft_model_path(), "num_speculative_tokens": 4}}[c]
+                "draft": {"method": "draft_model", "model": default_draft_model_path(), "num_speculative_tokens": 4},
+                "draft4": {"method": "draft_model", "model": default_draft_model_path(), "num_speculative_tokens": 4,
+                           "adaptive": False}}[c]
         run(c, spec, batch)
 if os.environ.get("PROF"):
     import cProfile, pstats

@@ -353,6 +353,40 @@ def test_graph_buffers_and_padding_under_interpreter(tiny_dir):
     assert {q for _, q in r.graphs.used} == {1, 4} and {b for b, _ in r.graphs.used} >= {1, 4}
 
 
+@pytest.mark.skipif(CUDA, reason="on a GPU the draft model's graphs are captured (TestOnGPU's draft-model test)")
+def test_draft_model_graph_buffers_under_interpreter():
+    """The draft model's CUDA-graph path without a GPU: its one-token forwards and short catch-ups go through its
+    own graphs' static buffers and padding (run eagerly), and it drafts exactly what its eager forwards draft
+    (same draft and accepted counts, same output)."""
+    from leapdecode import LLM, SamplingParams
+    from leapdecode.assets import default_draft_model_path, default_model_path
+
+    prompts = ["def fibonacci(n):\n    ", "import os\nfor name in ", "class Stack:\n    def "]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    spec = {"method": "draft_model", "model": default_draft_model_path(), "num_speculative_tokens": 3,
+            "adaptive": False}
+    runs = {}
+    for graphs in (False, True):
+        llm = LLM(default_model_path(), dtype="float32", device="cpu", max_model_len=128, attention_backend="triton",
+                  kv_cache_memory="64MiB", speculative_config=spec)
+        d = llm.engine.speculator.drafter
+        assert d.graphs is None                                   # CPU: nothing captured by default
+        if graphs:
+            d.graphs = d.cuda_graphs(4, capture_graphs=False)
+        outs = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        s = llm.engine.stats
+        runs[graphs] = (outs, s["draft_tokens"], s["accepted_tokens"])
+    assert runs[True] == runs[False] and runs[True][2] > 0, runs
+    assert d.graphs.num_replays > 0 and (1, 1) in d.graphs.used, d.graphs.used
+    # a catch-up of two tokens (a fully accepted draft's last token and the bonus) replays the (1, k + 1) bucket
+    blocks = [d.free.pop() for _ in range(2)]
+    d.forward([(0, list(range(5, 18)), blocks)])                 # 13 tokens: eager
+    got = d.forward([(13, [18, 19], blocks)])
+    assert (1, 4) in d.graphs.used
+    d.graphs = None
+    torch.testing.assert_close(got, d.forward([(13, [18, 19], blocks)]), atol=1e-5, rtol=1e-5)
+
+
 def engine_tokens(tiny_dir, monkeypatch, arch, spec=None, n_prompts=12, max_tokens=48, max_len=200):
     from leapdecode import LLM, SamplingParams
 
@@ -495,8 +529,9 @@ class TestOnGPU:
         assert gpu.engine.runner.graphs.num_replays > 0 and gpu.engine.stats["overlapped_steps"] > 0
 
     def test_draft_model_speculation_on_cuda(self):
-        """Draft-model speculation on CUDA (the embedded model and its draft model, float32, graphs on): the draft
-        model's logits equal its logits on the CPU, its drafts are accepted, and the output is plain decoding's."""
+        """Draft-model speculation on CUDA (the embedded model and its draft model, float32, graphs on, the draft
+        model's too): the draft model's logits equal its logits on the CPU, its drafts are accepted, and the output
+        is plain decoding's."""
         from leapdecode import LLM, SamplingParams
         from leapdecode.assets import default_draft_model_path, default_model_path
         from leapdecode.spec.draft_model import DraftModelDrafter
@@ -522,6 +557,7 @@ class TestOnGPU:
             stats = dict(llm.engine.stats)
         assert outs["spec"] == outs["plain"]
         assert stats["draft_tokens"] > 0 and stats["accepted_tokens"] > stats["draft_tokens"] // 10, stats
+        assert llm.engine.speculator.drafter.graphs.num_replays > 0      # the draft model's own CUDA graphs
 
     def test_adaptive_speculation_prices_graph_buckets(self):
         """With graphs on, the controller's step times are kept per graph bucket: every captured bucket has its
