@@ -4,6 +4,7 @@ model, and the guard's measured seconds per token per mode. GPU when there is on
 
     CASES=plain,ngram,ngram4,suffix,suffix4,draft,draft4 BATCHES=1,64 NEW=128 python benchmarks/controller_trace.py
     GUARD=0 ...     # the guard switched off (the controller alone)
+    ASYNC=1 ...     # async scheduling (overlapped steps; a speculating engine overlaps while its guard has it off)
     SKIP=1 ...      # start from the second prompt (the first, at batch 1, is a digit loop the draft model misses)
     PROF=64 ...     # also cProfile plain decoding at that batch (the host's share of a step, function by function)
 
@@ -25,7 +26,7 @@ def sync():
 def run(label, spec, batch):
     llm = LLM(default_model_path(), dtype="bfloat16" if DEV == "cuda" else "float32", device=DEV, attention_backend=BACK,
               max_model_len=1024, max_num_seqs=batch, speculative_config=spec, enable_prefix_caching=False,
-              kv_cache_memory="4GiB" if DEV == "cuda" else "1GiB")
+              kv_cache_memory="4GiB" if DEV == "cuda" else "1GiB", async_scheduling=os.environ.get("ASYNC") == "1")
     skip = int(os.environ.get("SKIP", 0))
     prompts = gs.code_prompts(llm.engine.tokenizer, batch + skip, 96)[skip:]
     params = SamplingParams(temperature=0.0, max_tokens=out_len, ignore_eos=True)

@@ -14,7 +14,7 @@ grammar's mask fill, which runs in its own thread during the forward); the time 
 ``LlamaForCausalLM.forward``, ``compute_logits`` and the attention backend's
 once-per-step ``plan`` (device work on a GPU; the older tree built the same masks inside every layer's forward) is
 subtracted, per step. Variants: ``plain`` (greedy), ``drafts`` (suffix drafter, k=4, fixed length: every step
-verifies drafts), ``grammar`` (a JSON schema on every request). Host-to-device traffic is counted as tensors built
+verifies drafts), ``vetoed`` (adaptive suffix speculation that the guard has switched off), ``grammar`` (a JSON schema on every request). Host-to-device traffic is counted as tensors built
 from host data inside the step (``torch.tensor``/``as_tensor``/``from_numpy``: each is a copy to the device on a
 GPU) plus the runner's staging copies (one per step where the inputs go through persistent buffers).
 """
@@ -47,11 +47,14 @@ def measure(batch: int, variant: str, steps: int, replay: bool = False) -> dict:
     import leapdecode
     from leapdecode import LLM, SamplingParams
     torch.set_num_threads(1)
-    spec = {"method": "suffix", "num_speculative_tokens": 4, "adaptive": False} if variant == "drafts" else None
+    spec = {"drafts": {"method": "suffix", "num_speculative_tokens": 4, "adaptive": False},
+            "vetoed": {"method": "suffix", "num_speculative_tokens": 4}}.get(variant)
     embedded = os.path.join(os.path.dirname(leapdecode.__file__), "assets", "default_model")
     llm = LLM(embedded, dtype="float32", speculative_config=spec, max_num_seqs=max(256, batch), max_model_len=512,
               max_num_batched_tokens=4096)
     eng = llm.engine
+    if variant == "vetoed":                # the guard has switched speculation off: what is left of its cost
+        eng.speculator.guard.veto_until = 1 << 60
     model = eng.runner.model
     forward_s = [0.0]
 
@@ -79,7 +82,7 @@ def measure(batch: int, variant: str, steps: int, replay: bool = False) -> dict:
     structured = {"type": "json_schema", "json_schema": {"name": "p", "schema": SCHEMA}} if variant == "grammar" else None
     text = "def add(a, b):\n    return a + b\n" * 3           # copy-heavy, so the suffix drafter has matches
     for i in range(batch):
-        eng.add_request(str(i), text if variant == "drafts" else f"item {i}: the value",
+        eng.add_request(str(i), text if variant in ("drafts", "vetoed") else f"item {i}: the value",
                         SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=structured is None,
                                        structured=structured))
     for _ in range(50):                                       # prefill, and a few decode steps of warm-up

@@ -209,3 +209,24 @@ def test_torch_attention_groups_decodes_by_context_length():
     for i in (0, 3, 9):                      # a row attended alone: same result
         alone = InputBuffers(torch.device("cpu")).build(lay_out(0, bs, [seqs[i]]), None).meta
         torch.testing.assert_close(backend.attend(q[i:i + 1], cache, alone, 0.3)[0], out[i], rtol=0, atol=1e-6)
+
+
+def test_a_speculator_the_guard_switched_off_runs_overlapped_then_drafts_again(llama_dir):
+    """With ``async_scheduling``, a speculating engine whose guard has the drafter off (a veto) runs overlapped
+    steps as plain decoding does: the guard's clock still counts them, so the veto ends and drafting resumes; their
+    step-to-step times are the guard's bare rate. Tokens equal plain decoding's, nothing leaks."""
+    ps = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7], [9, 10, 11, 9, 10, 11, 9, 10], [3, 4, 3, 4, 3, 4]]
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    plain = [o.outputs[0].token_ids for o in make_llm(llama_dir).generate(ps, params, use_tqdm=False)]
+    llm = make_llm(llama_dir, async_scheduling=True, speculative_config={"method": "ngram",
+                                                                        "num_speculative_tokens": 3})
+    guard = llm.engine.speculator.guard
+    guard.veto_until = 20                     # vetoed for the first 20 decode steps
+    got = [o.outputs[0].token_ids for o in llm.generate(ps, params, use_tqdm=False)]
+    assert got == plain
+    stats = llm.engine.stats
+    assert stats["overlapped_steps"] >= 15, stats
+    assert guard.steps >= 20 and llm.engine.speculator.num_proposals + llm.engine.speculator.num_shadow_proposals > 0
+    bare = [b.rates["bare"] for b in guard._batches.values()]
+    assert sum(r.count for r in bare) >= 15           # the overlapped steps' times are bare samples
+    assert_pool_free(llm)

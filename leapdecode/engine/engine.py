@@ -12,7 +12,8 @@ tokens are committed (detokenized, stop-checked) while step N+1 runs. A sequence
 has a placeholder that the next forward reads on the device. This is done only where it is safe, when no request
 needs host-side tokens, state or hidden states before the next step (no drafts, no grammar, no penalties or
 min_tokens, no Mirostat, contrastive search or DoLa); otherwise the engine drains and runs the plain synchronous
-step. Either way the tokens are identical.
+step. Either way the tokens are identical. A speculating engine overlaps too while its guard has the drafter off
+(spec/guard.py): a vetoed speculator then costs what plain decoding costs.
 """
 from __future__ import annotations
 
@@ -50,6 +51,12 @@ log = logging.getLogger(__name__)
 
 MAX_LOGPROBS = 20
 TOPK_FOR_DRAFTERS = 8   # Token Recycling learns the target's top-k successors at every verified position
+
+
+def _decode_seqs(plan: StepPlan) -> int | None:
+    """The plan's sequences if it holds decodes only (one new token each), else None: the steps the speculation
+    guard compares."""
+    return len(plan.seqs) if all(s.num_new_tokens == 1 for s in plan.seqs) else None
 
 
 def resolve_max_model_len(cfg: EngineConfig, model_cfg) -> int:
@@ -389,14 +396,19 @@ class Engine:
         return outputs
 
     def _overlap_safe(self) -> bool:
-        return self.speculator is None and all(r.overlap_safe for r in self.requests.values())
+        """No request needs host-side tokens before the next step, and no drafter will be asked (none, or the
+        guard has it off: spec/guard.py)."""
+        return (self.speculator is None or self.speculator.off) and all(r.overlap_safe for r in self.requests.values())
 
     def _step_overlapped(self) -> list[RequestOutput]:
         """Launch step N+1 on the worker, then commit step N while N+1 runs."""
+        entered = time.perf_counter()
         prev = self._inflight
         plan = self.scheduler.schedule()
         self._inflight = None
         if plan:
+            if self.speculator is not None:
+                self.speculator.overlapped_step(_decode_seqs(plan))
             batch = self.runner.prepare(plan)
             sampling = self.verifier.batch(plan, self.seqs)
             fut = self._worker.submit(self._device_step, plan, batch, sampling, prev.future if prev else None)
@@ -405,7 +417,9 @@ class Engine:
         if prev is None:
             return []
         result, _ = prev.future.result()
-        return self._commit(prev.plan, result, prev.started)
+        # in the steady state this call launched one step and committed one: its time is a step's, at the rate
+        # plain decoding really runs (the caller's time between calls left out)
+        return self._commit(prev.plan, result, entered, overlapped=True)
 
     def _device_step(self, plan: StepPlan, batch, sampling, prev: Future | None):
         """Worker thread: forward (reading the previous step's samples for placeholders) and sampling."""
@@ -419,10 +433,12 @@ class Engine:
             return []
         prev, self._inflight = self._inflight, None
         result, _ = prev.future.result()
-        return self._commit(prev.plan, result, prev.started)
+        return self._commit(prev.plan, result, prev.started, overlapped=True)
 
-    def _commit(self, plan: StepPlan, result: StepResult, started: float) -> list[RequestOutput]:
-        """Hand the result to the scheduler, then do the per-request bookkeeping it does not own."""
+    def _commit(self, plan: StepPlan, result: StepResult, started: float, overlapped: bool = False
+                ) -> list[RequestOutput]:
+        """Hand the result to the scheduler, then do the per-request bookkeeping it does not own. ``started``: when
+        the step's time began (see :meth:`step` and :meth:`_step_overlapped`)."""
         now = time.time()
         generated = self.stats["generation_tokens"]
         drafted = {c.seq_id: len(c.draft) for c in plan.seqs if c.draft and c.seq_id not in self.contrastive}
@@ -458,8 +474,10 @@ class Engine:
         for seq in upd.finished:
             self._finished(seq)
         self.stats["steps"] += 1
-        if self.speculator is not None:
-            # (the runner's last step is this one: speculation never runs overlapped, see _overlap_safe)
+        if self.speculator is not None and overlapped:     # (the runner's last step is the next one by now)
+            self.speculator.observe_overlapped(_decode_seqs(plan), time.perf_counter() - started,
+                                               self.stats["generation_tokens"] - generated)
+        elif self.speculator is not None:
             self.speculator.observe_step(plan.num_tokens, time.perf_counter() - started,
                                          getattr(self.runner, "last_graph", None),
                                          self.stats["generation_tokens"] - generated)

@@ -14,7 +14,10 @@ Once the drafter's modes have a few samples at a batch size, and every ``refresh
 window of bare steps there, so the bare rate is current; when
 the measured spec or quiet rate is worse than bare by more than ``margin``, the drafter is switched off for a
 cool-down that doubles each time this repeats (up to ``max_cooldown``) and resets when speculation wins again.
-Steps with prefill chunks are not compared (their cost is the prompt's, not the mode's).
+Steps with prefill chunks are not compared (their cost is the prompt's, not the mode's). While the drafter is off,
+an engine with ``async_scheduling`` overlaps its steps as plain decoding does (engine/engine.py): those bare steps
+are timed from step to step, so speculation is measured against plain decoding at its best, not against a
+synchronous step that no plain engine would run.
 
 On the H200 the embedded model's plain decoding at batch 64 is ~2 ms a step of host work, and each of n-gram,
 suffix and draft-model speculation, adaptive, ran at 0.18-0.78x of it: the guard is what holds the controller's
@@ -76,6 +79,12 @@ class ThroughputGuard:
     @property
     def vetoed(self) -> bool:
         return self.steps < self.veto_until
+
+    @property
+    def off(self) -> bool:
+        """Will the next step run without the drafter whatever its batch (a veto, or a bare window running)? The
+        engine may then run it as plain decoding runs, overlapped (``async_scheduling``)."""
+        return self.steps + 1 < self.veto_until or self._bare_left > 0
 
     def bare(self, num_seqs: int) -> bool:
         """Called once per step that has decodes: must this step run without the drafter?"""

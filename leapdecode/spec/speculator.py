@@ -148,7 +148,7 @@ class Speculator:
         chunk: indexing an 8,000-token prompt at once costs ~30 ms inside the first decode step otherwise. The time
         counts as the drafter's, not the step's."""
         prepare = getattr(self.drafter, "prepare", None)
-        if prepare is None or not prefilling:
+        if prepare is None or not prefilling or self.off:     # (a drafter switched off catches up when back on)
             return
         start = time.perf_counter()
         for seq in prefilling:
@@ -214,6 +214,23 @@ class Speculator:
             elif tree is not None and s.seq_id not in self._shadow:
                 self._shadow[s.seq_id] = (tree, len(s.token_ids))
         return out
+
+    @property
+    def off(self) -> bool:
+        """The guard has the drafter off for the next step (``ThroughputGuard.off``): it may run overlapped."""
+        return self.guard is not None and self.guard.off
+
+    def overlapped_step(self, decode_seqs: int | None) -> None:
+        """The engine runs a step without asking the drafter (overlapped, while :attr:`off`): the guard's clock
+        still counts it. ``decode_seqs``: its sequences if it holds decodes only, else None."""
+        if self.guard is not None and decode_seqs is not None:
+            self.guard.bare(decode_seqs)
+
+    def observe_overlapped(self, decode_seqs: int | None, seconds: float, emitted: int) -> None:
+        """An overlapped step's time from step to step (a bare step at plain decoding's best). The controller's
+        step-time model is left alone: it prices synchronous steps."""
+        if self.guard is not None and decode_seqs is not None:
+            self.guard.record(decode_seqs, "bare", seconds, emitted)
 
     def take_probs(self) -> dict[int, tuple[DraftTree, object]]:
         """The draft distributions of the drafts the last ``propose`` returned: seq_id -> (the drafter's tree, q
