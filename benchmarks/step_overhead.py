@@ -81,10 +81,12 @@ def measure(batch: int, variant: str, steps: int, replay: bool = False) -> dict:
 
     structured = {"type": "json_schema", "json_schema": {"name": "p", "schema": SCHEMA}} if variant == "grammar" else None
     text = "def add(a, b):\n    return a + b\n" * 3           # copy-heavy, so the suffix drafter has matches
+    import inspect                # as LLM.generate adds them: final outputs only (where the tree has that option)
+    final_only = {"stream": False} if "stream" in inspect.signature(eng.add_request).parameters else {}
     for i in range(batch):
         eng.add_request(str(i), text if variant in ("drafts", "vetoed") else f"item {i}: the value",
                         SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=structured is None,
-                                       structured=structured))
+                                       structured=structured), **final_only)
     for _ in range(50):                                       # prefill, and a few decode steps of warm-up
         eng.step()
         if len(eng.scheduler.running) == batch and not any(s.is_prefill for s in eng.scheduler.running):

@@ -1,6 +1,7 @@
 """The offline API, in the shape vLLM users know: LLM(...).generate / chat / stream."""
 from __future__ import annotations
 
+import functools
 import itertools
 import sys
 from typing import Any, Iterable, Iterator, Sequence
@@ -124,7 +125,8 @@ class LLM:
                   else list(sampling_params))
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
-        return self._run(self._add_all(prompts, params), "Generating", use_tqdm)
+        add = functools.partial(self.engine.add_request, stream=False)     # only final outputs are read here
+        return self._run(self._add_all(prompts, params, add), "Generating", use_tqdm)
 
     def beam_search(self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams,
                     use_tqdm: bool = False) -> list[BeamSearchOutput]:

@@ -14,7 +14,9 @@ _CONTEXT_TOKENS = 8   # prompt tokens to seed the stream with: enough for any mu
 
 class Detokenizer:
     def __init__(self, tokenizer, prompt_token_ids: list[int], stop: list[str], skip_special_tokens: bool,
-                 include_stop: bool) -> None:
+                 include_stop: bool, deferred: bool = False) -> None:
+        """``deferred``: nobody reads the text before the end, so without stop strings tokens are only queued and
+        decoded when the text is asked for (the same text: the same stream, fed later)."""
         self._tok = tokenizer.backend_tokenizer
         self._stream = DecodeStream(ids=list(prompt_token_ids[-_CONTEXT_TOKENS:]),
                                     skip_special_tokens=skip_special_tokens)
@@ -24,9 +26,22 @@ class Detokenizer:
         self._ids: list[int] = list(prompt_token_ids[-_CONTEXT_TOKENS:])
         self._emitted = len(self._ids)       # tokens whose text is already in self.text
         self._skip = skip_special_tokens
+        self._queue: list[int] | None = [] if deferred and not stop else None
 
     def add(self, token_id: int) -> str | None:
         """Append one token's text; return the stop string if it completed one (text is then cut)."""
+        if self._queue is not None:
+            self._queue.append(token_id)
+            return None
+        return self._add(token_id)
+
+    def _drain(self) -> None:
+        if self._queue:
+            queue, self._queue = self._queue, []
+            for token_id in queue:
+                self._add(token_id)
+
+    def _add(self, token_id: int) -> str | None:
         chunk = self._stream.step(self._tok, token_id)
         self._ids.append(token_id)
         if not chunk:
@@ -43,6 +58,7 @@ class Detokenizer:
 
     def flush(self) -> None:
         """At the end, decode tokens still held back (an unfinished UTF-8 sequence) the way a full decode would."""
+        self._drain()
         if self._emitted == len(self._ids):
             return
         ctx = self._ids[max(0, self._emitted - _CONTEXT_TOKENS):self._emitted]
@@ -53,6 +69,7 @@ class Detokenizer:
 
     def visible_text(self, finished: bool) -> str:
         """What may be streamed now: all of it when finished, else minus a possible stop-string prefix."""
+        self._drain()
         if finished or not self.holdback:
             return self.text
         return self.text[:max(0, len(self.text) - self.holdback)]

@@ -84,6 +84,7 @@ class Request:
     overlap_safe: bool = True       # needs no host-side token before its next step (see the module docstring)
     draftable: bool = True          # its sequences may take speculative drafts
     beam: BeamSearch | None = None  # a beam search request: its seqs are the live beams
+    stream: bool = True             # an output after every step that changed it; False: only the final one
 
     @property
     def finished(self) -> bool:
@@ -188,8 +189,11 @@ class Engine:
         return text, ids
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                    arrival_time: float | None = None) -> None:
-        """Validate and enqueue; every problem is a ValueError raised here, before anything is scheduled."""
+                    arrival_time: float | None = None, stream: bool = True) -> None:
+        """Validate and enqueue; every problem is a ValueError raised here, before anything is scheduled.
+        ``stream=False``: :meth:`step` returns this request's output once, when it finishes (``LLM.generate``;
+        vLLM's FINAL_ONLY), and its text is decoded then unless stop strings need it sooner: at batch 64 building
+        an output per request per step was a tenth of the host's step."""
         text, ids = self._admit(request_id, prompt, params, SamplingParams)
         for name in ("logprobs", "prompt_logprobs"):
             v = getattr(params, name)
@@ -222,11 +226,12 @@ class Engine:
         req = Request(request_id, text, ids, params, seqs, RequestMetrics(arrival_time or time.time()),
                       overlap_safe=(compiled is None and not params.has_penalties and params.min_tokens == 0
                                     and not params.mirostat      # the next batch reads Mirostat's mu
-                                    and not params.contrastive and params.dola_layers is None))
+                                    and not params.contrastive and params.dola_layers is None), stream=stream)
         for seq in seqs:
             self.contrastive.add(seq)
             req.detoks[seq.seq_id] = Detokenizer(self.tokenizer, ids, params.stop_strings,
-                                                 params.skip_special_tokens, params.include_stop_str_in_output)
+                                                 params.skip_special_tokens, params.include_stop_str_in_output,
+                                                 deferred=not stream)
             self.seqs[seq.seq_id] = seq
         self.requests[request_id] = req
         self._unscheduled.add(request_id)
@@ -481,7 +486,8 @@ class Engine:
             self.speculator.observe_step(plan.num_tokens, time.perf_counter() - started,
                                          getattr(self.runner, "last_graph", None),
                                          self.stats["generation_tokens"] - generated)
-        outputs = [self._output(req) for req in touched.values() if req.beam is None or req.finished]
+        outputs = [self._output(req) for req in touched.values()
+                   if req.finished or (req.beam is None and req.stream)]
         if self._ended_outside_a_step:          # beam searches that ended in this step
             self._ended_outside_a_step = [r for r in self._ended_outside_a_step if r not in touched]
             outputs += self._outputs_of_ended()
