@@ -230,3 +230,32 @@ def test_a_speculator_the_guard_switched_off_runs_overlapped_then_drafts_again(l
     bare = [b.rates["bare"] for b in guard._batches.values()]
     assert sum(r.count for r in bare) >= 15           # the overlapped steps' times are bare samples
     assert_pool_free(llm)
+
+
+def test_final_only_requests_give_one_output_with_the_streamed_text(llama_dir):
+    """``stream=False`` (how LLM.generate adds requests): one RequestOutput per request, when it finishes, with
+    exactly the text and tokens a streamed request ends with (deferred detokenization; stop strings still cut)."""
+    ps = prompts(6, seed=11)
+    params = [SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True),
+              SamplingParams(temperature=1.0, seed=4, max_tokens=30, ignore_eos=True, n=2),
+              SamplingParams(temperature=0.0, max_tokens=24, stop=["a", "e"])]
+    finals = {}
+    for stream in (True, False):
+        llm = make_llm(llama_dir, seed=2)
+        for i, p in enumerate(ps):
+            llm.engine.add_request(str(i), p, params[i % len(params)], stream=stream)
+        seen: dict[str, int] = {}
+        while llm.engine.has_unfinished():
+            for out in llm.engine.step():
+                seen[out.request_id] = seen.get(out.request_id, 0) + 1
+                if out.finished:
+                    finals[(stream, out.request_id)] = [(o.text, o.token_ids, o.finish_reason, o.stop_reason)
+                                                        for o in out.outputs]
+        if not stream:
+            assert set(seen.values()) == {1}, seen
+        else:
+            assert max(seen.values()) > 1
+        assert_pool_free(llm)
+    for i in range(len(ps)):
+        assert finals[(True, str(i))] == finals[(False, str(i))]
+    assert any(r[2] == "stop" and isinstance(r[3], str) for i in range(len(ps)) for r in finals[(False, str(i))])
