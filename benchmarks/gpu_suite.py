@@ -349,11 +349,12 @@ def section_spec(args, rep: Report) -> None:
         base = None
         for label, spec in methods.items():
             try:
-                # async scheduling for every engine: plain decoding at its best (overlapped steps) is the bar, and
-                # a speculating engine overlaps too while its guard has the drafter off
+                # --spec-async: every engine with async scheduling (a speculating one overlaps while its guard has
+                # the drafter off); off by default: on this small model the overlapped step was the slower one on
+                # an H200 (plain 1,945 vs 2,773 tok/s at batch 1, 30,718 vs 40,587 at 64; benchmarks/README.md)
                 llm = LLM(path, dtype="bfloat16", device=DEVICE, attention_backend=BACKEND, max_model_len=1024,
                           max_num_seqs=batch, speculative_config=spec, enable_prefix_caching=False,
-                          kv_cache_memory="4GiB", async_scheduling=True)
+                          kv_cache_memory="4GiB", async_scheduling=args.spec_async)
                 # at least --spec-prompts prompts (run --batch at a time): one prompt made batch 1 a single text
                 # (its greedy output a digit loop the draft model never predicts: 0 of 1,014 drafts accepted)
                 prompts = code_prompts(llm.engine.tokenizer, max(batch, args.spec_prompts), args.spec_prompt_len)
@@ -387,8 +388,8 @@ def section_spec(args, rep: Report) -> None:
                 rep.note(f"spec {label} batch {batch}: error {type(e).__name__}: {e}")
             free()
     rep.table("spec", f"Speculative decoding on the GPU: embedded code model ({path.rsplit('/', 1)[-1]}, real "
-              f"weights), Python-source prompts of {args.spec_prompt_len} tokens, {args.spec_output_len} new, greedy, "
-              f"async scheduling",
+              f"weights), Python-source prompts of {args.spec_prompt_len} tokens, {args.spec_output_len} new, greedy"
+              + (", async scheduling" if args.spec_async else ""),
               ["method", "batch", "tok/s", "vs plain", "accepted/drafted"], rows)
 
 
@@ -477,6 +478,7 @@ def parse_args(argv=None):
     ap.add_argument("--spec-prompt-len", type=int, default=96)
     ap.add_argument("--spec-prompts", type=int, default=8, help="spec: prompts at least (batch 1 runs them in turn)")
     ap.add_argument("--spec-output-len", type=int, default=128)
+    ap.add_argument("--spec-async", action="store_true", help="spec: async scheduling for every engine")
     args = ap.parse_args(argv)
     split = lambda s: [x.strip() for x in s.split(",") if x.strip()]  # noqa: E731
     args.sections, args.models = split(args.sections), split(args.models)

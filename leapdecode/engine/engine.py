@@ -402,8 +402,9 @@ class Engine:
 
     def _overlap_safe(self) -> bool:
         """No request needs host-side tokens before the next step, and no drafter will be asked (none, or the
-        guard has it off: spec/guard.py)."""
-        return (self.speculator is None or self.speculator.off) and all(r.overlap_safe for r in self.requests.values())
+        guard has it off: spec/guard.py) nor reads hidden states (EAGLE's features come from every step)."""
+        return ((self.speculator is None or (self.speculator.off and not self._capture))
+                and all(r.overlap_safe for r in self.requests.values()))
 
     def _step_overlapped(self) -> list[RequestOutput]:
         """Launch step N+1 on the worker, then commit step N while N+1 runs."""
