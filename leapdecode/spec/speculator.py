@@ -37,6 +37,11 @@ if TYPE_CHECKING:
 OFFER_FLOOR = 0.02
 """With the controller on, a calibrated drafter offers every token at least this likely to be accepted."""
 
+QUIET_SHARE = 0.02
+"""While speculation is off, shadow drafts and the controller's re-checks each cost at most about this share of
+the decoding time (at batch 64 on an H200 a shadow draft of every request cost 1-45 ms against a 2 ms step, and a
+re-check 0.2 ms)."""
+
 
 class Speculator:
     def __init__(self, cfg: SpeculativeConfig, vocab_size: int, step_time: StepTimeModel | None = None,
@@ -70,8 +75,10 @@ class Speculator:
         self._news = True                # acceptance observed, or the batch changed, since the last check
         self._batch: tuple[int, ...] = ()
         self._quiet_steps = 0
-        self.shadow_gap = 4              # steps between a request's shadow drafts (drafting is not free)
-        self._gap = self.shadow_gap      # ... at least; more for a costly drafter (see _propose_shadows)
+        self.shadow_gap = 4              # steps at least between a request's shadow drafts
+        self._shadow_credit = 0.0        # seconds of shadow drafting earned (QUIET_SHARE of each quiet step), not spent
+        self._shadow_cost: float | None = None   # measured seconds of one request's shadow draft (decayed)
+        self._check_wait = 0             # quiet steps before the controller may be asked again (its own cost)
         self._steps = 0
         self._shadow_after: dict[int, int] = {}
 
@@ -185,9 +192,7 @@ class Speculator:
             self._quiet_steps += 1
             if batch != self._batch or self._quiet_steps >= 8:      # (the count restarts: every 8 steps, not
                 self._news, self._batch, self._quiet_steps = True, batch, 0   # every step after the 8th)
-            if not (self._news and ctl.worth_drafting([(r.seq_id, r.max_draft) for r in reqs], base,
-                                                      self.draft_seconds_ema, self._decode_seqs)):
-                self._news = False
+            if not (self._news and self._worth_drafting(reqs, base)):
                 self._propose_shadows(reqs, base)
                 return {}
             self._quiet_steps = 0
@@ -238,19 +243,44 @@ class Speculator:
         probs, self._probs = self._probs, {}
         return probs
 
+    def _worth_drafting(self, reqs: list[DraftRequest], base: int) -> bool:
+        """The controller's re-check while speculation is off (there is news), spaced by its own measured cost so
+        that it stays near ``QUIET_SHARE`` of the decoding time: the news waits, it is not lost."""
+        if self._check_wait > 0:
+            self._check_wait -= 1
+            return False
+        t0 = time.perf_counter()
+        worth = self.controller.worth_drafting([(r.seq_id, r.max_draft) for r in reqs], base,
+                                               self.draft_seconds_ema, self._decode_seqs)
+        step = self.controller.step_seconds(base, self._decode_seqs)
+        if step > 0:
+            self._check_wait = math.ceil((time.perf_counter() - t0) / (QUIET_SHARE * step)) - 1
+        self._news = False
+        return worth
+
     def _propose_shadows(self, reqs: list[DraftRequest], base: int) -> None:
+        """Shadow drafts for as many requests as the credit pays for (each quiet step earns ``QUIET_SHARE`` of
+        its time; a shadow draft spends what it measured): the longest-waiting requests first, each at most every
+        ``shadow_gap`` steps. A drafter that runs a model, or many requests at a large batch, so costs ~2% of the
+        decoding time however expensive one draft is (at 5%, EAGLE's shadows at batch 16 plus its catch-up cost
+        ~9% of a run where it never drafted)."""
         self._steps += 1
+        step = self.controller.step_seconds(base, self._decode_seqs)
+        earned = QUIET_SHARE * step
+        self._shadow_credit = min(self._shadow_credit + earned, 64 * earned)
         after = self._shadow_after
         need = [r for r in reqs if r.seq_id not in self._shadow and after.get(r.seq_id, 0) <= self._steps]
-        if not need:
+        if not need or self._shadow_credit <= 0.0:
             return
+        n = 1 if self._shadow_cost is None else max(1, int(self._shadow_credit / self._shadow_cost))
+        if n < len(need):
+            need = sorted(need, key=lambda r: after.get(r.seq_id, -1))[:n]     # never shadowed, then the oldest
         drafts, dt, costly = self._draft(need)
         dt += costly
         self.num_shadow_proposals += 1
-        # a drafter that runs a model is not cheap: space shadow drafts so they cost at most ~2% of decoding
-        # (at 5%, EAGLE's shadows at batch 16 plus its catch-up cost ~9% of a run where it never drafted)
-        step = self.controller.step_seconds(base, self._decode_seqs)
-        self._gap = max(self.shadow_gap, math.ceil(dt / (0.02 * step))) if step > 0 else self.shadow_gap
+        self._shadow_credit -= dt
+        per = dt / len(need)
+        self._shadow_cost = per if self._shadow_cost is None else 0.7 * self._shadow_cost + 0.3 * per
         for r, d in zip(need, drafts):
             if d.tokens:
                 self._shadow[r.seq_id] = (DraftTree.of(d.tokens, d.parents), len(r.token_ids))
@@ -262,7 +292,7 @@ class Speculator:
         accepted = tree.accepted_length(truth)
         if accepted < len(truth) or accepted >= tree.depth:
             del self._shadow[seq.seq_id]
-            self._shadow_after[seq.seq_id] = self._steps + self._gap
+            self._shadow_after[seq.seq_id] = self._steps + self.shadow_gap
             self.controller.observe(seq.seq_id, len(tree), accepted)
             self._news = True
 
