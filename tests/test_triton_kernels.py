@@ -334,7 +334,7 @@ def test_graph_buffers_and_padding_under_interpreter(tiny_dir):
     rng = random.Random(3)
     prompts = [[rng.randrange(2, 40) for _ in range(rng.randint(3, 30))] for _ in range(5)]
     params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
-    spec = {"method": "ngram", "num_speculative_tokens": 3}
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "adaptive": False}   # verification steps for sure
     ref = LLM(path, dtype="float32", device="cpu", max_model_len=96, speculative_config=spec,
               attention_backend="torch")
     llm = LLM(path, dtype="float32", device="cpu", max_model_len=96, speculative_config=spec,
