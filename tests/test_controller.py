@@ -411,42 +411,47 @@ def test_guard_windows_vetoes_and_cooldowns():
     assert g.num_vetoes == 2 and g.cooldown == 40       # still slower: again, for twice as long
 
 
-def test_single_request_fast_path_decides_as_the_batched_path():
-    """Batch 1 takes a plain-Python path (numpy's per-call overhead was most of a 0.4 ms GPU step): on random
-    acceptance histories, scores, calibrated confidences and step-time models, with and without CUDA-graph buckets
-    and exploration, its choice and its recorded decision (gain included, to the bit) equal the batched path's."""
+def test_small_batch_fast_path_decides_as_the_numpy_path():
+    """Up to SMALL_BATCH requests take a plain-Python path (numpy's per-call overhead was most of a 0.4 ms GPU
+    step): on random acceptance histories, scores, calibrated confidences, offers and step-time models, with and
+    without CUDA-graph buckets and exploration, its choices and its recorded decision (gain included, to the bit)
+    equal the numpy path's."""
     import copy
+    from leapdecode.spec.controller import SMALL_BATCH
     rng = random.Random(5)
     chosen = 0
-    for trial in range(400):
+    for trial in range(500):
         st = StepTimeModel()
         machine = [cpu_like, gpu_like, cpu_heavy][trial % 3]
         for n in (1, 2, 4, 8, 16, 64):
             st.observe(n, machine(n))
         graphs = trial % 2 == 1
-        ctl = Controller(8, st, graph_bucket=(lambda b, q: (1, 1) if q <= 1 else (1, 9) if q <= 9 else None)
+        R = rng.randint(1, SMALL_BATCH)
+        ctl = Controller(8, st, graph_bucket=(lambda b, q: (8, 1) if q <= 1 else (8, 9) if q <= 9 else None)
                          if graphs else None)
         if graphs:
-            st.graphs.set_prior((1, 1), 0.0004)
-            st.graphs.set_prior((1, 9), 0.0005 + 0.0004 * rng.random())
+            st.graphs.set_prior((8, 1), 0.0004)
+            st.graphs.set_prior((8, 9), 0.0005 + 0.0004 * rng.random())
         for _ in range(rng.randint(0, 40)):
             k = rng.randint(1, 8)
-            ctl.observe(rng.randint(0, 2), k, rng.choice([0, k, rng.randint(0, k)]))
+            ctl.observe(rng.randint(0, 2 * R), k, rng.choice([0, k, rng.randint(0, k)]))
             if rng.random() < 0.3:
                 st.observe(rng.randint(1, 9), machine(rng.randint(1, 9)) * (1 + 0.2 * rng.random()))
-        room = rng.randint(0, 10)
-        conf = sorted((rng.random() for _ in range(rng.randint(1, room))), reverse=True) if room and rng.random() < 0.4 \
-            else None
-        prop = (rng.randint(0, 3), room, rng.random(), *([conf] if conf else []))
+        props = []
+        for sid in rng.sample(range(3 * R), R):
+            room = rng.randint(0, 10)
+            conf = sorted((rng.random() for _ in range(rng.randint(1, room))), reverse=True) \
+                if room and rng.random() < 0.4 else None
+            props.append((sid, room, rng.random(), *([conf] if conf else [])))
         ctl.num_calls = rng.randint(0, 70)                   # some calls explore
-        fast, batched = copy.deepcopy(ctl), copy.deepcopy(ctl)
-        batched.single_fast_path = False
-        args = ([prop], 1 + rng.choice([0, 0, 5, 40]), rng.choice([0.0, 1e-5, 3e-4]), 1 if graphs else None)
-        got, want = fast.draft_lengths(*args), batched.draft_lengths(*args)
-        assert got == want and fast.last_choice == batched.last_choice, (trial, prop, got, want)
-        assert fast._score == batched._score
-        chosen += got[0] > 0
-    assert 40 < chosen < 360                                 # both outcomes were exercised
+        fast, slow = copy.deepcopy(ctl), copy.deepcopy(ctl)
+        slow.small_fast_path = False
+        args = (props, R + rng.choice([0, 0, 5, 40]), rng.choice([0.0, 1e-5, 3e-4]), R if graphs else None)
+        got, want = fast.draft_lengths(*args), slow.draft_lengths(*args)
+        assert got == want and fast.last_choice == slow.last_choice, (trial, props, got, want)
+        assert fast._score == slow._score
+        chosen += sum(got) > 0
+    assert 50 < chosen < 450                                 # both outcomes were exercised
 
 
 def test_shadow_drafts_of_a_costly_drafter_cost_about_two_percent():

@@ -38,9 +38,13 @@ OFFER_FLOOR = 0.02
 """With the controller on, a calibrated drafter offers every token at least this likely to be accepted."""
 
 QUIET_SHARE = 0.02
-"""While speculation is off, shadow drafts and the controller's re-checks each cost at most about this share of
-the decoding time (at batch 64 on an H200 a shadow draft of every request cost 1-45 ms against a 2 ms step, and a
-re-check 0.2 ms)."""
+"""While speculation is off, shadow drafts cost at most about this share of the decoding time (at batch 64 on an
+H200 a shadow draft of every request cost 1-45 ms against a 2 ms step)."""
+
+CHECK_SHARE, CHECK_WAIT = 0.05, 8
+"""... and the controller's re-checks (0.2 ms at batch 64 there) about this share, waiting at most CHECK_WAIT quiet
+steps: at 2% a batch of 2 on an H200 waited ~30 steps between checks and never turned speculation on in 64 tokens of
+copy-friendly text."""
 
 
 class Speculator:
@@ -245,7 +249,7 @@ class Speculator:
 
     def _worth_drafting(self, reqs: list[DraftRequest], base: int) -> bool:
         """The controller's re-check while speculation is off (there is news), spaced by its own measured cost so
-        that it stays near ``QUIET_SHARE`` of the decoding time: the news waits, it is not lost."""
+        that it stays near ``CHECK_SHARE`` of the decoding time: the news waits, it is not lost."""
         if self._check_wait > 0:
             self._check_wait -= 1
             return False
@@ -254,7 +258,7 @@ class Speculator:
                                                self.draft_seconds_ema, self._decode_seqs)
         step = self.controller.step_seconds(base, self._decode_seqs)
         if step > 0:
-            self._check_wait = math.ceil((time.perf_counter() - t0) / (QUIET_SHARE * step)) - 1
+            self._check_wait = min(math.ceil((time.perf_counter() - t0) / (CHECK_SHARE * step)) - 1, CHECK_WAIT)
         self._news = False
         return worth
 
