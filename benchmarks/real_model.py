@@ -349,7 +349,9 @@ def spec_batches(path: str, tasks: dict[str, list[list[int]]], batches: list[int
                 if spec is not None:
                     print(f"    rep {rep} batch {b} {task} {method}: {(steps + acc) / max(steps, 1):.2f} tok/step, "
                           f"drafter {1000 * (spec.drafter_seconds - d0):.0f} ms over "
-                          f"{spec.num_proposals - s0} drafting steps, wall {wall:.1f} s, cpu {cpu:.1f} s",
+                          f"{spec.num_proposals - s0} drafting steps, wall {wall:.1f} s, cpu {cpu:.1f} s"
+                          + (f", guard vetoes {spec.guard.num_vetoes} (cool-down {spec.guard.cooldown})"
+                             if spec.guard is not None else ""),
                           file=sys.stderr, flush=True)
         plain = runs["plain"]
         for method in configs:

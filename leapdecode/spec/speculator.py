@@ -259,7 +259,7 @@ class Speculator:
         step = self.controller.step_seconds(base, self._decode_seqs)
         if step > 0:
             self._check_wait = min(math.ceil((time.perf_counter() - t0) / (CHECK_SHARE * step)) - 1, CHECK_WAIT)
-        self._news = False
+        self._news = worth            # worth it: the news stands (asked again next quiet step, if this draft fails)
         return worth
 
     def _propose_shadows(self, reqs: list[DraftRequest], base: int) -> None:
