@@ -87,7 +87,7 @@ def run(label, spec, batch):
                 line += f" drafter stats {drafter.stats}"
         g = getattr(sp, "guard", None)
         if g is not None:
-            line += f" | guard vetoes {g.num_vetoes} vetoed_now {g.vetoed} " + " ".join(
+            line += f" | guard vetoes {g.num_vetoes} vetoed_now {g.vetoed(batch)} " + " ".join(
                 f"{k}:" + ",".join(f"{m}={r.spt*1e3:.3f}ms/tok x{r.count}" for m, r in b.rates.items()) for k, b in g._batches.items())
     print(line, flush=True)
     del llm; gs.free() if DEV == "cuda" else None

@@ -381,7 +381,7 @@ def test_the_guard_overrules_a_controller_that_is_wrong():
     at batch 64), the guard finds speculation slower than plain decoding and switches the drafter off."""
     plain = plain_rate(cpu_heavy)
     rate, per_step, spec = simulate(cpu_heavy, 0.3, steps=600, wrong=True)
-    assert spec.guard.num_vetoes >= 1 and spec.guard.vetoed
+    assert spec.guard.num_vetoes >= 1 and spec.guard.vetoed(1)
     assert np.mean(per_step[-200:]) < 0.5
     assert rate >= 0.85 * plain
     unguarded = simulate(cpu_heavy, 0.3, steps=600, wrong=True, guard=False)[0]
@@ -401,14 +401,32 @@ def test_guard_windows_vetoes_and_cooldowns():
         g.record(8, "bare", 0.010, 10)      # 1.0 ms a token against speculation's 1.25
     assert not g.bare(8)
     g.record(8, "spec", 0.010, 8)
-    assert g.num_vetoes == 1 and g.vetoed and g.cooldown == 20
+    assert g.num_vetoes == 1 and g.vetoed(8) and g.cooldown == 20
     assert all(g.bare(8) for _ in range(9))             # the cool-down: no drafter at all
-    assert not g.bare(8) and not g.vetoed
+    assert not g.bare(8) and not g.vetoed(8)
     g.record(8, "spec", 0.010, 8)
     assert g.num_vetoes == 1                            # one fresh sample: not yet
     assert not g.bare(8)
     g.record(8, "spec", 0.010, 8)
     assert g.num_vetoes == 2 and g.cooldown == 40       # still slower: again, for twice as long
+
+
+def test_guard_vetoes_are_per_batch_size():
+    """A veto earned where speculation loses (batch 64) leaves batch 1, where it wins, alone; each size has its
+    own doubling cool-down. (With one global veto, a burst of load switched speculation off for everyone.)"""
+    from leapdecode.spec.guard import ThroughputGuard
+    g = ThroughputGuard(margin=0.08, window=4, refresh=1000, cooldown=40, min_samples=4)
+    for n, spec_spt, bare_spt in ((64, 1.3, 1.0), (1, 0.5, 1.0)):   # seconds per token: slower at 64, faster at 1
+        for _ in range(4):
+            assert not g.bare(n)
+            g.record(n, "spec", spec_spt, 1)
+        for _ in range(4):
+            assert g.bare(n)
+            g.record(n, "bare", bare_spt, 1)
+        assert not g.bare(n)
+        g.record(n, "spec", spec_spt, 1)
+    assert g.num_vetoes == 1 and g.vetoed(64) and g.off(64) and not g.vetoed(1) and not g.off(1)
+    assert not g.bare(1) and g.bare(64)                      # batch 1 drafts on while batch 64 sits out
 
 
 def test_small_batch_fast_path_decides_as_the_numpy_path():

@@ -364,7 +364,7 @@ class Engine:
         others, then the grammar's (forced tokens, or cut drafts)."""
         if self.speculator is not None:         # index long prompts chunk by chunk, not in their first draft
             self.speculator.prepare([s for s in self.scheduler.running if s.is_prefill and s.num_computed_tokens
-                                     and self.requests[s.request_id].draftable])
+                                     and self.requests[s.request_id].draftable], len(self.scheduler.running))
         decoding = [s for s in self.scheduler.decoding() if self.requests[s.request_id].draftable]
         if not decoding:
             return {}
@@ -403,7 +403,8 @@ class Engine:
     def _overlap_safe(self) -> bool:
         """No request needs host-side tokens before the next step, and no drafter will be asked (none, or the
         guard has it off: spec/guard.py) nor reads hidden states (EAGLE's features come from every step)."""
-        return ((self.speculator is None or (self.speculator.off and not self._capture))
+        return ((self.speculator is None
+                 or (self.speculator.off(len(self.scheduler.running)) and not self._capture))
                 and all(r.overlap_safe for r in self.requests.values()))
 
     def _step_overlapped(self) -> list[RequestOutput]:

@@ -12,8 +12,9 @@ included), per batch size:
 
 Once the drafter's modes have a few samples at a batch size, and every ``refresh`` steps after, it runs a short
 window of bare steps there, so the bare rate is current; when
-the measured spec or quiet rate is worse than bare by more than ``margin``, the drafter is switched off for a
-cool-down that doubles each time this repeats (up to ``max_cooldown``) and resets when speculation wins again.
+the measured spec or quiet rate is worse than bare by more than ``margin``, the drafter is switched off at that batch
+size for a cool-down that doubles each time this repeats there (up to ``max_cooldown``) and resets when speculation
+wins again there: a server whose load swings keeps speculating at batch 1 after losing at batch 64.
 Steps with prefill chunks are not compared (their cost is the prompt's, not the mode's). While the drafter is off,
 an engine with ``async_scheduling`` overlaps its steps as plain decoding does (engine/engine.py): those bare steps
 are timed from step to step, so speculation is measured against plain decoding at its best, not against a
@@ -52,6 +53,8 @@ class _Rate:
 class _Batch:
     rates: dict[str, _Rate] = field(default_factory=lambda: {m: _Rate() for m in MODES})
     window_at: int | None = None     # the step the last bare window started
+    veto_until: int = 0              # the drafter is off at this batch size until this step
+    cooldown: int = 0                # the next veto's length here (0: the guard's base)
 
 
 class ThroughputGuard:
@@ -61,10 +64,10 @@ class ThroughputGuard:
         choices; the guard is for clear losses: a speculative step emits 1 to k + 1 tokens, so over ~15 steps a
         ratio of sums still varies by several percent, and a smaller margin vetoed speculation that paid 1.1x."""
         self.margin, self.window, self.refresh = margin, window, refresh
-        self.base_cooldown, self.cooldown, self.max_cooldown = cooldown, cooldown, max_cooldown
+        self.base_cooldown, self.max_cooldown = cooldown, max_cooldown
         self.min_samples, self.decay = min_samples, decay
         self.steps = 0
-        self.veto_until = 0
+        self.veto_until = 0              # every batch size vetoed until this step (set from outside: benchmarks)
         self.num_vetoes = 0
         self._bare_left = 0
         self._batches: dict[int, _Batch] = {}
@@ -73,23 +76,31 @@ class ThroughputGuard:
         key = size_bucket(num_seqs)
         b = self._batches.get(key)
         if b is None:
-            b = self._batches[key] = _Batch()
+            b = self._batches[key] = _Batch(cooldown=self.base_cooldown)
         return b
 
-    @property
-    def vetoed(self) -> bool:
-        return self.steps < self.veto_until
+    def _until(self, num_seqs: int) -> int:
+        b = self._batches.get(size_bucket(num_seqs))
+        return max(self.veto_until, b.veto_until if b is not None else 0)
+
+    def vetoed(self, num_seqs: int) -> bool:
+        """Is the drafter off at this batch size now? (A veto earned at batch 64 says nothing about batch 1.)"""
+        return self.steps < self._until(num_seqs)
+
+    def off(self, num_seqs: int) -> bool:
+        """Will the next step of ``num_seqs`` sequences run without the drafter whatever it holds (a veto there, or
+        a bare window running)? The engine may then run it as plain decoding runs, overlapped."""
+        return self.steps + 1 < self._until(num_seqs) or self._bare_left > 0
 
     @property
-    def off(self) -> bool:
-        """Will the next step run without the drafter whatever its batch (a veto, or a bare window running)? The
-        engine may then run it as plain decoding runs, overlapped (``async_scheduling``)."""
-        return self.steps + 1 < self.veto_until or self._bare_left > 0
+    def cooldown(self) -> int:
+        """The longest next veto over the batch sizes seen (reports)."""
+        return max((b.cooldown for b in self._batches.values()), default=self.base_cooldown)
 
     def bare(self, num_seqs: int) -> bool:
         """Called once per step that has decodes: must this step run without the drafter?"""
         self.steps += 1
-        if self.steps < self.veto_until:
+        if self.steps < self._until(num_seqs):
             return True
         if self._bare_left > 0:
             self._bare_left -= 1
@@ -121,10 +132,10 @@ class ThroughputGuard:
         if worse > 1.0 + self.margin and (r.count >= self.min_samples or worse > CLEAR_LOSS and r.count >= QUICK):
             # the evidence stays (decaying): after the cool-down two more bad steps veto again, while a real
             # change (the text starts to copy) outweighs it within ~10 steps
-            self.veto_until = self.steps + self.cooldown
-            self.cooldown = min(2 * self.cooldown, self.max_cooldown)
+            b.veto_until = self.steps + b.cooldown
+            b.cooldown = min(2 * b.cooldown, self.max_cooldown)
             self.num_vetoes += 1
             for m in ("spec", "quiet"):
                 b.rates[m].fresh = 0
         elif mode == "spec" and r.spt < bare.spt * (1.0 - self.margin):
-            self.cooldown = self.base_cooldown
+            b.cooldown = self.base_cooldown

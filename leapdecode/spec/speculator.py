@@ -154,12 +154,12 @@ class Speculator:
                                             + cheap + self.costly_seconds_ema)
         return spec > plain * (1.0 + ctl.min_gain)
 
-    def prepare(self, prefilling: list["Sequence"]) -> None:
+    def prepare(self, prefilling: list["Sequence"], num_seqs: int = 1) -> None:
         """Let the drafter catch up with the prompt tokens already prefilled (``num_computed_tokens``), chunk by
         chunk: indexing an 8,000-token prompt at once costs ~30 ms inside the first decode step otherwise. The time
         counts as the drafter's, not the step's."""
         prepare = getattr(self.drafter, "prepare", None)
-        if prepare is None or not prefilling or self.off:     # (a drafter switched off catches up when back on)
+        if prepare is None or not prefilling or self.off(num_seqs):   # (a drafter that is off catches up later)
             return
         start = time.perf_counter()
         for seq in prefilling:
@@ -186,7 +186,7 @@ class Speculator:
             self._guard_bare = self.guard.bare(self._decode_seqs)
             if self._guard_bare:
                 return {}
-        elif self.guard is not None and self.guard.vetoed:
+        elif self.guard is not None and self.guard.vetoed(len(decoding)):
             return {}                   # steps with prefill chunks are not compared, but a veto holds for them too
         ctl = self.controller
         base = len(decoding) + other_tokens
@@ -224,10 +224,10 @@ class Speculator:
                 self._shadow[s.seq_id] = (tree, len(s.token_ids))
         return out
 
-    @property
-    def off(self) -> bool:
-        """The guard has the drafter off for the next step (``ThroughputGuard.off``): it may run overlapped."""
-        return self.guard is not None and self.guard.off
+    def off(self, num_seqs: int) -> bool:
+        """The guard has the drafter off for the next step of ``num_seqs`` sequences (``ThroughputGuard.off``): it
+        may run overlapped."""
+        return self.guard is not None and self.guard.off(num_seqs)
 
     def overlapped_step(self, decode_seqs: int | None) -> None:
         """The engine runs a step without asking the drafter (overlapped, while :attr:`off`): the guard's clock
