@@ -440,7 +440,7 @@ class Engine:
             return []
         prev, self._inflight = self._inflight, None
         result, _ = prev.future.result()
-        return self._commit(prev.plan, result, prev.started, overlapped=True)
+        return self._commit(prev.plan, result, prev.started, overlapped=True)   # (launch to commit: about a step)
 
     def _commit(self, plan: StepPlan, result: StepResult, started: float, overlapped: bool = False
                 ) -> list[RequestOutput]:

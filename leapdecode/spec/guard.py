@@ -54,7 +54,7 @@ class _Batch:
     rates: dict[str, _Rate] = field(default_factory=lambda: {m: _Rate() for m in MODES})
     window_at: int | None = None     # the step the last bare window started
     veto_until: int = 0              # the drafter is off at this batch size until this step
-    cooldown: int = 0                # the next veto's length here (0: the guard's base)
+    cooldown: int = 0                # the next veto's length here (starts at the guard's base)
 
 
 class ThroughputGuard:

@@ -157,7 +157,8 @@ class Speculator:
     def prepare(self, prefilling: list["Sequence"], num_seqs: int = 1) -> None:
         """Let the drafter catch up with the prompt tokens already prefilled (``num_computed_tokens``), chunk by
         chunk: indexing an 8,000-token prompt at once costs ~30 ms inside the first decode step otherwise. The time
-        counts as the drafter's, not the step's."""
+        counts as the drafter's, not the step's. ``num_seqs``: the running sequences (nothing is indexed while the
+        guard has the drafter off at that batch size)."""
         prepare = getattr(self.drafter, "prepare", None)
         if prepare is None or not prefilling or self.off(num_seqs):   # (a drafter that is off catches up later)
             return
@@ -230,7 +231,7 @@ class Speculator:
         return self.guard is not None and self.guard.off(num_seqs)
 
     def overlapped_step(self, decode_seqs: int | None) -> None:
-        """The engine runs a step without asking the drafter (overlapped, while :attr:`off`): the guard's clock
+        """The engine runs a step without asking the drafter (overlapped, while :meth:`off`): the guard's clock
         still counts it. ``decode_seqs``: its sequences if it holds decodes only, else None."""
         if self.guard is not None and decode_seqs is not None:
             self.guard.bare(decode_seqs)
