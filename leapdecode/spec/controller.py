@@ -161,9 +161,10 @@ class StepTimeModel:
             slope = (self._sw * self._sxy - self._sx * self._sy) / var
             self.c1 = max(slope, 1e-9)
             self.c0 = max((self._sy - self.c1 * self._sx) / self._sw, 1e-6)
-        b = self._buckets.get(size_bucket(num_tokens))
+        key = size_bucket(num_tokens)
+        b = self._buckets.get(key)
         if b is None:
-            b = self._buckets[size_bucket(num_tokens)] = _Bucket(deque(maxlen=self.window))
+            b = self._buckets[key] = _Bucket(deque(maxlen=self.window))
         b.obs.append((num_tokens, seconds))
         b.last_seen = self.num_observed
         self._points = None
