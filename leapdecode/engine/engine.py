@@ -373,8 +373,9 @@ class Engine:
             others = [s for s in decoding if s.seq_id not in self.contrastive]
             prefill = sum(s.num_tokens - s.num_computed_tokens for s in self.scheduler.running if s.is_prefill)
             try:
-                drafts.update(self.speculator.propose(others, [self.scheduler.draft_room(s) for s in others],
-                                                      prefill))
+                if others and not self.speculator.drafter_off(len(others), prefill):
+                    drafts.update(self.speculator.propose(others, [self.scheduler.draft_room(s) for s in others],
+                                                          prefill))
             except Exception:                   # noqa: BLE001 - a drafter fault costs this step its drafts, no more
                 log.exception("drafter failed; this step runs without drafts")
         for seq in decoding:

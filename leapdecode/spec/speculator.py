@@ -73,6 +73,7 @@ class Speculator:
         # None otherwise, and between steps
         self._decode_seqs: int | None = None
         self._step_draft_seconds = 0.0   # drafting time inside this step (charged apart, so not in its step time)
+        self._decided = False            # drafter_off already asked the guard this step
         self._shadow: dict[int, tuple[DraftTree, int]] = {}   # seq_id -> (draft, committed tokens when drafted)
         # while speculation is off, the controller is asked again only when something it uses has changed
         self._speculating = True
@@ -167,11 +168,35 @@ class Speculator:
             prepare(seq.seq_id, seq.token_ids[: seq.num_computed_tokens])
         self._step_draft_seconds += time.perf_counter() - start
 
+    def drafter_off(self, num_decoding: int, other_tokens: int) -> bool:
+        """The guard's decision for this step, asked before anything is built for the drafter (at batch 64 the
+        requests and their draft rooms were ~10% of a vetoed step on a GPU's host): True = no drafter this step.
+        Once per step; a step that goes on calls :meth:`propose`, which then does not ask again."""
+        off = self._guard_says_off(num_decoding, other_tokens)
+        self._decided = not off
+        return off
+
+    def _guard_says_off(self, num_decoding: int, other_tokens: int) -> bool:
+        """Ticks the guard's clock on a decode-only step (its bare windows and vetoes); with prefill chunks the
+        step is not compared, but a veto holds for it too."""
+        self._decode_seqs = num_decoding if other_tokens == 0 else None
+        if self.guard is None:
+            return False
+        if self._decode_seqs is not None:
+            self._guard_bare = self.guard.bare(self._decode_seqs)
+            return self._guard_bare
+        return self.guard.vetoed(num_decoding)
+
     def propose(self, decoding: list["Sequence"], rooms: list[int], other_tokens: int) -> dict[int, DraftTree]:
         """One draft per decoding sequence that has room for one (``Scheduler.draft_room``: never a Mirostat
         request); ``other_tokens``: tokens the step computes anyway besides the decodes' own (prefill chunks), for
         the controller's cost model. (The drafter's time of this step, ``_step_draft_seconds``, started with
         ``prepare`` and is reset by ``observe_step``.)"""
+        self._probs = {}
+        if self._decided:               # the engine asked drafter_off first
+            self._decided = False
+        elif self._guard_says_off(len(decoding), other_tokens):
+            return {}
         reqs, seqs = [], []
         for seq, room in zip(decoding, rooms):
             room = min(self.cfg.num_speculative_tokens, room)
@@ -179,16 +204,9 @@ class Speculator:
                 reqs.append(DraftRequest(seq.seq_id, seq.token_ids, seq.num_prompt_tokens, room, seq.params,
                                          seq.index, seq.block_table))
                 seqs.append(seq)
-        self._probs = {}
         if not reqs:
+            self._guard_bare = True     # no room for a draft anywhere: a plain step, for the guard
             return {}
-        self._decode_seqs = len(decoding) if other_tokens == 0 else None
-        if self.guard is not None and self._decode_seqs is not None:
-            self._guard_bare = self.guard.bare(self._decode_seqs)
-            if self._guard_bare:
-                return {}
-        elif self.guard is not None and self.guard.vetoed(len(decoding)):
-            return {}                   # steps with prefill chunks are not compared, but a veto holds for them too
         ctl = self.controller
         base = len(decoding) + other_tokens
         self._step_shape = (len(decoding), base)
@@ -320,7 +338,7 @@ class Speculator:
         if self.guard is not None and self._decode_seqs is not None:
             mode = "bare" if self._guard_bare else "spec" if self._step_drafted else "quiet"
             self.guard.record(self._decode_seqs, mode, seconds, emitted)
-        self._decode_seqs, self._guard_bare, self._step_drafted = None, False, 0
+        self._decode_seqs, self._guard_bare, self._step_drafted, self._decided = None, False, 0, False
         self._step_draft_seconds = 0.0
 
     def finish(self, seq: "Sequence") -> None:
