@@ -362,8 +362,9 @@ class Engine:
     def _propose(self) -> dict:
         """Draft proposals for this step: contrastive search's candidates for its sequences, the drafter's for the
         others, then the grammar's (forced tokens, or cut drafts)."""
+        prefilling = [s for s in self.scheduler.running if s.is_prefill] if self.speculator is not None else []
         if self.speculator is not None:         # index long prompts chunk by chunk, not in their first draft
-            self.speculator.prepare([s for s in self.scheduler.running if s.is_prefill and s.num_computed_tokens
+            self.speculator.prepare([s for s in prefilling if s.num_computed_tokens
                                      and self.requests[s.request_id].draftable], len(self.scheduler.running))
         decoding = [s for s in self.scheduler.decoding() if self.requests[s.request_id].draftable]
         if not decoding:
@@ -371,7 +372,7 @@ class Engine:
         drafts = self.contrastive.drafts(decoding)
         if self.speculator is not None:
             others = [s for s in decoding if s.seq_id not in self.contrastive]
-            prefill = sum(s.num_tokens - s.num_computed_tokens for s in self.scheduler.running if s.is_prefill)
+            prefill = sum(s.num_tokens - s.num_computed_tokens for s in prefilling)
             try:
                 if others and not self.speculator.drafter_off(len(others), prefill):
                     drafts.update(self.speculator.propose(others, [self.scheduler.draft_room(s) for s in others],
