@@ -220,6 +220,9 @@ class _Acceptance:
     cont_n: float = 0.0
 
 
+_ZERO = _Acceptance()             # a request with no history yet (read only)
+
+
 class Controller:
     """See the module doc. ``max_draft``: most draft tokens per request; ``decay``: per-step forgetting of a
     request's own acceptance; ``min_gain``: how much better than plain decoding a draft must be predicted to be;
@@ -251,26 +254,39 @@ class Controller:
     # -- acceptance ------------------------------------------------------------------------------------------------
     def alpha(self, seq_id: int, score: float = 0.5) -> float:
         """P(the first draft token is accepted) for this request, given the drafter's score for the draft."""
-        s = min(max(score, 0.02), 0.98)
+        return self._row_values((seq_id, 1, score), [])[0]
+
+    def _depth_rates(self, K: int) -> list[float]:
+        """The global conditional acceptance at depths 2..K (shrunk toward 0.6), shared by every row."""
+        return [(float(self._g_depth_acc[d]) + 0.6) / (float(self._g_depth_n[d]) + 1.0) for d in range(2, K + 1)]
+
+    def _row_values(self, p: tuple, g: list[float]) -> list[float]:
+        """One row of :meth:`_values` in plain Python, in the same order of operations (the small-batch path is
+        tested equal to the numpy one): P(draft tokens 1..j all accepted), j = 1..1 + len(g), for a proposal
+        (seq_id, offer, score[, confidence]); ``g``: :meth:`_depth_rates`."""
+        a = self._acc.get(p[0]) or _ZERO
+        ps = self.prior_strength
         ga, gn = self._g_first
-        prior = (ga + self.prior_strength * s) / (gn + self.prior_strength)
-        a = self._acc.get(seq_id)
-        if a is None:
-            return prior
-        p = (a.first_acc + self.prior_strength * prior) / (a.first_n + self.prior_strength)
+        prior = (ga + ps * min(max(float(p[2]), 0.02), 0.98)) / (gn + ps)
+        v = (a.first_acc + ps * prior) / (a.first_n + ps)
         # a run of misses that this estimate makes unlikely (P < run_alarm) says the regime has changed: scale
         # the estimate down by how unlikely the run is, so a request whose drafts stop matching backs off at once
-        unlikely = (1.0 - p) ** a.fail_run
-        return p * min(1.0, unlikely / self.run_alarm) if a.fail_run else p
+        v *= min(1.0, (1.0 - v) ** float(a.fail_run) / self.run_alarm)
+        row = [v]
+        for gd in g:
+            v *= (a.cont_acc + gd) / (a.cont_n + 1.0)
+            row.append(v)
+        if len(p) > 3 and p[3]:
+            conf = p[3][:len(row)]
+            row[:len(conf)] = [float(c) for c in conf]
+        return row
 
     def _values(self, proposals: list[tuple], K: int) -> np.ndarray:
-        """[R, K]: P(draft tokens 1..j of request r all accepted), j = 1..K (vectorised :meth:`alpha` times the
-        conditional acceptance at each depth, the request's own shrunk toward the global per-depth rate). A draft
-        that carries calibrated per-token probabilities (a 4th element, best first: spec/calibration.py) is valued
-        by them instead."""
-        own = [self._acc.get(p[0]) for p in proposals]
-        zero = _Acceptance()
-        own = [a if a is not None else zero for a in own]
+        """[R, K]: P(draft tokens 1..j of request r all accepted), j = 1..K (:meth:`_row_values` vectorised:
+        :meth:`alpha` times the conditional acceptance at each depth, the request's own shrunk toward the global
+        per-depth rate). A draft that carries calibrated per-token probabilities (a 4th element, best first:
+        spec/calibration.py) is valued by them instead."""
+        own = [self._acc.get(p[0]) or _ZERO for p in proposals]
         stats = np.array([(a.first_acc, a.first_n, a.fail_run, a.cont_acc, a.cont_n) for a in own]).reshape(-1, 5)
         scores = np.clip(np.array([p[2] for p in proposals], dtype=np.float64), 0.02, 0.98)
         ps = self.prior_strength
@@ -354,31 +370,18 @@ class Controller:
 
     def _draft_lengths_small(self, proposals: list[tuple], other_tokens: int, draft_seconds: float,
                              num_seqs: int | None) -> list[int]:
-        """:meth:`draft_lengths` for a few proposals: the arithmetic of :meth:`_values` row by row, in the same
-        order of operations, and the same stable order of the (request, depth) values."""
+        """:meth:`draft_lengths` for a few proposals: :meth:`_row_values` row by row, and the same stable order of
+        the (request, depth) values as the numpy path."""
         R = len(proposals)
         lengths = [min(p[1], self.max_draft) for p in proposals]
         K = max(lengths, default=0)
         if K <= 0:
             return [0] * R
-        ps = self.prior_strength
-        ga, gn = self._g_first
-        g = [(float(self._g_depth_acc[d]) + 0.6) / (float(self._g_depth_n[d]) + 1.0) for d in range(2, K + 1)]
+        g = self._depth_rates(K)
         flat: list[float] = []
-        zero = _Acceptance()
         for p, L in zip(proposals, lengths):
             self._score[p[0]] = p[2]
-            a = self._acc.get(p[0]) or zero
-            prior = (ga + ps * min(max(float(p[2]), 0.02), 0.98)) / (gn + ps)
-            v = (a.first_acc + ps * prior) / (a.first_n + ps)
-            v *= min(1.0, (1.0 - v) ** float(a.fail_run) / self.run_alarm)
-            row = [v]
-            for gd in g:
-                v *= (a.cont_acc + gd) / (a.cont_n + 1.0)
-                row.append(v)
-            if len(p) > 3 and p[3]:
-                conf = p[3][:K]
-                row[:len(conf)] = [float(c) for c in conf]
+            row = self._row_values(p, g)
             row[L:] = [-1.0] * (K - L)                            # beyond what is on offer
             flat += row
         order = sorted(range(R * K), key=lambda i: -flat[i])[:sum(lengths)]   # stable, as np.argsort's

@@ -216,8 +216,9 @@ class Speculator:
             self._quiet_steps += 1
             if batch != self._batch or self._quiet_steps >= 8:      # (the count restarts: every 8 steps, not
                 self._news, self._batch, self._quiet_steps = True, batch, 0   # every step after the 8th)
-            if not (self._news and self._worth_drafting(reqs, base)):
-                self._propose_shadows(reqs, base)
+            step = ctl.step_seconds(base, self._decode_seqs)     # what this quiet step is predicted to cost
+            if not (self._news and self._worth_drafting(reqs, base, step)):
+                self._propose_shadows(reqs, step)
                 return {}
             self._quiet_steps = 0
         drafts, dt, costly = self._draft(reqs)
@@ -267,7 +268,7 @@ class Speculator:
         probs, self._probs = self._probs, {}
         return probs
 
-    def _worth_drafting(self, reqs: list[DraftRequest], base: int) -> bool:
+    def _worth_drafting(self, reqs: list[DraftRequest], base: int, step: float) -> bool:
         """The controller's re-check while speculation is off (there is news), spaced by its own measured cost so
         that it stays near ``CHECK_SHARE`` of the decoding time: the news waits, it is not lost."""
         if self._check_wait > 0:
@@ -276,20 +277,18 @@ class Speculator:
         t0 = time.perf_counter()
         worth = self.controller.worth_drafting([(r.seq_id, r.max_draft) for r in reqs], base,
                                                self.draft_seconds_ema, self._decode_seqs)
-        step = self.controller.step_seconds(base, self._decode_seqs)
         if step > 0:
             self._check_wait = min(math.ceil((time.perf_counter() - t0) / (CHECK_SHARE * step)) - 1, CHECK_WAIT)
         self._news = worth            # worth it: the news stands (asked again next quiet step, if this draft fails)
         return worth
 
-    def _propose_shadows(self, reqs: list[DraftRequest], base: int) -> None:
+    def _propose_shadows(self, reqs: list[DraftRequest], step: float) -> None:
         """Shadow drafts for as many requests as the credit pays for (each quiet step earns ``QUIET_SHARE`` of
         its time; a shadow draft spends what it measured): the longest-waiting requests first, each at most every
         ``shadow_gap`` steps. A drafter that runs a model, or many requests at a large batch, so costs ~2% of the
         decoding time however expensive one draft is (at 5%, EAGLE's shadows at batch 16 plus its catch-up cost
         ~9% of a run where it never drafted)."""
         self._steps += 1
-        step = self.controller.step_seconds(base, self._decode_seqs)
         earned = QUIET_SHARE * step
         self._shadow_credit = min(self._shadow_credit + earned, 64 * earned)
         after = self._shadow_after
