@@ -48,6 +48,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "int8", "int4"],
                    help="KV cache format: auto (the model's dtype, lossless) or the LOSSY quantized fp8, int8, int4, "
                         "which fit more tokens in the same memory (default: auto)")
+    g.add_argument("--kv-cache-recent-tokens", type=int, default=0, metavar="N",
+                   help="a quantized KV cache keeps each sequence's N newest tokens at full precision (default: 0)")
     g.add_argument("--seed", type=int, default=0, help="engine random seed (default: 0)")
     g.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
                    help="shard the model over N processes (N GPUs on cuda, gloo on cpu) (default: 1)")
@@ -95,7 +97,8 @@ def _llm_kwargs(args: argparse.Namespace) -> dict[str, Any]:
                 max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                 kv_cache_memory=args.kv_cache_memory, seed=args.seed, speculative_config=spec,
                 grammar_cache_size=getattr(args, "grammar_cache_size", 256), sparse_attention=_sparse_attention(args),
-                tensor_parallel_size=args.tensor_parallel_size, kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"))
+                tensor_parallel_size=args.tensor_parallel_size, kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"),
+                kv_cache_recent_tokens=getattr(args, "kv_cache_recent_tokens", 0))
 
 
 def _sparse_attention(args: argparse.Namespace) -> Any:

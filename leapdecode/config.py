@@ -186,6 +186,8 @@ class EngineConfig:
     # KV-cache format (attention/kv_quant.py): "auto" = the model's dtype (lossless); fp8 | int8 | int4 are LOSSY
     kv_cache_dtype: str = "auto"
     kv_cache_salient_ratio: float | None = None   # int4: share of a block's tokens kept at 8 bits (None: 0.125)
+    kv_cache_recent_tokens: int = 0               # each sequence's newest tokens kept at full precision (a
+                                                  # quantized cache's window; measured: benchmarks/README.md)
     load_format: str = "auto"                 # auto: the checkpoint's weights; dummy: random weights (benchmarks)
     enforce_eager: bool = False               # True: no CUDA graphs (engine/cuda_graphs.py), every step eager
     cpu_packed_linears: bool | None = None    # float32 CPU: linears through oneDNN, weights packed once
@@ -222,6 +224,12 @@ class EngineConfig:
                                  f"not {self.kv_cache_dtype!r}")
             if isinstance(r, bool) or not isinstance(r, (int, float)) or not 0 <= r <= 1:
                 raise ValueError(f"kv_cache_salient_ratio must be a number in [0, 1], got {r!r}")
+        w = self.kv_cache_recent_tokens
+        if isinstance(w, bool) or not isinstance(w, int) or w < 0:
+            raise ValueError(f"kv_cache_recent_tokens must be an integer >= 0, got {w!r}")
+        if w and self.kv_cache_dtype == "auto":
+            raise ValueError("kv_cache_recent_tokens applies to a quantized kv_cache_dtype (fp8, int8, int4), "
+                             "not 'auto' (every token is already at full precision)")
         self.torch_device = torch.device(self.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self._check_tensor_parallel()
 

@@ -179,13 +179,13 @@ class Harness:
     that must be read quantized (those whose tokens are all final in the query's step)."""
     BS, HKV, HQ, D, SCALE = 4, 2, 4, 8, 8 ** -0.5
 
-    def __init__(self, fmt: str, salient: int = 0, blocks: int = 24, window: int = 6) -> None:
+    def __init__(self, fmt: str, salient: int = 0, blocks: int = 24, window: int = 6, recent: int = 0) -> None:
         cpu = torch.device("cpu")
         self.fmt = fmt
-        self.cache = KVCache(1, blocks, self.BS, self.HKV, self.D, torch.float32, cpu, fmt, window, salient)
+        self.cache = KVCache(1, blocks, self.BS, self.HKV, self.D, torch.float32, cpu, fmt, window, salient, recent)
         self.layer = self.cache.layer(0)
         windowed = self.cache.layout.windowed
-        self.bm = BlockManager(blocks, self.BS, True, window if windowed else 0)
+        self.bm = BlockManager(blocks, self.BS, True, window if windowed else 0, recent)
         self.buffers = InputBuffers(cpu, windowed=windowed)
         self.backend = TorchAttention()
         self.kv: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}     # seq_id -> full-precision K/V
@@ -223,7 +223,10 @@ class Harness:
             del hist[c.start:]
             hist += [(k[row + j], v[row + j]) for j in range(n)]
             K, V = torch.stack([h[0] for h in hist]), torch.stack([h[1] for h in hist])
-            Kq, Vq = self.reference_read(seq, K, V, final)
+            # blocks read quantized: with a window, those before the sequence's window blocks in this step's plan
+            # (test_recent_tokens_seal_late checks which those are); without, every block (fp8)
+            sealed = len(c.block_table) - len(c.kv_window) if self.cache.layout.windowed else len(c.block_table)
+            Kq, Vq = self.reference_read(seq, K, V, sealed)
             for j in range(n):
                 p = c.start + j
                 want = self.attend(q[row + j], Kq[:p + 1], Vq[:p + 1])
@@ -233,15 +236,17 @@ class Harness:
             seq.num_computed_tokens += n
             row += n
 
-    def reference_read(self, seq: Sequence, K: torch.Tensor, V: torch.Tensor, final: int):
+    def reference_read(self, seq: Sequence, K: torch.Tensor, V: torch.Tensor, sealed: int):
         if self.fmt == "auto":
             return K, V
         if self.fmt == "fp8":
-            return tuple(kq.fp8_decode(kq.fp8_encode(x, kq.fp8_scale(x)), kq.fp8_scale(x), torch.float32)
-                         for x in (K, V))
+            Kq, Vq = (kq.fp8_decode(kq.fp8_encode(x, kq.fp8_scale(x)), kq.fp8_scale(x), torch.float32)
+                      for x in (K, V))
+            n = min(sealed * self.BS, len(K))                                 # token by token, up to the window
+            return torch.cat((Kq[:n], K[n:])), torch.cat((Vq[:n], V[n:]))
         Kq, Vq = K.clone(), V.clone()
         bits = 8 if self.fmt == "int8" else 4
-        for b in range(final // self.BS):                                     # blocks whose tokens are all final
+        for b in range(sealed):                                              # blocks quantized per block
             sl = slice(b * self.BS, (b + 1) * self.BS)
             block = seq.block_table[b]
             sal = None
@@ -271,15 +276,17 @@ class Harness:
             b[j] = kv
 
 
-@pytest.mark.parametrize("fmt,salient,tol", [("auto", 0, 1e-5), ("fp8", 0, 0.2), ("int8", 0, 0.02),
-                                             ("int4", 0, 0.15), ("int4", 1, 0.15)])
-def test_attention_with_a_quantized_cache(fmt, salient, tol):
+@pytest.mark.parametrize("fmt,salient,tol,recent", [("auto", 0, 1e-5, 0), ("fp8", 0, 0.2, 0), ("int8", 0, 0.02, 0),
+                                                    ("int4", 0, 0.15, 0), ("int4", 1, 0.15, 0), ("fp8", 0, 0.2, 6),
+                                                    ("int8", 0, 0.02, 5), ("int4", 1, 0.15, 4)])
+def test_attention_with_a_quantized_cache(fmt, salient, tol, recent):
     """Prefill chunks that fill blocks (sealed in their own step) and leave half-full ones (the window), decodes
     that complete a window block, draft tokens that are not final (their block stays open), a tree compaction,
     a block completed by accepted drafts (sealed the next step with no token of it in the step), and a beam-style
     fork that copies a partial block: every row equals attention over the reference-dequantized KV, and is within
-    ``tol`` (absolute, values ~ N(0, 1)) of full precision."""
-    h = Harness(fmt, salient)
+    ``tol`` (absolute, values ~ N(0, 1)) of full precision. ``recent``: blocks seal only that many tokens behind
+    their sequence's end, and are read from the full-precision window until then."""
+    h = Harness(fmt, salient, window=16 if recent else 6, recent=recent)
     A, B = h.seq(), h.seq()
     h.step([(A, 10, 0), (B, 3, 0)])           # A: blocks 0, 1 sealed in this step, block 2 half full; B: open
     h.step([(A, 1, 0), (B, 2, 0)])            # B's block 0 completes: sealed from the window plus this step
@@ -296,12 +303,60 @@ def test_attention_with_a_quantized_cache(fmt, salient, tol):
     h.move(A, [(20, 20)], dst_seq=C)
     C.num_computed_tokens = 21
     h.step([(A, 1, 0), (C, 3, 0), (B, 1, 0)])
-    print(f"{fmt} salient={salient}: max |attention - full precision| = {h.err_fp:.4f}")
+    print(f"{fmt} salient={salient} recent={recent}: max |attention - full precision| = {h.err_fp:.4f}")
     assert h.err_fp <= tol, h.err_fp
     for s in (A, B, C):
         h.bm.free_seq(s)
     assert h.bm.num_free_blocks == h.bm.num_blocks
     assert len(h.bm.free_window) == h.bm.num_window_blocks
+
+
+def test_recent_tokens_seal_late():
+    """With ``recent_tokens`` a block seals only once it lies that far behind its sequence's end (draft tokens
+    do not count), keeps its window block until then, and a fork sharing it seals it for both."""
+    bs, recent = 4, 6
+    bm = BlockManager(16, bs, True, 12, recent)
+    s = Sequence("r", 0, [1], SamplingParams())
+
+    def step(n: int, drafts: int = 0) -> tuple[int, ...]:
+        final = s.num_computed_tokens + n - drafts
+        assert bm.allocate(s, s.num_computed_tokens + n, final)
+        sealed = bm.seal(s, final)
+        s.num_computed_tokens = final
+        return sealed
+
+    def num_sealed(seq: Sequence) -> int:
+        return sum(bm.sealed[b] for b in seq.block_table)
+
+    assert step(9) == () and num_sealed(s) == 0           # (9 - 6) // 4 = 0 blocks behind the recent tokens
+    assert len(bm.open_window(s)) == 3                    # blocks 0, 1 (full, recent) and 2 (open)
+    w0 = bm.window_of[s.block_table[0]]
+    assert step(1) == (w0,) and num_sealed(s) == 1        # 10 - 6 = 4: block 0 seals, its window block returns
+    assert step(5, drafts=4) == () and num_sealed(s) == 1  # 11 final tokens (+4 drafts): (11 - 6) // 4 = 1
+    w1 = bm.window_of[s.block_table[1]]
+    assert step(3) == (w1,) and num_sealed(s) == 2        # 14 final: block 1 seals
+    assert len(bm.open_window(s)) == 2                    # block 2 (full, recent) and block 3 (open)
+    fork = Sequence("f", 0, [1], SamplingParams())
+    fork.num_computed_tokens = bm.share_prefix(s, fork, 3)  # shares block 2 (full, still recent: unsealed)
+    shared = s.block_table[2]
+    assert not bm.sealed[shared] and fork.block_table[2] == shared and bm.window_of[shared] >= 0
+    w2 = bm.window_of[shared]
+    assert bm.allocate(fork, 18, 18) and bm.seal(fork, 18) == (w2,)   # the fork runs ahead: (18 - 6) // 4 = 3
+    assert bm.sealed[shared] and bm.window_of[shared] == -1
+    assert bm.open_window(s) == (bm.window_of[s.block_table[3]],) and step(0) == ()
+    bm.free_seq(s)
+    bm.free_seq(fork)
+    assert len(bm.free_window) == 12 and bm.num_free_blocks == 16
+
+
+def test_recent_tokens_layout():
+    lay = dict(num_layers=2, block_size=16, num_kv_heads=2, head_dim=16, dtype=torch.float32)
+    assert not KVLayout("fp8", **lay).windowed and KVLayout("fp8", **lay, recent_tokens=1).windowed
+    assert KVLayout("fp8", **lay, recent_tokens=17).recent_blocks == 2 == KVLayout("int8", **lay,
+                                                                                   recent_tokens=32).recent_blocks
+    assert KVLayout("int8", **lay).windowed and KVLayout("int8", **lay).recent_blocks == 0
+    # the pool block costs the same with or without recent tokens: they live in the window
+    assert KVLayout("fp8", **lay, recent_tokens=64).bytes_per_block == KVLayout("fp8", **lay).bytes_per_block
 
 
 # -- the engine end to end on the tiny model ----------------------------------------------------------------------
@@ -446,6 +501,40 @@ def test_fp8_and_int4_end_to_end(llama_dir, reference):
             assert llm.kv_cache_info()["salient_tokens_per_block"] == (0 if extra else 2)
 
 
+def test_recent_tokens_covering_every_sequence_are_lossless(llama_dir, reference):
+    """A quantized cache whose recent tokens cover every sequence never quantizes anything: its greedy tokens are
+    full precision's (transformers' own), bit for bit; with no recent tokens fp8 keeps its per-token cache."""
+    _, prompts, ref = reference
+    for fmt in ("fp8", "int8", "int4"):
+        llm = make_llm(llama_dir, kv_cache_memory=4 * MEMORY, kv_cache_dtype=fmt, kv_cache_recent_tokens=128)
+        assert tokens(llm.generate(prompts, GREEDY, use_tqdm=False)) == ref, fmt
+        info = llm.kv_cache_info()
+        assert info["recent_tokens"] == 128 and info["num_window_blocks"] >= 128 // 16 + 1
+        assert_pool_free(llm)
+        assert_window_free(llm)
+    plain = make_llm(llama_dir, kv_cache_memory=MEMORY, kv_cache_dtype="fp8")
+    assert not plain.engine.block_manager.windowed and plain.kv_cache_info()["recent_tokens"] == 0
+
+
+def test_recent_tokens_shrink_the_error(llama_dir):
+    """Teacher-forced prompt logprobs of long prompts (chunked prefill, so earlier chunks are read from the cache)
+    against full precision: keeping the 32 newest tokens at full precision lowers fp8's and int4's error."""
+    prompts = prompts_(4, seed=9, lo=90, hi=120)
+    params = SamplingParams(max_tokens=1, prompt_logprobs=0)
+
+    def logprobs(**kw) -> torch.Tensor:
+        llm = make_llm(llama_dir, kv_cache_memory=4 * MEMORY, max_num_batched_tokens=32, **kw)
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        assert_pool_free(llm)
+        return torch.tensor([lp[t] for p, o in zip(prompts, outs) for lp, t in zip(o.prompt_logprobs[1:], p[1:])])
+
+    full = logprobs()
+    for fmt in ("fp8", "int4"):
+        err = [(logprobs(kv_cache_dtype=fmt, kv_cache_recent_tokens=r) - full).abs().mean().item() for r in (0, 32)]
+        print(f"{fmt}: mean |logprob error| recent 0 / 32 tokens: {err[0]:.4f} / {err[1]:.4f}")
+        assert err[1] < 0.8 * err[0], (fmt, err)
+
+
 @pytest.mark.parametrize("value", ["int3", "", None, 8, "FP8", "bf16"])
 def test_bad_kv_cache_dtype(value):
     from leapdecode.config import EngineConfig
@@ -459,8 +548,15 @@ def test_bad_combinations(llama_dir, monkeypatch):
         EngineConfig(model="unused", kv_cache_dtype="int8", kv_cache_salient_ratio=0.2)
     with pytest.raises(ValueError, match="kv_cache_salient_ratio"):
         EngineConfig(model="unused", kv_cache_dtype="int4", kv_cache_salient_ratio=1.5)
+    for bad in (-1, 1.5, True, "64"):
+        with pytest.raises(ValueError, match="kv_cache_recent_tokens"):
+            EngineConfig(model="unused", kv_cache_dtype="fp8", kv_cache_recent_tokens=bad)
+    with pytest.raises(ValueError, match="kv_cache_recent_tokens"):
+        EngineConfig(model="unused", kv_cache_recent_tokens=16)          # "auto" has nothing to keep
     with pytest.raises(ValueError, match="kv_cache_dtype"):
         make_llm(llama_dir, kv_cache_dtype="int8", speculative_config={"method": "layer_skip"})
+    with pytest.raises(ValueError, match="kv_cache_recent_tokens=0"):
+        make_llm(llama_dir, kv_cache_dtype="fp8", kv_cache_recent_tokens=16, speculative_config={"method": "layer_skip"})
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     with pytest.raises(ValueError, match="kv_cache_dtype"):
         make_llm(llama_dir, kv_cache_dtype="fp8", attention_backend="triton")
@@ -469,7 +565,7 @@ def test_bad_combinations(llama_dir, monkeypatch):
 def test_cli_flag():
     from leapdecode.cli import build_parser
     for command in (["serve"], ["generate", "x"], ["chat"], ["bench"]):
-        args = build_parser().parse_args([*command, "--kv-cache-dtype", "int4"])
-        assert args.kv_cache_dtype == "int4"
+        args = build_parser().parse_args([*command, "--kv-cache-dtype", "int4", "--kv-cache-recent-tokens", "64"])
+        assert args.kv_cache_dtype == "int4" and args.kv_cache_recent_tokens == 64
     with pytest.raises(SystemExit):
         build_parser().parse_args(["generate", "x", "--kv-cache-dtype", "int3"])

@@ -7,12 +7,15 @@ Whoever copies KV goes through ``copy_slots`` so scales can never be forgotten.
 Quantized formats (lossy, opt-in; the arithmetic is in ``kv_quant.py``):
 
 - ``fp8``: the same layout in float8_e4m3fn codes (stored as uint8) and ``scales`` [layers, 2, blocks, block_size,
-  kv_heads] (float16, one per token and head). A token is encoded when it is written; nothing else changes.
+  kv_heads] (float16, one per token and head). With ``recent_tokens`` = 0 a token is encoded when it is written;
+  otherwise blocks are sealed like int8's (below) and encoded token by token when they seal.
 - ``int8`` / ``int4``: a block's keys are quantized per channel, so a block is only quantized ("sealed") once all
-  of its tokens are final. Until then it lives in the **window**: ``window_blocks`` full-precision blocks
-  ``[layers, 2, window_blocks, block_size, kv_heads, head_dim]`` holding every sequence's open blocks (the partial
-  last block, and blocks holding draft tokens). The block manager hands out window blocks with pool blocks and
-  the scheduler says which blocks seal in each step (``engine/block_manager.py``). A pool block stores codes
+  of its tokens are final, and (``recent_tokens``) once it lies that many tokens behind its sequence's end (the
+  newest keys draw most of the attention: KIVI's full-precision residual). Until then it lives in the **window**:
+  ``window_blocks`` full-precision blocks ``[layers, 2, window_blocks, block_size, kv_heads, head_dim]`` holding
+  every sequence's open blocks (the partial last block, blocks holding draft tokens, and the recent ones). The
+  block manager hands out window blocks with pool blocks and the scheduler says which blocks seal in each step
+  (``engine/block_manager.py``). A pool block stores codes
   ``[layers, 2, blocks, block_size, kv_heads, head_dim * bits / 8]``, the keys' per-channel grids ``[layers,
   blocks, 2 (zero, step), kv_heads, head_dim]`` and the values' per-token grids ``[layers, blocks, 2, block_size,
   kv_heads]`` (float16), and for int4 with salient tokens their offsets ``[layers, blocks, n, kv_heads]`` and low
@@ -49,6 +52,7 @@ class KVLayout:
     head_dim: int
     dtype: torch.dtype
     num_salient: int = 0          # int4: tokens per block (per kv head) that keep 8-bit precision
+    recent_tokens: int = 0        # each sequence's newest tokens kept at full precision (in the window)
 
     @property
     def lossy(self) -> bool:
@@ -56,8 +60,15 @@ class KVLayout:
 
     @property
     def windowed(self) -> bool:
-        """Blocks are quantized when they fill; open blocks live in a full-precision window."""
-        return self.kv_cache_dtype in ("int8", "int4")
+        """Blocks are quantized when they fill (and lie ``recent_tokens`` behind); until then they live in a
+        full-precision window. int8/int4 always (their keys are quantized per channel over a block); fp8 when
+        it keeps recent tokens."""
+        return self.kv_cache_dtype in ("int8", "int4") or (self.kv_cache_dtype == "fp8" and self.recent_tokens > 0)
+
+    @property
+    def recent_blocks(self) -> int:
+        """Window blocks a sequence holds for its recent tokens, beyond its open block."""
+        return -(-self.recent_tokens // self.block_size) if self.windowed else 0
 
     @property
     def bits(self) -> int:
@@ -92,9 +103,10 @@ class KVLayout:
 class KVCache:
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device, kv_cache_dtype: str = "auto", window_blocks: int = 0,
-                 num_salient: int = 0) -> None:
-        self.layout = KVLayout(kq.parse_kv_cache_dtype(kv_cache_dtype), num_layers, block_size, num_kv_heads,
-                               head_dim, dtype, num_salient if kv_cache_dtype == "int4" else 0)
+                 num_salient: int = 0, recent_tokens: int = 0) -> None:
+        fmt = kq.parse_kv_cache_dtype(kv_cache_dtype)
+        self.layout = KVLayout(fmt, num_layers, block_size, num_kv_heads, head_dim, dtype,
+                               num_salient if fmt == "int4" else 0, recent_tokens if fmt != "auto" else 0)
         self.num_layers, self.num_blocks, self.block_size = num_layers, num_blocks, block_size
         self.num_kv_heads, self.head_dim, self.dtype, self.device = num_kv_heads, head_dim, dtype, device
         self.window_blocks = window_blocks if self.layout.windowed else 0
@@ -109,8 +121,6 @@ class KVCache:
         else:
             if d % 2:
                 raise ValueError(f"kv_cache_dtype={fmt!r} needs an even head_dim, got {d}")
-            if self.window_blocks < 1:
-                raise ValueError(f"kv_cache_dtype={fmt!r} needs at least one full-precision window block")
             n = self.layout.num_salient
             self.data = _zeros((L, 2, num_blocks, bs, h, d * self.layout.bits // 8), torch.uint8, device)
             self.scales = None
@@ -118,6 +128,9 @@ class KVCache:
             self.value_grid = _zeros((L, num_blocks, 2, bs, h), torch.float16, device)
             self.salient = _zeros((L, num_blocks, n, h), torch.uint8, device)
             self.residual = _zeros((L, 2, num_blocks, n, h, d // 2), torch.uint8, device)
+        if self.layout.windowed:
+            if self.window_blocks < 1:
+                raise ValueError(f"kv_cache_dtype={fmt!r} needs at least one full-precision window block")
             self.window = _zeros((L, 2, self.window_blocks, bs, h, d), dtype, device)
             self._stage = _Stage()
 
@@ -132,16 +145,18 @@ class KVCache:
         """Bytes of the pool, scales and window included."""
         return self.num_blocks * self.layout.bytes_per_block + self.window_blocks * self.layout.window_bytes_per_block
 
-    def layer(self, i: int) -> "torch.Tensor | Fp8Layer | IntLayer":
+    def layer(self, i: int) -> "torch.Tensor | Fp8Layer | WindowedLayer":
         """Layer i's cache: a [2, blocks, block_size, kv_heads, head_dim] tensor under "auto", else the layer's view
         of the quantized storage (the attention backend dispatches on the type)."""
         fmt = self.layout.kv_cache_dtype
         if fmt == "auto":
             return self.data[i]
-        if fmt == "fp8":
+        if not self.layout.windowed:
             return Fp8Layer(self.data[i], self.scales[i], self.dtype)
-        return IntLayer(self.layout, self.data[i], self.key_grid[i], self.value_grid[i], self.salient[i],
-                        self.residual[i], self.window[i], self._stage)
+        if fmt == "fp8":
+            return WindowedLayer(self.layout, self.data[i], self.window[i], self._stage, scales=self.scales[i])
+        return WindowedLayer(self.layout, self.data[i], self.window[i], self._stage, self.key_grid[i],
+                             self.value_grid[i], self.salient[i], self.residual[i])
 
     @torch.inference_mode()
     def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
@@ -152,7 +167,7 @@ class KVCache:
         L, _, nb, bs, h, d = store.shape
         flat = store.view(L, 2, nb * bs, h, d)
         flat[:, :, dst] = flat[:, :, src].clone()
-        if self.layout.kv_cache_dtype == "fp8":
+        if self.layout.kv_cache_dtype == "fp8" and not self.layout.windowed:
             scales = self.scales.view(L, 2, nb * bs, h)
             scales[:, :, dst] = scales[:, :, src].clone()
 
@@ -230,16 +245,18 @@ class _Stage:
 
 
 @dataclass
-class IntLayer:
-    """One layer of an int8/int4 cache: pool blocks of codes and grids, and the full-precision window."""
+class WindowedLayer:
+    """One layer of a windowed cache (int8/int4, or fp8 keeping recent tokens): pool blocks of codes and what
+    decodes them, and the full-precision window of every sequence's open and recent blocks."""
     layout: KVLayout
-    codes: torch.Tensor          # [2, blocks, bs, h, d * bits / 8] uint8
-    key_grid: torch.Tensor       # [blocks, 2, h, d] float16 (zero, step)
-    value_grid: torch.Tensor     # [blocks, 2, bs, h] float16
-    salient: torch.Tensor        # [blocks, n, h] uint8 offsets
-    residual: torch.Tensor       # [2, blocks, n, h, d / 2] uint8 low nibbles
-    window: torch.Tensor         # [2, window_blocks, bs, h, d] model dtype
+    codes: torch.Tensor                      # [2, blocks, bs, h, d * bits / 8] uint8
+    window: torch.Tensor                     # [2, window_blocks, bs, h, d] model dtype
     stage: _Stage
+    key_grid: torch.Tensor | None = None     # int: [blocks, 2, h, d] float16 (zero, step)
+    value_grid: torch.Tensor | None = None   # int: [blocks, 2, bs, h] float16
+    salient: torch.Tensor | None = None      # int4: [blocks, n, h] uint8 offsets
+    residual: torch.Tensor | None = None     # int4: [2, blocks, n, h, d / 2] uint8 low nibbles
+    scales: torch.Tensor | None = None       # fp8: [2, blocks, bs, h] float16, one per token and head
 
     def write(self, k: torch.Tensor, v: torch.Tensor, window_slots: torch.Tensor, seal: "SealPlan | None") -> None:
         """Store the step's keys/values: tokens of open blocks into the window (``window_slots``, -1: elsewhere),
@@ -270,6 +287,12 @@ class IntLayer:
         """Quantize the staged tiles into pool ``blocks`` [S]; int4 keeps ``salient`` ([S, n, h] offsets) at 8 bits."""
         tile, self.stage.tile = self.stage.tile, None
         k, v = tile[0], tile[1]
+        if self.scales is not None:                                        # fp8: token by token
+            for i, x in enumerate((k, v)):
+                s = kq.fp8_scale(x)
+                self.codes[i][blocks] = kq.fp8_encode(x, s)
+                self.scales[i][blocks] = s
+            return
         kz, ks = kq.key_grid(k)
         vz, vs = kq.value_grid(v)
         self.key_grid[blocks] = torch.stack((kz[:, 0], ks[:, 0]), dim=1)
@@ -290,6 +313,20 @@ class IntLayer:
     def read(self, blocks: torch.Tensor, window: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """blocks [B, nb] (with ``window`` [B, nb]: the window block of an open block, -1: read the pool block) ->
         keys, values [B, nb * bs, h, d] in the model's dtype: sealed blocks dequantized, open ones as written."""
+        k, v = self._decode(blocks)
+        if window is not None:
+            open_ = window >= 0
+            if bool(open_.any()):
+                w = self.window[:, window.clamp(min=0)]                              # [2, B, nb, bs, h, d]
+                sel = open_[..., None, None, None]
+                k, v = torch.where(sel, w[0], k), torch.where(sel, w[1], v)
+        return k.flatten(1, 2), v.flatten(1, 2)
+
+    def _decode(self, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Pool blocks [B, nb] dequantized: keys, values [B, nb, bs, h, d] in the model's dtype."""
+        dtype = self.window.dtype
+        if self.scales is not None:
+            return tuple(kq.fp8_decode(self.codes[i][blocks], self.scales[i][blocks], dtype) for i in (0, 1))
         kg, vg = self.key_grid[blocks], self.value_grid[blocks]                     # [B, nb, 2, ...]
         if self.layout.bits == 8:
             ku, vu = self.codes[0][blocks], self.codes[1][blocks]
@@ -302,15 +339,9 @@ class IntLayer:
             vu = kq.int4_units(kq.unpack_nibbles(self.codes[1][flat]),
                                kq.unpack_nibbles(self.residual[1][flat]) if sal is not None else None, sal)
             ku, vu = ku.view(B, nb, *ku.shape[1:]), vu.view(B, nb, *vu.shape[1:])
-        k = kq.decode_units(ku, kg[:, :, 0, None], kg[:, :, 1, None]).to(self.window.dtype)
-        v = kq.decode_units(vu, vg[:, :, 0, ..., None], vg[:, :, 1, ..., None]).to(self.window.dtype)
-        if window is not None:
-            open_ = window >= 0
-            if bool(open_.any()):
-                w = self.window[:, window.clamp(min=0)]                              # [2, B, nb, bs, h, d]
-                sel = open_[..., None, None, None]
-                k, v = torch.where(sel, w[0], k), torch.where(sel, w[1], v)
-        return k.flatten(1, 2), v.flatten(1, 2)
+        k = kq.decode_units(ku, kg[:, :, 0, None], kg[:, :, 1, None]).to(dtype)
+        v = kq.decode_units(vu, vg[:, :, 0, ..., None], vg[:, :, 1, ..., None]).to(dtype)
+        return k, v
 
 
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:

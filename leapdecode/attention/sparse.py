@@ -42,10 +42,10 @@ import torch
 import torch.nn.functional as F
 
 from leapdecode.attention.backend import AttentionMetadata
-from leapdecode.attention.kv_cache import Fp8Layer, IntLayer
+from leapdecode.attention.kv_cache import Fp8Layer, WindowedLayer
 from leapdecode.config import SparseAttentionConfig
 
-KVLayer = torch.Tensor | Fp8Layer | IntLayer       # one layer of the cache, in any kv_cache_dtype
+KVLayer = torch.Tensor | Fp8Layer | WindowedLayer       # one layer of the cache, in any kv_cache_dtype
 
 
 class SparseAttention:
@@ -89,7 +89,7 @@ class SparseStep:
         bs = meta.block_size
         nblocks = -(-self.max_len // bs)
         self.blocks = meta.block_tables[idx, :nblocks]                                # [B, nblocks]
-        self.kv_window = meta.kv_window[idx, :nblocks] if meta.kv_window is not None else None   # int8/int4
+        self.kv_window = meta.kv_window[idx, :nblocks] if meta.kv_window is not None else None   # windowed
         seq_lens = torch.tensor(lens, device=dev)
         key = torch.arange(self.max_len, device=dev)
         self.key_valid = key[None, :] < seq_lens[:, None]                             # [B, max_len]
@@ -120,10 +120,10 @@ class SparseStep:
     def _context(self, kv_cache: KVLayer, values: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The rows' whole contexts, [B, max_len, Hkv, D] keys and values (None when not asked for and the cache is
         full precision, where the values a layer needs are gathered by slot instead). A quantized cache is read
-        dequantized, keys and values together (int8/int4: open blocks from the full-precision window)."""
+        dequantized, keys and values together (windowed caches: open blocks from the full-precision window)."""
         if isinstance(kv_cache, Fp8Layer):
             k, v = kv_cache.read(self.blocks)
-        elif isinstance(kv_cache, IntLayer):
+        elif isinstance(kv_cache, WindowedLayer):
             k, v = kv_cache.read(self.blocks, self.kv_window)
         else:
             B = len(self.rows)

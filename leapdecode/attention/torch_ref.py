@@ -9,8 +9,8 @@ that are earlier context or (for trees) its ancestors. The masks and gather indi
 ``plan``; each layer only gathers its own keys and values and runs SDPA. With sparse attention on (lossy, opt-in),
 long decode rows are planned apart as a ``SparseStep`` (attention/sparse.py), which reads only selected keys.
 
-A quantized cache is read by dequantizing the gathered blocks before SDPA (int8/int4: open blocks come from the
-full-precision window); a layer first quantizes the blocks its step seals, measuring their tokens' saliency with
+A quantized cache is read by dequantizing the gathered blocks before SDPA (a windowed cache, int8/int4 or fp8 with
+recent tokens: open and recent blocks come from the full-precision window); a layer first quantizes the blocks its step seals, measuring their tokens' saliency with
 the probe queries when the format keeps salient tokens (``kv_quant.normalized_attention``). Not fused: this is the
 portable reference; a fused GPU read is future work.
 """
@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from leapdecode.attention import kv_quant
 from leapdecode.attention.backend import AttentionBackend, AttentionMetadata, SealPlan
-from leapdecode.attention.kv_cache import Fp8Layer, IntLayer
+from leapdecode.attention.kv_cache import Fp8Layer, WindowedLayer
 from leapdecode.attention.sparse import SparseAttention, SparseStep
 
 # Sequences with at most this many query tokens (decodes, verification, short prefills) share one padded batch;
@@ -61,7 +61,7 @@ class _Group:
     valid_q: torch.Tensor | None   # [B, max_q]; None when every sequence has exactly one query (decode)
     out_index: torch.Tensor    # flat rows of the valid queries, in valid_q order
     mask: torch.Tensor         # [B, 1, max_q, max_k]
-    window: torch.Tensor | None = None   # [B, nblocks] window block of an open block (-1: sealed), int8/int4
+    window: torch.Tensor | None = None   # [B, nblocks] window block of an open block (-1: sealed), windowed caches
 
 
 class TorchAttention(AttentionBackend):
@@ -90,7 +90,7 @@ class TorchAttention(AttentionBackend):
         if isinstance(kv_cache, Fp8Layer):
             kv_cache.write(k[:n], v[:n], meta.slot_mapping[:n])
             return
-        if isinstance(kv_cache, IntLayer):
+        if isinstance(kv_cache, WindowedLayer):
             kv_cache.write(k[:n], v[:n], meta.kv_write[:n], meta.kv_seal)
             return
         _, nb, bs, hkv, d = kv_cache.shape
@@ -103,7 +103,7 @@ class TorchAttention(AttentionBackend):
                layer: int | None = None) -> torch.Tensor:
         if meta.plan is None:
             self.plan(meta)
-        if isinstance(kv_cache, IntLayer) and meta.kv_seal is not None:
+        if isinstance(kv_cache, WindowedLayer) and meta.kv_seal is not None:
             _seal(q, kv_cache, meta.kv_seal, scale)
         out = torch.empty_like(q)
         for g in meta.plan:
@@ -119,7 +119,7 @@ class TorchAttention(AttentionBackend):
         return out
 
 
-def _read(kv_cache: torch.Tensor | Fp8Layer | IntLayer, g: _Group) -> tuple[torch.Tensor, torch.Tensor]:
+def _read(kv_cache: torch.Tensor | Fp8Layer | WindowedLayer, g: _Group) -> tuple[torch.Tensor, torch.Tensor]:
     """The group's keys and values [B, max_k, Hkv, D] in the model's dtype (dequantized when the cache is)."""
     if isinstance(kv_cache, torch.Tensor):
         k, v = kv_cache[0][g.blocks].flatten(1, 2), kv_cache[1][g.blocks].flatten(1, 2)
@@ -130,7 +130,7 @@ def _read(kv_cache: torch.Tensor | Fp8Layer | IntLayer, g: _Group) -> tuple[torc
     return k[:, :g.max_k], v[:, :g.max_k]
 
 
-def _seal(q: torch.Tensor, layer: IntLayer, seal: SealPlan, scale: float) -> None:
+def _seal(q: torch.Tensor, layer: WindowedLayer, seal: SealPlan, scale: float) -> None:
     """Quantize the blocks this step seals; with salient tokens, rank them by the probes' normalized attention."""
     salient = None
     if layer.layout.num_salient:

@@ -5,8 +5,9 @@ A block is reference-counted. A full block whose KV has been computed is keyed b
 Free blocks sit in LRU order; a free block keeps its key until it is handed out again, which is what makes a
 prefix survive its request. Only computed KV is ever keyed, so a hit is always safe to read.
 
-With an int8/int4 KV cache (``num_window_blocks`` > 0) a block is quantized ("sealed") in the step in which all of
-its tokens become final (computed, not draft nodes), and until then lives in a full-precision **window block**:
+With a windowed quantized KV cache (``num_window_blocks`` > 0: int8/int4, or fp8 keeping recent tokens) a block is
+quantized ("sealed") in the step in which all of its tokens become final (computed, not draft nodes) and lie at
+least ``recent_tokens`` behind the sequence's end, and until then lives in a full-precision **window block**:
 ``allocate`` gives a window block to every block that stays open after the step (or fails, like a short pool, when
 the window is full), ``seal`` (called by the scheduler as it freezes a plan) seals what the step completes and
 returns their window blocks to the window, and a block released while open gives its window block back. Sealed
@@ -43,7 +44,7 @@ def chain_keys(token_ids: list[int] | tuple[int, ...], block_size: int) -> list[
 
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool,
-                 num_window_blocks: int = 0) -> None:
+                 num_window_blocks: int = 0, recent_tokens: int = 0) -> None:
         self.num_blocks, self.block_size = num_blocks, block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.ref_counts = [0] * num_blocks
@@ -51,9 +52,10 @@ class BlockManager:
         self.cached: dict[bytes, int] = {}                             # key -> block id
         self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))   # LRU first
         self.hits = self.queries = 0                                   # prefix-cache statistics (tokens)
-        # windowed (int8/int4) caches: the window block of each open block, and which blocks are sealed
+        # windowed caches: the window block of each open block, and which blocks are sealed
         self.num_window_blocks = num_window_blocks
         self.windowed = num_window_blocks > 0
+        self.recent_tokens = recent_tokens if self.windowed else 0
         self.window_of = [-1] * num_blocks if self.windowed else []
         self.sealed = [False] * num_blocks if self.windowed else []
         self.free_window = list(range(num_window_blocks - 1, -1, -1))   # a stack: lowest first
@@ -86,12 +88,13 @@ class BlockManager:
     def allocate(self, seq: Sequence, num_tokens: int, num_final: int | None = None) -> bool:
         """Make ``seq.block_table`` cover its first ``num_tokens`` tokens; False (and no change) if the pool is short.
         ``num_final``: how many of them will be final after the step (the rest are draft nodes; default all): in a
-        windowed cache every block past the last one they fill needs a window block."""
+        windowed cache every block past the last one they fill (less the recent tokens) needs a window block."""
         need = self.blocks_needed(seq, num_tokens)
         if need > len(self.free):
             return False
         if self.windowed:
-            first_open = (num_tokens if num_final is None else num_final) // self.block_size
+            final = num_tokens if num_final is None else num_final
+            first_open = max(0, final - self.recent_tokens) // self.block_size
             total = len(seq.block_table) + need
             missing = [i for i in range(first_open, total)
                        if i >= len(seq.block_table) or self.window_of[seq.block_table[i]] < 0]
@@ -104,12 +107,13 @@ class BlockManager:
         return True
 
     def seal(self, seq: Sequence, num_final: int) -> tuple[int, ...]:
-        """Windowed caches: seal the blocks that the first ``num_final`` tokens fill and that are not sealed yet;
-        returns their window blocks in table order (-1: a block whose tokens are all in this step). The window
-        blocks go back to the window at once: nothing reuses them before the step that seals them has run."""
+        """Windowed caches: seal the blocks that the first ``num_final - recent_tokens`` tokens fill and that are
+        not sealed yet; returns their window blocks in table order (-1: a block whose tokens are all in this step).
+        The window blocks go back to the window at once: nothing reuses them before the step that seals them has
+        run."""
         if not self.windowed:
             return ()
-        i = min(num_final // self.block_size, len(seq.block_table))
+        i = min(max(0, num_final - self.recent_tokens) // self.block_size, len(seq.block_table))
         first = i
         while first > 0 and not self.sealed[seq.block_table[first - 1]]:
             first -= 1

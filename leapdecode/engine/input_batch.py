@@ -9,8 +9,9 @@ buffers only grow (doubling), so after warm-up a step allocates nothing.
 With ``pad=True`` (for CUDA-graph replay) the token count is rounded up to a capacity bucket and the block table
 to its full width; padding tokens have slot -1 and belong to no sequence.
 
-For an int8/int4 KV cache (``windowed``) the plan's window blocks and seals become the metadata's ``kv_write``
-(window slot per token), ``kv_window`` (window block per table entry) and ``kv_seal`` (see attention/backend.py).
+For a windowed KV cache (int8/int4, fp8 with recent tokens) the plan's window blocks and seals become the
+metadata's ``kv_write`` (window slot per token), ``kv_window`` (window block per table entry) and ``kv_seal`` (see
+attention/backend.py).
 """
 from __future__ import annotations
 

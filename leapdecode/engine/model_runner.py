@@ -54,7 +54,7 @@ class ModelRunner:
         self.num_packed_linears = pack_model(self.model, cfg.cpu_packed_linears)
         c = self._kv_view = replace(model_cfg, num_kv_heads=head_shard(model_cfg, tp).num_kv_heads)
         self.kv_layout = KVLayout(cfg.kv_cache_dtype, c.num_layers, self.block_size, c.num_kv_heads, c.head_dim,
-                                  dtype, cfg.kv_cache_salient_tokens)
+                                  dtype, cfg.kv_cache_salient_tokens, cfg.kv_cache_recent_tokens)
         # blocks past the block manager's pool, written only by a drafter that runs the target itself
         # (spec/layer_skip.py), so draft KV never lands in a slot the target owns
         self.num_scratch_blocks = _scratch_blocks(cfg)
@@ -64,7 +64,7 @@ class ModelRunner:
             self.num_blocks = agree_blocks(self.num_blocks)
         self.kv_cache = KVCache(c.num_layers, self.num_blocks + self.num_scratch_blocks, self.block_size,
                                 c.num_kv_heads, c.head_dim, dtype, self.device, cfg.kv_cache_dtype,
-                                self.num_window_blocks, cfg.kv_cache_salient_tokens)
+                                self.num_window_blocks, cfg.kv_cache_salient_tokens, cfg.kv_cache_recent_tokens)
         for i, layer in enumerate(self.model.layers):
             layer.self_attn.kv_cache = self.kv_cache.layer(i)
         self.buffers = InputBuffers(self.device, windowed=self.kv_layout.windowed)
@@ -98,17 +98,19 @@ class ModelRunner:
             raise ValueError(f"kv_cache_dtype={fmt!r} is read by the torch attention backend only (dequantization "
                              f"is not fused into the {self.backend.name} kernels yet): use attention_backend='torch'")
         if self.kv_layout.windowed and self.num_scratch_blocks:
-            raise ValueError(f"kv_cache_dtype={fmt!r} does not work with layer_skip speculation (its draft KV is "
-                             "written past the pool, outside the full-precision window): use fp8 or auto")
+            raise ValueError(f"kv_cache_dtype={fmt!r} with a full-precision window does not work with layer_skip "
+                             "speculation (its draft KV is written past the pool, outside the window): use auto, "
+                             "or fp8 with kv_cache_recent_tokens=0")
 
     def _window_wanted(self) -> tuple[int, int]:
-        """int8/int4: (window blocks for every sequence's open blocks, the fewest one sequence needs): a sequence
-        has one partial block open, plus those its draft tokens reach."""
+        """Windowed caches: (window blocks for every sequence's open blocks, the fewest one sequence needs): a
+        sequence has one partial block open, plus those its draft tokens reach and those of its recent tokens."""
         if not self.kv_layout.windowed:
             return 0, 0
         spec = self.cfg.speculative_config
         k = spec.num_speculative_tokens if spec is not None else 0
-        per_seq = 1 + -(-k // self.block_size)
+        per_seq = min(1 + -(-k // self.block_size) + self.kv_layout.recent_blocks,
+                      -(-(self.max_model_len + k) // self.block_size))     # never more than a whole sequence
         return self.cfg.max_num_seqs * per_seq, per_seq
 
     def _num_blocks(self, max_model_len: int) -> tuple[int, int]:
@@ -154,7 +156,7 @@ class ModelRunner:
             "full_precision_bytes_per_token": full / self.block_size, "compression": full / lay.bytes_per_block,
             "num_window_blocks": self.num_window_blocks, "window_bytes": self.num_window_blocks * full,
             "total_bytes": self.num_blocks * lay.bytes_per_block + self.num_window_blocks * full,
-            "salient_tokens_per_block": lay.num_salient,
+            "salient_tokens_per_block": lay.num_salient, "recent_tokens": lay.recent_tokens if lay.windowed else 0,
         }
 
     # -- one step ----------------------------------------------------------------------------------------------

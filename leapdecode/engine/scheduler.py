@@ -149,7 +149,7 @@ class Scheduler:
             plp = (seq.params.prompt_logprobs is not None and start < seq.num_prompt_tokens
                    and len(seq.prompt_logprobs) < seq.num_prompt_tokens)
             n_logits = n if plp else sampled
-            sealing = self.bm.seal(seq, start + known)     # int8/int4 KV: blocks this step completes are quantized
+            sealing = self.bm.seal(seq, start + known)     # windowed KV: the blocks this step lets seal
             planned.append(ScheduledSeq(seq.seq_id, start, tuple(ids) + draft.tokens if d else tuple(ids),
                                         tuple(seq.block_table), draft, sampled > 0, plp, logits, n_logits, samples,
                                         self.bm.open_window(seq), sealing))

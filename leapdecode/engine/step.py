@@ -32,7 +32,7 @@ class ScheduledSeq:
     logits_start: int = 0
     num_logits: int = 0
     sample_start: int = 0
-    kv_window: tuple[int, ...] = ()   # int8/int4 KV: window blocks of the table's trailing open blocks
+    kv_window: tuple[int, ...] = ()   # windowed KV: window blocks of the table's trailing open blocks
     kv_sealing: tuple[int, ...] = ()  # ... and of the blocks just before them, which this step seals (-1: none)
 
     @property
