@@ -79,8 +79,13 @@ def time_decode_attention(contexts: tuple[int, ...] = (2048, 4096, 8192), budget
         nb = batch * -(-n // block_size)
         caches = [torch.randn(2, nb, block_size, kv_heads, head_dim, dtype=dtype) for _ in range(num_layers)]
         qs = [torch.randn(batch, heads, head_dim, dtype=dtype) for _ in range(num_layers)]
+        if policy.pages:                                 # the page bounds a model's writes would have kept
+            slots = (meta.block_tables[:, :, None] * block_size + torch.arange(block_size)).flatten()
+            for layer, kv in enumerate(caches):
+                policy.record_keys(layer, kv[0].flatten(0, 1)[slots], slots, kv, block_size)
         times: dict[str, list[float]] = {"full": [], "sparse": []}
         kinds: dict[str, list[float]] = {"dense": [], "selection": [], "sparse": []}
+        own = policy.per_layer or policy.pages            # every sparse layer chooses for itself
         for _ in range(repeats + 1):                     # the first round warms up
             for name, backend in (("full", full), ("sparse", sparse)):
                 total, per_layer = _time_step(backend, caches, qs, meta, scale)
@@ -88,12 +93,12 @@ def time_decode_attention(contexts: tuple[int, ...] = (2048, 4096, 8192), budget
                 if name == "sparse":
                     for layer, t in enumerate(per_layer):
                         kind = ("dense" if layer < policy.first_selection else
-                                "selection" if layer in policy.selection_layers and not policy.per_layer else
+                                "selection" if layer in policy.selection_layers and not own else
                                 "sparse")
                         kinds[kind].append(t)
         ms = {k: statistics.median(v[1:]) * 1e3 for k, v in times.items()}
         layer_ms = {k: statistics.median(v[len(v) // (repeats + 1):]) * 1e3 for k, v in kinds.items() if v}
-        sparse_layers = num_layers - policy.first_selection - (0 if policy.per_layer else len(policy.selection_layers))
+        sparse_layers = num_layers - policy.first_selection - (0 if own else len(policy.selection_layers))
         rows.append({
             "context": n, "batch": batch, "keys_read": min(n, policy.num_selected(n) + window),
             "full_ms_per_layer": ms["full"] / num_layers, "sparse_layer_ms": layer_ms.get("sparse", float("nan")),
@@ -134,6 +139,11 @@ def teacher_forced_quality(context: int, positions: int, configs: dict[str, Spar
     def decode(cfg: SparseAttentionConfig | None) -> torch.Tensor:
         """Next-token log-probs after each of the ``positions`` decodes (they rewrite the same KV slots)."""
         backend.sparse = SparseAttention(cfg, runner.model_cfg.num_layers) if cfg is not None else None
+        if cfg is not None and backend.sparse.pages:     # the prefill ran without it: bound its pages now
+            slots = (table[:, None] * bs + torch.arange(bs)).flatten()[:context]
+            for i, layer in enumerate(net.layers):
+                kv = layer.self_attn.kv_cache
+                backend.sparse.record_keys(i, kv[0].flatten(0, 1)[slots], slots, kv, bs)
         return torch.stack([torch.log_softmax(net.compute_logits(forward(context + j, 1))[0].double(), -1)
                             for j in range(positions)])
 
@@ -157,7 +167,7 @@ def main() -> None:
     p.add_argument("--budget", type=lambda s: float(s) if "." in s else int(s), default=0.1,
                    help="a fraction of the context (0.1) or a token count (256)")
     p.add_argument("--window", type=int, default=32)
-    p.add_argument("--selection", choices=("per_layer", "tidal"), default=None,
+    p.add_argument("--selection", choices=("per_layer", "tidal", "pages"), default=None,
                    help="default: tidal with --selection-layers, else per_layer")
     p.add_argument("--dense-layers", type=int, default=2, help="per_layer: layers that attend fully")
     p.add_argument("--selection-layers", type=int, nargs="+", default=None, help="tidal: the selection layers")

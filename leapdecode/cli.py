@@ -63,9 +63,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     z.add_argument("--sparse-attention", default=None, metavar="BUDGET",
                    help="sparse decode attention: a sparse layer attends over BUDGET chosen positions plus the "
                         "recent window; a fraction of the context (0.1) or a token count (256) (default: off)")
-    z.add_argument("--sparse-selection", choices=("per_layer", "tidal"), default=None,
+    z.add_argument("--sparse-selection", choices=("per_layer", "tidal", "pages"), default=None,
                    help="per_layer: each layer attends over its own top positions per KV head (reads every key); "
-                        "tidal: TidalDecode, a few selection layers choose positions the layers above reuse "
+                        "tidal: TidalDecode, a few selection layers choose positions the layers above reuse; "
+                        "pages: Quest, each layer reads the blocks whose key bounds promise the highest scores "
                         "(default: tidal with --sparse-selection-layers, else per_layer)")
     z.add_argument("--sparse-dense-layers", type=int, default=2, metavar="N",
                    help="per_layer: the first N layers attend fully (default: 2)")

@@ -77,7 +77,7 @@ class SpeculativeConfig:
         raise ValueError(f"speculative_config must be a SpeculativeConfig or a dict, got {type(value).__name__}")
 
 
-SPARSE_SELECTIONS = ("per_layer", "tidal")
+SPARSE_SELECTIONS = ("per_layer", "tidal", "pages")
 
 
 @dataclass(frozen=True)
@@ -97,7 +97,11 @@ class SparseAttentionConfig:
       positions that the layers above them reuse (until the next selection layer); the layers below the first
       attend fully. None: layer 2 and one at 40% depth (the paper's layers 2 and 13 of Llama-3-8B's 32). It reads
       far less, but on SmolLM2-135M the positions a layer needs do not persist from one layer to the next (see
-      attention/sparse.py for the measurement)."""
+      attention/sparse.py for the measurement).
+    - ``"pages"`` (Quest): every layer from ``dense_layers`` up bounds, per KV head, the score its queries can give
+      each block of the cache from the block's per-channel key minimum and maximum (kept as keys are written),
+      and attends over the top blocks holding ``budget`` tokens plus the blocks of the window. It reads the bounds
+      (two vectors per block) and the chosen blocks' keys and values, not the whole context."""
     budget: float | int = 0.1
     selection_layers: tuple[int, ...] | None = None
     window: int = 32
@@ -118,7 +122,7 @@ class SparseAttentionConfig:
         if layers is not None:
             if self.selection != "tidal":
                 raise ValueError("sparse_attention.selection_layers applies to selection='tidal' only (with "
-                                 "'per_layer' every layer from dense_layers up selects its own positions)")
+                                 f"{self.selection!r} every layer from dense_layers up selects its own positions)")
             if isinstance(layers, int) or not all(isinstance(i, int) and not isinstance(i, bool) for i in layers):
                 raise ValueError(f"sparse_attention.selection_layers must be layer indices, got {layers!r}")
             layers = tuple(layers)
@@ -135,8 +139,8 @@ class SparseAttentionConfig:
 
     def layers_for(self, num_layers: int) -> tuple[int, ...]:
         """The layers that choose positions, for a model of ``num_layers`` layers (the default resolved, the given
-        checked): with "per_layer", every layer from ``dense_layers`` up."""
-        if self.selection == "per_layer":
+        checked): with "per_layer" and "pages", every layer from ``dense_layers`` up."""
+        if self.selection in ("per_layer", "pages"):
             if self.dense_layers >= num_layers:
                 raise ValueError(f"sparse_attention.dense_layers {self.dense_layers} leaves none of the model's "
                                  f"{num_layers} layers sparse")

@@ -207,14 +207,94 @@ def test_per_layer_selection_follows_its_rule():
         assert not torch.allclose(outs[LAYERS - 1][row], tidal[LAYERS - 1][row], rtol=1e-3, atol=1e-3)
 
 
-@pytest.mark.parametrize("cfg", [{"dense_layers": 1}, {"selection": "tidal", "selection_layers": (1, 3)}],
-                         ids=["per_layer", "tidal"])
+def record_all(backend, cache, meta, tables, lens):
+    """pages: fold every position's key into the page bounds, as the backend's write_kv does while a model runs."""
+    slots = torch.tensor([t[p // BS] * BS + p % BS for t, n in zip(tables, lens) for p in range(n)])
+    for layer in range(LAYERS):
+        keys = cache[layer, 0].flatten(0, 1)[slots]
+        backend.sparse.record_keys(layer, keys, slots, cache[layer], BS)
+
+
+def test_page_bounds_are_each_blocks_key_minimum_and_maximum():
+    """record_keys keeps, per block, exactly the minimum and maximum of the keys written into it since its first
+    offset was (re)written, across writes in any order of steps; padding slots are ignored."""
+    backend = sparse_backend(budget=8, window=2, selection="pages")
+    cache = torch.zeros(2, 4, BS, HKV, D)
+    g = torch.Generator().manual_seed(12)
+    written: dict[int, list[torch.Tensor]] = {}
+    for slots in ([0, 1, 2, 8, 9], [3, 4, -1, 10], [16, 17], [8, 11], [5, 6, 7, 24]):  # block 1 restarts at slot 8
+        k = torch.randn(len(slots), HKV, D, generator=g)
+        backend.sparse.record_keys(0, k, torch.tensor(slots), cache, BS)
+        for s, row in zip(slots, k):
+            if s >= 0:
+                if s % BS == 0:
+                    written[s // BS] = []
+                written[s // BS].append(row)
+    lo, hi = backend.sparse.page_bounds[0]
+    for block, rows in written.items():
+        torch.testing.assert_close(lo[block], torch.stack(rows).amin(0))
+        torch.testing.assert_close(hi[block], torch.stack(rows).amax(0))
+
+
+def test_pages_selection_follows_its_rule():
+    """pages (Quest): each KV head bounds every page before the window's first page by the most any query of its
+    group can score there (sum over channels of max(q * min, q * max)) and attends over its top pages, enough for the
+    budget, plus the window's pages: its outputs equal exact attention over those tokens."""
+    lens, qlens = [100, 70, 41, 6, 30], [1, 1, 1, 1, 4]
+    budget, window, dense = 0.25, 4, 2
+    cache, meta, tables = paged_batch(lens, qlens, seed=8)
+    backend = sparse_backend(budget=budget, window=window, dense_layers=dense, selection="pages")
+    record_all(backend, cache, meta, tables, lens)
+    qs, outs = run_layers(backend, cache, meta)
+    (step,) = [p for p in meta.plan if isinstance(p, SparseStep)]
+    assert step.rows == [0, 1, 2]
+    group = H // HKV
+    for i in step.rows:
+        n, row = lens[i], int(meta.query_start_loc[i])
+        first_window, pages = (n - window) // BS, math.ceil(math.ceil(budget * n) / BS)
+        for layer in range(LAYERS):
+            k_all, v_all = context(cache[layer], tables[i], n)
+            q = qs[layer][row].double()
+            if layer < dense:
+                ref = ref_attention(q, k_all, v_all)
+            else:
+                heads = []
+                for g in range(HKV):
+                    qg = q[g * group:(g + 1) * group]
+                    bounds = []
+                    for p in range(first_window):
+                        kp = k_all[p * BS:(p + 1) * BS, g]
+                        lo, hi = kp.min(0).values, kp.max(0).values
+                        bounds.append(torch.maximum(qg * lo, qg * hi).sum(-1).max().item())
+                    chosen = sorted(range(first_window), key=lambda p: -bounds[p])[:pages]
+                    keep = sorted({t for p in chosen for t in range(p * BS, (p + 1) * BS)}
+                                  | set(range(first_window * BS, n)))
+                    prob = torch.softmax(qg @ k_all[keep, g].T * SCALE, -1)
+                    heads.append(prob @ v_all[keep, g])
+                ref = torch.cat(heads)
+            torch.testing.assert_close(outs[layer][row].double(), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_pages_covering_every_page_reproduce_full_attention():
+    lens = [100, 61]
+    cache, meta, tables = paged_batch(lens, [1, 1], seed=9)
+    backend = sparse_backend(budget=92, window=4, dense_layers=1, selection="pages")   # 12 pages: all candidates
+    record_all(backend, cache, meta, tables, lens)
+    _, sparse = run_layers(backend, cache, meta)
+    assert [p for p in meta.plan if isinstance(p, SparseStep)][0].rows == [0]
+    _, full = run_layers(TorchAttention(), cache, meta)
+    for a, b in zip(sparse, full):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("cfg", [{"dense_layers": 1}, {"selection": "tidal", "selection_layers": (1, 3)},
+                                 {"dense_layers": 1, "selection": "pages"}], ids=["per_layer", "tidal", "pages"])
 def test_a_quantized_cache_is_read_as_its_dequantized_values(cfg):
     """Sparse rows over an fp8 cache attend exactly as over a full-precision cache holding its dequantized values."""
     from leapdecode.attention.kv_cache import Fp8Layer
     from leapdecode.attention.kv_quant import fp8_decode, fp8_scale, fp8_encode
     lens = [90, 60]
-    cache, meta, _ = paged_batch(lens, [1, 1], seed=8)
+    cache, meta, tables = paged_batch(lens, [1, 1], seed=8)
     L, _, nb, bs, h, d = cache.shape
     flat = cache.view(L, 2, nb * bs, h, d)
     scales = fp8_scale(flat)                                                        # [L, 2, slots, h]
@@ -222,6 +302,8 @@ def test_a_quantized_cache_is_read_as_its_dequantized_values(cfg):
     fp8 = [Fp8Layer(codes[i].view(2, nb, bs, h, d), scales[i].view(2, nb, bs, h), torch.float32) for i in range(L)]
     dequantized = fp8_decode(codes, scales, torch.float32).view(cache.shape)
     backend = sparse_backend(budget=0.2, window=4, **cfg)
+    if backend.sparse.pages:
+        record_all(backend, dequantized, meta, tables, lens)
     g = torch.Generator().manual_seed(9)
     qs = [torch.randn(2, H, D, generator=g) for _ in range(LAYERS)]
     backend.plan(meta)
@@ -237,7 +319,8 @@ def test_a_quantized_cache_is_read_as_its_dequantized_values(cfg):
 
 TIDAL = {"budget": 16, "window": 4, "selection": "tidal", "selection_layers": (1, 3)}
 PER_LAYER = {"budget": 16, "window": 4, "dense_layers": 1}
-MODES = pytest.mark.parametrize("sparse", [PER_LAYER, TIDAL], ids=["per_layer", "tidal"])
+PAGES = {"budget": 16, "window": 4, "dense_layers": 1, "selection": "pages"}
+MODES = pytest.mark.parametrize("sparse", [PER_LAYER, TIDAL, PAGES], ids=["per_layer", "tidal", "pages"])
 PARAMS = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, logprobs=1)
 
 

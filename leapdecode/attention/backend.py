@@ -82,8 +82,10 @@ class AttentionBackend(ABC):
         """Derive per-step data shared by every layer and store it in ``meta.plan`` (called once per step)."""
 
     @abstractmethod
-    def write_kv(self, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> None:
-        """k, v: [T, Hkv, D] -> stored at ``meta.slot_mapping`` (padding tokens write nowhere)."""
+    def write_kv(self, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
+                 layer: int | None = None) -> None:
+        """k, v: [T, Hkv, D] -> stored at ``meta.slot_mapping`` (padding tokens write nowhere); ``layer``: the
+        layer's index (sparse attention keeps per-layer bounds of what was written)."""
 
     @abstractmethod
     def attend(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,

@@ -28,6 +28,16 @@ top 10%: positions do not persist across this model's layers (the paper's models
 layer sets tried on 2 prompts, one found both needles ((12, 18, 24)), three found one, eight none. tidal reads ~6x
 less at 8k; per_layer reads every key and ~10% of the values.
 
+**pages** (Quest, Tang, Zhu, Zhao, Zhang, Kasikci and Han, "Quest: Query-Aware Sparsity for Efficient Long-Context
+LLM Inference", ICML 2024, arXiv:2406.10774): a block of the paged cache is a page; as keys are written each page
+keeps, per KV head and channel, the minimum and maximum of its keys. A query's score for any key of a page is at
+most the sum over channels of max(q * min, q * max), so each layer from ``dense_layers`` up bounds every page with
+its own queries (the most any query head of a KV group can give it), and attends exactly over the top pages that
+hold ``budget`` tokens plus the pages holding the window. It reads the bounds (two vectors per page) and the chosen
+pages, not the whole context. Bounds are kept in this module (one writer: ``record_keys``, called by the backend's
+``write_kv``); KV that arrives without ``write_kv`` (a fork's copied partial block, blocks imported from another
+engine) is not in its page's bounds, which can then miss a page (lossy, never wrong-shaped).
+
 Positions are logical token indices, turned into cache slots through the sequence's block table, so paged KV and
 shared prefix-cache blocks need nothing special. The state of one step (which rows, what was selected) lives in the
 ``SparseStep`` the backend puts into ``meta.plan``: per step, never global. Not done here: TidalDecode's KV-cache
@@ -54,8 +64,32 @@ class SparseAttention:
     def __init__(self, cfg: SparseAttentionConfig, num_layers: int) -> None:
         self.budget, self.window = cfg.budget, cfg.window
         self.per_layer = cfg.selection == "per_layer"
+        self.pages = cfg.selection == "pages"
         self.selection_layers = frozenset(cfg.layers_for(num_layers))
         self.first_selection = min(self.selection_layers)
+        # pages: per layer, each block's per-channel key minimum and maximum, [blocks, Hkv, D] float32 each
+        self.page_bounds: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def record_keys(self, layer: int, k: torch.Tensor, slots: torch.Tensor, kv_cache: "KVLayer",
+                    block_size: int) -> None:
+        """pages: fold a step's keys [T, Hkv, D] (written at cache ``slots``, -1: padding) into their pages' bounds;
+        the token at a page's first offset starts the page afresh (a block handed out again)."""
+        bounds = self.page_bounds.get(layer)
+        if bounds is None:
+            shape = (_num_blocks(kv_cache), k.shape[1], k.shape[2])
+            bounds = self.page_bounds[layer] = (torch.zeros(shape, device=k.device),
+                                                torch.zeros(shape, device=k.device))
+        keep = slots >= 0
+        if not bool(keep.all()):
+            slots, k = slots[keep], k[keep]
+        blocks = slots // block_size
+        fresh = blocks[slots % block_size == 0]
+        lo, hi = bounds
+        lo[fresh], hi[fresh] = float("inf"), float("-inf")
+        kf = k.float()
+        index = blocks[:, None, None].expand_as(kf)
+        lo.scatter_reduce_(0, index, kf, "amin")
+        hi.scatter_reduce_(0, index, kf, "amax")
 
     def num_selected(self, context_len: int) -> int:
         """Positions chosen by score (besides the window) for a context of ``context_len`` keys."""
@@ -103,6 +137,25 @@ class SparseStep:
         self._slots: torch.Tensor | None = None        # the same as cache slots, flat
         # the cache slot of every position of each row [B, nblocks * bs]: both selections gather through it
         self.position_slots = (self.blocks[:, :, None] * bs + torch.arange(bs, device=dev)).flatten(1)
+        if policy.pages:
+            self._plan_pages(lens, chosen, bs, nblocks, dev)
+
+    def _plan_pages(self, lens: list[int], chosen: list[int], bs: int, nblocks: int, dev: torch.device) -> None:
+        """pages: which pages each row may choose (those before the window's first page), how many (enough for its
+        budget), and the window's pages, always read."""
+        w = self.policy.window
+        first_window = [(n - w) // bs for n in lens]
+        self.num_pages = max(-(-c // bs) for c in chosen)
+        self.page_limit = torch.tensor([-(-c // bs) for c in chosen], device=dev)                  # [B]
+        page = torch.arange(nblocks, device=dev)
+        self.page_candidate = page[None, :] < torch.tensor(first_window, device=dev)[:, None]      # [B, nblocks]
+        span = max((n - 1) // bs - f + 1 for n, f in zip(lens, first_window))
+        last = torch.tensor([(n - 1) // bs for n in lens], device=dev)
+        wp = torch.tensor(first_window, device=dev)[:, None] + torch.arange(span, device=dev)      # [B, span]
+        self.window_page_valid = wp <= last[:, None]
+        self.window_pages = torch.minimum(wp, last[:, None])
+        self.seq_lens_dev = torch.tensor(lens, device=dev)
+        self.bs = bs
 
     def attend(self, q: torch.Tensor, kv_cache: KVLayer, scale: float, layer: int | None) -> torch.Tensor:
         """q: the step's [T, H, D] queries -> [B, H, D] outputs of this step's sparse rows at ``layer``."""
@@ -113,6 +166,8 @@ class SparseStep:
             return self._dense(q, kv_cache, scale)
         if self.policy.per_layer:
             return self._top_k(q, kv_cache, scale)
+        if self.policy.pages:
+            return self._pages(q, kv_cache, scale, layer)
         if layer in self.policy.selection_layers or self._slots is None:   # (a forward may skip a selection layer)
             return self._select(q, kv_cache, scale)
         return self._sparse(q, kv_cache, scale)
@@ -173,6 +228,44 @@ class SparseStep:
                                            attn_mask=self.selected_valid[:, None, None], scale=scale)
         return o.view(B, -1, d)
 
+    def _pages(self, q: torch.Tensor, kv_cache: KVLayer, scale: float, layer: int) -> torch.Tensor:
+        """pages: each KV head bounds every candidate page with this layer's queries and attends over its top pages
+        and the window's pages (every token of a page that the row holds)."""
+        B, bs = len(self.rows), self.bs
+        lo, hi = self.policy.page_bounds[layer]
+        hkv, d = lo.shape[1], lo.shape[2]
+        qg = q.view(B, hkv, -1, d)                                                     # [B, Hkv, group, D]
+        qf = qg.float()
+        mins, maxs = lo[self.blocks].permute(0, 2, 3, 1), hi[self.blocks].permute(0, 2, 3, 1)  # [B, Hkv, D, nb]
+        bound = (torch.matmul(qf.clamp(min=0), maxs) + torch.matmul(qf.clamp(max=0), mins)).amax(2)   # [B, Hkv, nb]
+        bound = bound.masked_fill_(~self.page_candidate[:, None], float("-inf"))
+        m = min(self.num_pages, bound.shape[-1])
+        best, top = bound.topk(m, -1)                                                  # [B, Hkv, m]
+        rank_ok = torch.arange(m, device=q.device)[None, None, :] < self.page_limit[:, None, None]
+        chosen_ok = rank_ok & (best > float("-inf"))
+        pages = torch.cat([top, self.window_pages[:, None].expand(-1, hkv, -1)], -1)   # [B, Hkv, P]
+        page_ok = torch.cat([chosen_ok, self.window_page_valid[:, None].expand(-1, hkv, -1)], -1)
+        P = pages.shape[-1]
+        blk = self.blocks.gather(1, pages.flatten(1)).view(B, hkv, P)
+        heads = torch.arange(hkv, device=q.device)[None, :, None]
+        if isinstance(kv_cache, torch.Tensor):
+            keys, values = (kv_cache[i].permute(0, 2, 1, 3)[blk, heads] for i in (0, 1))   # [B, Hkv, P, bs, D]
+        else:
+            flat = blk.view(B * hkv, P)
+            if isinstance(kv_cache, Fp8Layer):
+                k, v = kv_cache.read(flat)
+            else:
+                win = self.kv_window.gather(1, pages.flatten(1)).view(B * hkv, P)
+                k, v = kv_cache.read(flat, win)                                    # [B * Hkv, P * bs, Hkv, D]
+            keys, values = (t.view(B, hkv, P * bs, hkv, d).diagonal(dim1=1, dim2=3).permute(0, 3, 1, 2)
+                            for t in (k, v))
+        keys, values = keys.reshape(B, hkv, P * bs, d), values.reshape(B, hkv, P * bs, d)
+        pos = pages[..., None] * bs + torch.arange(bs, device=q.device)               # [B, Hkv, P, bs]
+        valid = (page_ok[..., None] & (pos < self.seq_lens_dev[:, None, None, None])).flatten(2)
+        o = F.scaled_dot_product_attention(qg, keys.to(q.dtype), values.to(q.dtype), attn_mask=valid[:, :, None],
+                                           scale=scale)
+        return o.view(B, -1, d)
+
     def _sparse(self, q: torch.Tensor, kv_cache: KVLayer, scale: float) -> torch.Tensor:
         """Attention over the selected positions only: budget + window keys are read, not the whole context (a
         quantized cache is dequantized whole first: correct, not faster)."""
@@ -185,6 +278,11 @@ class SparseStep:
             rows = torch.arange(B, device=q.device)[:, None]
             k, v = (t[rows, self.positions] for t in self._context(kv_cache))
         return _grouped_attention(q, k.transpose(1, 2), v.transpose(1, 2), self.selected_valid, scale)
+
+
+def _num_blocks(kv_cache: KVLayer) -> int:
+    """Blocks of one layer's cache, in any format."""
+    return (kv_cache if isinstance(kv_cache, torch.Tensor) else kv_cache.codes).shape[1]
 
 
 def _grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor,

@@ -85,8 +85,11 @@ class TorchAttention(AttentionBackend):
         groups += [_group(meta, [i]) for i, n in enumerate(meta.query_lens) if n > BATCH_MAX_QUERY]
         meta.plan = groups + ([sparse] if sparse is not None else [])
 
-    def write_kv(self, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> None:
+    def write_kv(self, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
+                 layer: int | None = None) -> None:
         n = meta.num_actual_tokens
+        if self.sparse is not None and self.sparse.pages and layer is not None:
+            self.sparse.record_keys(layer, k[:n], meta.slot_mapping[:n], kv_cache, meta.block_size)
         if isinstance(kv_cache, Fp8Layer):
             kv_cache.write(k[:n], v[:n], meta.slot_mapping[:n])
             return

@@ -32,7 +32,8 @@ class _Plan:
 class TritonAttention(AttentionBackend):
     name = "triton"
 
-    def write_kv(self, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> None:
+    def write_kv(self, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
+                 layer: int | None = None) -> None:
         n = meta.num_actual_tokens
         write_kv_triton(k[:n], v[:n], kv_cache, meta.slot_mapping[:n])
 

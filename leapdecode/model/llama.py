@@ -45,7 +45,7 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rope(meta.positions, q, k)
-        self.backend.write_kv(k, v, self.kv_cache, meta)
+        self.backend.write_kv(k, v, self.kv_cache, meta, layer=self.layer_idx)
         o = self.backend.attend(q, self.kv_cache, meta, self.scale, layer=self.layer_idx)
         return self.o_proj(o.flatten(1))
 
