@@ -394,6 +394,23 @@ def test_layer_skip_drafting_runs_on_the_sparse_backend(deep_dir, sparse):
     assert_pool_free(llm)
 
 
+def test_imported_blocks_get_their_page_bounds(deep_dir):
+    """pages: KV blocks imported from another engine (disaggregated prefill) are bounded like written ones, so the
+    importer chooses the exporter's pages and decodes its tokens."""
+    prompt = long_prompts((200,), seed=3)[0]
+    a, b = (make_llm(deep_dir, max_model_len=512, sparse_attention=PAGES) for _ in range(2))
+    run(a, [prompt])
+    assert b.import_kv(a.export_kv(prompt)) == 192
+    ours, theirs = (x.engine.block_manager.cached_blocks(prompt) for x in (a, b))
+    assert len(ours) == len(theirs) == 12
+    for layer, (lo, hi) in a.engine.runner.backend.sparse.page_bounds.items():
+        lo_b, hi_b = b.engine.runner.backend.sparse.page_bounds[layer]
+        assert torch.equal(lo[ours], lo_b[theirs]) and torch.equal(hi[ours], hi_b[theirs])
+    assert run(b, [prompt]) == run(a, [prompt])
+    for llm in (a, b):
+        assert_pool_free(llm)
+
+
 @pytest.mark.parametrize("kv_cache_dtype", ["fp8", "int8", "int4"])
 def test_sparse_decoding_over_a_quantized_cache(deep_dir, kv_cache_dtype):
     """Both lossy features together: sparse rows read the quantized cache (int8/int4 open blocks from the window);
@@ -402,7 +419,7 @@ def test_sparse_decoding_over_a_quantized_cache(deep_dir, kv_cache_dtype):
     plain = run(make_llm(deep_dir, max_model_len=512, kv_cache_dtype=kv_cache_dtype), prompts)
     covering = make_llm(deep_dir, max_model_len=512, kv_cache_dtype=kv_cache_dtype, sparse_attention={"budget": 1.0})
     assert run(covering, prompts) == plain
-    for sparse in (PER_LAYER, TIDAL):
+    for sparse in (PER_LAYER, TIDAL, PAGES):
         llm = make_llm(deep_dir, max_model_len=512, kv_cache_dtype=kv_cache_dtype, sparse_attention=sparse)
         outs = run(llm, prompts)
         assert all(len(t) == PARAMS.max_tokens for t, _ in outs)

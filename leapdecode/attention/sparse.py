@@ -35,8 +35,8 @@ most the sum over channels of max(q * min, q * max), so each layer from ``dense_
 its own queries (the most any query head of a KV group can give it), and attends exactly over the top pages that
 hold ``budget`` tokens plus the pages holding the window. It reads the bounds (two vectors per page) and the chosen
 pages, not the whole context. Bounds are kept in this module (one writer: ``record_keys``, called by the backend's
-``write_kv``); KV that arrives without ``write_kv`` (a fork's copied partial block, blocks imported from another
-engine) is not in its page's bounds, which can then miss a page (lossy, never wrong-shaped).
+``write_kv``; imported blocks through ``record_blocks``); KV copied within the cache (a fork's partial block) is not
+in its page's bounds, which can then miss that page (lossy, never wrong-shaped).
 
 Positions are logical token indices, turned into cache slots through the sequence's block table, so paged KV and
 shared prefix-cache blocks need nothing special. The state of one step (which rows, what was selected) lives in the
@@ -90,6 +90,16 @@ class SparseAttention:
         index = blocks[:, None, None].expand_as(kf)
         lo.scatter_reduce_(0, index, kf, "amin")
         hi.scatter_reduce_(0, index, kf, "amax")
+
+    def record_blocks(self, layer: int, kv_cache: "KVLayer", blocks: torch.Tensor, block_size: int) -> None:
+        """pages: bound whole (full) blocks whose KV arrived without ``write_kv`` (a KV import), from the cache."""
+        if isinstance(kv_cache, torch.Tensor):
+            keys = kv_cache[0][blocks]
+        else:
+            keys = (kv_cache.read(blocks[None]) if isinstance(kv_cache, Fp8Layer) else
+                    kv_cache.read(blocks[None], None))[0]
+        slots = (blocks[:, None] * block_size + torch.arange(block_size, device=blocks.device)).flatten()
+        self.record_keys(layer, keys.reshape(len(slots), *keys.shape[-2:]), slots, kv_cache, block_size)
 
     def num_selected(self, context_len: int) -> int:
         """Positions chosen by score (besides the window) for a context of ``context_len`` keys."""

@@ -202,6 +202,11 @@ class ModelRunner:
     def write_kv_blocks(self, blocks: list[int], data: list[tuple[torch.Tensor, ...]]) -> None:
         """Blocks of another runner of the same layout into the pool (a KV import)."""
         self.kv_cache.write_blocks(blocks, data)
+        sparse = getattr(self.backend, "sparse", None)
+        if sparse is not None and sparse.pages and blocks:           # their keys' bounds, for page selection
+            idx = torch.tensor(blocks, device=self.device)
+            for i, layer in enumerate(self.model.layers):
+                sparse.record_blocks(i, layer.self_attn.kv_cache, idx, self.block_size)
 
     def close(self) -> None:
         """Release the weights, the KV pool and the CUDA graphs now (the executor protocol's shutdown hook). The
