@@ -118,10 +118,6 @@ CONFIGS = [
     Config("sparse-10-tidal", "auto", "10% tidal", {"sparse_attention": {"budget": 0.10, "selection": "tidal"}}),
     Config("sparse-10-pages", "auto", "10% pages", {"sparse_attention": {"budget": 0.10, "selection": "pages"}}),
     Config("sparse-5-pages", "auto", "5% pages", {"sparse_attention": {"budget": 0.05, "selection": "pages"}}),
-    Config("sparse-10-pages30", "auto", "10% of 30% pages", {"sparse_attention": {"budget": 0.10, "selection": "pages",
-                                                                                 "page_budget": 0.30}}),
-    Config("sparse-10-pages20", "auto", "10% of 20% pages", {"sparse_attention": {"budget": 0.10, "selection": "pages",
-                                                                                 "page_budget": 0.20}}),
     Config("int4+sparse-10", "int4", "10%", {"kv_cache_dtype": "int4", "sparse_attention": {"budget": 0.10}}),
 ]
 SECTIONS = ("memory", "speed", "ppl", "greedy", "needle")

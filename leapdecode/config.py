@@ -101,32 +101,23 @@ class SparseAttentionConfig:
     - ``"pages"`` (Quest): every layer from ``dense_layers`` up bounds, per KV head, the score its queries can give
       each block of the cache from the block's per-channel key minimum and maximum (kept as keys are written),
       and attends over the top blocks holding ``budget`` tokens plus the blocks of the window. It reads the bounds
-      (two vectors per block) and the chosen blocks' keys and values, not the whole context. With ``page_budget``
-      (larger than ``budget``) it reads the top blocks holding that many tokens instead, and attends over the
-      ``budget`` positions among them that per_layer's rule ranks highest (Quest as a pre-filter for top-k)."""
+      (two vectors per block) and the chosen blocks' keys and values, not the whole context."""
     budget: float | int = 0.1
     selection_layers: tuple[int, ...] | None = None
     window: int = 32
     selection: str | None = None
     dense_layers: int = 2
-    page_budget: float | int | None = None
 
     def __post_init__(self) -> None:
-        for name in ("budget", "page_budget"):
-            b = getattr(self, name)
-            if b is None and name == "page_budget":
-                continue
-            if isinstance(b, bool) or not isinstance(b, (int, float)) or (isinstance(b, int) and b < 1) or (
-                    isinstance(b, float) and not 0.0 < b <= 1.0):
-                raise ValueError(f"sparse_attention.{name} must be a fraction of the context in (0, 1] or a token "
-                                 f"count >= 1, got {b!r}")
+        b = self.budget
+        if isinstance(b, bool) or not isinstance(b, (int, float)) or (isinstance(b, int) and b < 1) or (
+                isinstance(b, float) and not 0.0 < b <= 1.0):
+            raise ValueError("sparse_attention.budget must be a fraction of the context in (0, 1] or a token count "
+                             f">= 1, got {b!r}")
         if self.selection is None:
             object.__setattr__(self, "selection", "per_layer" if self.selection_layers is None else "tidal")
         if self.selection not in SPARSE_SELECTIONS:
             raise ValueError(f"sparse_attention.selection must be one of {SPARSE_SELECTIONS}, got {self.selection!r}")
-        if self.page_budget is not None and self.selection != "pages":
-            raise ValueError(f"sparse_attention.page_budget applies to selection='pages' only, not "
-                             f"{self.selection!r}")
         layers = self.selection_layers
         if layers is not None:
             if self.selection != "tidal":
@@ -167,7 +158,7 @@ class SparseAttentionConfig:
         if value is None or isinstance(value, cls):
             return value
         if isinstance(value, dict):
-            fields = ("budget", "window", "selection", "dense_layers", "selection_layers", "page_budget")
+            fields = ("budget", "window", "selection", "dense_layers", "selection_layers")
             unknown = set(value) - set(fields)
             if unknown:
                 raise ValueError(f"sparse_attention has no field(s) {sorted(unknown)}: use {', '.join(fields)}")

@@ -236,18 +236,14 @@ def test_page_bounds_are_each_blocks_key_minimum_and_maximum():
         torch.testing.assert_close(hi[block], torch.stack(rows).amax(0))
 
 
-@pytest.mark.parametrize("page_budget", [None, 0.5])
-def test_pages_selection_follows_its_rule(page_budget):
+def test_pages_selection_follows_its_rule():
     """pages (Quest): each KV head bounds every page before the window's first page by the most any query of its
     group can score there (sum over channels of max(q * min, q * max)) and attends over its top pages, enough for the
-    budget, plus the window's pages: its outputs equal exact attention over those tokens. With a page budget it
-    reads the top pages for that many tokens and attends over the window and the budget's top positions among
-    them by attention probability summed over the group."""
+    budget, plus the window's pages: its outputs equal exact attention over those tokens."""
     lens, qlens = [100, 70, 41, 6, 30], [1, 1, 1, 1, 4]
     budget, window, dense = 0.25, 4, 2
     cache, meta, tables = paged_batch(lens, qlens, seed=8)
-    backend = sparse_backend(budget=budget, window=window, dense_layers=dense, selection="pages",
-                             page_budget=page_budget)
+    backend = sparse_backend(budget=budget, window=window, dense_layers=dense, selection="pages")
     record_all(backend, cache, meta, tables, lens)
     qs, outs = run_layers(backend, cache, meta)
     (step,) = [p for p in meta.plan if isinstance(p, SparseStep)]
@@ -255,7 +251,7 @@ def test_pages_selection_follows_its_rule(page_budget):
     group = H // HKV
     for i in step.rows:
         n, row = lens[i], int(meta.query_start_loc[i])
-        first_window, pages = (n - window) // BS, math.ceil(math.ceil(max(budget, page_budget or 0) * n) / BS)
+        first_window, pages = (n - window) // BS, math.ceil(math.ceil(budget * n) / BS)
         for layer in range(LAYERS):
             k_all, v_all = context(cache[layer], tables[i], n)
             q = qs[layer][row].double()
@@ -273,10 +269,6 @@ def test_pages_selection_follows_its_rule(page_budget):
                     chosen = sorted(range(first_window), key=lambda p: -bounds[p])[:pages]
                     keep = sorted({t for p in chosen for t in range(p * BS, (p + 1) * BS)}
                                   | set(range(first_window * BS, n)))
-                    if page_budget is not None:         # top-k by summed probability among the tokens read
-                        score = torch.softmax(qg @ k_all[keep, g].T * SCALE, -1).sum(0)
-                        ranked = sorted((t for t in keep if t < n - window), key=lambda t: -score[keep.index(t)])
-                        keep = sorted(set(ranked[:math.ceil(budget * n)]) | set(range(n - window, n)))
                     prob = torch.softmax(qg @ k_all[keep, g].T * SCALE, -1)
                     heads.append(prob @ v_all[keep, g])
                 ref = torch.cat(heads)
@@ -328,9 +320,7 @@ def test_a_quantized_cache_is_read_as_its_dequantized_values(cfg):
 TIDAL = {"budget": 16, "window": 4, "selection": "tidal", "selection_layers": (1, 3)}
 PER_LAYER = {"budget": 16, "window": 4, "dense_layers": 1}
 PAGES = {"budget": 16, "window": 4, "dense_layers": 1, "selection": "pages"}
-PAGES_TOP_K = {**PAGES, "page_budget": 48}
-MODES = pytest.mark.parametrize("sparse", [PER_LAYER, TIDAL, PAGES, PAGES_TOP_K],
-                                ids=["per_layer", "tidal", "pages", "pages_top_k"])
+MODES = pytest.mark.parametrize("sparse", [PER_LAYER, TIDAL, PAGES], ids=["per_layer", "tidal", "pages"])
 PARAMS = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, logprobs=1)
 
 
@@ -439,8 +429,6 @@ def test_sparse_decoding_over_a_quantized_cache(deep_dir, kv_cache_dtype):
 
 @pytest.mark.parametrize("cfg, field", [
     ({"budget": 0}, "budget"), ({"budget": -3}, "budget"), ({"budget": 1.5}, "budget"), ({"budget": 0.0}, "budget"),
-    ({"page_budget": 0.3}, "page_budget"), ({"selection": "pages", "page_budget": 0}, "page_budget"),
-    ({"selection": "pages", "page_budget": "30%"}, "page_budget"),
     ({"budget": True}, "budget"), ({"budget": "10%"}, "budget"),
     *[({"selection": "tidal", "selection_layers": bad}, "selection_layers") for bad in ((), (3, 1), (2, 2), (-1,), 2,
                                                                                        (1.5,))],

@@ -62,7 +62,7 @@ class SparseAttention:
     """One model's resolved settings; plans each step's sparse decode rows (``SparseStep``)."""
 
     def __init__(self, cfg: SparseAttentionConfig, num_layers: int) -> None:
-        self.budget, self.window, self.page_budget = cfg.budget, cfg.window, cfg.page_budget
+        self.budget, self.window = cfg.budget, cfg.window
         self.per_layer = cfg.selection == "per_layer"
         self.pages = cfg.selection == "pages"
         self.selection_layers = frozenset(cfg.layers_for(num_layers))
@@ -106,13 +106,6 @@ class SparseAttention:
         if isinstance(self.budget, float):
             return math.ceil(self.budget * context_len)
         return self.budget
-
-    def num_page_tokens(self, context_len: int) -> int:
-        """pages: tokens of the pages read by bound (besides the window's), at least the budget."""
-        b = self.page_budget
-        if b is None:
-            return self.num_selected(context_len)
-        return max(self.num_selected(context_len), math.ceil(b * context_len) if isinstance(b, float) else b)
 
     def is_sparse(self, context_len: int) -> bool:
         return self.num_selected(context_len) + self.window < context_len
@@ -162,10 +155,8 @@ class SparseStep:
         budget), and the window's pages, always read."""
         w = self.policy.window
         first_window = [(n - w) // bs for n in lens]
-        pages = [-(-self.policy.num_page_tokens(n) // bs) for n in lens]
-        self.num_pages = max(pages)
-        self.page_limit = torch.tensor(pages, device=dev)                                         # [B]
-        self.chosen_dev = torch.tensor(chosen, device=dev)                                        # [B]
+        self.num_pages = max(-(-c // bs) for c in chosen)
+        self.page_limit = torch.tensor([-(-c // bs) for c in chosen], device=dev)                  # [B]
         page = torch.arange(nblocks, device=dev)
         self.page_candidate = page[None, :] < torch.tensor(first_window, device=dev)[:, None]      # [B, nblocks]
         span = max((n - 1) // bs - f + 1 for n, f in zip(lens, first_window))
@@ -279,28 +270,11 @@ class SparseStep:
             keys, values = (t.view(B, hkv, P * bs, hkv, d).diagonal(dim1=1, dim2=3).permute(0, 3, 1, 2)
                             for t in (k, v))
         keys, values = keys.reshape(B, hkv, P * bs, d), values.reshape(B, hkv, P * bs, d)
-        pos = (pages[..., None] * bs + torch.arange(bs, device=q.device)).flatten(2)  # [B, Hkv, P * bs]
-        valid = page_ok[..., None].expand(-1, -1, -1, bs).flatten(2) & (pos < self.seq_lens_dev[:, None, None])
-        keys, values = keys.to(q.dtype), values.to(q.dtype)
-        if self.policy.page_budget is not None:
-            valid = self._refine(qg, keys, valid, pos, scale)
-        o = F.scaled_dot_product_attention(qg, keys, values, attn_mask=valid[:, :, None], scale=scale)
+        pos = pages[..., None] * bs + torch.arange(bs, device=q.device)               # [B, Hkv, P, bs]
+        valid = (page_ok[..., None] & (pos < self.seq_lens_dev[:, None, None, None])).flatten(2)
+        o = F.scaled_dot_product_attention(qg, keys.to(q.dtype), values.to(q.dtype), attn_mask=valid[:, :, None],
+                                           scale=scale)
         return o.view(B, -1, d)
-
-    def _refine(self, qg: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, pos: torch.Tensor,
-                scale: float) -> torch.Tensor:
-        """pages with a page budget: among the tokens read, keep the window and each KV head's top ``budget``
-        positions by attention probability summed over its query group (per_layer's rule, within the pages)."""
-        logits = torch.matmul(qg, keys.transpose(-1, -2)).float() * scale               # [B, Hkv, group, K]
-        probs = logits.masked_fill_(~valid[:, :, None], float("-inf")).softmax(-1)
-        window = pos >= (self.seq_lens_dev - self.policy.window)[:, None, None]
-        score = probs.sum(2).masked_fill_(~valid | window, float("-inf"))               # [B, Hkv, K]
-        k = min(self.num_chosen, score.shape[-1])
-        best, top = score.topk(k, -1)
-        keep = (torch.arange(k, device=pos.device)[None, None, :] < self.chosen_dev[:, None, None]) & (
-            best > float("-inf"))
-        chosen = torch.zeros_like(valid).scatter_(-1, top, keep)
-        return (chosen | window) & valid
 
     def _sparse(self, q: torch.Tensor, kv_cache: KVLayer, scale: float) -> torch.Tensor:
         """Attention over the selected positions only: budget + window keys are read, not the whole context (a
