@@ -317,9 +317,13 @@ class WindowedLayer:
         if window is not None:
             open_ = window >= 0
             if bool(open_.any()):
-                w = self.window[:, window.clamp(min=0)]                              # [2, B, nb, bs, h, d]
-                sel = open_[..., None, None, None]
-                k, v = torch.where(sel, w[0], k), torch.where(sel, w[1], v)
+                # open blocks trail each table (sealed ones are a prefix): only the columns from the first open
+                # one on are overlaid, not the whole context
+                first = int(open_.any(0).nonzero()[0])
+                win, sel = window[:, first:], open_[:, first:, None, None, None]
+                w = self.window[:, win.clamp(min=0)]                                 # [2, B, nb - first, bs, h, d]
+                k[:, first:] = torch.where(sel, w[0], k[:, first:])
+                v[:, first:] = torch.where(sel, w[1], v[:, first:])
         return k.flatten(1, 2), v.flatten(1, 2)
 
     def _decode(self, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
