@@ -13,10 +13,11 @@ kernel splits) and keeps it in ``meta.plan``, which every layer's ``write_kv``/`
 rebuilt per layer, and nothing lives in a global context: the metadata is passed to every layer explicitly.
 
 A quantized cache (``kv_cache_dtype``) hands each layer a view object instead of a tensor (``kv_cache.py``); a
-backend lists the formats it can read in ``kv_cache_dtypes``. For int8/int4 the metadata also says where each
-token goes (``kv_write``: a full-precision window block, or the stage of a block sealed this step), how each
-block is read (``kv_window``) and which blocks each layer quantizes after writing and before attending
-(``kv_seal``): a block is read quantized from the step in which its last token becomes final.
+backend lists the formats it can read in ``kv_cache_dtypes``. For a windowed cache (int8/int4, fp8 keeping recent
+tokens) the metadata also says where each token goes (``kv_write``: a full-precision window block, or the stage of
+a block sealed this step), how each block is read (``kv_window``) and which blocks each layer quantizes after
+writing and before attending (``kv_seal``): a block is read quantized from the step in which its last token
+becomes final (and lies ``kv_cache_recent_tokens`` behind its sequence's end).
 """
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ if TYPE_CHECKING:
 
 @dataclass
 class SealPlan:
-    """The blocks a step seals (quantizes), planned once for every layer (int8/int4 caches, see ``kv_cache.py``)."""
+    """The blocks a step seals (quantizes), planned once for every layer (windowed caches, see ``kv_cache.py``)."""
     blocks: torch.Tensor         # [S] pool blocks
     window: torch.Tensor         # [S] the window block that held their earlier tokens (-1: all tokens are new)
     stage_index: torch.Tensor    # [R] tile position (s * block_size + offset) of each of the step's tokens below
@@ -55,7 +56,7 @@ class AttentionMetadata:
     tree_mask: torch.Tensor | None = None      # flat bool, see the module docstring
     tree_offsets: torch.Tensor | None = None   # [B] int64, -1: no tree
     tree_offsets_host: list[int] | None = None
-    # windowed (int8/int4) caches only: where each token is written and how each block is read
+    # windowed caches only (int8/int4, fp8 with recent tokens): where each token is written, how each block is read
     kv_write: torch.Tensor | None = None       # [T] window slot of each token (-1: a sealed block, or the stage)
     kv_window: torch.Tensor | None = None      # [B, max_blocks] window block of an open block (-1: read the pool's)
     kv_seal: SealPlan | None = None            # blocks each layer quantizes after its write, before it attends
