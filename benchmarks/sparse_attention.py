@@ -80,6 +80,7 @@ def time_decode_attention(contexts: tuple[int, ...] = (2048, 4096, 8192), budget
         caches = [torch.randn(2, nb, block_size, kv_heads, head_dim, dtype=dtype) for _ in range(num_layers)]
         qs = [torch.randn(batch, heads, head_dim, dtype=dtype) for _ in range(num_layers)]
         if policy.pages:                                 # the page bounds a model's writes would have kept
+            policy.page_bounds.clear()                   # (each context length has its own caches)
             slots = (meta.block_tables[:, :, None] * block_size + torch.arange(block_size)).flatten()
             for layer, kv in enumerate(caches):
                 policy.record_keys(layer, kv[0].flatten(0, 1)[slots], slots, kv, block_size)
