@@ -130,10 +130,12 @@ def test_simulation_stops_once_the_slo_verdict_is_certain():
 
 
 # -- the simulator against the real engine -----------------------------------------------------------------------
-def test_simulator_reproduces_a_real_engine_run_on_a_virtual_clock(tiny_dir):
+@pytest.mark.parametrize("kv", [{}, {"kv_cache_dtype": "int8", "kv_cache_recent_tokens": 32}], ids=["auto", "int8"])
+def test_simulator_reproduces_a_real_engine_run_on_a_virtual_clock(tiny_dir, kv):
     """Same scheduler, same clock: the simulated TTFT and TPOT of every request equal the real engine's (the
-    stated tolerance is 1e-9 s, float summation order). The pool is small enough that requests get preempted."""
-    llm = make_llm(tiny_dir("llama"), max_num_batched_tokens=48, max_num_seqs=4, num_kv_blocks=20)
+    stated tolerance is 1e-9 s, float summation order). The pool is small enough that requests get preempted; a
+    quantized cache's full-precision window (recent tokens included) is modelled too."""
+    llm = make_llm(tiny_dir("llama"), max_num_batched_tokens=48, max_num_seqs=4, num_kv_blocks=20, **kv)
     cost = StepCost(c0=2e-3, c_token=1e-4, c_seq=3e-4, c_kv=1e-6, c_pair=1e-8)
     reqs = Workload(rate=40.0, input=Uniform(8, 110), output=Uniform(2, 30), num_requests=24, seed=3).requests()
     real = run_engine(llm, reqs, cost)

@@ -67,13 +67,15 @@ class EngineShape:
     enable_prefix_caching: bool = True
     num_blocks: int | None = None
     num_window_blocks: int = 0
+    recent_tokens: int = 0                # a quantized cache's recent tokens at full precision (kv_cache_recent_tokens)
 
     @classmethod
     def of_llm(cls, llm: "LLM") -> "EngineShape":
         """The settings of a real engine, its KV pool included."""
         eng = llm.engine
         return cls(eng.cfg.block_size, eng.cfg.max_num_batched_tokens, eng.cfg.max_num_seqs, eng.max_model_len,
-                   eng.cfg.enable_prefix_caching, eng.block_manager.num_blocks, eng.block_manager.num_window_blocks)
+                   eng.cfg.enable_prefix_caching, eng.block_manager.num_blocks, eng.block_manager.num_window_blocks,
+                   eng.block_manager.recent_tokens)
 
 
 @dataclass(frozen=True)
@@ -219,7 +221,8 @@ class _Instance:
     def __init__(self, index: int, role: str, cost: StepTime, engine: EngineShape, num_blocks: int,
                  tp: int) -> None:
         self.index, self.role, self.cost, self.tp = index, role, cost, tp
-        self.bm = BlockManager(num_blocks, engine.block_size, engine.enable_prefix_caching, engine.num_window_blocks)
+        self.bm = BlockManager(num_blocks, engine.block_size, engine.enable_prefix_caching, engine.num_window_blocks,
+                               engine.recent_tokens)
         self.scheduler = Scheduler(self.bm, engine.max_num_batched_tokens, engine.max_num_seqs,
                                    StopChecker(set(), engine.max_model_len))
         self.seqs: dict[int, Sequence] = {}
