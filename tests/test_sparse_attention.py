@@ -177,17 +177,9 @@ def ref_top_k(q, k, n_chosen, window):
     return set(score[:n - window].topk(n_chosen).indices.tolist()) | set(range(n - window, n))
 
 
-def test_per_layer_selection_follows_its_rule():
-    """Each layer from dense_layers up attends, per KV head, over that head's own top positions: its outputs equal
-    exact attention restricted to the reference rule's positions (and differ from TidalDecode's shared choice)."""
-    lens, qlens = [100, 70, 41, 6, 30], [1, 1, 1, 1, 4]
-    budget, window, dense = 0.25, 4, 2
-    cache, meta, tables = paged_batch(lens, qlens, seed=7)
-    qs, outs = run_layers(sparse_backend(budget=budget, window=window, dense_layers=dense), cache, meta)
-    (step,) = [p for p in meta.plan if isinstance(p, SparseStep)]
-    assert step.rows == [0, 1, 2]
-    _, tidal = run_layers(sparse_backend(budget=budget, window=window, selection="tidal", selection_layers=(dense,)),
-                          cache, meta)
+def assert_heads_attend_exactly(outs, qs, cache, tables, meta, step, lens, dense, keep):
+    """Each sparse row, layer by layer: full attention below ``dense``; above, each KV head's query group attends
+    exactly over the positions ``keep(group queries [G, D], the head's keys [n, D], n)`` chooses."""
     group = H // HKV
     for i in step.rows:
         n, row = lens[i], int(meta.query_start_loc[i])
@@ -199,11 +191,29 @@ def test_per_layer_selection_follows_its_rule():
             else:
                 heads = []
                 for g in range(HKV):
-                    keep = sorted(ref_top_k(q[g * group:(g + 1) * group], k_all[:, g], math.ceil(budget * n), window))
-                    p = torch.softmax(q[g * group:(g + 1) * group] @ k_all[keep, g].T * SCALE, -1)
-                    heads.append(p @ v_all[keep, g])
+                    qg = q[g * group:(g + 1) * group]
+                    idx = sorted(keep(qg, k_all[:, g], n))
+                    p = torch.softmax(qg @ k_all[idx, g].T * SCALE, -1)
+                    heads.append(p @ v_all[idx, g])
                 ref = torch.cat(heads)
             torch.testing.assert_close(outs[layer][row].double(), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_per_layer_selection_follows_its_rule():
+    """Each layer from dense_layers up attends, per KV head, over that head's own top positions: its outputs equal
+    exact attention restricted to the reference rule's positions (and differ from TidalDecode's shared choice)."""
+    lens, qlens = [100, 70, 41, 6, 30], [1, 1, 1, 1, 4]
+    budget, window, dense = 0.25, 4, 2
+    cache, meta, tables = paged_batch(lens, qlens, seed=7)
+    qs, outs = run_layers(sparse_backend(budget=budget, window=window, dense_layers=dense), cache, meta)
+    (step,) = [p for p in meta.plan if isinstance(p, SparseStep)]
+    assert step.rows == [0, 1, 2]
+    _, tidal = run_layers(sparse_backend(budget=budget, window=window, selection="tidal", selection_layers=(dense,)),
+                          cache, meta)
+    assert_heads_attend_exactly(outs, qs, cache, tables, meta, step, lens, dense,
+                                lambda qg, k, n: ref_top_k(qg, k, math.ceil(budget * n), window))
+    for i in step.rows:
+        row = int(meta.query_start_loc[i])
         assert not torch.allclose(outs[LAYERS - 1][row], tidal[LAYERS - 1][row], rtol=1e-3, atol=1e-3)
 
 
@@ -248,31 +258,16 @@ def test_pages_selection_follows_its_rule():
     qs, outs = run_layers(backend, cache, meta)
     (step,) = [p for p in meta.plan if isinstance(p, SparseStep)]
     assert step.rows == [0, 1, 2]
-    group = H // HKV
-    for i in step.rows:
-        n, row = lens[i], int(meta.query_start_loc[i])
+
+    def keep(qg, k, n):                      # Quest's bound per page, its top pages, and the window's pages
         first_window, pages = (n - window) // BS, math.ceil(math.ceil(budget * n) / BS)
-        for layer in range(LAYERS):
-            k_all, v_all = context(cache[layer], tables[i], n)
-            q = qs[layer][row].double()
-            if layer < dense:
-                ref = ref_attention(q, k_all, v_all)
-            else:
-                heads = []
-                for g in range(HKV):
-                    qg = q[g * group:(g + 1) * group]
-                    bounds = []
-                    for p in range(first_window):
-                        kp = k_all[p * BS:(p + 1) * BS, g]
-                        lo, hi = kp.min(0).values, kp.max(0).values
-                        bounds.append(torch.maximum(qg * lo, qg * hi).sum(-1).max().item())
-                    chosen = sorted(range(first_window), key=lambda p: -bounds[p])[:pages]
-                    keep = sorted({t for p in chosen for t in range(p * BS, (p + 1) * BS)}
-                                  | set(range(first_window * BS, n)))
-                    prob = torch.softmax(qg @ k_all[keep, g].T * SCALE, -1)
-                    heads.append(prob @ v_all[keep, g])
-                ref = torch.cat(heads)
-            torch.testing.assert_close(outs[layer][row].double(), ref, rtol=1e-5, atol=1e-5)
+        bounds = [torch.maximum(qg * k[p * BS:(p + 1) * BS].min(0).values,
+                                qg * k[p * BS:(p + 1) * BS].max(0).values).sum(-1).max().item()
+                  for p in range(first_window)]
+        chosen = sorted(range(first_window), key=lambda p: -bounds[p])[:pages]
+        return {t for p in chosen for t in range(p * BS, (p + 1) * BS)} | set(range(first_window * BS, n))
+
+    assert_heads_attend_exactly(outs, qs, cache, tables, meta, step, lens, dense, keep)
 
 
 def test_pages_covering_every_page_reproduce_full_attention():

@@ -228,8 +228,8 @@ class Fp8Layer:
         _, nb, bs, h, d = self.codes.shape
         codes, scales = self.codes.view(2, nb * bs, h, d), self.scales.view(2, nb * bs, h)
         for i, x in enumerate((k, v)):
-            s = kq.fp8_scale(x)
-            codes[i].index_copy_(0, slots, kq.fp8_encode(x, s))
+            c, s = kq.fp8_quantize(x)
+            codes[i].index_copy_(0, slots, c)
             scales[i].index_copy_(0, slots, s)
 
     def read(self, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -289,9 +289,7 @@ class WindowedLayer:
         k, v = tile[0], tile[1]
         if self.scales is not None:                                        # fp8: token by token
             for i, x in enumerate((k, v)):
-                s = kq.fp8_scale(x)
-                self.codes[i][blocks] = kq.fp8_encode(x, s)
-                self.scales[i][blocks] = s
+                self.codes[i][blocks], self.scales[i][blocks] = kq.fp8_quantize(x)
             return
         kz, ks = kq.key_grid(k)
         vz, vs = kq.value_grid(v)

@@ -61,6 +61,12 @@ def fp8_encode(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return y.to(torch.float8_e4m3fn).view(torch.uint8)
 
 
+def fp8_quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., H, D] -> (uint8 codes, float16 scales [..., H]): ``fp8_scale`` then ``fp8_encode``."""
+    s = fp8_scale(x)
+    return fp8_encode(x, s), s
+
+
 def fp8_decode(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """uint8 codes [..., H, D] and scales [..., H] -> values in ``dtype``."""
     return (codes.view(torch.float8_e4m3fn).float() * scale.float()[..., None]).to(dtype)

@@ -135,7 +135,7 @@ class SparseStep:
         nblocks = -(-self.max_len // bs)
         self.blocks = meta.block_tables[idx, :nblocks]                                # [B, nblocks]
         self.kv_window = meta.kv_window[idx, :nblocks] if meta.kv_window is not None else None   # windowed
-        seq_lens = torch.tensor(lens, device=dev)
+        self.seq_lens = seq_lens = torch.tensor(lens, device=dev)
         key = torch.arange(self.max_len, device=dev)
         self.key_valid = key[None, :] < seq_lens[:, None]                             # [B, max_len]
         w = policy.window
@@ -158,14 +158,13 @@ class SparseStep:
         first_window = [(n - w) // bs for n in lens]
         self.num_pages = max(-(-c // bs) for c in chosen)
         self.page_limit = torch.tensor([-(-c // bs) for c in chosen], device=dev)                  # [B]
-        page = torch.arange(nblocks, device=dev)
-        self.page_candidate = page[None, :] < torch.tensor(first_window, device=dev)[:, None]      # [B, nblocks]
+        first = torch.tensor(first_window, device=dev)[:, None]
+        self.page_candidate = torch.arange(nblocks, device=dev)[None, :] < first                   # [B, nblocks]
         span = max((n - 1) // bs - f + 1 for n, f in zip(lens, first_window))
-        last = torch.tensor([(n - 1) // bs for n in lens], device=dev)
-        wp = torch.tensor(first_window, device=dev)[:, None] + torch.arange(span, device=dev)      # [B, span]
-        self.window_page_valid = wp <= last[:, None]
-        self.window_pages = torch.minimum(wp, last[:, None])
-        self.seq_lens_dev = torch.tensor(lens, device=dev)
+        last = (self.seq_lens[:, None] - 1) // bs
+        wp = first + torch.arange(span, device=dev)                                               # [B, span]
+        self.window_page_valid = wp <= last
+        self.window_pages = torch.minimum(wp, last)
         self.bs = bs
 
     def attend(self, q: torch.Tensor, kv_cache: KVLayer, scale: float, layer: int | None) -> torch.Tensor:
@@ -272,7 +271,7 @@ class SparseStep:
                             for t in (k, v))
         keys, values = keys.reshape(B, hkv, P * bs, d), values.reshape(B, hkv, P * bs, d)
         pos = pages[..., None] * bs + torch.arange(bs, device=q.device)               # [B, Hkv, P, bs]
-        valid = (page_ok[..., None] & (pos < self.seq_lens_dev[:, None, None, None])).flatten(2)
+        valid = (page_ok[..., None] & (pos < self.seq_lens[:, None, None, None])).flatten(2)
         o = F.scaled_dot_product_attention(qg, keys.to(q.dtype), values.to(q.dtype), attn_mask=valid[:, :, None],
                                            scale=scale)
         return o.view(B, -1, d)

@@ -93,8 +93,7 @@ class BlockManager:
         if need > len(self.free):
             return False
         if self.windowed:
-            final = num_tokens if num_final is None else num_final
-            first_open = max(0, final - self.recent_tokens) // self.block_size
+            first_open = self._num_sealable(num_tokens if num_final is None else num_final)
             total = len(seq.block_table) + need
             missing = [i for i in range(first_open, total)
                        if i >= len(seq.block_table) or self.window_of[seq.block_table[i]] < 0]
@@ -113,7 +112,7 @@ class BlockManager:
         run."""
         if not self.windowed:
             return ()
-        i = min(max(0, num_final - self.recent_tokens) // self.block_size, len(seq.block_table))
+        i = min(self._num_sealable(num_final), len(seq.block_table))
         first = i
         while first > 0 and not self.sealed[seq.block_table[first - 1]]:
             first -= 1
@@ -126,6 +125,11 @@ class BlockManager:
                 self.window_of[block] = -1
                 self.free_window.append(w)
         return tuple(out)
+
+    def _num_sealable(self, num_final: int) -> int:
+        """Windowed caches: the leading blocks that ``num_final`` final tokens let seal (the rest stay in the window:
+        the open block and, with ``recent_tokens``, the recent ones)."""
+        return max(0, num_final - self.recent_tokens) // self.block_size
 
     def open_window(self, seq: Sequence) -> tuple[int, ...]:
         """Windowed caches: the window blocks of the sequence's open blocks (the trailing ones, in table order)."""

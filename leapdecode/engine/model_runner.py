@@ -156,7 +156,7 @@ class ModelRunner:
             "full_precision_bytes_per_token": full / self.block_size, "compression": full / lay.bytes_per_block,
             "num_window_blocks": self.num_window_blocks, "window_bytes": self.num_window_blocks * full,
             "total_bytes": self.num_blocks * lay.bytes_per_block + self.num_window_blocks * full,
-            "salient_tokens_per_block": lay.num_salient, "recent_tokens": lay.recent_tokens if lay.windowed else 0,
+            "salient_tokens_per_block": lay.num_salient, "recent_tokens": lay.recent_tokens,
         }
 
     # -- one step ----------------------------------------------------------------------------------------------
