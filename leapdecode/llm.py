@@ -52,8 +52,8 @@ class LLM:
         quantized caches that fit more tokens in the same memory (see ``kv_cache_info()``); int4 keeps the share
         ``kv_cache_salient_ratio`` (default 0.125) of each block's most attended tokens at 8 bits; a quantized
         cache can keep each sequence's ``kv_cache_recent_tokens`` newest tokens at full precision (default 0; fp8
-        with 256: +0.17% perplexity instead of +1.2%, see benchmarks/README.md; a block is prefix-cached only
-        once quantized, so a finished request's recent tokens are not).
+        with 256: +0.17% perplexity instead of +1.2%, see benchmarks/README.md; a finished request's recent blocks
+        are quantized in the next step and stay prefix-cached).
         ``load_format="dummy"``: random weights at the checkpoint's shapes (benchmarks). On CUDA with the Triton
         backend, decode and verification steps replay CUDA graphs for batches up to ``max_graph_batch`` unless
         ``enforce_eager``. ``cpu_packed_linears``: a float32 model on a CPU runs its linears through oneDNN with

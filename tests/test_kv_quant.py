@@ -349,6 +349,61 @@ def test_recent_tokens_seal_late():
     assert len(bm.free_window) == 12 and bm.num_free_blocks == 16
 
 
+def test_finished_sequences_recent_blocks_are_sealed_late():
+    """A finished sequence's full blocks still in the window (its recent tokens) are keyed at once and handed to the
+    next plan as late seals (pool block, window block), so a later request finds the whole prefix cached; a block
+    another sequence still holds is left to that sequence; preemption frees without sealing."""
+    bs, recent = 4, 6
+    bm = BlockManager(16, bs, True, 12, recent)
+    s = Sequence("r", 0, list(range(100, 114)), SamplingParams(max_tokens=1))     # 14 tokens: 3 full blocks
+    assert bm.allocate(s, 14) and bm.seal(s, 14) == (-1, -1)     # (14 - 6) // 4 = 2 blocks seal in the step
+    bm.commit(s, 14)
+    assert len(s.block_hashes) == 2 and [bm.sealed[b] for b in s.block_table] == [True, True, False, False]
+    table, windows = list(s.block_table), [bm.window_of[b] for b in s.block_table]
+    bm.free_seq(s, keep_recent=True)
+    assert bm.late_seals == [(table[2], windows[2])]      # block 2 is full and final; block 3 holds 2 tokens
+    assert bm.sealed[table[2]] and all(bm.window_of[b] < 0 for b in table)
+    assert windows[2] not in bm.free_window and windows[3] in bm.free_window
+    again = Sequence("r2", 0, list(range(100, 114)) + [7], SamplingParams(max_tokens=1))
+    assert bm.match_prefix(again) == 12 and again.block_table == table[:3]
+    assert bm.take_late_seals() == ((table[2], windows[2]),) and bm.late_seals == []
+    assert len(bm.free_window) == 12
+    bm.free_seq(again, keep_recent=True)
+    assert bm.late_seals == []                            # nothing new: its blocks were sealed and keyed
+    # a block shared with a live sequence is not sealed late (the live one still reads it from the window)
+    a = Sequence("a", 0, list(range(200, 214)), SamplingParams(max_tokens=1))
+    assert bm.allocate(a, 14)
+    bm.seal(a, 14)
+    bm.commit(a, 14)
+    b = Sequence("b", 0, list(range(200, 214)), SamplingParams(max_tokens=1))
+    b.num_computed_tokens = bm.share_prefix(a, b, 3)
+    bm.free_seq(a, keep_recent=True)
+    assert bm.late_seals == [] and not bm.sealed[b.block_table[2]] and bm.window_of[b.block_table[2]] >= 0
+    bm.free_seq(b)                                        # preemption: frees, seals nothing
+    assert bm.late_seals == [] and len(bm.free_window) == 12 and bm.num_free_blocks == 16
+
+
+def test_late_seal_quantizes_window_blocks_like_the_reference():
+    """``KVCache.seal_from_window`` (the late seal, no query to probe saliency with): each window block becomes its
+    pool block's codes as the reference quantizer writes them; int4 keeps each head's tokens with the largest keys
+    (L2 norm) at 8 bits."""
+    bs, h, d, n = 16, 3, 8, 2
+    cache = KVCache(1, 6, bs, h, d, torch.float32, torch.device("cpu"), "int4", 4, n, 16)
+    x = torch.stack([tile(20), tile(21)])[:, :2]                       # keys, values of 2 blocks [2, 2, bs, h, d]
+    x[0, :, 5] *= 10                                                   # token 5 carries the largest keys
+    cache.window[0][:, [3, 1]] = x
+    cache.seal_from_window(torch.tensor([4, 0]), torch.tensor([3, 1]))
+    norms = x[0].double().norm(dim=-1).numpy()                         # [2, bs, h]
+    want = np.sort(np.argsort(-norms, axis=1, kind="stable")[:, :n], axis=1)    # [2, n, h]
+    assert (want == 5).any(axis=1).all()
+    assert np.array_equal(cache.salient[0][[4, 0]].numpy(), want)
+    for i, keys in ((0, True), (1, False)):
+        _, _, units = ref_block(x[i].numpy(), keys, 4, want)
+        got = kq.int4_units(kq.unpack_nibbles(cache.data[0, i][[4, 0]]),
+                            kq.unpack_nibbles(cache.residual[0, i][[4, 0]]), cache.salient[0][[4, 0]])
+        assert np.array_equal(got.numpy().astype(np.int64), units)
+
+
 def test_recent_tokens_layout():
     lay = dict(num_layers=2, block_size=16, num_kv_heads=2, head_dim=16, dtype=torch.float32)
     assert not KVLayout("fp8", **lay).windowed and KVLayout("fp8", **lay, recent_tokens=1).windowed
@@ -373,8 +428,10 @@ def tokens(outs) -> list[list[int]]:
 
 
 def assert_window_free(llm) -> None:
+    """Every window block is free, or held by a finished sequence's late seal (until the next plan takes it)."""
     bm = llm.engine.block_manager
-    assert len(bm.free_window) == bm.num_window_blocks and all(w < 0 for w in bm.window_of)
+    held = [w for _, w in bm.late_seals]
+    assert sorted(bm.free_window + held) == list(range(bm.num_window_blocks)) and all(w < 0 for w in bm.window_of)
 
 
 @pytest.fixture(scope="module")
@@ -514,6 +571,36 @@ def test_recent_tokens_covering_every_sequence_are_lossless(llama_dir, reference
         assert_window_free(llm)
     plain = make_llm(llama_dir, kv_cache_memory=MEMORY, kv_cache_dtype="fp8")
     assert not plain.engine.block_manager.windowed and plain.kv_cache_info()["recent_tokens"] == 0
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "int8"])
+def test_finished_recent_blocks_stay_in_the_prefix_cache(llama_dir, fmt):
+    """With recent tokens, a finished request's newest full blocks are sealed late: a request that continues its
+    text finds every full block cached, and an export right after it finishes holds every full block, bit for
+    bit the blocks an engine that kept decoding past them sealed the usual way (fails without late seals: the
+    recent blocks are neither cached nor exported)."""
+    prompt = prompts_(1, seed=3, lo=40, hi=41)[0]
+    short, long_ = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True), \
+        SamplingParams(max_tokens=90, temperature=0.0, ignore_eos=True)
+    kw = dict(kv_cache_memory=2 * MEMORY, kv_cache_dtype=fmt, kv_cache_recent_tokens=32)
+    llm = make_llm(llama_dir, **kw)
+    out = llm.generate([prompt], short, use_tqdm=False)[0].outputs[0].token_ids
+    text = prompt + list(out)
+    full = (len(text) - 1) // 16                          # blocks of final KV (the last token was never computed)
+    exported = llm.engine.export_kv(text)
+    assert len(exported.token_ids) == full * 16 and llm.engine.block_manager.late_seals == []
+    bm = llm.engine.block_manager
+    hits = bm.hits
+    llm.generate([text + [5]], SamplingParams(max_tokens=1), use_tqdm=False)
+    assert bm.hits - hits == full * 16
+    ref = make_llm(llama_dir, **kw)                       # decodes 50 tokens further: the same blocks seal in steps
+    assert list(ref.generate([prompt], long_, use_tqdm=False)[0].outputs[0].token_ids[:40]) == list(out)
+    sealed = ref.engine.export_kv(text[:full * 16])
+    assert sealed.token_ids == exported.token_ids
+    for mine, theirs in zip(exported.blocks, sealed.blocks):
+        assert all(torch.equal(x, y) for x, y in zip(mine, theirs))
+    assert_pool_free(llm)
+    assert_window_free(llm)
 
 
 def test_recent_tokens_shrink_the_error(llama_dir):

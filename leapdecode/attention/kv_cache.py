@@ -171,6 +171,20 @@ class KVCache:
             scales = self.scales.view(L, 2, nb * bs, h)
             scales[:, :, dst] = scales[:, :, src].clone()
 
+    @torch.inference_mode()
+    def seal_from_window(self, blocks: torch.Tensor, windows: torch.Tensor) -> None:
+        """Quantize window blocks ``windows`` [S] into pool ``blocks`` [S] in every layer: the late seal of a
+        finished sequence's recent blocks, which no step's tokens ride. With salient tokens there is no query to
+        probe them with, so each head keeps the tokens with the largest keys (L2 norm) at 8 bits."""
+        for i in range(self.layout.num_layers):
+            layer = self.layer(i)
+            layer.stage.tile = self.window[i][:, windows].float()                 # [2, S, bs, h, d]
+            salient = None
+            if self.layout.num_salient:
+                norms = layer.staged_keys().norm(dim=-1).transpose(1, 2)           # [S, h, bs]
+                salient = kq.top_salient(norms, self.layout.num_salient)
+            layer.seal(blocks, salient)
+
     def planes(self) -> tuple[tuple[str, torch.Tensor, int], ...]:
         """Every pool tensor that holds part of a block's KV, as (name, tensor, block axis): the codes and whatever
         decoding them needs. The window is not among them: only sealed blocks are read or written whole."""

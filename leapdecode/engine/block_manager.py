@@ -12,7 +12,10 @@ least ``recent_tokens`` behind the sequence's end, and until then lives in a ful
 the window is full), ``seal`` (called by the scheduler as it freezes a plan) seals what the step completes and
 returns their window blocks to the window, and a block released while open gives its window block back. Sealed
 blocks are always a prefix of a block table; only sealed blocks are keyed, so a prefix-cache hit is read
-quantized exactly like the miss that computed it.
+quantized exactly like the miss that computed it. When a sequence finishes, its full blocks still in the window
+(the recent ones) are sealed late (``free_seq(..., keep_recent=True)``): keyed and released at once, their window
+blocks held until ``take_late_seals`` hands the (pool block, window block) pairs to the next plan, which quantizes
+them before its forward, so a later request with the same prefix finds the whole prefix cached.
 
 Blocks can also arrive from another engine (prefill/decode disaggregation, ``engine/kv_transfer.py``): ``install``
 keys free blocks for a chain of keys whose KV the engine then writes, ``cached_blocks`` finds the blocks to export.
@@ -59,6 +62,7 @@ class BlockManager:
         self.window_of = [-1] * num_blocks if self.windowed else []
         self.sealed = [False] * num_blocks if self.windowed else []
         self.free_window = list(range(num_window_blocks - 1, -1, -1))   # a stack: lowest first
+        self.late_seals: list[tuple[int, int]] = []    # (pool block, window block) for the next plan to quantize
 
     @property
     def num_free_blocks(self) -> int:
@@ -150,11 +154,38 @@ class BlockManager:
         assert w >= 0, f"block {block} is sealed: its KV cannot move"
         return w * self.block_size + offset
 
-    def free_seq(self, seq: Sequence) -> None:
-        """Release all of a sequence's blocks; the tail goes to the LRU end first, so prefixes live longest."""
+    def free_seq(self, seq: Sequence, keep_recent: bool = False) -> None:
+        """Release all of a sequence's blocks; the tail goes to the LRU end first, so prefixes live longest.
+        ``keep_recent`` (a finished sequence, windowed caches): its full blocks of final tokens that are still in
+        the window are sealed late and keyed, so they stay in the prefix cache like the sealed ones."""
+        if keep_recent and self.windowed and self.enable_prefix_caching:
+            self._seal_late(seq)
         for block in reversed(seq.block_table):
             self._release(block)
-        seq.block_table, seq.block_hashes = [], []
+        seq.block_table, seq.block_hashes, seq.num_kv_final = [], [], 0
+
+    def _seal_late(self, seq: Sequence) -> None:
+        """Key the sequence's full blocks of final KV beyond its keyed prefix, planning a late seal for each one
+        still open; stops at a block another sequence holds too (it seals it itself, when its tokens allow)."""
+        bs, table = self.block_size, seq.block_table
+        for i in range(len(seq.block_hashes), min(seq.num_kv_final, seq.num_tokens) // bs):
+            block = table[i]
+            if self.ref_counts[block] > 1 or not (self.sealed[block] or self.window_of[block] >= 0):
+                return
+            key = block_hash(seq.block_hashes[-1] if seq.block_hashes else None, seq.token_ids[i * bs:(i + 1) * bs])
+            seq.block_hashes.append(key)
+            if not self.sealed[block]:
+                self.late_seals.append((block, self.window_of[block]))
+                self.sealed[block], self.window_of[block] = True, -1     # the window block waits for the seal
+            if key not in self.cached and self.block_keys[block] is None:
+                self.cached[key], self.block_keys[block] = block, key
+
+    def take_late_seals(self) -> tuple[tuple[int, int], ...]:
+        """The late seals for the plan being frozen (it quantizes them before its forward, after its KV moves);
+        their window blocks go back to the window now: only later plans can write them."""
+        seals, self.late_seals = tuple(self.late_seals), []
+        self.free_window += [w for _, w in seals]
+        return seals
 
     def _release(self, block: int) -> None:
         self.ref_counts[block] -= 1
@@ -258,6 +289,7 @@ class BlockManager:
     def commit(self, seq: Sequence, num_computed: int) -> None:
         """Key every block that has become full of computed (the first ``num_computed``), committed tokens."""
         bs = self.block_size
+        seq.num_kv_final = num_computed
         limit = min(num_computed, seq.num_tokens) // bs
         while len(seq.block_hashes) < limit:
             i = len(seq.block_hashes)

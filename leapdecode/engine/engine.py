@@ -291,6 +291,10 @@ class Engine:
         """The KV of the longest prefix of ``token_ids`` this engine's prefix cache holds (full blocks, chain order;
         may be empty), copied to the CPU. Between steps, on the engine's thread."""
         _, ids = self.tokenize(token_ids)
+        if self.block_manager.late_seals:   # finished sequences' recent blocks: keyed, quantized by the next step
+            if self._inflight is not None:
+                wait([self._inflight.future])
+            self.runner.seal_kv_blocks(self.block_manager.take_late_seals())
         blocks = self.block_manager.cached_blocks(ids)
         data = self.runner.read_kv_blocks(blocks)
         return KVTransfer(transfer_layout(self.runner.kv_layout), tuple(ids[:len(blocks) * self.cfg.block_size]),

@@ -47,6 +47,9 @@ class Executor(Protocol):
     def write_kv_blocks(self, blocks: list[int], data: list[tuple[torch.Tensor, ...]]) -> None:
         """Overwrite pool blocks with blocks read by ``read_kv_blocks`` of an executor of the same layout."""
 
+    def seal_kv_blocks(self, seals: tuple[tuple[int, int], ...]) -> None:
+        """Apply late seals (pool block, window block) now, outside a step: before an export reads the blocks."""
+
     def close(self) -> None:
         """Release what the executor holds outside this process (worker processes); idempotent."""
 

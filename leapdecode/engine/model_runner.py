@@ -175,6 +175,8 @@ class ModelRunner:
         batch = batch if batch is not None else self.prepare(plan)
         if batch.kv_moves is not None:
             self.kv_cache.copy_slots(*batch.kv_moves)
+        if batch.kv_seals is not None:
+            self.kv_cache.seal_from_window(*batch.kv_seals)
         if batch.placeholders is not None:    # rank 0 holds the sampled tokens; the other ranks receive them
             idx, rows = batch.placeholders
             tokens = last_sampled[rows].to(idx.dtype) if self.tp.is_first else torch.empty_like(idx)
@@ -198,6 +200,12 @@ class ModelRunner:
     def read_kv_blocks(self, blocks: list[int]) -> list[tuple[torch.Tensor, ...]]:
         """Pool blocks as CPU tensors (a KV export, engine/kv_transfer.py)."""
         return self.kv_cache.read_blocks(blocks)
+
+    def seal_kv_blocks(self, seals: tuple[tuple[int, int], ...]) -> None:
+        """Late seals outside a step (before a KV export reads the blocks)."""
+        if seals:
+            idx = torch.tensor(seals, dtype=torch.long, device=self.device)
+            self.kv_cache.seal_from_window(idx[:, 0], idx[:, 1])
 
     def write_kv_blocks(self, blocks: list[int], data: list[tuple[torch.Tensor, ...]]) -> None:
         """Blocks of another runner of the same layout into the pool (a KV import)."""

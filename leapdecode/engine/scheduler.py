@@ -157,7 +157,7 @@ class Scheduler:
             logits += n_logits
             samples += sampled
         plan = StepPlan(self._step_id, tuple(planned), self.bm.block_size, logits, samples, tuple(self._kv_moves),
-                        tuple(placeholders), tuple(preempted))
+                        tuple(placeholders), tuple(preempted), self.bm.take_late_seals())
         self._step_id += 1
         self._kv_moves = []
         self._sample_row = {}
@@ -315,4 +315,4 @@ class Scheduler:
             if seq in siblings:
                 siblings.remove(seq)
         seq.status = SequenceStatus.FINISHED
-        self.bm.free_seq(seq)
+        self.bm.free_seq(seq, keep_recent=True)

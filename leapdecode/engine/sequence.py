@@ -34,6 +34,7 @@ class Sequence:
         self.num_cached_tokens = 0           # prompt tokens found in the prefix cache at first schedule
         self.block_table: list[int] = []
         self.block_hashes: list[bytes] = []  # hash chain of the leading full, computed blocks
+        self.num_kv_final = 0                # leading tokens whose KV is final (the block manager's last commit)
         self.status = SequenceStatus.WAITING
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None

@@ -72,6 +72,8 @@ class StepPlan:
     kv_moves: tuple[tuple[int, int], ...] = ()      # (src slot, dst slot): applied before the forward
     placeholders: tuple[tuple[int, int], ...] = ()  # (token index in the flat batch, sample row of the last step)
     preempted: tuple[int, ...] = ()
+    kv_seals: tuple[tuple[int, int], ...] = ()      # (pool block, window block): finished sequences' recent blocks,
+                                                    # quantized after the moves, before the forward (windowed KV)
 
     @property
     def num_tokens(self) -> int:

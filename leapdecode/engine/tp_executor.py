@@ -170,6 +170,9 @@ class TensorParallelExecutor:
     def write_kv_blocks(self, blocks: list[int], data: list[tuple[torch.Tensor, ...]]) -> None:
         raise NotImplementedError(NO_KV_TRANSFER)
 
+    def seal_kv_blocks(self, seals: tuple[tuple[int, int], ...]) -> None:
+        raise NotImplementedError(NO_KV_TRANSFER)
+
     def close(self) -> None:
         """Stop the workers and leave the group (idempotent)."""
         self._group.shutdown()
