@@ -27,6 +27,10 @@ spec     Speculative decoding on the GPU with the embedded real model (leapdecod
          64 (at least --spec-prompts prompts; batch 1 runs them one at a time): tokens/s of each method over plain
          decoding in the same run (the adaptive controller's choice, and always drafting k = 4), with
          accepted/drafted tokens. Warm-up over every prompt first; each timed run starts from empty drafter caches.
+kvfp8    An fp8 KV cache (kv_cache_dtype="fp8", dequantized inside the Triton kernels) beside bf16: the decode kernel
+         alone (Llama-3-8B heads, --kvfp8-batches x --kvfp8-contexts, CUDA graphs) and the engine's batched decode
+         (--batched-models, batch 64 and 256, 2048-token prompts): us / tok/s, K/V bytes, speed-up, the largest
+         difference of the kernel's output from bf16's, and the blocks each format fits in the same memory.
 
 Nothing is asserted here: correctness is the GPU tests' job.
 """
@@ -52,7 +56,7 @@ for p in (REPO, BENCH):
 
 import decode_roofline as dr  # noqa: E402
 
-SECTIONS = ("copy", "batch1", "kernel", "batched", "tune", "spec", "compiled")
+SECTIONS = ("copy", "batch1", "kernel", "batched", "tune", "spec", "kvfp8", "compiled")
 GIB = 1 << 30
 DEVICE, BACKEND = "cuda", "triton"      # (a CPU smoke test of the suite's own logic switches these)
 
@@ -295,6 +299,61 @@ def section_kernel(args, rep: Report, copy_bw: float) -> None:
               ["batch", "context", "ours GB/s", "roofline", "best SDPA GB/s", "vs best SDPA"], summary)
 
 
+def section_kvfp8(args, rep: Report, copy_bw: float) -> None:
+    import triton.testing
+
+    from leapdecode.attention import kv_quant as kq
+    from leapdecode.attention import triton_kernels as tk
+    H, HKV, D, BS = 32, 8, 128, 16
+    rows = []
+    for batch in args.kvfp8_batches:
+        for ctx in args.kvfp8_contexts:
+            nblk = batch * (-(-ctx // BS))
+            kv = torch.randn(2, nblk, BS, HKV, D, dtype=torch.bfloat16, device="cuda")
+            codes, scales = kq.fp8_quantize(kv)
+            tables = torch.randperm(nblk, device="cuda", dtype=torch.int64).to(torch.int32).view(batch, -1)
+            seq_lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
+            qsl = torch.arange(batch + 1, dtype=torch.int32, device="cuda")
+            pos = torch.full((batch,), ctx - 1, dtype=torch.int64, device="cuda")
+            q = torch.randn(batch, H, D, dtype=torch.bfloat16, device="cuda")
+            outs = {f: torch.empty_like(q) for f in ("bf16", "fp8")}
+            calls = {"bf16": lambda: tk.paged_decode_attention(q, kv, tables, seq_lens, qsl, pos, D ** -0.5,
+                                                               max_seq_len=ctx, out=outs["bf16"]),
+                     "fp8": lambda: tk.paged_decode_attention(q, codes, tables, seq_lens, qsl, pos, D ** -0.5,
+                                                              max_seq_len=ctx, out=outs["fp8"], kv_scales=scales)}
+            kv_bytes = {"bf16": 2 * batch * ctx * HKV * D * 2, "fp8": 2 * batch * ctx * HKV * (D + 2)}
+            secs = {f: triton.testing.do_bench(dr.graphed(fn), warmup=25, rep=100, return_mode="median") * 1e-3
+                    for f, fn in calls.items()}
+            err = (outs["fp8"].float() - outs["bf16"].float()).abs().max().item()
+            for f in ("bf16", "fp8"):
+                rows.append(dict(part="kernel", batch=batch, context=ctx, format=f, us=secs[f] * 1e6,
+                                 **{"KV MB": kv_bytes[f] / 1e6, "GB/s": kv_bytes[f] / secs[f] / 1e9,
+                                    "vs bf16": secs["bf16"] / secs[f], "max |diff|": err if f == "fp8" else ""}))
+            del kv, codes, scales, q, outs
+            free()
+    for name in args.batched_models:
+        path, mb, vocab = shape(args, name)
+        for batch in (64, 256):
+            res = {}
+            for f in ("auto", "fp8"):
+                try:
+                    llm = engine(path, 2048 + 80, batch, async_scheduling=True, kv_cache_dtype=f)
+                    prompts = dr.prompts_for(batch, 2048, vocab, seed=2)
+                    s = dr.engine_decode_seconds(llm, prompts, 48, 1, warmup=4) / 47
+                    res[f] = (s, llm.kv_cache_info()["bytes_per_token"], llm.engine.runner.backend.name)
+                    del llm
+                except Exception as e:  # noqa: BLE001
+                    rep.note(f"kvfp8 {name} batch {batch} {f}: error {type(e).__name__}: {e}")
+                free()
+            for f, (s, bpt, backend) in res.items():
+                rows.append(dict(part=f"engine {name} ({backend})", batch=batch, context=2048, format=f,
+                                 us=s * 1e6, **{"tok/s": batch / s, "bytes/token": bpt,
+                                                "vs bf16": res["auto"][0] / s if "auto" in res else ""}))
+    rep.table("kvfp8", "fp8 KV cache vs bf16: decode kernel (Llama-3-8B heads) and batched engine decode",
+              ["part", "batch", "context", "format", "us", "KV MB", "GB/s", "tok/s", "bytes/token", "vs bf16",
+               "max |diff|"], rows)
+
+
 def section_tune(args, rep: Report, copy_bw: float) -> None:
     """The decode kernel's tile / warp / pipeline-stage variants at a few shapes (decode_roofline.py --tune)."""
     ns = argparse.Namespace(kernel_batches=args.tune_batches, kernel_contexts=args.tune_contexts, kernel_max_gib=20.0,
@@ -479,6 +538,8 @@ def parse_args(argv=None):
     ap.add_argument("--spec-prompts", type=int, default=8, help="spec: prompts at least (batch 1 runs them in turn)")
     ap.add_argument("--spec-output-len", type=int, default=128)
     ap.add_argument("--spec-async", action="store_true", help="spec: async scheduling for every engine")
+    ap.add_argument("--kvfp8-batches", type=ints, default=[1, 16, 64])
+    ap.add_argument("--kvfp8-contexts", type=ints, default=[4096, 32768])
     args = ap.parse_args(argv)
     split = lambda s: [x.strip() for x in s.split(",") if x.strip()]  # noqa: E731
     args.sections, args.models = split(args.sections), split(args.models)
@@ -509,6 +570,7 @@ def main(argv=None) -> None:
             "batched": lambda: section_batched(args, rep, copy_bw),
             "tune": lambda: section_tune(args, rep, copy_bw),
             "spec": lambda: section_spec(args, rep),
+            "kvfp8": lambda: section_kvfp8(args, rep, copy_bw),
             "compiled": lambda: section_compiled(args, rep, copy_bw)}
     for section in args.sections:     # in the order given: a short lease puts what it needs most first
         fn = runs.get(section)

@@ -274,6 +274,65 @@ def test_backend_mixed_batch_write_then_attend():
     assert torch.equal(flat[0, meta.slot_mapping], k_new) and torch.equal(flat[1, meta.slot_mapping], v_new)
 
 
+# -- fp8 caches: codes dequantized as the tiles load ------------------------------------------------------------
+def fp8_case(kv_cache):
+    """(uint8 codes, float16 scales) of a float cache [2, blocks, bs, hkv, d], and the values they decode to
+    (kv_quant's reference, in the cache's dtype): the kernels must attend over exactly those."""
+    from leapdecode.attention import kv_quant as kq
+    codes, scales = kq.fp8_quantize(kv_cache.cpu())
+    return codes.to(DEV), scales.to(DEV), kq.fp8_decode(codes, scales, kv_cache.dtype)
+
+
+@pytest.mark.parametrize("case", [0, 1, 2])
+def test_fp8_cache_decode_and_prefill_match_float64(case):
+    """Decode (split and not) and prefill/verification rows (trees, a sliding window) over an fp8 cache equal
+    float64 attention over the dequantized K/V; reading the codes as if they were values is far off."""
+    ctx, qlens, hkv, group, d, dtype, window, trees, splits = [
+        ([0, 16, 49], [1, 1, 1], 2, 2, 64, torch.float32, None, (), 3),
+        ([12, 40, 7], [5, 4, 1], 2, 4, 128, torch.bfloat16, None, (0,), 2),
+        ([25, 0], [4, 37], 1, 2, 64, torch.float16, 16, (0,), 1)][case]
+    q, kv, meta = make_case(11 + case, ctx, qlens, hkv, group, d, 16, dtype, window, trees)
+    codes, scales, deq = fp8_case(kv)
+    scale = d ** -0.5
+    ref = reference(q, deq, meta, scale)
+    if all(n == 1 for n in qlens):
+        out = run_decode(q, codes, meta, scale, kv_scales=scales, num_splits=splits)
+    else:
+        out = run_prefill(q, codes, meta, scale, kv_scales=scales)
+    check(out, ref, dtype)
+    assert (out.cpu().double() - reference(q, kv, meta, scale)).abs().max() > 0     # (it is lossy: not the floats)
+    with pytest.raises(ValueError, match="fp8"):
+        run_decode(q, codes, meta, scale, kv_scales=scales[:, :1])
+
+
+def test_fp8_backend_writes_like_the_reference_and_attends():
+    """TritonAttention on an ``Fp8Layer``: the write stores the reference quantizer's codes and scales at the slots
+    (padding slots nowhere), and attention equals the torch backend's on the same cache."""
+    from leapdecode.attention.kv_cache import Fp8Layer
+    from leapdecode.attention.torch_ref import TorchAttention
+    hkv, group, d, bs = 2, 2, 32, 16
+    q, kv, meta = make_case(9, [30, 0, 8, 19], [1, 12, 4, 1], hkv, group, d, bs, torch.float32, trees=(2,))
+    codes, scales, _ = fp8_case(kv)
+    layers = [Fp8Layer(codes.clone(), scales.clone(), torch.float32) for _ in range(2)]
+    g = torch.Generator().manual_seed(10)
+    T = q.shape[0]
+    k_new = torch.randn(T, hkv, d, generator=g).to(DEV)
+    v_new = torch.randn(T, hkv, d, generator=g).to(DEV)
+    outs = []
+    for backend, layer in zip((TritonAttention(), TorchAttention()), layers):
+        backend.plan(meta)
+        backend.write_kv(k_new, v_new, layer, meta)
+        outs.append(backend.attend(q, layer, meta, 0.25))
+    assert torch.equal(layers[0].codes, layers[1].codes) and torch.equal(layers[0].scales, layers[1].scales)
+    assert not torch.equal(layers[0].codes, codes)                          # the step's K/V were written
+    check(outs[0], outs[1].cpu().double(), torch.float32)
+    # padding (negative slots) writes nowhere
+    layer = Fp8Layer(codes.clone(), scales.clone(), torch.float32)
+    padded = dataclasses.replace(meta, slot_mapping=torch.full_like(meta.slot_mapping, -1))
+    TritonAttention().write_kv(k_new, v_new, layer, padded)
+    assert torch.equal(layer.codes, codes) and torch.equal(layer.scales, scales)
+
+
 def test_choose_num_splits():
     assert tk.choose_num_splits(1, 8, 128 * 1024, 132) == 64                 # batch 1, long context: many slices
     assert tk.choose_num_splits(1, 8, 200, 132) == 2                         # short context: few keys per slice
@@ -287,6 +346,28 @@ def test_engine_greedy_equals_torch_backend_under_interpreter(tiny_dir, monkeypa
     give the torch backend's greedy tokens."""
     out = engine_tokens(tiny_dir, monkeypatch, "mistral", spec="ngram", n_prompts=3, max_tokens=8, max_len=40)
     assert out["triton"] == out["torch"]
+
+
+def test_engine_fp8_cache_on_triton_equals_torch_backend(tiny_dir):
+    """kv_cache_dtype="fp8" through the whole engine on the Triton backend (chunked prefill, n-gram verification
+    rows, decode) gives the torch backend's greedy tokens on the same quantized cache; a cache with recent tokens
+    (windowed) is refused by name, and "auto" picks the torch backend for it."""
+    from leapdecode import LLM, SamplingParams
+    path = tiny_dir("llama")
+    rng = random.Random(1)
+    prompts = [[rng.randrange(2, 384) for _ in range(rng.randint(3, 60))] for _ in range(4)]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    outs = {}
+    for name in ("torch", "triton"):
+        llm = LLM(path, dtype="float32", device=DEV.type, max_model_len=256, max_num_batched_tokens=32,
+                  kv_cache_dtype="fp8", speculative_config={"method": "ngram", "num_speculative_tokens": 3},
+                  attention_backend=name)
+        assert llm.engine.runner.backend.name == name
+        outs[name] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert outs["triton"] == outs["torch"]
+    with pytest.raises(ValueError, match="full-precision window"):
+        LLM(path, dtype="float32", device=DEV.type, max_model_len=256, kv_cache_dtype="fp8",
+            kv_cache_recent_tokens=32, attention_backend="triton")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -434,6 +515,12 @@ q, cache, bt, sl, qsl, pos = case(torch.float32, 2, 7, 64)
 tk.paged_decode_attention(q, cache, bt, sl, qsl, pos, 0.1, max_seq_len=100, num_splits=1, sliding_window=64)
 q, cache, bt, sl, qsl, pos = case(torch.float16, 2, 2, 64)
 tk.paged_prefill_attention(q, cache, bt, sl, qsl, pos, 0.1, max_query_len=512, sliding_window=256)
+q, cache, bt, sl, qsl, pos = case(torch.bfloat16, 8, 4, 128)            # fp8 codes with float16 scales
+codes, scales = torch.empty(cache.shape, dtype=torch.uint8), torch.empty(cache.shape[:-1], dtype=torch.float16)
+tk.write_kv_triton(codes[0, :8, 0], codes[1, :8, 0], codes, pos)
+tk.write_kv_triton(scales[0, :8, 0, :, None], scales[1, :8, 0, :, None], scales[..., None], pos)
+tk.paged_decode_attention(q, codes, bt, sl, qsl, pos, 0.1, max_seq_len=4000, num_splits=8, kv_scales=scales)
+tk.paged_prefill_attention(q, codes, bt, sl, qsl, pos, 0.1, max_query_len=5, kv_scales=scales)
 for kern, args, kw in launches:
     opts = {k: kw.pop(k) for k in ("num_warps", "num_stages") if k in kw}
     sig, const = {}, {}
@@ -462,7 +549,7 @@ def test_kernels_compile_for_sm90_without_a_gpu(tmp_path):
     if r.returncode and ("ImportError" in r.stderr or "TypeError" in r.stderr) and "compiled" not in r.stdout:
         pytest.skip(f"this triton's AOT compile API differs: {r.stderr.strip().splitlines()[-1]}")
     assert r.returncode == 0, r.stderr[-3000:]
-    assert r.stdout.count("compiled") == 6
+    assert r.stdout.count("compiled") == 11
 
 
 # -- on a GPU, compiled, at real sizes -------------------------------------------------------------------------

@@ -5,6 +5,11 @@ others (prefill chunks, speculative verification rows, token trees) to the prefi
 output tensor, so a mixed batch costs at most two launches per layer. The split, the packed tree masks and the
 index tensors are planned once per step (``plan``) from the host copies in ``AttentionMetadata`` and reused by
 every layer, so no layer waits on a device sync.
+
+An fp8 cache (``kv_cache_dtype="fp8"`` without recent tokens: ``kv_cache.Fp8Layer``) is read by the same kernels,
+which dequantize each K/V tile as they load it (code * per-token scale, as ``kv_quant.fp8_decode``); its write
+quantizes with the reference's own ``kv_quant.fp8_quantize`` and stores codes and scales with the copy kernel.
+The windowed formats (int8/int4, fp8 with recent tokens) stay on the torch backend.
 """
 from __future__ import annotations
 
@@ -12,7 +17,9 @@ from dataclasses import dataclass
 
 import torch
 
+from leapdecode.attention import kv_quant
 from leapdecode.attention.backend import AttentionBackend, AttentionMetadata
+from leapdecode.attention.kv_cache import Fp8Layer
 from leapdecode.attention.triton_kernels import paged_decode_attention, paged_prefill_attention, write_kv_triton
 
 
@@ -31,11 +38,19 @@ class _Plan:
 
 class TritonAttention(AttentionBackend):
     name = "triton"
+    kv_cache_dtypes = ("auto", "fp8")
+    reads_windowed = False           # int8/int4 and fp8 with recent tokens: the torch backend
 
-    def write_kv(self, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
+    def write_kv(self, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor | Fp8Layer, meta: AttentionMetadata,
                  layer: int | None = None) -> None:
         n = meta.num_actual_tokens
-        write_kv_triton(k[:n], v[:n], kv_cache, meta.slot_mapping[:n])
+        slots = meta.slot_mapping[:n]
+        if isinstance(kv_cache, Fp8Layer):
+            (kc, ks), (vc, vs) = kv_quant.fp8_quantize(k[:n]), kv_quant.fp8_quantize(v[:n])
+            write_kv_triton(kc, vc, kv_cache.codes, slots)
+            write_kv_triton(ks[..., None], vs[..., None], kv_cache.scales[..., None], slots)
+        else:
+            write_kv_triton(k[:n], v[:n], kv_cache, slots)
 
     def plan(self, meta: AttentionMetadata) -> None:
         trees = meta.tree_offsets_host or [-1] * meta.num_seqs
@@ -74,14 +89,16 @@ class TritonAttention(AttentionBackend):
         if meta.plan is None:
             self.plan(meta)
         p = meta.plan
-        common = (kv_cache, p.block_tables, p.seq_lens, p.query_start_loc, meta.positions, scale)
+        fp8 = isinstance(kv_cache, Fp8Layer)
+        cache, scales = (kv_cache.codes, kv_cache.scales) if fp8 else (kv_cache, None)
+        common = (cache, p.block_tables, p.seq_lens, p.query_start_loc, meta.positions, scale)
         if p.decode_ids is not None:
             paged_decode_attention(q, *common, seq_ids=p.decode_ids, max_seq_len=p.decode_max_len,
-                                   sliding_window=meta.sliding_window, out=out)
+                                   sliding_window=meta.sliding_window, out=out, kv_scales=scales)
         if p.prefill_ids is not None:
             paged_prefill_attention(q, *common, max_query_len=p.prefill_max_q, seq_ids=p.prefill_ids,
                                     sliding_window=meta.sliding_window, tree_mask=p.tree_mask,
-                                    tree_offsets=p.tree_offsets, out=out)
+                                    tree_offsets=p.tree_offsets, out=out, kv_scales=scales)
         return out
 
 

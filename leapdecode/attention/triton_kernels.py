@@ -60,6 +60,18 @@ def _mma(a, b, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     return tl.dot(a, b, input_precision=PRECISION)
 
 
+@triton.jit
+def _load_kv(cache, scales, kv_off, s_off, d, stride_cd, kvmask, jmask, like, FP8: tl.constexpr):
+    """A [BLOCK_N, BLOCK_D] tile of keys or values in the dtype of the pointer ``like`` (the queries'). An fp8 cache
+    holds float8_e4m3fn codes as uint8 with a float16 scale per (token, kv head), dequantized here as
+    ``kv_quant.fp8_decode`` does: code * scale in float32, rounded once to the model's dtype."""
+    x = tl.load(cache + kv_off[:, None] + d[None, :] * stride_cd, mask=kvmask, other=0)
+    if FP8:
+        sc = tl.load(scales + s_off, mask=jmask, other=0.0).to(tl.float32)
+        x = x.to(tl.float8e4nv, bitcast=True).to(tl.float32) * sc[:, None]
+    return x.to(like.dtype.element_ty)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # KV write
 # ---------------------------------------------------------------------------------------------------------------
@@ -110,15 +122,16 @@ def write_kv_triton(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, sl
 # ---------------------------------------------------------------------------------------------------------------
 @triton.jit(do_not_specialize=["num_splits"])       # (it changes with the context length: no recompiles)
 def _decode_partial_kernel(
-    q_ptr, k_cache, v_cache, block_tables, seq_lens, query_start_loc, positions, seq_ids,
+    q_ptr, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens, query_start_loc, positions, seq_ids,
     out_ptr, mid_o, mid_lse,
     scale_log2, window, num_splits,
     stride_qt, stride_qh, stride_qd, stride_ot, stride_oh, stride_od,
-    stride_cb, stride_cs, stride_ch, stride_cd, stride_bt,
+    stride_cb, stride_cs, stride_ch, stride_cd, stride_sb, stride_ss, stride_sh, stride_bt,
     stride_mb, stride_mh, stride_ms, stride_md, stride_lb, stride_lh, stride_ls,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     HAS_WINDOW: tl.constexpr, SINGLE_SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
+    FP8: tl.constexpr,
 ):
     """Program (i, kv head g, slice s): the query heads of group g of decode row i against keys of slice s.
 
@@ -146,7 +159,7 @@ def _decode_partial_kernel(
     dmask = d < HEAD_DIM
     heads = g * GROUP + hh
     q = tl.load(q_ptr + row * stride_qt + heads[:, None] * stride_qh + d[None, :] * stride_qd,
-                mask=hmask[:, None] & dmask[None, :], other=0.0).to(k_cache.dtype.element_ty)
+                mask=hmask[:, None] & dmask[None, :], other=0.0)
 
     m_i = tl.full([BLOCK_H], _NEG_BIG, tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
@@ -157,9 +170,10 @@ def _decode_partial_kernel(
         jmask = j < end
         page = tl.load(bt_row + j // BLOCK_SIZE, mask=jmask, other=0).to(tl.int64)
         kv_off = page * stride_cb + (j % BLOCK_SIZE) * stride_cs + g * stride_ch
+        s_off = page * stride_sb + (j % BLOCK_SIZE) * stride_ss + g * stride_sh
         kvmask = jmask[:, None] & dmask[None, :]
-        k = tl.load(k_cache + kv_off[:, None] + d[None, :] * stride_cd, mask=kvmask, other=0.0)
-        v = tl.load(v_cache + kv_off[:, None] + d[None, :] * stride_cd, mask=kvmask, other=0.0)
+        k = _load_kv(k_cache, k_scale, kv_off, s_off, d, stride_cd, kvmask, jmask, q_ptr, FP8)
+        v = _load_kv(v_cache, v_scale, kv_off, s_off, d, stride_cd, kvmask, jmask, q_ptr, FP8)
         qk = _mma(q, tl.trans(k), DOT_PRECISION, UPCAST_DOT) * scale_log2       # [BLOCK_H, BLOCK_N]
         visible = jmask & ((j <= p) | (j == ctx))       # (the window is applied by starting at lo)
         qk = tl.where(visible[None, :], qk, float("-inf"))
@@ -246,6 +260,17 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sm
     return max(1, min(want, useful, MAX_SPLITS))
 
 
+def _scales(kv_cache: torch.Tensor, kv_scales: torch.Tensor | None) -> tuple:
+    """(key scales, value scales, their block/slot/head strides) for the kernels; the codes stand in (never read)
+    when the cache is not fp8."""
+    if kv_scales is None:
+        return kv_cache[0], kv_cache[1], (0, 0, 0)
+    if kv_cache.dtype != torch.uint8 or kv_scales.shape != kv_cache.shape[:-1]:
+        raise ValueError(f"an fp8 cache is uint8 codes {tuple(kv_cache.shape)} with scales of shape "
+                         f"{tuple(kv_cache.shape[:-1])}; got {kv_cache.dtype} and {tuple(kv_scales.shape)}")
+    return kv_scales[0], kv_scales[1], kv_scales[0].stride()
+
+
 def _dot_options(dtype: torch.dtype) -> dict:
     """fp32 caches: IEEE fp32 products (not TF32). bf16 under the CPU interpreter: upcast (see ``_mma``)."""
     upcast = dtype == torch.bfloat16 and INTERPRETED
@@ -256,10 +281,12 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
                            seq_lens: torch.Tensor, query_start_loc: torch.Tensor, positions: torch.Tensor,
                            scale: float, *, seq_ids: torch.Tensor | None = None, max_seq_len: int | None = None,
                            sliding_window: int | None = None, num_splits: int | None = None,
-                           out: torch.Tensor | None = None, tune: dict | None = None) -> torch.Tensor:
+                           out: torch.Tensor | None = None, tune: dict | None = None,
+                           kv_scales: torch.Tensor | None = None) -> torch.Tensor:
     """Attention for decode rows (one query token each) over the paged cache.
 
-    q: [T, H, D] (the whole step's query rows); sequence b's query is row ``query_start_loc[b]``.
+    q: [T, H, D] (the whole step's query rows); sequence b's query is row ``query_start_loc[b]``. ``kv_scales``
+    ([2, num_blocks, block_size, Hkv] float16): the cache holds fp8 codes (uint8) with these per-token scales.
     ``seq_ids`` ([n] int32) picks the decode sequences (default: all). ``max_seq_len`` (host int) sizes the split;
     it is read from the device when omitted. Results go to the decode rows of ``out`` ([T, H, D], allocated when
     None); other rows are left untouched. ``tune`` overrides ``decode_tuning`` (block_n, num_warps, num_stages)."""
@@ -280,7 +307,7 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
     if num_splits is None:
         num_splits = choose_num_splits(n, hkv, max_seq_len, _num_sms(q.device))
     num_splits = max(1, min(num_splits, triton.cdiv(max_seq_len, 16)))
-    cfg = {**decode_tuning(kv_cache.dtype, D), **(tune or {})}
+    cfg = {**decode_tuning(q.dtype, D), **(tune or {})}
     block_n = max(16, min(cfg["block_n"], triton.next_power_of_2(triton.cdiv(max_seq_len, num_splits))))
     block_d = max(16, triton.next_power_of_2(D))
     single = num_splits == 1
@@ -292,15 +319,16 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
         mid_lse = torch.empty(n, H, num_splits, dtype=torch.float32, device=q.device)
         mo_strides, ml_strides = mid_o.stride(), mid_lse.stride()
     kc, vc = kv_cache[0], kv_cache[1]
+    ks, vs, s_strides = _scales(kv_cache, kv_scales)
     window = sliding_window or 0
     _decode_partial_kernel[(n, hkv, num_splits)](
-        q, kc, vc, block_tables, seq_lens, query_start_loc, positions, seq_ids,
+        q, kc, vc, ks, vs, block_tables, seq_lens, query_start_loc, positions, seq_ids,
         out, mid_o, mid_lse,
         scale * _LOG2E, window, num_splits,
-        *q.stride(), *out.stride(), *kc.stride(), block_tables.stride(0), *mo_strides, *ml_strides,
+        *q.stride(), *out.stride(), *kc.stride(), *s_strides, block_tables.stride(0), *mo_strides, *ml_strides,
         GROUP=group, HEAD_DIM=D, BLOCK_SIZE=block_size,
         BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, BLOCK_D=block_d,
-        HAS_WINDOW=bool(sliding_window), SINGLE_SPLIT=single, **_dot_options(kv_cache.dtype),
+        HAS_WINDOW=bool(sliding_window), SINGLE_SPLIT=single, **_dot_options(q.dtype), FP8=kv_scales is not None,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     if not single:
         _decode_reduce_kernel[(n, H)](
@@ -315,14 +343,15 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
 # ---------------------------------------------------------------------------------------------------------------
 @triton.jit
 def _prefill_kernel(
-    q_ptr, k_cache, v_cache, block_tables, seq_lens, query_start_loc, positions, seq_ids,
+    q_ptr, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens, query_start_loc, positions, seq_ids,
     tree_mask, tree_offsets, out_ptr,
     scale_log2, window,
     stride_qt, stride_qh, stride_qd, stride_ot, stride_oh, stride_od,
-    stride_cb, stride_cs, stride_ch, stride_cd, stride_bt,
+    stride_cb, stride_cs, stride_ch, stride_cd, stride_sb, stride_ss, stride_sh, stride_bt,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_TREE: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
+    FP8: tl.constexpr,
 ):
     """Program (tile t, sequence i, kv head g): rows are (query token, head of group g) pairs, token-major, so
     BLOCK_M // GROUP consecutive query tokens share each K/V tile (GQA reads K/V once per kv head).
@@ -350,7 +379,7 @@ def _prefill_kernel(
     dmask = d < HEAD_DIM
     q_row = q_start + tok
     q = tl.load(q_ptr + q_row[:, None] * stride_qt + heads[:, None] * stride_qh + d[None, :] * stride_qd,
-                mask=rmask[:, None] & dmask[None, :], other=0.0).to(k_cache.dtype.element_ty)
+                mask=rmask[:, None] & dmask[None, :], other=0.0)
     q_pos = tl.load(positions + q_row, mask=rmask, other=-1)       # padding rows see nothing
 
     last_tok = tl.minimum(t * TOKENS + TOKENS, q_len) - 1
@@ -373,9 +402,10 @@ def _prefill_kernel(
         jmask = j < hi
         page = tl.load(bt_row + j // BLOCK_SIZE, mask=jmask, other=0).to(tl.int64)
         kv_off = page * stride_cb + (j % BLOCK_SIZE) * stride_cs + g * stride_ch
+        s_off = page * stride_sb + (j % BLOCK_SIZE) * stride_ss + g * stride_sh
         kvmask = jmask[:, None] & dmask[None, :]
-        k = tl.load(k_cache + kv_off[:, None] + d[None, :] * stride_cd, mask=kvmask, other=0.0)
-        v = tl.load(v_cache + kv_off[:, None] + d[None, :] * stride_cd, mask=kvmask, other=0.0)
+        k = _load_kv(k_cache, k_scale, kv_off, s_off, d, stride_cd, kvmask, jmask, q_ptr, FP8)
+        v = _load_kv(v_cache, v_scale, kv_off, s_off, d, stride_cd, kvmask, jmask, q_ptr, FP8)
         qk = _mma(q, tl.trans(k), DOT_PRECISION, UPCAST_DOT) * scale_log2       # [BLOCK_M, BLOCK_N]
 
         is_new = j >= ctx                                # this step's keys carry their token's position
@@ -423,12 +453,12 @@ def paged_prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table
                             scale: float, *, max_query_len: int, seq_ids: torch.Tensor | None = None,
                             sliding_window: int | None = None, tree_mask: torch.Tensor | None = None,
                             tree_offsets: torch.Tensor | None = None, out: torch.Tensor | None = None,
-                            tune: dict | None = None) -> torch.Tensor:
+                            tune: dict | None = None, kv_scales: torch.Tensor | None = None) -> torch.Tensor:
     """Attention for sequences with any number of query tokens (prefill chunks, verification rows).
 
     ``max_query_len`` (host int) sizes the grid. ``tree_mask``/``tree_offsets`` come from ``pack_tree_masks``.
     Results go to the rows of the selected sequences in ``out``; other rows are untouched. ``tune`` overrides
-    ``prefill_tuning`` (block_m, block_n, num_warps, num_stages)."""
+    ``prefill_tuning`` (block_m, block_n, num_warps, num_stages). ``kv_scales``: as in ``paged_decode_attention``."""
     T, H, D = q.shape
     _, _, block_size, hkv, cd = kv_cache.shape
     if H % hkv or cd != D:
@@ -441,21 +471,22 @@ def paged_prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table
     if n == 0 or max_query_len == 0:
         return out
     group = H // hkv
-    cfg = {**prefill_tuning(kv_cache.dtype, D, max_query_len * group), **(tune or {})}
+    cfg = {**prefill_tuning(q.dtype, D, max_query_len * group), **(tune or {})}
     block_m, block_n = max(cfg["block_m"], 16, triton.next_power_of_2(group)), cfg["block_n"]
     tokens_per_tile = block_m // group
     has_tree = tree_mask is not None
     if not has_tree:
         tree_mask = tree_offsets = seq_ids          # unused placeholders
     kc, vc = kv_cache[0], kv_cache[1]
+    ks, vs, s_strides = _scales(kv_cache, kv_scales)
     grid = (triton.cdiv(max_query_len, tokens_per_tile), n, hkv)
     _prefill_kernel[grid](
-        q, kc, vc, block_tables, seq_lens, query_start_loc, positions, seq_ids,
+        q, kc, vc, ks, vs, block_tables, seq_lens, query_start_loc, positions, seq_ids,
         tree_mask, tree_offsets, out,
         scale * _LOG2E, sliding_window or 0,
-        *q.stride(), *out.stride(), *kc.stride(), block_tables.stride(0),
+        *q.stride(), *out.stride(), *kc.stride(), *s_strides, block_tables.stride(0),
         GROUP=group, HEAD_DIM=D, BLOCK_SIZE=block_size,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=max(16, triton.next_power_of_2(D)),
-        HAS_WINDOW=bool(sliding_window), HAS_TREE=has_tree, **_dot_options(kv_cache.dtype),
+        HAS_WINDOW=bool(sliding_window), HAS_TREE=has_tree, **_dot_options(q.dtype), FP8=kv_scales is not None,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return out

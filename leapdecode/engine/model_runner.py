@@ -47,14 +47,14 @@ class ModelRunner:
         self.device = cfg.torch_device
         self.block_size = cfg.block_size
         self.max_model_len = max_model_len
-        self.backend = get_backend(cfg.attention_backend, self.device, _sparse_attention(cfg, model_cfg),
-                                   cfg.kv_cache_dtype)
-        self.model = load_model(cfg.model, model_cfg, self.backend, dtype, self.device, max_model_len, tp,
-                                cfg.load_format, cfg.seed)
-        self.num_packed_linears = pack_model(self.model, cfg.cpu_packed_linears)
         c = self._kv_view = replace(model_cfg, num_kv_heads=head_shard(model_cfg, tp).num_kv_heads)
         self.kv_layout = KVLayout(cfg.kv_cache_dtype, c.num_layers, self.block_size, c.num_kv_heads, c.head_dim,
                                   dtype, cfg.kv_cache_salient_tokens, cfg.kv_cache_recent_tokens)
+        self.backend = get_backend(cfg.attention_backend, self.device, _sparse_attention(cfg, model_cfg),
+                                   cfg.kv_cache_dtype, self.kv_layout.windowed)
+        self.model = load_model(cfg.model, model_cfg, self.backend, dtype, self.device, max_model_len, tp,
+                                cfg.load_format, cfg.seed)
+        self.num_packed_linears = pack_model(self.model, cfg.cpu_packed_linears)
         # blocks past the block manager's pool, written only by a drafter that runs the target itself
         # (spec/layer_skip.py), so draft KV never lands in a slot the target owns
         self.num_scratch_blocks = _scratch_blocks(cfg)
@@ -94,9 +94,10 @@ class ModelRunner:
 
     def _check_kv_format(self) -> None:
         fmt = self.kv_layout.kv_cache_dtype
-        if fmt not in self.backend.kv_cache_dtypes:
-            raise ValueError(f"kv_cache_dtype={fmt!r} is read by the torch attention backend only (dequantization "
-                             f"is not fused into the {self.backend.name} kernels yet): use attention_backend='torch'")
+        if fmt not in self.backend.kv_cache_dtypes or (self.kv_layout.windowed and not self.backend.reads_windowed):
+            what = f"kv_cache_dtype={fmt!r}" + (" with a full-precision window" if self.kv_layout.windowed else "")
+            raise ValueError(f"{what} is read by the torch attention backend only (dequantization is not fused into "
+                             f"the {self.backend.name} kernels for it yet): use attention_backend='torch'")
         if self.kv_layout.windowed and self.num_scratch_blocks:
             raise ValueError(f"kv_cache_dtype={fmt!r} with a full-precision window does not work with layer_skip "
                              "speculation (its draft KV is written past the pool, outside the window): use auto, "
