@@ -305,6 +305,32 @@ def test_fp8_cache_decode_and_prefill_match_float64(case):
         run_decode(q, codes, meta, scale, kv_scales=scales[:, :1])
 
 
+@pytest.mark.parametrize("decode", [True, False])
+def test_fp8_cache_with_a_window_reads_open_blocks_from_it(decode):
+    """A windowed fp8 cache (recent tokens): blocks whose table entry names a window block are read from the
+    full-precision window, the others dequantized from the pool, exactly as the reference overlays them."""
+    ctx, qlens = ([30, 47, 5], [1, 1, 1]) if decode else ([30, 47, 5], [3, 1, 6])
+    q, kv, meta = make_case(21 + decode, ctx, qlens, 2, 2, 32, 16, torch.bfloat16, trees=() if decode else (0,))
+    codes, scales, deq = fp8_case(kv)
+    g = torch.Generator().manual_seed(5)
+    window = torch.randn(2, 7, 16, 2, 32, generator=g).to(torch.bfloat16)
+    tables = meta.block_tables.cpu().long()
+    kv_window = torch.full(tables.shape, -1, dtype=torch.int32)
+    eff = deq.clone()
+    free = iter(range(7))
+    for b, L in enumerate(meta.seq_lens_host):                       # each sequence's last two blocks are open
+        for blk in range(max(0, -(-L // 16) - 2), -(-L // 16)):
+            w = next(free)
+            kv_window[b, blk] = w
+            eff[:, tables[b, blk]] = window[:, w]
+    args = dict(kv_scales=scales, kv_window=kv_window.to(DEV), window_cache=window.to(DEV))
+    scale = 32 ** -0.5
+    out = run_decode(q, codes, meta, scale, num_splits=2, **args) if decode else run_prefill(q, codes, meta, scale,
+                                                                                             **args)
+    check(out, reference(q, eff, meta, scale), torch.bfloat16)
+    assert (out.cpu().double() - reference(q, deq, meta, scale)).abs().max() > 0.05     # the window was read
+
+
 def test_fp8_backend_writes_like_the_reference_and_attends():
     """TritonAttention on an ``Fp8Layer``: the write stores the reference quantizer's codes and scales at the slots
     (padding slots nowhere), and attention equals the torch backend's on the same cache."""
@@ -350,24 +376,25 @@ def test_engine_greedy_equals_torch_backend_under_interpreter(tiny_dir, monkeypa
 
 def test_engine_fp8_cache_on_triton_equals_torch_backend(tiny_dir):
     """kv_cache_dtype="fp8" through the whole engine on the Triton backend (chunked prefill, n-gram verification
-    rows, decode) gives the torch backend's greedy tokens on the same quantized cache; a cache with recent tokens
-    (windowed) is refused by name, and "auto" picks the torch backend for it."""
+    rows, decode), with and without recent tokens (the windowed layout: blocks sealing as the sequences grow),
+    gives the torch backend's greedy tokens on the same quantized cache; int8 is refused by name."""
     from leapdecode import LLM, SamplingParams
     path = tiny_dir("llama")
     rng = random.Random(1)
     prompts = [[rng.randrange(2, 384) for _ in range(rng.randint(3, 60))] for _ in range(4)]
-    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-    outs = {}
-    for name in ("torch", "triton"):
-        llm = LLM(path, dtype="float32", device=DEV.type, max_model_len=256, max_num_batched_tokens=32,
-                  kv_cache_dtype="fp8", speculative_config={"method": "ngram", "num_speculative_tokens": 3},
-                  attention_backend=name)
-        assert llm.engine.runner.backend.name == name
-        outs[name] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-    assert outs["triton"] == outs["torch"]
-    with pytest.raises(ValueError, match="full-precision window"):
-        LLM(path, dtype="float32", device=DEV.type, max_model_len=256, kv_cache_dtype="fp8",
-            kv_cache_recent_tokens=32, attention_backend="triton")
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    for recent in (0, 16):
+        outs = {}
+        for name in ("torch", "triton"):
+            llm = LLM(path, dtype="float32", device=DEV.type, max_model_len=256, max_num_batched_tokens=32,
+                      kv_cache_dtype="fp8", kv_cache_recent_tokens=recent, attention_backend=name,
+                      speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+            assert llm.engine.runner.backend.name == name and llm.engine.block_manager.windowed == bool(recent)
+            outs[name] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        assert outs["triton"] == outs["torch"], recent
+    with pytest.raises(ValueError, match="kv_cache_dtype='int8'"):
+        LLM(path, dtype="float32", device=DEV.type, max_model_len=256, kv_cache_dtype="int8",
+            attention_backend="triton")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -521,6 +548,11 @@ tk.write_kv_triton(codes[0, :8, 0], codes[1, :8, 0], codes, pos)
 tk.write_kv_triton(scales[0, :8, 0, :, None], scales[1, :8, 0, :, None], scales[..., None], pos)
 tk.paged_decode_attention(q, codes, bt, sl, qsl, pos, 0.1, max_seq_len=4000, num_splits=8, kv_scales=scales)
 tk.paged_prefill_attention(q, codes, bt, sl, qsl, pos, 0.1, max_query_len=5, kv_scales=scales)
+win = torch.empty(2, 8, 16, 8, 128, dtype=torch.bfloat16)                  # fp8 with recent tokens: a window
+tk.paged_decode_attention(q, codes, bt, sl, qsl, pos, 0.1, max_seq_len=4000, num_splits=8, kv_scales=scales,
+                          kv_window=bt, window_cache=win)
+tk.paged_prefill_attention(q, codes, bt, sl, qsl, pos, 0.1, max_query_len=5, kv_scales=scales, kv_window=bt,
+                           window_cache=win)
 for kern, args, kw in launches:
     opts = {k: kw.pop(k) for k in ("num_warps", "num_stages") if k in kw}
     sig, const = {}, {}
@@ -549,7 +581,7 @@ def test_kernels_compile_for_sm90_without_a_gpu(tmp_path):
     if r.returncode and ("ImportError" in r.stderr or "TypeError" in r.stderr) and "compiled" not in r.stdout:
         pytest.skip(f"this triton's AOT compile API differs: {r.stderr.strip().splitlines()[-1]}")
     assert r.returncode == 0, r.stderr[-3000:]
-    assert r.stdout.count("compiled") == 11
+    assert r.stdout.count("compiled") == 14
 
 
 # -- on a GPU, compiled, at real sizes -------------------------------------------------------------------------

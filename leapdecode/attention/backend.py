@@ -77,8 +77,7 @@ class AttentionMetadata:
 class AttentionBackend(ABC):
     """Plans a step once, then for each layer writes the step's keys/values into the paged cache and attends."""
     name = "base"
-    kv_cache_dtypes: tuple[str, ...] = ("auto",)    # the KV formats it reads (see kv_quant.py)
-    reads_windowed = True                           # ... also with a full-precision window (int8/int4, recent tokens)
+    kv_cache_dtypes: tuple[str, ...] = ("auto",)    # the KV formats it reads (see kv_quant.py), windowed or not
 
     def plan(self, meta: AttentionMetadata) -> None:
         """Derive per-step data shared by every layer and store it in ``meta.plan`` (called once per step)."""
@@ -100,19 +99,17 @@ BACKENDS = ("auto", "torch", "triton")
 
 
 def get_backend(name: str = "auto", device: torch.device | None = None,
-                sparse: SparseAttention | None = None, kv_cache_dtype: str = "auto",
-                kv_windowed: bool = False) -> AttentionBackend:
+                sparse: SparseAttention | None = None, kv_cache_dtype: str = "auto") -> AttentionBackend:
     """"torch": the portable reference backend; "triton": the Triton GPU kernels (CUDA only).
     "auto": on CUDA the Triton kernels (verified on an H200 against float64 and the torch backend; they are what
-    CUDA graphs capture), unless the step needs what only the torch backend reads (``sparse`` decoding, int8/int4
-    or a cache with a full-precision window, ``kv_windowed``); elsewhere the torch backend. fp8 without a window is
-    read by both. LEAPDECODE_ATTENTION_BACKEND=torch|triton overrides "auto".
+    CUDA graphs capture), unless the step needs what only the torch backend reads (``sparse`` decoding, an int8 or
+    int4 cache); elsewhere the torch backend. fp8 is read by both. LEAPDECODE_ATTENTION_BACKEND=torch|triton
+    overrides "auto".
     ``sparse``: lossy sparse decoding's settings (attention/sparse.py), which only the torch backend implements."""
     import os
     if name == "auto":
         on_cuda = device is not None and torch.device(device).type == "cuda"
-        fused = kv_cache_dtype in ("auto", "fp8") and not kv_windowed      # what the Triton kernels read
-        default = "triton" if on_cuda and sparse is None and fused else "torch"
+        default = "triton" if on_cuda and sparse is None and kv_cache_dtype in ("auto", "fp8") else "torch"
         name = os.environ.get("LEAPDECODE_ATTENTION_BACKEND", default).strip().lower() or default
     if name == "torch":
         from leapdecode.attention.torch_ref import TorchAttention

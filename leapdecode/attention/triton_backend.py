@@ -6,10 +6,13 @@ output tensor, so a mixed batch costs at most two launches per layer. The split,
 index tensors are planned once per step (``plan``) from the host copies in ``AttentionMetadata`` and reused by
 every layer, so no layer waits on a device sync.
 
-An fp8 cache (``kv_cache_dtype="fp8"`` without recent tokens: ``kv_cache.Fp8Layer``) is read by the same kernels,
-which dequantize each K/V tile as they load it (code * per-token scale, as ``kv_quant.fp8_decode``); its write
-quantizes with the reference's own ``kv_quant.fp8_quantize`` and stores codes and scales with the copy kernel.
-The windowed formats (int8/int4, fp8 with recent tokens) stay on the torch backend.
+An fp8 cache (``kv_cache_dtype="fp8"``, ``kv_cache.Fp8Layer``) is read by the same kernels, which dequantize each
+K/V tile as they load it (code * per-token scale, as ``kv_quant.fp8_decode``); its write quantizes with the
+reference's own ``kv_quant.fp8_quantize`` and stores codes and scales with the copy kernel. With recent tokens
+(``kv_cache.WindowedLayer`` in fp8) the kernels read open and recent blocks from the full-precision window, by the
+step's ``kv_window`` table; writing and sealing are the torch code the reference backend runs (eager steps: the
+seals differ from step to step, so such a cache is not captured in CUDA graphs). int8/int4 stay on the torch
+backend.
 """
 from __future__ import annotations
 
@@ -19,7 +22,7 @@ import torch
 
 from leapdecode.attention import kv_quant
 from leapdecode.attention.backend import AttentionBackend, AttentionMetadata
-from leapdecode.attention.kv_cache import Fp8Layer
+from leapdecode.attention.kv_cache import Fp8Layer, WindowedLayer
 from leapdecode.attention.triton_kernels import paged_decode_attention, paged_prefill_attention, write_kv_triton
 
 
@@ -34,18 +37,20 @@ class _Plan:
     block_tables: torch.Tensor            # int32 copies of the metadata (the kernels index with int32)
     seq_lens: torch.Tensor
     query_start_loc: torch.Tensor
+    kv_window: torch.Tensor | None = None  # windowed caches: the window block of each table entry (-1: pool)
 
 
 class TritonAttention(AttentionBackend):
     name = "triton"
     kv_cache_dtypes = ("auto", "fp8")
-    reads_windowed = False           # int8/int4 and fp8 with recent tokens: the torch backend
 
-    def write_kv(self, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor | Fp8Layer, meta: AttentionMetadata,
-                 layer: int | None = None) -> None:
+    def write_kv(self, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor | Fp8Layer | WindowedLayer,
+                 meta: AttentionMetadata, layer: int | None = None) -> None:
         n = meta.num_actual_tokens
         slots = meta.slot_mapping[:n]
-        if isinstance(kv_cache, Fp8Layer):
+        if isinstance(kv_cache, WindowedLayer):
+            kv_cache.write(k[:n], v[:n], meta.kv_write[:n], meta.kv_seal)
+        elif isinstance(kv_cache, Fp8Layer):
             (kc, ks), (vc, vs) = kv_quant.fp8_quantize(k[:n]), kv_quant.fp8_quantize(v[:n])
             write_kv_triton(kc, vc, kv_cache.codes, slots)
             write_kv_triton(ks[..., None], vs[..., None], kv_cache.scales[..., None], slots)
@@ -89,20 +94,29 @@ class TritonAttention(AttentionBackend):
         if meta.plan is None:
             self.plan(meta)
         p = meta.plan
-        fp8 = isinstance(kv_cache, Fp8Layer)
-        cache, scales = (kv_cache.codes, kv_cache.scales) if fp8 else (kv_cache, None)
+        quant = {}
+        cache = kv_cache
+        if isinstance(kv_cache, WindowedLayer):
+            assert kv_cache.scales is not None, "the Triton kernels read fp8 windows only (int8/int4: torch backend)"
+            if meta.kv_seal is not None:           # this step's blocks that seal: quantized before anyone reads
+                kv_cache.seal(meta.kv_seal.blocks, None)
+            cache = kv_cache.codes
+            quant = dict(kv_scales=kv_cache.scales, kv_window=p.kv_window, window_cache=kv_cache.window)
+        elif isinstance(kv_cache, Fp8Layer):
+            cache, quant = kv_cache.codes, dict(kv_scales=kv_cache.scales)
         common = (cache, p.block_tables, p.seq_lens, p.query_start_loc, meta.positions, scale)
         if p.decode_ids is not None:
             paged_decode_attention(q, *common, seq_ids=p.decode_ids, max_seq_len=p.decode_max_len,
-                                   sliding_window=meta.sliding_window, out=out, kv_scales=scales)
+                                   sliding_window=meta.sliding_window, out=out, **quant)
         if p.prefill_ids is not None:
             paged_prefill_attention(q, *common, max_query_len=p.prefill_max_q, seq_ids=p.prefill_ids,
                                     sliding_window=meta.sliding_window, tree_mask=p.tree_mask,
-                                    tree_offsets=p.tree_offsets, out=out, kv_scales=scales)
+                                    tree_offsets=p.tree_offsets, out=out, **quant)
         return out
 
 
 def _int32_indices(meta: AttentionMetadata) -> dict:
     """int32 copies of the metadata's index tensors (the kernels index with int32); device work only."""
     return dict(block_tables=meta.block_tables.to(torch.int32), seq_lens=meta.seq_lens.to(torch.int32),
-                query_start_loc=meta.query_start_loc.to(torch.int32))
+                query_start_loc=meta.query_start_loc.to(torch.int32),
+                kv_window=meta.kv_window.to(torch.int32) if meta.kv_window is not None else None)

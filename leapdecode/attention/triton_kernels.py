@@ -61,15 +61,37 @@ def _mma(a, b, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
 
 
 @triton.jit
-def _load_kv(cache, scales, kv_off, s_off, d, stride_cd, kvmask, jmask, like, FP8: tl.constexpr):
+def _window_rows(kv_window, b, j, jmask, g, kv_off, stride_kw, stride_wb, stride_ws, stride_wh,
+                 BLOCK_SIZE: tl.constexpr, WINDOWED: tl.constexpr):
+    """Which keys of a tile live in the full-precision window (a windowed cache: a block's window block, -1 where
+    the pool holds it) and their element offsets there; without a window, none."""
+    if WINDOWED:
+        wb = tl.load(kv_window + b.to(tl.int64) * stride_kw + j // BLOCK_SIZE, mask=jmask, other=-1)
+        in_win = wb >= 0
+        w_off = tl.maximum(wb, 0).to(tl.int64) * stride_wb + (j % BLOCK_SIZE) * stride_ws + g * stride_wh
+    else:
+        in_win = j < 0
+        w_off = kv_off
+    return in_win, w_off
+
+
+@triton.jit
+def _load_kv(cache, scales, win, kv_off, s_off, w_off, in_win, d, stride_cd, stride_wd, kvmask, jmask, like,
+             FP8: tl.constexpr, WINDOWED: tl.constexpr):
     """A [BLOCK_N, BLOCK_D] tile of keys or values in the dtype of the pointer ``like`` (the queries'). An fp8 cache
     holds float8_e4m3fn codes as uint8 with a float16 scale per (token, kv head), dequantized here as
-    ``kv_quant.fp8_decode`` does: code * scale in float32, rounded once to the model's dtype."""
-    x = tl.load(cache + kv_off[:, None] + d[None, :] * stride_cd, mask=kvmask, other=0)
+    ``kv_quant.fp8_decode`` does: code * scale in float32, rounded once to the model's dtype. A windowed cache
+    reads the keys of open and recent blocks from its full-precision window instead (``in_win``)."""
+    pool = kvmask & ~in_win[:, None]
+    x = tl.load(cache + kv_off[:, None] + d[None, :] * stride_cd, mask=pool, other=0)
     if FP8:
-        sc = tl.load(scales + s_off, mask=jmask, other=0.0).to(tl.float32)
+        sc = tl.load(scales + s_off, mask=jmask & ~in_win, other=0.0).to(tl.float32)
         x = x.to(tl.float8e4nv, bitcast=True).to(tl.float32) * sc[:, None]
-    return x.to(like.dtype.element_ty)
+    x = x.to(like.dtype.element_ty)
+    if WINDOWED:
+        xw = tl.load(win + w_off[:, None] + d[None, :] * stride_wd, mask=kvmask & in_win[:, None], other=0.0)
+        x = tl.where(in_win[:, None], xw.to(like.dtype.element_ty), x)
+    return x
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -122,16 +144,18 @@ def write_kv_triton(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, sl
 # ---------------------------------------------------------------------------------------------------------------
 @triton.jit(do_not_specialize=["num_splits"])       # (it changes with the context length: no recompiles)
 def _decode_partial_kernel(
-    q_ptr, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens, query_start_loc, positions, seq_ids,
+    q_ptr, k_cache, v_cache, k_scale, v_scale, k_win, v_win, kv_window,
+    block_tables, seq_lens, query_start_loc, positions, seq_ids,
     out_ptr, mid_o, mid_lse,
     scale_log2, window, num_splits,
     stride_qt, stride_qh, stride_qd, stride_ot, stride_oh, stride_od,
-    stride_cb, stride_cs, stride_ch, stride_cd, stride_sb, stride_ss, stride_sh, stride_bt,
+    stride_cb, stride_cs, stride_ch, stride_cd, stride_sb, stride_ss, stride_sh,
+    stride_wb, stride_ws, stride_wh, stride_wd, stride_kw, stride_bt,
     stride_mb, stride_mh, stride_ms, stride_md, stride_lb, stride_lh, stride_ls,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     HAS_WINDOW: tl.constexpr, SINGLE_SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
-    FP8: tl.constexpr,
+    FP8: tl.constexpr, WINDOWED: tl.constexpr,
 ):
     """Program (i, kv head g, slice s): the query heads of group g of decode row i against keys of slice s.
 
@@ -172,8 +196,12 @@ def _decode_partial_kernel(
         kv_off = page * stride_cb + (j % BLOCK_SIZE) * stride_cs + g * stride_ch
         s_off = page * stride_sb + (j % BLOCK_SIZE) * stride_ss + g * stride_sh
         kvmask = jmask[:, None] & dmask[None, :]
-        k = _load_kv(k_cache, k_scale, kv_off, s_off, d, stride_cd, kvmask, jmask, q_ptr, FP8)
-        v = _load_kv(v_cache, v_scale, kv_off, s_off, d, stride_cd, kvmask, jmask, q_ptr, FP8)
+        in_win, w_off = _window_rows(kv_window, b, j, jmask, g, kv_off, stride_kw, stride_wb, stride_ws, stride_wh,
+                                     BLOCK_SIZE, WINDOWED)
+        k = _load_kv(k_cache, k_scale, k_win, kv_off, s_off, w_off, in_win, d, stride_cd, stride_wd, kvmask, jmask,
+                     q_ptr, FP8, WINDOWED)
+        v = _load_kv(v_cache, v_scale, v_win, kv_off, s_off, w_off, in_win, d, stride_cd, stride_wd, kvmask, jmask,
+                     q_ptr, FP8, WINDOWED)
         qk = _mma(q, tl.trans(k), DOT_PRECISION, UPCAST_DOT) * scale_log2       # [BLOCK_H, BLOCK_N]
         visible = jmask & ((j <= p) | (j == ctx))       # (the window is applied by starting at lo)
         qk = tl.where(visible[None, :], qk, float("-inf"))
@@ -271,6 +299,21 @@ def _scales(kv_cache: torch.Tensor, kv_scales: torch.Tensor | None) -> tuple:
     return kv_scales[0], kv_scales[1], kv_scales[0].stride()
 
 
+def _window(kv_cache: torch.Tensor, kv_window: torch.Tensor | None, window_cache: torch.Tensor | None,
+            block_tables: torch.Tensor) -> tuple:
+    """(key window, value window, the window table, their strides: block/slot/head/dim, then the table's row) for
+    the kernels; stand-ins (never read) without a window."""
+    if window_cache is None:
+        return kv_cache[0], kv_cache[1], block_tables, (0, 0, 0, 0, 0)
+    if kv_window is None or kv_window.shape[0] != block_tables.shape[0] or \
+            window_cache.shape[2:] != kv_cache.shape[2:]:
+        raise ValueError(f"a windowed cache needs kv_window [{block_tables.shape[0]}, blocks] and a window of "
+                         f"blocks shaped like the pool's {tuple(kv_cache.shape[2:])}; got "
+                         f"{None if kv_window is None else tuple(kv_window.shape)} and {tuple(window_cache.shape)}")
+    kw = window_cache[0]
+    return kw, window_cache[1], kv_window, (*kw.stride(), kv_window.stride(0))
+
+
 def _dot_options(dtype: torch.dtype) -> dict:
     """fp32 caches: IEEE fp32 products (not TF32). bf16 under the CPU interpreter: upcast (see ``_mma``)."""
     upcast = dtype == torch.bfloat16 and INTERPRETED
@@ -282,11 +325,14 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
                            scale: float, *, seq_ids: torch.Tensor | None = None, max_seq_len: int | None = None,
                            sliding_window: int | None = None, num_splits: int | None = None,
                            out: torch.Tensor | None = None, tune: dict | None = None,
-                           kv_scales: torch.Tensor | None = None) -> torch.Tensor:
+                           kv_scales: torch.Tensor | None = None, kv_window: torch.Tensor | None = None,
+                           window_cache: torch.Tensor | None = None) -> torch.Tensor:
     """Attention for decode rows (one query token each) over the paged cache.
 
     q: [T, H, D] (the whole step's query rows); sequence b's query is row ``query_start_loc[b]``. ``kv_scales``
     ([2, num_blocks, block_size, Hkv] float16): the cache holds fp8 codes (uint8) with these per-token scales.
+    ``kv_window`` ([B, >= blocks per table] int32, -1: the pool's block) with ``window_cache`` ([2, W, block_size,
+    Hkv, D], q's dtype): a windowed cache, whose open and recent blocks are read from the window.
     ``seq_ids`` ([n] int32) picks the decode sequences (default: all). ``max_seq_len`` (host int) sizes the split;
     it is read from the device when omitted. Results go to the decode rows of ``out`` ([T, H, D], allocated when
     None); other rows are left untouched. ``tune`` overrides ``decode_tuning`` (block_n, num_warps, num_stages)."""
@@ -320,16 +366,18 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
         mo_strides, ml_strides = mid_o.stride(), mid_lse.stride()
     kc, vc = kv_cache[0], kv_cache[1]
     ks, vs, s_strides = _scales(kv_cache, kv_scales)
+    kw, vw, kv_window, w_strides = _window(kv_cache, kv_window, window_cache, block_tables)
     window = sliding_window or 0
     _decode_partial_kernel[(n, hkv, num_splits)](
-        q, kc, vc, ks, vs, block_tables, seq_lens, query_start_loc, positions, seq_ids,
+        q, kc, vc, ks, vs, kw, vw, kv_window, block_tables, seq_lens, query_start_loc, positions, seq_ids,
         out, mid_o, mid_lse,
         scale * _LOG2E, window, num_splits,
-        *q.stride(), *out.stride(), *kc.stride(), *s_strides, block_tables.stride(0), *mo_strides, *ml_strides,
+        *q.stride(), *out.stride(), *kc.stride(), *s_strides, *w_strides, block_tables.stride(0),
+        *mo_strides, *ml_strides,
         GROUP=group, HEAD_DIM=D, BLOCK_SIZE=block_size,
         BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, BLOCK_D=block_d,
         HAS_WINDOW=bool(sliding_window), SINGLE_SPLIT=single, **_dot_options(q.dtype), FP8=kv_scales is not None,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        WINDOWED=window_cache is not None, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     if not single:
         _decode_reduce_kernel[(n, H)](
             mid_o, mid_lse, out, query_start_loc, seq_ids, num_splits,
@@ -343,15 +391,17 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
 # ---------------------------------------------------------------------------------------------------------------
 @triton.jit
 def _prefill_kernel(
-    q_ptr, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens, query_start_loc, positions, seq_ids,
+    q_ptr, k_cache, v_cache, k_scale, v_scale, k_win, v_win, kv_window,
+    block_tables, seq_lens, query_start_loc, positions, seq_ids,
     tree_mask, tree_offsets, out_ptr,
     scale_log2, window,
     stride_qt, stride_qh, stride_qd, stride_ot, stride_oh, stride_od,
-    stride_cb, stride_cs, stride_ch, stride_cd, stride_sb, stride_ss, stride_sh, stride_bt,
+    stride_cb, stride_cs, stride_ch, stride_cd, stride_sb, stride_ss, stride_sh,
+    stride_wb, stride_ws, stride_wh, stride_wd, stride_kw, stride_bt,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_TREE: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
-    FP8: tl.constexpr,
+    FP8: tl.constexpr, WINDOWED: tl.constexpr,
 ):
     """Program (tile t, sequence i, kv head g): rows are (query token, head of group g) pairs, token-major, so
     BLOCK_M // GROUP consecutive query tokens share each K/V tile (GQA reads K/V once per kv head).
@@ -404,8 +454,12 @@ def _prefill_kernel(
         kv_off = page * stride_cb + (j % BLOCK_SIZE) * stride_cs + g * stride_ch
         s_off = page * stride_sb + (j % BLOCK_SIZE) * stride_ss + g * stride_sh
         kvmask = jmask[:, None] & dmask[None, :]
-        k = _load_kv(k_cache, k_scale, kv_off, s_off, d, stride_cd, kvmask, jmask, q_ptr, FP8)
-        v = _load_kv(v_cache, v_scale, kv_off, s_off, d, stride_cd, kvmask, jmask, q_ptr, FP8)
+        in_win, w_off = _window_rows(kv_window, b, j, jmask, g, kv_off, stride_kw, stride_wb, stride_ws, stride_wh,
+                                     BLOCK_SIZE, WINDOWED)
+        k = _load_kv(k_cache, k_scale, k_win, kv_off, s_off, w_off, in_win, d, stride_cd, stride_wd, kvmask, jmask,
+                     q_ptr, FP8, WINDOWED)
+        v = _load_kv(v_cache, v_scale, v_win, kv_off, s_off, w_off, in_win, d, stride_cd, stride_wd, kvmask, jmask,
+                     q_ptr, FP8, WINDOWED)
         qk = _mma(q, tl.trans(k), DOT_PRECISION, UPCAST_DOT) * scale_log2       # [BLOCK_M, BLOCK_N]
 
         is_new = j >= ctx                                # this step's keys carry their token's position
@@ -453,12 +507,14 @@ def paged_prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table
                             scale: float, *, max_query_len: int, seq_ids: torch.Tensor | None = None,
                             sliding_window: int | None = None, tree_mask: torch.Tensor | None = None,
                             tree_offsets: torch.Tensor | None = None, out: torch.Tensor | None = None,
-                            tune: dict | None = None, kv_scales: torch.Tensor | None = None) -> torch.Tensor:
+                            tune: dict | None = None, kv_scales: torch.Tensor | None = None,
+                            kv_window: torch.Tensor | None = None,
+                            window_cache: torch.Tensor | None = None) -> torch.Tensor:
     """Attention for sequences with any number of query tokens (prefill chunks, verification rows).
 
     ``max_query_len`` (host int) sizes the grid. ``tree_mask``/``tree_offsets`` come from ``pack_tree_masks``.
     Results go to the rows of the selected sequences in ``out``; other rows are untouched. ``tune`` overrides
-    ``prefill_tuning`` (block_m, block_n, num_warps, num_stages). ``kv_scales``: as in ``paged_decode_attention``."""
+    ``prefill_tuning`` (block_m, block_n, num_warps, num_stages). ``kv_scales``, ``kv_window``, ``window_cache``: as in ``paged_decode_attention``."""
     T, H, D = q.shape
     _, _, block_size, hkv, cd = kv_cache.shape
     if H % hkv or cd != D:
@@ -479,14 +535,15 @@ def paged_prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table
         tree_mask = tree_offsets = seq_ids          # unused placeholders
     kc, vc = kv_cache[0], kv_cache[1]
     ks, vs, s_strides = _scales(kv_cache, kv_scales)
+    kw, vw, kv_window, w_strides = _window(kv_cache, kv_window, window_cache, block_tables)
     grid = (triton.cdiv(max_query_len, tokens_per_tile), n, hkv)
     _prefill_kernel[grid](
-        q, kc, vc, ks, vs, block_tables, seq_lens, query_start_loc, positions, seq_ids,
+        q, kc, vc, ks, vs, kw, vw, kv_window, block_tables, seq_lens, query_start_loc, positions, seq_ids,
         tree_mask, tree_offsets, out,
         scale * _LOG2E, sliding_window or 0,
-        *q.stride(), *out.stride(), *kc.stride(), *s_strides, block_tables.stride(0),
+        *q.stride(), *out.stride(), *kc.stride(), *s_strides, *w_strides, block_tables.stride(0),
         GROUP=group, HEAD_DIM=D, BLOCK_SIZE=block_size,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=max(16, triton.next_power_of_2(D)),
         HAS_WINDOW=bool(sliding_window), HAS_TREE=has_tree, **_dot_options(q.dtype), FP8=kv_scales is not None,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        WINDOWED=window_cache is not None, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return out

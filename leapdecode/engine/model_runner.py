@@ -51,7 +51,7 @@ class ModelRunner:
         self.kv_layout = KVLayout(cfg.kv_cache_dtype, c.num_layers, self.block_size, c.num_kv_heads, c.head_dim,
                                   dtype, cfg.kv_cache_salient_tokens, cfg.kv_cache_recent_tokens)
         self.backend = get_backend(cfg.attention_backend, self.device, _sparse_attention(cfg, model_cfg),
-                                   cfg.kv_cache_dtype, self.kv_layout.windowed)
+                                   cfg.kv_cache_dtype)
         self.model = load_model(cfg.model, model_cfg, self.backend, dtype, self.device, max_model_len, tp,
                                 cfg.load_format, cfg.seed)
         self.num_packed_linears = pack_model(self.model, cfg.cpu_packed_linears)
@@ -75,10 +75,11 @@ class ModelRunner:
     def _cuda_graphs(self) -> CudaGraphs | None:
         """CUDA graphs for decode and verification steps (engine/cuda_graphs.py), captured now; None where they do
         not apply: not CUDA, ``enforce_eager``, the torch attention backend (its plan reads host data), tensor
-        parallelism, or a drafter that runs the target itself (layer skipping)."""
+        parallelism, a drafter that runs the target itself (layer skipping), or a windowed KV cache (which blocks
+        seal changes from step to step)."""
         cfg = self.cfg
         if (cfg.enforce_eager or cfg.max_graph_batch == 0 or self.device.type != "cuda" or self.tp.size > 1
-                or not hasattr(self.backend, "plan_graph") or self.num_scratch_blocks):
+                or not hasattr(self.backend, "plan_graph") or self.num_scratch_blocks or self.kv_layout.windowed):
             return None
         spec = cfg.speculative_config
         query_lens = (1,) + ((spec.num_speculative_tokens + 1,) if spec is not None else ())
@@ -94,10 +95,10 @@ class ModelRunner:
 
     def _check_kv_format(self) -> None:
         fmt = self.kv_layout.kv_cache_dtype
-        if fmt not in self.backend.kv_cache_dtypes or (self.kv_layout.windowed and not self.backend.reads_windowed):
-            what = f"kv_cache_dtype={fmt!r}" + (" with a full-precision window" if self.kv_layout.windowed else "")
-            raise ValueError(f"{what} is read by the torch attention backend only (dequantization is not fused into "
-                             f"the {self.backend.name} kernels for it yet): use attention_backend='torch'")
+        if fmt not in self.backend.kv_cache_dtypes:
+            raise ValueError(f"kv_cache_dtype={fmt!r} is read by the torch attention backend only (dequantization "
+                             f"is not fused into the {self.backend.name} kernels for it yet): use "
+                             "attention_backend='torch'")
         if self.kv_layout.windowed and self.num_scratch_blocks:
             raise ValueError(f"kv_cache_dtype={fmt!r} with a full-precision window does not work with layer_skip "
                              "speculation (its draft KV is written past the pool, outside the window): use auto, "
