@@ -61,10 +61,17 @@ def _mma(a, b, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
 
 
 @triton.jit
-def _window_rows(kv_window, b, j, jmask, g, kv_off, stride_kw, stride_wb, stride_ws, stride_wh,
-                 BLOCK_SIZE: tl.constexpr, WINDOWED: tl.constexpr):
-    """Which keys of a tile live in the full-precision window (a windowed cache: a block's window block, -1 where
-    the pool holds it) and their element offsets there; without a window, none."""
+def _kv_tile(k_cache, v_cache, k_scale, v_scale, k_win, v_win, kv_window, bt_row, b, g, j, jmask, d, dmask,
+             stride_cb, stride_cs, stride_ch, stride_cd, stride_sb, stride_ss, stride_sh,
+             stride_wb, stride_ws, stride_wh, stride_wd, stride_kw, like,
+             BLOCK_SIZE: tl.constexpr, FP8: tl.constexpr, WINDOWED: tl.constexpr):
+    """Keys and values [BLOCK_N, BLOCK_D] of kv head g at the sequence's key indices j, through its block table
+    row: from the pool (dequantized if fp8), or for a windowed cache, where the step's ``kv_window`` names a window
+    block (open and recent blocks), from the full-precision window."""
+    page = tl.load(bt_row + j // BLOCK_SIZE, mask=jmask, other=0).to(tl.int64)
+    kv_off = page * stride_cb + (j % BLOCK_SIZE) * stride_cs + g * stride_ch
+    s_off = page * stride_sb + (j % BLOCK_SIZE) * stride_ss + g * stride_sh
+    kvmask = jmask[:, None] & dmask[None, :]
     if WINDOWED:
         wb = tl.load(kv_window + b.to(tl.int64) * stride_kw + j // BLOCK_SIZE, mask=jmask, other=-1)
         in_win = wb >= 0
@@ -72,7 +79,11 @@ def _window_rows(kv_window, b, j, jmask, g, kv_off, stride_kw, stride_wb, stride
     else:
         in_win = j < 0
         w_off = kv_off
-    return in_win, w_off
+    k = _load_kv(k_cache, k_scale, k_win, kv_off, s_off, w_off, in_win, d, stride_cd, stride_wd, kvmask, jmask,
+                 like, FP8, WINDOWED)
+    v = _load_kv(v_cache, v_scale, v_win, kv_off, s_off, w_off, in_win, d, stride_cd, stride_wd, kvmask, jmask,
+                 like, FP8, WINDOWED)
+    return k, v
 
 
 @triton.jit
@@ -192,16 +203,9 @@ def _decode_partial_kernel(
     for n0 in range(start, end, BLOCK_N):
         j = n0 + tl.arange(0, BLOCK_N)
         jmask = j < end
-        page = tl.load(bt_row + j // BLOCK_SIZE, mask=jmask, other=0).to(tl.int64)
-        kv_off = page * stride_cb + (j % BLOCK_SIZE) * stride_cs + g * stride_ch
-        s_off = page * stride_sb + (j % BLOCK_SIZE) * stride_ss + g * stride_sh
-        kvmask = jmask[:, None] & dmask[None, :]
-        in_win, w_off = _window_rows(kv_window, b, j, jmask, g, kv_off, stride_kw, stride_wb, stride_ws, stride_wh,
-                                     BLOCK_SIZE, WINDOWED)
-        k = _load_kv(k_cache, k_scale, k_win, kv_off, s_off, w_off, in_win, d, stride_cd, stride_wd, kvmask, jmask,
-                     q_ptr, FP8, WINDOWED)
-        v = _load_kv(v_cache, v_scale, v_win, kv_off, s_off, w_off, in_win, d, stride_cd, stride_wd, kvmask, jmask,
-                     q_ptr, FP8, WINDOWED)
+        k, v = _kv_tile(k_cache, v_cache, k_scale, v_scale, k_win, v_win, kv_window, bt_row, b, g, j, jmask, d, dmask,
+                        stride_cb, stride_cs, stride_ch, stride_cd, stride_sb, stride_ss, stride_sh,
+                        stride_wb, stride_ws, stride_wh, stride_wd, stride_kw, q_ptr, BLOCK_SIZE, FP8, WINDOWED)
         qk = _mma(q, tl.trans(k), DOT_PRECISION, UPCAST_DOT) * scale_log2       # [BLOCK_H, BLOCK_N]
         visible = jmask & ((j <= p) | (j == ctx))       # (the window is applied by starting at lo)
         qk = tl.where(visible[None, :], qk, float("-inf"))
@@ -450,16 +454,9 @@ def _prefill_kernel(
     for n0 in range(lo, hi, BLOCK_N):
         j = n0 + tl.arange(0, BLOCK_N)
         jmask = j < hi
-        page = tl.load(bt_row + j // BLOCK_SIZE, mask=jmask, other=0).to(tl.int64)
-        kv_off = page * stride_cb + (j % BLOCK_SIZE) * stride_cs + g * stride_ch
-        s_off = page * stride_sb + (j % BLOCK_SIZE) * stride_ss + g * stride_sh
-        kvmask = jmask[:, None] & dmask[None, :]
-        in_win, w_off = _window_rows(kv_window, b, j, jmask, g, kv_off, stride_kw, stride_wb, stride_ws, stride_wh,
-                                     BLOCK_SIZE, WINDOWED)
-        k = _load_kv(k_cache, k_scale, k_win, kv_off, s_off, w_off, in_win, d, stride_cd, stride_wd, kvmask, jmask,
-                     q_ptr, FP8, WINDOWED)
-        v = _load_kv(v_cache, v_scale, v_win, kv_off, s_off, w_off, in_win, d, stride_cd, stride_wd, kvmask, jmask,
-                     q_ptr, FP8, WINDOWED)
+        k, v = _kv_tile(k_cache, v_cache, k_scale, v_scale, k_win, v_win, kv_window, bt_row, b, g, j, jmask, d, dmask,
+                        stride_cb, stride_cs, stride_ch, stride_cd, stride_sb, stride_ss, stride_sh,
+                        stride_wb, stride_ws, stride_wh, stride_wd, stride_kw, q_ptr, BLOCK_SIZE, FP8, WINDOWED)
         qk = _mma(q, tl.trans(k), DOT_PRECISION, UPCAST_DOT) * scale_log2       # [BLOCK_M, BLOCK_N]
 
         is_new = j >= ctx                                # this step's keys carry their token's position
