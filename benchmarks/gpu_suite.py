@@ -29,8 +29,9 @@ spec     Speculative decoding on the GPU with the embedded real model (leapdecod
          accepted/drafted tokens. Warm-up over every prompt first; each timed run starts from empty drafter caches.
 kvfp8    An fp8 KV cache (kv_cache_dtype="fp8", dequantized inside the Triton kernels) beside bf16: the decode kernel
          alone (Llama-3-8B heads, --kvfp8-batches x --kvfp8-contexts, CUDA graphs) and the engine's batched decode
-         (--batched-models, batch 64 and 256, 2048-token prompts): us / tok/s, K/V bytes, speed-up, the largest
-         difference of the kernel's output from bf16's, and the blocks each format fits in the same memory.
+         (--batched-models, batch 64 and 256, 2048-token prompts; fp8 also with 256 recent tokens at full precision,
+         which runs eager steps): us / tok/s, K/V bytes, speed-up, the largest difference of the kernel's output
+         from bf16's, bytes per token.
 
 Nothing is asserted here: correctness is the GPU tests' job.
 """
@@ -335,9 +336,9 @@ def section_kvfp8(args, rep: Report, copy_bw: float) -> None:
         path, mb, vocab = shape(args, name)
         for batch in (64, 256):
             res = {}
-            for f in ("auto", "fp8"):
+            for f, kw in (("auto", {}), ("fp8", {}), ("fp8, 256 recent", {"kv_cache_recent_tokens": 256})):
                 try:
-                    llm = engine(path, 2048 + 80, batch, async_scheduling=True, kv_cache_dtype=f)
+                    llm = engine(path, 2048 + 80, batch, async_scheduling=True, kv_cache_dtype=f.split(",")[0], **kw)
                     prompts = dr.prompts_for(batch, 2048, vocab, seed=2)
                     s = dr.engine_decode_seconds(llm, prompts, 48, 1, warmup=4) / 47
                     res[f] = (s, llm.kv_cache_info()["bytes_per_token"], llm.engine.runner.backend.name)
