@@ -228,7 +228,7 @@ def record_all(backend, cache, meta, tables, lens):
 def test_page_bounds_are_each_blocks_key_minimum_and_maximum():
     """record_keys keeps, per block, exactly the minimum and maximum of the keys written into it since its first
     offset was (re)written, across writes in any order of steps; padding slots are ignored."""
-    backend = sparse_backend(budget=8, window=2, selection="pages")
+    backend = sparse_backend(budget=8, window=2, selection="pages", dense_layers=0)
     cache = torch.zeros(2, 4, BS, HKV, D)
     g = torch.Generator().manual_seed(12)
     written: dict[int, list[torch.Tensor]] = {}
@@ -387,6 +387,22 @@ def test_layer_skip_drafting_runs_on_the_sparse_backend(deep_dir, sparse):
     assert [len(o.outputs[0].token_ids) for o in outs] == [8, 8]
     assert llm.engine.stats["draft_tokens"] > 0
     assert_pool_free(llm)
+
+
+def test_page_bounds_are_kept_for_selecting_layers_and_counted_in_the_budget(deep_dir):
+    """pages: only the layers that select keep bounds, and their bytes are part of the KV budget and of
+    ``kv_cache_info()`` (the same memory holds fewer blocks than with per_layer selection)."""
+    memory = 4 << 20
+    pages = make_llm(deep_dir, max_model_len=512, sparse_attention=PAGES, kv_cache_memory=memory)
+    plain = make_llm(deep_dir, max_model_len=512, sparse_attention={"selection": "per_layer"}, kv_cache_memory=memory)
+    run(pages, long_prompts((150,), seed=4))
+    sparse, cfg = pages.engine.runner.backend.sparse, pages.engine.runner._kv_view
+    assert set(sparse.page_bounds) == set(sparse.selection_layers) == set(range(1, 6))    # dense_layers=1
+    per_block = 2 * len(sparse.selection_layers) * cfg.num_kv_heads * cfg.head_dim * 4
+    info, other = pages.kv_cache_info(), plain.kv_cache_info()
+    assert info["page_bounds_bytes"] == info["num_blocks"] * per_block and other["page_bounds_bytes"] == 0
+    assert info["num_blocks"] == memory // (info["bytes_per_block"] + per_block) < other["num_blocks"]
+    assert info["total_bytes"] <= memory
 
 
 def test_imported_blocks_get_their_page_bounds(deep_dir):

@@ -74,7 +74,10 @@ class SparseAttention:
     def record_keys(self, layer: int, k: torch.Tensor, slots: torch.Tensor, kv_cache: "KVLayer",
                     block_size: int) -> None:
         """pages: fold a step's keys [T, Hkv, D] (written at cache ``slots``, -1: padding) into their pages' bounds;
-        the token at a page's first offset starts the page afresh (a block handed out again)."""
+        the token at a page's first offset starts the page afresh (a block handed out again). Only the layers that
+        select keep bounds (the dense ones below never read them)."""
+        if layer not in self.selection_layers:
+            return
         bounds = self.page_bounds.get(layer)
         if bounds is None:
             shape = (_num_blocks(kv_cache), k.shape[1], k.shape[2])

@@ -89,6 +89,15 @@ class ModelRunner:
         return graphs
 
     @property
+    def page_bounds_per_block(self) -> int:
+        """Bytes sparse decoding's page selection keeps per block beside its KV (each selecting layer's per-channel
+        key minimum and maximum, float32); 0 otherwise. Counted in the KV budget."""
+        sparse = getattr(self.backend, "sparse", None)
+        if sparse is None or not sparse.pages:
+            return 0
+        return 2 * len(sparse.selection_layers) * self._kv_view.num_kv_heads * self._kv_view.head_dim * 4
+
+    @property
     def kv_bytes_per_block(self) -> int:
         """A pool block's real size (quantized codes and their scales for a lossy ``kv_cache_dtype``)."""
         return self.kv_layout.bytes_per_block
@@ -128,7 +137,7 @@ class ModelRunner:
             if budget is None:
                 budget = self._default_kv_budget(max_model_len, want)
             window = min(want, max(least, budget // (4 * window_bytes)))
-            blocks = max(0, budget - window * window_bytes) // self.kv_bytes_per_block
+            blocks = max(0, budget - window * window_bytes) // (self.kv_bytes_per_block + self.page_bounds_per_block)
         need = -(-max_model_len // self.block_size)
         if blocks < need:
             raise ValueError(
@@ -157,7 +166,9 @@ class ModelRunner:
             "bytes_per_block": lay.bytes_per_block, "bytes_per_token": lay.bytes_per_block / self.block_size,
             "full_precision_bytes_per_token": full / self.block_size, "compression": full / lay.bytes_per_block,
             "num_window_blocks": self.num_window_blocks, "window_bytes": self.num_window_blocks * full,
-            "total_bytes": self.num_blocks * lay.bytes_per_block + self.num_window_blocks * full,
+            "page_bounds_bytes": self.num_blocks * self.page_bounds_per_block,
+            "total_bytes": self.num_blocks * (lay.bytes_per_block + self.page_bounds_per_block)
+            + self.num_window_blocks * full,
             "salient_tokens_per_block": lay.num_salient, "recent_tokens": lay.recent_tokens,
         }
 
