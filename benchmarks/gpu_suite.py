@@ -27,11 +27,11 @@ spec     Speculative decoding on the GPU with the embedded real model (leapdecod
          64 (at least --spec-prompts prompts; batch 1 runs them one at a time): tokens/s of each method over plain
          decoding in the same run (the adaptive controller's choice, and always drafting k = 4), with
          accepted/drafted tokens. Warm-up over every prompt first; each timed run starts from empty drafter caches.
-kvfp8    An fp8 KV cache (kv_cache_dtype="fp8", dequantized inside the Triton kernels) beside bf16: the decode kernel
-         alone (Llama-3-8B heads, --kvfp8-batches x --kvfp8-contexts, CUDA graphs) and the engine's batched decode
-         (--batched-models, batch 64 and 256, 2048-token prompts; fp8 also with 256 recent tokens at full precision,
-         which runs eager steps): us / tok/s, K/V bytes, speed-up, the largest difference of the kernel's output
-         from bf16's, bytes per token.
+kvquant  Quantized KV caches (dequantized inside the Triton kernels) beside bf16: the fp8 decode kernel alone
+         (Llama-3-8B heads, --kvfp8-batches x --kvfp8-contexts, CUDA graphs) and the engine's batched decode
+         (--batched-models, batch 64 and 256, 2048-token prompts) for fp8, fp8 with 256 recent tokens, int8 and
+         int4 (the windowed ones run eager steps): us / tok/s, K/V bytes, speed-up, the largest difference of the
+         kernel's output from bf16's, bytes per token.
 
 Nothing is asserted here: correctness is the GPU tests' job.
 """
@@ -57,7 +57,7 @@ for p in (REPO, BENCH):
 
 import decode_roofline as dr  # noqa: E402
 
-SECTIONS = ("copy", "batch1", "kernel", "batched", "tune", "spec", "kvfp8", "compiled")
+SECTIONS = ("copy", "batch1", "kernel", "batched", "tune", "spec", "kvquant", "compiled")
 GIB = 1 << 30
 DEVICE, BACKEND = "cuda", "triton"      # (a CPU smoke test of the suite's own logic switches these)
 
@@ -300,7 +300,7 @@ def section_kernel(args, rep: Report, copy_bw: float) -> None:
               ["batch", "context", "ours GB/s", "roofline", "best SDPA GB/s", "vs best SDPA"], summary)
 
 
-def section_kvfp8(args, rep: Report, copy_bw: float) -> None:
+def section_kvquant(args, rep: Report, copy_bw: float) -> None:
     import triton.testing
 
     from leapdecode.attention import kv_quant as kq
@@ -336,7 +336,8 @@ def section_kvfp8(args, rep: Report, copy_bw: float) -> None:
         path, mb, vocab = shape(args, name)
         for batch in (64, 256):
             res = {}
-            for f, kw in (("auto", {}), ("fp8", {}), ("fp8, 256 recent", {"kv_cache_recent_tokens": 256})):
+            for f, kw in (("auto", {}), ("fp8", {}), ("fp8, 256 recent", {"kv_cache_recent_tokens": 256}),
+                          ("int8", {}), ("int4", {})):
                 try:
                     llm = engine(path, 2048 + 80, batch, async_scheduling=True, kv_cache_dtype=f.split(",")[0], **kw)
                     prompts = dr.prompts_for(batch, 2048, vocab, seed=2)
@@ -344,13 +345,13 @@ def section_kvfp8(args, rep: Report, copy_bw: float) -> None:
                     res[f] = (s, llm.kv_cache_info()["bytes_per_token"], llm.engine.runner.backend.name)
                     del llm
                 except Exception as e:  # noqa: BLE001
-                    rep.note(f"kvfp8 {name} batch {batch} {f}: error {type(e).__name__}: {e}")
+                    rep.note(f"kvquant {name} batch {batch} {f}: error {type(e).__name__}: {e}")
                 free()
             for f, (s, bpt, backend) in res.items():
                 rows.append(dict(part=f"engine {name} ({backend})", batch=batch, context=2048, format=f,
                                  us=s * 1e6, **{"tok/s": batch / s, "bytes/token": bpt,
                                                 "vs bf16": res["auto"][0] / s if "auto" in res else ""}))
-    rep.table("kvfp8", "fp8 KV cache vs bf16: decode kernel (Llama-3-8B heads) and batched engine decode",
+    rep.table("kvquant", "Quantized KV caches vs bf16: fp8 decode kernel (Llama-3-8B heads), batched engine decode",
               ["part", "batch", "context", "format", "us", "KV MB", "GB/s", "tok/s", "bytes/token", "vs bf16",
                "max |diff|"], rows)
 
@@ -571,7 +572,7 @@ def main(argv=None) -> None:
             "batched": lambda: section_batched(args, rep, copy_bw),
             "tune": lambda: section_tune(args, rep, copy_bw),
             "spec": lambda: section_spec(args, rep),
-            "kvfp8": lambda: section_kvfp8(args, rep, copy_bw),
+            "kvquant": lambda: section_kvquant(args, rep, copy_bw),
             "compiled": lambda: section_compiled(args, rep, copy_bw)}
     for section in args.sections:     # in the order given: a short lease puts what it needs most first
         fn = runs.get(section)

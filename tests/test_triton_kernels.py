@@ -296,13 +296,13 @@ def test_fp8_cache_decode_and_prefill_match_float64(case):
     scale = d ** -0.5
     ref = reference(q, deq, meta, scale)
     if all(n == 1 for n in qlens):
-        out = run_decode(q, codes, meta, scale, kv_scales=scales, num_splits=splits)
+        out = run_decode(q, codes, meta, scale, quant=tk.QuantizedKV("fp8", scales), num_splits=splits)
     else:
-        out = run_prefill(q, codes, meta, scale, kv_scales=scales)
+        out = run_prefill(q, codes, meta, scale, quant=tk.QuantizedKV("fp8", scales))
     check(out, ref, dtype)
     assert (out.cpu().double() - reference(q, kv, meta, scale)).abs().max() > 0     # (it is lossy: not the floats)
     with pytest.raises(ValueError, match="fp8"):
-        run_decode(q, codes, meta, scale, kv_scales=scales[:, :1])
+        run_decode(q, codes, meta, scale, quant=tk.QuantizedKV("fp8", scales[:, :1]))
 
 
 @pytest.mark.parametrize("decode", [True, False])
@@ -323,12 +323,56 @@ def test_fp8_cache_with_a_window_reads_open_blocks_from_it(decode):
             w = next(free)
             kv_window[b, blk] = w
             eff[:, tables[b, blk]] = window[:, w]
-    args = dict(kv_scales=scales, kv_window=kv_window.to(DEV), window_cache=window.to(DEV))
+    args = dict(quant=tk.QuantizedKV("fp8", scales, window=window.to(DEV), table=kv_window.to(DEV)))
     scale = 32 ** -0.5
     out = run_decode(q, codes, meta, scale, num_splits=2, **args) if decode else run_prefill(q, codes, meta, scale,
                                                                                              **args)
     check(out, reference(q, eff, meta, scale), torch.bfloat16)
     assert (out.cpu().double() - reference(q, deq, meta, scale)).abs().max() > 0.05     # the window was read
+
+
+def int_case(q, kv, fmt: str, salient: int):
+    """A one-layer int8/int4 ``KVCache`` whose pool blocks hold ``kv`` [2, blocks, bs, hkv, d] quantized by the
+    reference (each block staged in the window and sealed), its ``QuantizedKV`` (no window table yet) and what the
+    reference decodes every pool block to, [2, blocks, bs, hkv, d] in kv's dtype."""
+    from leapdecode.attention.kv_cache import KVCache
+    _, nb, bs, hkv, d = kv.shape
+    cache = KVCache(1, nb, bs, hkv, d, kv.dtype, DEV, fmt, nb, salient)
+    cache.window[0].copy_(kv)
+    ids = torch.arange(nb, device=DEV)
+    cache.seal_from_window(ids, ids)
+    layer = cache.layer(0)
+    k, v = layer._decode(ids[None])
+    n = cache.layout.num_salient
+    quant = tk.QuantizedKV(fmt, None, layer.key_grid, layer.value_grid, layer.salient if n else None,
+                           layer.residual if n else None)
+    return layer, quant, torch.stack((k[0], v[0]))
+
+
+@pytest.mark.parametrize("fmt,salient,decode", [("int8", 0, True), ("int8", 0, False), ("int4", 2, True),
+                                                ("int4", 2, False), ("int4", 0, True)])
+def test_int_cache_decode_and_prefill_match_the_reference_decode(fmt, salient, decode):
+    """int8 / int4 caches (KIVI grids; int4 with and without salient tokens at 8 bits), windowed as they always
+    are: the kernels decode each tile exactly as ``kv_quant`` does and read the blocks the table names from the
+    window; attention equals float64 attention over those K/V."""
+    ctx, qlens = ([30, 47, 5], [1, 1, 1]) if decode else ([30, 47, 5], [3, 1, 6])
+    q, kv, meta = make_case(31 + decode, ctx, qlens, 2, 2, 32, 16, torch.float32, trees=() if decode else (0,))
+    layer, quant, deq = int_case(q, kv, fmt, salient)
+    if salient:
+        assert layer.salient.any()                                    # (offsets other than 0 are in play)
+    tables = meta.block_tables.cpu().long()
+    table = torch.full(tables.shape, -1, dtype=torch.int32)
+    eff = deq.clone()
+    for b, L in enumerate(meta.seq_lens_host):                        # each sequence's last block is open
+        blk = -(-L // 16) - 1
+        table[b, blk] = int(tables[b, blk])                           # (window block = its pool block's number)
+        eff[:, tables[b, blk]] = kv[:, tables[b, blk]]
+    quant = dataclasses.replace(quant, window=layer.window, table=table.to(DEV))
+    scale = 32 ** -0.5
+    out = run_decode(q, layer.codes, meta, scale, num_splits=2, quant=quant) if decode else \
+        run_prefill(q, layer.codes, meta, scale, quant=quant)
+    check(out, reference(q, eff, meta, scale), torch.float32)
+    assert (out.cpu().double() - reference(q, kv, meta, scale)).abs().max() > 1e-3      # it is lossy
 
 
 def test_fp8_backend_writes_like_the_reference_and_attends():
@@ -374,27 +418,25 @@ def test_engine_greedy_equals_torch_backend_under_interpreter(tiny_dir, monkeypa
     assert out["triton"] == out["torch"]
 
 
-def test_engine_fp8_cache_on_triton_equals_torch_backend(tiny_dir):
-    """kv_cache_dtype="fp8" through the whole engine on the Triton backend (chunked prefill, n-gram verification
-    rows, decode), with and without recent tokens (the windowed layout: blocks sealing as the sequences grow),
-    gives the torch backend's greedy tokens on the same quantized cache; int8 is refused by name."""
+def test_engine_quantized_caches_on_triton_equal_torch_backend(tiny_dir):
+    """Every quantized kv_cache_dtype through the whole engine on the Triton backend (chunked prefill, n-gram
+    verification rows, decode): fp8 with and without recent tokens, int8, int4 with salient tokens (windowed:
+    blocks sealing as the sequences grow) give the torch backend's greedy tokens on the same quantized cache."""
     from leapdecode import LLM, SamplingParams
     path = tiny_dir("llama")
     rng = random.Random(1)
     prompts = [[rng.randrange(2, 384) for _ in range(rng.randint(3, 60))] for _ in range(4)]
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-    for recent in (0, 16):
+    for fmt, recent in (("fp8", 0), ("fp8", 16), ("int8", 0), ("int4", 16)):
         outs = {}
         for name in ("torch", "triton"):
             llm = LLM(path, dtype="float32", device=DEV.type, max_model_len=256, max_num_batched_tokens=32,
-                      kv_cache_dtype="fp8", kv_cache_recent_tokens=recent, attention_backend=name,
+                      kv_cache_dtype=fmt, kv_cache_recent_tokens=recent, attention_backend=name,
                       speculative_config={"method": "ngram", "num_speculative_tokens": 3})
-            assert llm.engine.runner.backend.name == name and llm.engine.block_manager.windowed == bool(recent)
+            assert llm.engine.runner.backend.name == name
             outs[name] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-        assert outs["triton"] == outs["torch"], recent
-    with pytest.raises(ValueError, match="kv_cache_dtype='int8'"):
-        LLM(path, dtype="float32", device=DEV.type, max_model_len=256, kv_cache_dtype="int8",
-            attention_backend="triton")
+            assert llm.engine.block_manager.windowed == (fmt != "fp8" or recent > 0)
+        assert outs["triton"] == outs["torch"], (fmt, recent)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -546,13 +588,21 @@ q, cache, bt, sl, qsl, pos = case(torch.bfloat16, 8, 4, 128)            # fp8 co
 codes, scales = torch.empty(cache.shape, dtype=torch.uint8), torch.empty(cache.shape[:-1], dtype=torch.float16)
 tk.write_kv_triton(codes[0, :8, 0], codes[1, :8, 0], codes, pos)
 tk.write_kv_triton(scales[0, :8, 0, :, None], scales[1, :8, 0, :, None], scales[..., None], pos)
-tk.paged_decode_attention(q, codes, bt, sl, qsl, pos, 0.1, max_seq_len=4000, num_splits=8, kv_scales=scales)
-tk.paged_prefill_attention(q, codes, bt, sl, qsl, pos, 0.1, max_query_len=5, kv_scales=scales)
+fp8 = tk.QuantizedKV("fp8", scales)
+tk.paged_decode_attention(q, codes, bt, sl, qsl, pos, 0.1, max_seq_len=4000, num_splits=8, quant=fp8)
+tk.paged_prefill_attention(q, codes, bt, sl, qsl, pos, 0.1, max_query_len=5, quant=fp8)
 win = torch.empty(2, 8, 16, 8, 128, dtype=torch.bfloat16)                  # fp8 with recent tokens: a window
-tk.paged_decode_attention(q, codes, bt, sl, qsl, pos, 0.1, max_seq_len=4000, num_splits=8, kv_scales=scales,
-                          kv_window=bt, window_cache=win)
-tk.paged_prefill_attention(q, codes, bt, sl, qsl, pos, 0.1, max_query_len=5, kv_scales=scales, kv_window=bt,
-                           window_cache=win)
+fp8w = tk.QuantizedKV("fp8", scales, window=win, table=bt)
+tk.paged_decode_attention(q, codes, bt, sl, qsl, pos, 0.1, max_seq_len=4000, num_splits=8, quant=fp8w)
+tk.paged_prefill_attention(q, codes, bt, sl, qsl, pos, 0.1, max_query_len=5, quant=fp8w)
+grids = dict(key_grid=torch.empty(64, 2, 8, 128, dtype=torch.float16),     # int8 and int4 (2 salient tokens)
+             value_grid=torch.empty(64, 2, 16, 8, dtype=torch.float16), window=win, table=bt)
+tk.paged_decode_attention(q, codes, bt, sl, qsl, pos, 0.1, max_seq_len=4000, num_splits=8,
+                          quant=tk.QuantizedKV("int8", **grids))
+int4 = tk.QuantizedKV("int4", **grids, salient=torch.empty(64, 2, 8, dtype=torch.uint8),
+                      residual=torch.empty(2, 64, 2, 8, 64, dtype=torch.uint8))
+tk.paged_decode_attention(q, codes[..., :64], bt, sl, qsl, pos, 0.1, max_seq_len=4000, num_splits=1, quant=int4)
+tk.paged_prefill_attention(q, codes[..., :64], bt, sl, qsl, pos, 0.1, max_query_len=5, quant=int4)
 for kern, args, kw in launches:
     opts = {k: kw.pop(k) for k in ("num_warps", "num_stages") if k in kw}
     sig, const = {}, {}
@@ -581,7 +631,7 @@ def test_kernels_compile_for_sm90_without_a_gpu(tmp_path):
     if r.returncode and ("ImportError" in r.stderr or "TypeError" in r.stderr) and "compiled" not in r.stdout:
         pytest.skip(f"this triton's AOT compile API differs: {r.stderr.strip().splitlines()[-1]}")
     assert r.returncode == 0, r.stderr[-3000:]
-    assert r.stdout.count("compiled") == 14
+    assert r.stdout.count("compiled") == 18
 
 
 # -- on a GPU, compiled, at real sizes -------------------------------------------------------------------------
@@ -707,7 +757,6 @@ class TestOnGPU:
         from leapdecode.attention.backend import get_backend
         assert get_backend("triton", torch.device("cuda")).name == "triton"
         assert get_backend("auto", torch.device("cuda")).name == "triton"
-        assert get_backend("auto", torch.device("cuda"), kv_cache_dtype="int8").name == "torch"
         assert get_backend("auto", torch.device("cpu")).name == "torch"
         monkeypatch.setenv("LEAPDECODE_ATTENTION_BACKEND", "torch")
         assert get_backend("auto", torch.device("cuda")).name == "torch"

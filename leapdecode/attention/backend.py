@@ -99,17 +99,17 @@ BACKENDS = ("auto", "torch", "triton")
 
 
 def get_backend(name: str = "auto", device: torch.device | None = None,
-                sparse: SparseAttention | None = None, kv_cache_dtype: str = "auto") -> AttentionBackend:
+                sparse: SparseAttention | None = None) -> AttentionBackend:
     """"torch": the portable reference backend; "triton": the Triton GPU kernels (CUDA only).
     "auto": on CUDA the Triton kernels (verified on an H200 against float64 and the torch backend; they are what
-    CUDA graphs capture), unless the step needs what only the torch backend reads (``sparse`` decoding, an int8 or
-    int4 cache); elsewhere the torch backend. fp8 is read by both. LEAPDECODE_ATTENTION_BACKEND=torch|triton
-    overrides "auto".
+    CUDA graphs capture, and which decode every quantized ``kv_cache_dtype`` as they read), unless the step needs
+    what only the torch backend does (``sparse`` decoding); elsewhere the torch backend.
+    LEAPDECODE_ATTENTION_BACKEND=torch|triton overrides "auto".
     ``sparse``: lossy sparse decoding's settings (attention/sparse.py), which only the torch backend implements."""
     import os
     if name == "auto":
         on_cuda = device is not None and torch.device(device).type == "cuda"
-        default = "triton" if on_cuda and sparse is None and kv_cache_dtype in ("auto", "fp8") else "torch"
+        default = "triton" if on_cuda and sparse is None else "torch"
         name = os.environ.get("LEAPDECODE_ATTENTION_BACKEND", default).strip().lower() or default
     if name == "torch":
         from leapdecode.attention.torch_ref import TorchAttention

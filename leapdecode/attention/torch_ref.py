@@ -107,7 +107,7 @@ class TorchAttention(AttentionBackend):
         if meta.plan is None:
             self.plan(meta)
         if isinstance(kv_cache, WindowedLayer) and meta.kv_seal is not None:
-            _seal(q, kv_cache, meta.kv_seal, scale)
+            seal_blocks(q, kv_cache, meta.kv_seal, scale)
         out = torch.empty_like(q)
         for g in meta.plan:
             if isinstance(g, SparseStep):
@@ -133,7 +133,7 @@ def _read(kv_cache: torch.Tensor | Fp8Layer | WindowedLayer, g: _Group) -> tuple
     return k[:, :g.max_k], v[:, :g.max_k]
 
 
-def _seal(q: torch.Tensor, layer: WindowedLayer, seal: SealPlan, scale: float) -> None:
+def seal_blocks(q: torch.Tensor, layer: WindowedLayer, seal: SealPlan, scale: float) -> None:
     """Quantize the blocks this step seals; with salient tokens, rank them by the probes' normalized attention."""
     salient = None
     if layer.layout.num_salient:

@@ -6,13 +6,13 @@ output tensor, so a mixed batch costs at most two launches per layer. The split,
 index tensors are planned once per step (``plan``) from the host copies in ``AttentionMetadata`` and reused by
 every layer, so no layer waits on a device sync.
 
-An fp8 cache (``kv_cache_dtype="fp8"``, ``kv_cache.Fp8Layer``) is read by the same kernels, which dequantize each
-K/V tile as they load it (code * per-token scale, as ``kv_quant.fp8_decode``); its write quantizes with the
-reference's own ``kv_quant.fp8_quantize`` and stores codes and scales with the copy kernel. With recent tokens
-(``kv_cache.WindowedLayer`` in fp8) the kernels read open and recent blocks from the full-precision window, by the
-step's ``kv_window`` table; writing and sealing are the torch code the reference backend runs (eager steps: the
-seals differ from step to step, so such a cache is not captured in CUDA graphs). int8/int4 stay on the torch
-backend.
+A quantized cache (``kv_cache_dtype``: fp8, int8, int4) is read by the same kernels, which decode each K/V tile as
+they load it, exactly as ``kv_quant`` decodes (fp8 codes times their per-token scales; int8/int4 units on KIVI's
+grids, int4's salient tokens at 8 bits); a windowed cache (int8/int4, fp8 with recent tokens) has its open and
+recent blocks read from the full-precision window by the step's ``kv_window`` table. Writing is the reference's:
+fp8 without a window quantizes with ``kv_quant.fp8_quantize`` and stores codes and scales with the copy kernel; a
+windowed cache writes and seals with the torch backend's own code (``WindowedLayer.write``, ``seal_blocks``), so
+its steps run eagerly (which blocks seal changes from step to step: no CUDA graphs).
 """
 from __future__ import annotations
 
@@ -23,7 +23,9 @@ import torch
 from leapdecode.attention import kv_quant
 from leapdecode.attention.backend import AttentionBackend, AttentionMetadata
 from leapdecode.attention.kv_cache import Fp8Layer, WindowedLayer
-from leapdecode.attention.triton_kernels import paged_decode_attention, paged_prefill_attention, write_kv_triton
+from leapdecode.attention.torch_ref import seal_blocks
+from leapdecode.attention.triton_kernels import (QuantizedKV, paged_decode_attention, paged_prefill_attention,
+                                                 write_kv_triton)
 
 
 @dataclass
@@ -42,7 +44,7 @@ class _Plan:
 
 class TritonAttention(AttentionBackend):
     name = "triton"
-    kv_cache_dtypes = ("auto", "fp8")
+    kv_cache_dtypes = kv_quant.KV_CACHE_DTYPES
 
     def write_kv(self, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor | Fp8Layer | WindowedLayer,
                  meta: AttentionMetadata, layer: int | None = None) -> None:
@@ -94,24 +96,25 @@ class TritonAttention(AttentionBackend):
         if meta.plan is None:
             self.plan(meta)
         p = meta.plan
-        quant = {}
-        cache = kv_cache
+        quant, cache = None, kv_cache
         if isinstance(kv_cache, WindowedLayer):
-            assert kv_cache.scales is not None, "the Triton kernels read fp8 windows only (int8/int4: torch backend)"
             if meta.kv_seal is not None:           # this step's blocks that seal: quantized before anyone reads
-                kv_cache.seal(meta.kv_seal.blocks, None)
-            cache = kv_cache.codes
-            quant = dict(kv_scales=kv_cache.scales, kv_window=p.kv_window, window_cache=kv_cache.window)
+                seal_blocks(q, kv_cache, meta.kv_seal, scale)
+            lay = kv_cache.layout
+            cache, quant = kv_cache.codes, QuantizedKV(
+                lay.kv_cache_dtype, kv_cache.scales, kv_cache.key_grid, kv_cache.value_grid,
+                kv_cache.salient if lay.num_salient else None, kv_cache.residual if lay.num_salient else None,
+                kv_cache.window, p.kv_window)
         elif isinstance(kv_cache, Fp8Layer):
-            cache, quant = kv_cache.codes, dict(kv_scales=kv_cache.scales)
+            cache, quant = kv_cache.codes, QuantizedKV("fp8", kv_cache.scales)
         common = (cache, p.block_tables, p.seq_lens, p.query_start_loc, meta.positions, scale)
         if p.decode_ids is not None:
             paged_decode_attention(q, *common, seq_ids=p.decode_ids, max_seq_len=p.decode_max_len,
-                                   sliding_window=meta.sliding_window, out=out, **quant)
+                                   sliding_window=meta.sliding_window, out=out, quant=quant)
         if p.prefill_ids is not None:
             paged_prefill_attention(q, *common, max_query_len=p.prefill_max_q, seq_ids=p.prefill_ids,
                                     sliding_window=meta.sliding_window, tree_mask=p.tree_mask,
-                                    tree_offsets=p.tree_offsets, out=out, **quant)
+                                    tree_offsets=p.tree_offsets, out=out, quant=quant)
         return out
 
 

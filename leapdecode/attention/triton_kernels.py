@@ -29,6 +29,8 @@ The kernels also run under ``TRITON_INTERPRET=1`` on CPU (tests), where launch o
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -60,47 +62,88 @@ def _mma(a, b, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     return tl.dot(a, b, input_precision=PRECISION)
 
 
+# What a pool block holds (``QUANT``): the model's dtype, fp8 codes with per-token scales, or int8 / int4 codes on
+# KIVI's grids (keys per channel over a block, values per token; int4 with salient tokens at 8 bits), see kv_quant.py.
+AUTO, FP8, INT8, INT4 = 0, 1, 2, 3
+
+
 @triton.jit
-def _kv_tile(k_cache, v_cache, k_scale, v_scale, k_win, v_win, kv_window, bt_row, b, g, j, jmask, d, dmask,
-             stride_cb, stride_cs, stride_ch, stride_cd, stride_sb, stride_ss, stride_sh,
+def _kv_tile(k_cache, v_cache, k_aux, v_aux, sal, k_res, v_res, k_win, v_win, kv_window, bt_row, b, g, j, jmask,
+             d, dmask, stride_cb, stride_cs, stride_ch, stride_cd, stride_sb, stride_ss, stride_sh,
              stride_wb, stride_ws, stride_wh, stride_wd, stride_kw, like,
-             BLOCK_SIZE: tl.constexpr, FP8: tl.constexpr, WINDOWED: tl.constexpr):
+             BLOCK_SIZE: tl.constexpr, HKV: tl.constexpr, HEAD_DIM: tl.constexpr, QUANT: tl.constexpr,
+             NSAL: tl.constexpr, NSAL_P2: tl.constexpr, WINDOWED: tl.constexpr):
     """Keys and values [BLOCK_N, BLOCK_D] of kv head g at the sequence's key indices j, through its block table
-    row: from the pool (dequantized if fp8), or for a windowed cache, where the step's ``kv_window`` names a window
-    block (open and recent blocks), from the full-precision window."""
+    row: from the pool (dequantized as the format says), or for a windowed cache, where the step's ``kv_window``
+    names a window block (open and recent blocks), from the full-precision window."""
     page = tl.load(bt_row + j // BLOCK_SIZE, mask=jmask, other=0).to(tl.int64)
-    kv_off = page * stride_cb + (j % BLOCK_SIZE) * stride_cs + g * stride_ch
-    s_off = page * stride_sb + (j % BLOCK_SIZE) * stride_ss + g * stride_sh
-    kvmask = jmask[:, None] & dmask[None, :]
+    o = j % BLOCK_SIZE
+    kv_off = page * stride_cb + o * stride_cs + g * stride_ch
+    s_off = page * stride_sb + o * stride_ss + g * stride_sh
     if WINDOWED:
         wb = tl.load(kv_window + b.to(tl.int64) * stride_kw + j // BLOCK_SIZE, mask=jmask, other=-1)
         in_win = wb >= 0
-        w_off = tl.maximum(wb, 0).to(tl.int64) * stride_wb + (j % BLOCK_SIZE) * stride_ws + g * stride_wh
+        w_off = tl.maximum(wb, 0).to(tl.int64) * stride_wb + o * stride_ws + g * stride_wh
     else:
         in_win = j < 0
         w_off = kv_off
-    k = _load_kv(k_cache, k_scale, k_win, kv_off, s_off, w_off, in_win, d, stride_cd, stride_wd, kvmask, jmask,
-                 like, FP8, WINDOWED)
-    v = _load_kv(v_cache, v_scale, v_win, kv_off, s_off, w_off, in_win, d, stride_cd, stride_wd, kvmask, jmask,
-                 like, FP8, WINDOWED)
+    rows = jmask & ~in_win                              # keys read from the pool
+    k = _load_kv(k_cache, k_aux, sal, k_res, k_win, kv_off, s_off, w_off, page, o, g, in_win, rows, d, dmask,
+                 stride_cd, stride_wd, like, True, BLOCK_SIZE, HKV, HEAD_DIM, QUANT, NSAL, NSAL_P2, WINDOWED)
+    v = _load_kv(v_cache, v_aux, sal, v_res, v_win, kv_off, s_off, w_off, page, o, g, in_win, rows, d, dmask,
+                 stride_cd, stride_wd, like, False, BLOCK_SIZE, HKV, HEAD_DIM, QUANT, NSAL, NSAL_P2, WINDOWED)
     return k, v
 
 
 @triton.jit
-def _load_kv(cache, scales, win, kv_off, s_off, w_off, in_win, d, stride_cd, stride_wd, kvmask, jmask, like,
-             FP8: tl.constexpr, WINDOWED: tl.constexpr):
-    """A [BLOCK_N, BLOCK_D] tile of keys or values in the dtype of the pointer ``like`` (the queries'). An fp8 cache
-    holds float8_e4m3fn codes as uint8 with a float16 scale per (token, kv head), dequantized here as
-    ``kv_quant.fp8_decode`` does: code * scale in float32, rounded once to the model's dtype. A windowed cache
-    reads the keys of open and recent blocks from its full-precision window instead (``in_win``)."""
-    pool = kvmask & ~in_win[:, None]
-    x = tl.load(cache + kv_off[:, None] + d[None, :] * stride_cd, mask=pool, other=0)
-    if FP8:
-        sc = tl.load(scales + s_off, mask=jmask & ~in_win, other=0.0).to(tl.float32)
-        x = x.to(tl.float8e4nv, bitcast=True).to(tl.float32) * sc[:, None]
+def _load_kv(cache, aux, sal, res, win, kv_off, s_off, w_off, page, o, g, in_win, rows, d, dmask, stride_cd,
+             stride_wd, like, IS_KEY: tl.constexpr, BLOCK_SIZE: tl.constexpr, HKV: tl.constexpr,
+             HEAD_DIM: tl.constexpr, QUANT: tl.constexpr, NSAL: tl.constexpr, NSAL_P2: tl.constexpr,
+             WINDOWED: tl.constexpr):
+    """A [BLOCK_N, BLOCK_D] tile of keys (``IS_KEY``) or values in the dtype of the pointer ``like`` (the
+    queries'), decoded as ``kv_quant`` decodes, in float32 and rounded once to the model's dtype: fp8 = code *
+    per-token scale (``aux``: the scales); int8/int4 = zero + step * unit, on the keys' per-channel or the values'
+    per-token grid (``aux``: the grid, [blocks, 2 (zero, step), ...]); an int4 unit is 17 * nibble, or for a
+    salient token (``sal``: each block's offsets per head) 16 * nibble + its low nibble (``res``). A windowed cache
+    reads open and recent blocks from its full-precision window instead (``in_win``)."""
+    pool = rows[:, None] & dmask[None, :]
+    if QUANT == 3:                                       # int4: two channels a byte, even channel low
+        byte = tl.load(cache + kv_off[:, None] + (d[None, :] // 2) * stride_cd, mask=pool, other=0).to(tl.int32)
+        shift = (d[None, :] % 2) * 4
+        nib = (byte >> shift) & 15
+        u = nib * 17
+        if NSAL > 0:
+            i = tl.arange(0, NSAL_P2)
+            offs = tl.load(sal + (page[:, None] * NSAL + i[None, :]) * HKV + g,
+                           mask=rows[:, None] & (i[None, :] < NSAL), other=255).to(tl.int32)
+            match = (offs == o[:, None]).to(tl.int32)                       # [BLOCK_N, NSAL_P2]
+            is_sal = tl.max(match, axis=1) > 0
+            idx = tl.argmax(match, axis=1).to(tl.int64)
+            low = tl.load(res + ((page * NSAL + idx) * HKV + g)[:, None] * (HEAD_DIM // 2) + d[None, :] // 2,
+                          mask=pool & is_sal[:, None], other=0).to(tl.int32)
+            u = tl.where(is_sal[:, None], nib * 16 + ((low >> shift) & 15), u)
+    else:
+        u = tl.load(cache + kv_off[:, None] + d[None, :] * stride_cd, mask=pool, other=0)
+    if QUANT == 1:
+        sc = tl.load(aux + s_off, mask=rows, other=0.0).to(tl.float32)
+        x = u.to(tl.float8e4nv, bitcast=True).to(tl.float32) * sc[:, None]
+    elif QUANT >= 2:
+        u = u.to(tl.float32)
+        if IS_KEY:                                       # [blocks, 2, HKV, HEAD_DIM]: per channel
+            at = ((page * 2) * HKV + g)[:, None] * HEAD_DIM + d[None, :]
+            z = tl.load(aux + at, mask=pool, other=0.0).to(tl.float32)
+            st = tl.load(aux + at + HKV * HEAD_DIM, mask=pool, other=0.0).to(tl.float32)
+        else:                                            # [blocks, 2, BLOCK_SIZE, HKV]: per token
+            at = ((page * 2) * BLOCK_SIZE + o) * HKV + g
+            z = tl.load(aux + at, mask=rows, other=0.0).to(tl.float32)[:, None]
+            st = tl.load(aux + at + BLOCK_SIZE * HKV, mask=rows, other=0.0).to(tl.float32)[:, None]
+        x = z + st * u
+    else:
+        x = u
     x = x.to(like.dtype.element_ty)
     if WINDOWED:
-        xw = tl.load(win + w_off[:, None] + d[None, :] * stride_wd, mask=kvmask & in_win[:, None], other=0.0)
+        xw = tl.load(win + w_off[:, None] + d[None, :] * stride_wd, mask=in_win[:, None] & dmask[None, :],
+                     other=0.0)
         x = tl.where(in_win[:, None], xw.to(like.dtype.element_ty), x)
     return x
 
@@ -155,7 +198,7 @@ def write_kv_triton(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, sl
 # ---------------------------------------------------------------------------------------------------------------
 @triton.jit(do_not_specialize=["num_splits"])       # (it changes with the context length: no recompiles)
 def _decode_partial_kernel(
-    q_ptr, k_cache, v_cache, k_scale, v_scale, k_win, v_win, kv_window,
+    q_ptr, k_cache, v_cache, k_aux, v_aux, sal, k_res, v_res, k_win, v_win, kv_window,
     block_tables, seq_lens, query_start_loc, positions, seq_ids,
     out_ptr, mid_o, mid_lse,
     scale_log2, window, num_splits,
@@ -166,7 +209,7 @@ def _decode_partial_kernel(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     HAS_WINDOW: tl.constexpr, SINGLE_SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
-    FP8: tl.constexpr, WINDOWED: tl.constexpr,
+    HKV: tl.constexpr, QUANT: tl.constexpr, NSAL: tl.constexpr, NSAL_P2: tl.constexpr, WINDOWED: tl.constexpr,
 ):
     """Program (i, kv head g, slice s): the query heads of group g of decode row i against keys of slice s.
 
@@ -203,9 +246,10 @@ def _decode_partial_kernel(
     for n0 in range(start, end, BLOCK_N):
         j = n0 + tl.arange(0, BLOCK_N)
         jmask = j < end
-        k, v = _kv_tile(k_cache, v_cache, k_scale, v_scale, k_win, v_win, kv_window, bt_row, b, g, j, jmask, d, dmask,
-                        stride_cb, stride_cs, stride_ch, stride_cd, stride_sb, stride_ss, stride_sh,
-                        stride_wb, stride_ws, stride_wh, stride_wd, stride_kw, q_ptr, BLOCK_SIZE, FP8, WINDOWED)
+        k, v = _kv_tile(k_cache, v_cache, k_aux, v_aux, sal, k_res, v_res, k_win, v_win, kv_window, bt_row, b, g, j,
+                        jmask, d, dmask, stride_cb, stride_cs, stride_ch, stride_cd, stride_sb, stride_ss, stride_sh,
+                        stride_wb, stride_ws, stride_wh, stride_wd, stride_kw, q_ptr,
+                        BLOCK_SIZE, HKV, HEAD_DIM, QUANT, NSAL, NSAL_P2, WINDOWED)
         qk = _mma(q, tl.trans(k), DOT_PRECISION, UPCAST_DOT) * scale_log2       # [BLOCK_H, BLOCK_N]
         visible = jmask & ((j <= p) | (j == ctx))       # (the window is applied by starting at lo)
         qk = tl.where(visible[None, :], qk, float("-inf"))
@@ -292,30 +336,70 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sm
     return max(1, min(want, useful, MAX_SPLITS))
 
 
-def _scales(kv_cache: torch.Tensor, kv_scales: torch.Tensor | None) -> tuple:
-    """(key scales, value scales, their block/slot/head strides) for the kernels; the codes stand in (never read)
-    when the cache is not fp8."""
-    if kv_scales is None:
-        return kv_cache[0], kv_cache[1], (0, 0, 0)
-    if kv_cache.dtype != torch.uint8 or kv_scales.shape != kv_cache.shape[:-1]:
-        raise ValueError(f"an fp8 cache is uint8 codes {tuple(kv_cache.shape)} with scales of shape "
-                         f"{tuple(kv_cache.shape[:-1])}; got {kv_cache.dtype} and {tuple(kv_scales.shape)}")
-    return kv_scales[0], kv_scales[1], kv_scales[0].stride()
+@dataclass(frozen=True)
+class QuantizedKV:
+    """What the kernels read beside a quantized cache's codes (the same tensors ``kv_cache``'s layer views hold):
+    ``fmt`` "fp8" with ``scales`` [2, blocks, bs, Hkv] float16, or "int8"/"int4" with ``key_grid`` [blocks, 2,
+    Hkv, D] and ``value_grid`` [blocks, 2, bs, Hkv] (float16 zero, step), and int4's ``salient`` offsets [blocks,
+    n, Hkv] with their low nibbles ``residual`` [2, blocks, n, Hkv, D / 2]; a windowed cache also its full-precision
+    ``window`` [2, W, bs, Hkv, D] and the step's ``table`` [B, >= blocks per table] (int32: the window block of each
+    table entry, -1 where the pool holds it)."""
+    fmt: str = "auto"
+    scales: torch.Tensor | None = None
+    key_grid: torch.Tensor | None = None
+    value_grid: torch.Tensor | None = None
+    salient: torch.Tensor | None = None
+    residual: torch.Tensor | None = None
+    window: torch.Tensor | None = None
+    table: torch.Tensor | None = None
 
 
-def _window(kv_cache: torch.Tensor, kv_window: torch.Tensor | None, window_cache: torch.Tensor | None,
-            block_tables: torch.Tensor) -> tuple:
-    """(key window, value window, the window table, their strides: block/slot/head/dim, then the table's row) for
-    the kernels; stand-ins (never read) without a window."""
-    if window_cache is None:
-        return kv_cache[0], kv_cache[1], block_tables, (0, 0, 0, 0, 0)
-    if kv_window is None or kv_window.shape[0] != block_tables.shape[0] or \
-            window_cache.shape[2:] != kv_cache.shape[2:]:
-        raise ValueError(f"a windowed cache needs kv_window [{block_tables.shape[0]}, blocks] and a window of "
-                         f"blocks shaped like the pool's {tuple(kv_cache.shape[2:])}; got "
-                         f"{None if kv_window is None else tuple(kv_window.shape)} and {tuple(window_cache.shape)}")
-    kw = window_cache[0]
-    return kw, window_cache[1], kv_window, (*kw.stride(), kv_window.stride(0))
+_QUANT = {"auto": AUTO, "fp8": FP8, "int8": INT8, "int4": INT4}
+
+
+def _quant_args(kv_cache: torch.Tensor, quant: QuantizedKV | None, block_tables: torch.Tensor, head_dim: int):
+    """(pointer arguments, scale strides, window strides, constexprs) of a cache for the kernels; the codes stand
+    in for what a format does not have (never read). ValueError where the pieces do not fit together."""
+    q = quant or QuantizedKV()
+    fmt = q.fmt
+    hkv = kv_cache.shape[3]
+    width = head_dim // 2 if fmt == "int4" else head_dim
+    if fmt not in _QUANT or kv_cache.shape[-1] != width or (fmt != "auto" and kv_cache.dtype != torch.uint8):
+        raise ValueError(f"a {fmt!r} cache of head_dim {head_dim} holds {width} {'uint8 codes' if fmt != 'auto' else 'values'} "
+                         f"per head; got {tuple(kv_cache.shape)} {kv_cache.dtype}")
+    nb, bs = kv_cache.shape[1], kv_cache.shape[2]
+    k_aux, v_aux, sal, k_res, v_res, s_strides = kv_cache[0], kv_cache[1], kv_cache, kv_cache, kv_cache, (0, 0, 0)
+    nsal = 0
+    if fmt == "fp8":
+        if q.scales is None or q.scales.shape != kv_cache.shape[:-1]:
+            raise ValueError(f"an fp8 cache needs scales of shape {tuple(kv_cache.shape[:-1])}")
+        k_aux, v_aux, s_strides = q.scales[0], q.scales[1], q.scales[0].stride()
+    elif fmt in ("int8", "int4"):
+        want = {"key_grid": (nb, 2, hkv, head_dim), "value_grid": (nb, 2, bs, hkv)}
+        for name, shape in want.items():
+            t = getattr(q, name)
+            if t is None or tuple(t.shape) != shape or not t.is_contiguous():
+                raise ValueError(f"an {fmt} cache needs a contiguous {name} of shape {shape}")
+        k_aux, v_aux = q.key_grid, q.value_grid
+        if fmt == "int4" and q.salient is not None and q.salient.shape[1]:
+            nsal = q.salient.shape[1]
+            if tuple(q.salient.shape) != (nb, nsal, hkv) or q.residual is None or \
+                    tuple(q.residual.shape) != (2, nb, nsal, hkv, head_dim // 2) or not q.residual[0].is_contiguous():
+                raise ValueError(f"int4's salient tokens need offsets ({nb}, n, {hkv}) and low nibbles (2, {nb}, n, "
+                                 f"{hkv}, {head_dim // 2})")
+            sal, k_res, v_res = q.salient, q.residual[0], q.residual[1]
+    k_win, v_win, table, w_strides = kv_cache[0], kv_cache[1], block_tables, (0, 0, 0, 0, 0)
+    if q.window is not None:
+        if q.table is None or q.table.shape[0] != block_tables.shape[0] or \
+                tuple(q.window.shape[2:]) != (bs, hkv, head_dim):
+            raise ValueError(f"a windowed cache needs a table [{block_tables.shape[0]}, blocks] and a window of "
+                             f"blocks shaped ({bs}, {hkv}, {head_dim})")
+        k_win, v_win, table = q.window[0], q.window[1], q.table
+        w_strides = (*k_win.stride(), table.stride(0))
+    pointers = (k_aux, v_aux, sal, k_res, v_res, k_win, v_win, table)
+    consts = dict(HKV=hkv, QUANT=_QUANT[fmt], NSAL=nsal, NSAL_P2=max(1, triton.next_power_of_2(max(nsal, 1))),
+                  WINDOWED=q.window is not None)
+    return pointers, s_strides, w_strides, consts
 
 
 def _dot_options(dtype: torch.dtype) -> dict:
@@ -329,21 +413,19 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
                            scale: float, *, seq_ids: torch.Tensor | None = None, max_seq_len: int | None = None,
                            sliding_window: int | None = None, num_splits: int | None = None,
                            out: torch.Tensor | None = None, tune: dict | None = None,
-                           kv_scales: torch.Tensor | None = None, kv_window: torch.Tensor | None = None,
-                           window_cache: torch.Tensor | None = None) -> torch.Tensor:
+                           quant: QuantizedKV | None = None) -> torch.Tensor:
     """Attention for decode rows (one query token each) over the paged cache.
 
-    q: [T, H, D] (the whole step's query rows); sequence b's query is row ``query_start_loc[b]``. ``kv_scales``
-    ([2, num_blocks, block_size, Hkv] float16): the cache holds fp8 codes (uint8) with these per-token scales.
-    ``kv_window`` ([B, >= blocks per table] int32, -1: the pool's block) with ``window_cache`` ([2, W, block_size,
-    Hkv, D], q's dtype): a windowed cache, whose open and recent blocks are read from the window.
+    q: [T, H, D] (the whole step's query rows); sequence b's query is row ``query_start_loc[b]``. ``quant``: the
+    cache holds quantized codes (and, windowed, a full-precision window), see ``QuantizedKV``.
     ``seq_ids`` ([n] int32) picks the decode sequences (default: all). ``max_seq_len`` (host int) sizes the split;
     it is read from the device when omitted. Results go to the decode rows of ``out`` ([T, H, D], allocated when
     None); other rows are left untouched. ``tune`` overrides ``decode_tuning`` (block_n, num_warps, num_stages)."""
     T, H, D = q.shape
-    _, _, block_size, hkv, cd = kv_cache.shape
-    if H % hkv or cd != D:
+    _, _, block_size, hkv, _ = kv_cache.shape
+    if H % hkv:
         raise ValueError(f"decode attention: q {tuple(q.shape)} does not fit the cache {tuple(kv_cache.shape)}")
+    pointers, s_strides, w_strides, consts = _quant_args(kv_cache, quant, block_tables, D)
     if seq_ids is None:
         seq_ids = torch.arange(seq_lens.shape[0], dtype=torch.int32, device=q.device)
     n = seq_ids.shape[0]
@@ -369,19 +451,17 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
         mid_lse = torch.empty(n, H, num_splits, dtype=torch.float32, device=q.device)
         mo_strides, ml_strides = mid_o.stride(), mid_lse.stride()
     kc, vc = kv_cache[0], kv_cache[1]
-    ks, vs, s_strides = _scales(kv_cache, kv_scales)
-    kw, vw, kv_window, w_strides = _window(kv_cache, kv_window, window_cache, block_tables)
     window = sliding_window or 0
     _decode_partial_kernel[(n, hkv, num_splits)](
-        q, kc, vc, ks, vs, kw, vw, kv_window, block_tables, seq_lens, query_start_loc, positions, seq_ids,
+        q, kc, vc, *pointers, block_tables, seq_lens, query_start_loc, positions, seq_ids,
         out, mid_o, mid_lse,
         scale * _LOG2E, window, num_splits,
         *q.stride(), *out.stride(), *kc.stride(), *s_strides, *w_strides, block_tables.stride(0),
         *mo_strides, *ml_strides,
         GROUP=group, HEAD_DIM=D, BLOCK_SIZE=block_size,
         BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, BLOCK_D=block_d,
-        HAS_WINDOW=bool(sliding_window), SINGLE_SPLIT=single, **_dot_options(q.dtype), FP8=kv_scales is not None,
-        WINDOWED=window_cache is not None, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        HAS_WINDOW=bool(sliding_window), SINGLE_SPLIT=single, **_dot_options(q.dtype), **consts,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     if not single:
         _decode_reduce_kernel[(n, H)](
             mid_o, mid_lse, out, query_start_loc, seq_ids, num_splits,
@@ -395,7 +475,7 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
 # ---------------------------------------------------------------------------------------------------------------
 @triton.jit
 def _prefill_kernel(
-    q_ptr, k_cache, v_cache, k_scale, v_scale, k_win, v_win, kv_window,
+    q_ptr, k_cache, v_cache, k_aux, v_aux, sal, k_res, v_res, k_win, v_win, kv_window,
     block_tables, seq_lens, query_start_loc, positions, seq_ids,
     tree_mask, tree_offsets, out_ptr,
     scale_log2, window,
@@ -405,7 +485,7 @@ def _prefill_kernel(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_TREE: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
-    FP8: tl.constexpr, WINDOWED: tl.constexpr,
+    HKV: tl.constexpr, QUANT: tl.constexpr, NSAL: tl.constexpr, NSAL_P2: tl.constexpr, WINDOWED: tl.constexpr,
 ):
     """Program (tile t, sequence i, kv head g): rows are (query token, head of group g) pairs, token-major, so
     BLOCK_M // GROUP consecutive query tokens share each K/V tile (GQA reads K/V once per kv head).
@@ -454,9 +534,10 @@ def _prefill_kernel(
     for n0 in range(lo, hi, BLOCK_N):
         j = n0 + tl.arange(0, BLOCK_N)
         jmask = j < hi
-        k, v = _kv_tile(k_cache, v_cache, k_scale, v_scale, k_win, v_win, kv_window, bt_row, b, g, j, jmask, d, dmask,
-                        stride_cb, stride_cs, stride_ch, stride_cd, stride_sb, stride_ss, stride_sh,
-                        stride_wb, stride_ws, stride_wh, stride_wd, stride_kw, q_ptr, BLOCK_SIZE, FP8, WINDOWED)
+        k, v = _kv_tile(k_cache, v_cache, k_aux, v_aux, sal, k_res, v_res, k_win, v_win, kv_window, bt_row, b, g, j,
+                        jmask, d, dmask, stride_cb, stride_cs, stride_ch, stride_cd, stride_sb, stride_ss, stride_sh,
+                        stride_wb, stride_ws, stride_wh, stride_wd, stride_kw, q_ptr,
+                        BLOCK_SIZE, HKV, HEAD_DIM, QUANT, NSAL, NSAL_P2, WINDOWED)
         qk = _mma(q, tl.trans(k), DOT_PRECISION, UPCAST_DOT) * scale_log2       # [BLOCK_M, BLOCK_N]
 
         is_new = j >= ctx                                # this step's keys carry their token's position
@@ -504,18 +585,17 @@ def paged_prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table
                             scale: float, *, max_query_len: int, seq_ids: torch.Tensor | None = None,
                             sliding_window: int | None = None, tree_mask: torch.Tensor | None = None,
                             tree_offsets: torch.Tensor | None = None, out: torch.Tensor | None = None,
-                            tune: dict | None = None, kv_scales: torch.Tensor | None = None,
-                            kv_window: torch.Tensor | None = None,
-                            window_cache: torch.Tensor | None = None) -> torch.Tensor:
+                            tune: dict | None = None, quant: QuantizedKV | None = None) -> torch.Tensor:
     """Attention for sequences with any number of query tokens (prefill chunks, verification rows).
 
     ``max_query_len`` (host int) sizes the grid. ``tree_mask``/``tree_offsets`` come from ``pack_tree_masks``.
     Results go to the rows of the selected sequences in ``out``; other rows are untouched. ``tune`` overrides
-    ``prefill_tuning`` (block_m, block_n, num_warps, num_stages). ``kv_scales``, ``kv_window``, ``window_cache``: as in ``paged_decode_attention``."""
+    ``prefill_tuning`` (block_m, block_n, num_warps, num_stages). ``quant``: as in ``paged_decode_attention``."""
     T, H, D = q.shape
-    _, _, block_size, hkv, cd = kv_cache.shape
-    if H % hkv or cd != D:
+    _, _, block_size, hkv, _ = kv_cache.shape
+    if H % hkv:
         raise ValueError(f"prefill attention: q {tuple(q.shape)} does not fit the cache {tuple(kv_cache.shape)}")
+    pointers, s_strides, w_strides, consts = _quant_args(kv_cache, quant, block_tables, D)
     if seq_ids is None:
         seq_ids = torch.arange(seq_lens.shape[0], dtype=torch.int32, device=q.device)
     n = seq_ids.shape[0]
@@ -531,16 +611,14 @@ def paged_prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table
     if not has_tree:
         tree_mask = tree_offsets = seq_ids          # unused placeholders
     kc, vc = kv_cache[0], kv_cache[1]
-    ks, vs, s_strides = _scales(kv_cache, kv_scales)
-    kw, vw, kv_window, w_strides = _window(kv_cache, kv_window, window_cache, block_tables)
     grid = (triton.cdiv(max_query_len, tokens_per_tile), n, hkv)
     _prefill_kernel[grid](
-        q, kc, vc, ks, vs, kw, vw, kv_window, block_tables, seq_lens, query_start_loc, positions, seq_ids,
+        q, kc, vc, *pointers, block_tables, seq_lens, query_start_loc, positions, seq_ids,
         tree_mask, tree_offsets, out,
         scale * _LOG2E, sliding_window or 0,
         *q.stride(), *out.stride(), *kc.stride(), *s_strides, *w_strides, block_tables.stride(0),
         GROUP=group, HEAD_DIM=D, BLOCK_SIZE=block_size,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=max(16, triton.next_power_of_2(D)),
-        HAS_WINDOW=bool(sliding_window), HAS_TREE=has_tree, **_dot_options(q.dtype), FP8=kv_scales is not None,
-        WINDOWED=window_cache is not None, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        HAS_WINDOW=bool(sliding_window), HAS_TREE=has_tree, **_dot_options(q.dtype), **consts,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return out
