@@ -603,6 +603,28 @@ def test_finished_recent_blocks_stay_in_the_prefix_cache(llama_dir, fmt):
     assert_window_free(llm)
 
 
+def test_an_import_applies_pending_late_seals_first(llama_dir):
+    """A KV import between steps hands out free blocks at once, one of which may still wait for its late seal: the
+    engine applies pending seals before installing, so every imported block holds exactly the transferred KV and
+    the finished request's blocks stay cached."""
+    kw = dict(kv_cache_dtype="int8", kv_cache_recent_tokens=32, num_kv_blocks=8, max_model_len=128)
+    src, dst = make_llm(llama_dir, **kw), make_llm(llama_dir, **kw)
+    a, b = prompts_(1, seed=5, lo=80, hi=81)[0], prompts_(1, seed=6, lo=60, hi=61)[0]
+    src.generate([a], GREEDY, use_tqdm=False)
+    sent = src.engine.export_kv(a)
+    dst.generate([b], GREEDY, use_tqdm=False)                   # 84 tokens: blocks 3 and 4 are sealed late
+    bm = dst.engine.block_manager
+    pending = [blk for blk, _ in bm.late_seals]
+    assert len(pending) == 2                              # b's recent blocks wait for the next step ...
+    assert dst.engine.import_kv(sent) == len(sent.token_ids) == 80
+    blocks = bm.cached_blocks(list(a))
+    assert set(pending) & set(blocks)                     # ... the import took (some of) their blocks,
+    dst.generate([[7, 8, 9]], SamplingParams(max_tokens=1), use_tqdm=False)     # and a step ran since
+    for got, want in zip(dst.engine.runner.read_kv_blocks(blocks), sent.blocks):
+        assert all(torch.equal(x, y) for x, y in zip(got, want))
+    assert_window_free(dst)
+
+
 def test_recent_tokens_shrink_the_error(llama_dir):
     """Teacher-forced prompt logprobs of long prompts (chunked prefill, so earlier chunks are read from the cache)
     against full precision: keeping the 32 newest tokens at full precision lowers fp8's and int4's error."""

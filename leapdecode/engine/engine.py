@@ -291,14 +291,19 @@ class Engine:
         """The KV of the longest prefix of ``token_ids`` this engine's prefix cache holds (full blocks, chain order;
         may be empty), copied to the CPU. Between steps, on the engine's thread."""
         _, ids = self.tokenize(token_ids)
-        if self.block_manager.late_seals:   # finished sequences' recent blocks: keyed, quantized by the next step
-            if self._inflight is not None:
-                wait([self._inflight.future])
-            self.runner.seal_kv_blocks(self.block_manager.take_late_seals())
+        self._apply_late_seals()
         blocks = self.block_manager.cached_blocks(ids)
         data = self.runner.read_kv_blocks(blocks)
         return KVTransfer(transfer_layout(self.runner.kv_layout), tuple(ids[:len(blocks) * self.cfg.block_size]),
                           tuple(data))
+
+    def _apply_late_seals(self) -> None:
+        """Quantize finished sequences' recent blocks now rather than in the next step (they are keyed already):
+        before an export reads them or an import overwrites free blocks."""
+        if self.block_manager.late_seals:
+            if self._inflight is not None:
+                wait([self._inflight.future])
+            self.runner.seal_kv_blocks(self.block_manager.take_late_seals())
 
     def import_kv(self, transfer: KVTransfer) -> int:
         """Install another engine's exported blocks as prefix-cached free blocks, so the next request with that
@@ -308,6 +313,7 @@ class Engine:
         transfer.check(transfer_layout(self.runner.kv_layout))
         if self._inflight is not None:      # it may still write KV into blocks its predecessor's update freed
             wait([self._inflight.future])   # (its result is committed by the next step, as always)
+        self._apply_late_seals()            # (a block waiting for its seal may be the one install hands out)
         slots = self.block_manager.install(chain_keys(transfer.token_ids, self.cfg.block_size))
         fresh = [(block, transfer.blocks[i]) for i, block in enumerate(slots) if block >= 0]
         try:
