@@ -405,6 +405,34 @@ def test_page_bounds_are_kept_for_selecting_layers_and_counted_in_the_budget(dee
     assert info["total_bytes"] <= memory
 
 
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+def test_page_bounds_hold_keys_that_kv_moves_bring(deep_dir, kv_cache_dtype):
+    """pages: keys copied into another block (a beam fork's copy of its parent's partial block; a windowed cache
+    moves window slots) are folded into that block's bounds, so every cached block's bounds contain its keys.
+    Without the fold a forked block keeps the bounds of whatever it held before (fails)."""
+    from leapdecode.decoding.beam_search import BeamSearchParams
+    llm = make_llm(deep_dir, max_model_len=512, sparse_attention=PAGES, kv_cache_dtype=kv_cache_dtype)
+    prompts = long_prompts((37, 58), seed=6)
+    llm.beam_search(prompts, BeamSearchParams(beam_width=4, max_tokens=24))
+    runner, bm = llm.engine.runner, llm.engine.block_manager
+    sparse = runner.backend.sparse
+    llm.engine._apply_late_seals()                        # (finished beams' recent blocks, int8)
+    checked = 0
+    for block in sorted(set(bm.cached.values())):
+        slots = torch.arange(block * 16, block * 16 + 16)
+        for layer, (lo, hi) in sparse.page_bounds.items():
+            if kv_cache_dtype == "auto":
+                keys, tol = runner.kv_cache.keys_at(layer, slots).float(), 1e-6
+            else:     # sealed: the pool's keys, within half a step of the 255-level grid over [min, max]
+                keys = runner.kv_cache.layer(layer).read(torch.tensor([[block]]), None)[0][0].float()
+                tol = (hi[block] - lo[block]) / 255 + 1e-3
+            assert bool((lo[block] <= keys.amin(0) + tol).all() and (hi[block] >= keys.amax(0) - tol).all()), \
+                (block, layer)
+        checked += 1
+    assert checked >= 4
+    assert_pool_free(llm)
+
+
 def test_imported_blocks_get_their_page_bounds(deep_dir):
     """pages: KV blocks imported from another engine (disaggregated prefill) are bounded like written ones, so the
     importer chooses the exporter's pages and decodes its tokens."""

@@ -171,6 +171,17 @@ class KVCache:
             scales = self.scales.view(L, 2, nb * bs, h)
             scales[:, :, dst] = scales[:, :, src].clone()
 
+    def keys_at(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
+        """Layer ``layer``'s keys [n, kv_heads, head_dim] at ``slots`` in the model's dtype: pool slots, or in a
+        windowed cache window slots (what ``copy_slots`` moves)."""
+        h, d = self.num_kv_heads, self.head_dim
+        if self.layout.windowed:
+            return self.window[layer, 0].reshape(-1, h, d)[slots]
+        if self.layout.kv_cache_dtype == "fp8":
+            return kq.fp8_decode(self.data[layer, 0].reshape(-1, h, d)[slots],
+                                 self.scales[layer, 0].reshape(-1, h)[slots], self.dtype)
+        return self.data[layer, 0].reshape(-1, h, d)[slots]
+
     @torch.inference_mode()
     def seal_from_window(self, blocks: torch.Tensor, windows: torch.Tensor) -> None:
         """Quantize window blocks ``windows`` [S] into pool ``blocks`` [S] in every layer: the late seal of a

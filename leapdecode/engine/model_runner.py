@@ -187,6 +187,7 @@ class ModelRunner:
         batch = batch if batch is not None else self.prepare(plan)
         if batch.kv_moves is not None:
             self.kv_cache.copy_slots(*batch.kv_moves)
+            self._bound_moved_keys(batch)
         if batch.kv_seals is not None:
             self.kv_cache.seal_from_window(*batch.kv_seals)
         if batch.placeholders is not None:    # rank 0 holds the sampled tokens; the other ranks receive them
@@ -212,6 +213,35 @@ class ModelRunner:
     def read_kv_blocks(self, blocks: list[int]) -> list[tuple[torch.Tensor, ...]]:
         """Pool blocks as CPU tensors (a KV export, engine/kv_transfer.py)."""
         return self.kv_cache.read_blocks(blocks)
+
+    def _bound_moved_keys(self, batch: ForwardBatch) -> None:
+        """Sparse pages: keys that a KV move put into another block (an accepted tree branch compacted into place,
+        a beam fork's copy of its parent's partial block) are folded into their new blocks' bounds. A windowed
+        cache moves window slots: their pool blocks are found through this step's window table and seals (moves of
+        a sequence the step does not run are left out)."""
+        sparse = getattr(self.backend, "sparse", None)
+        if sparse is None or not sparse.pages:
+            return
+        _, dst = batch.kv_moves
+        bs, meta = self.block_size, batch.meta
+        pool = dst
+        if self.kv_layout.windowed:
+            owner = torch.full((self.num_window_blocks,), -1, dtype=torch.long, device=dst.device)
+            open_ = meta.kv_window >= 0
+            owner[meta.kv_window[open_]] = meta.block_tables[open_]
+            if meta.kv_seal is not None:              # blocks this step seals have left kv_window already
+                held = meta.kv_seal.window >= 0
+                owner[meta.kv_seal.window[held]] = meta.kv_seal.blocks[held]
+            pool = owner[dst // bs] * bs + dst % bs
+            keep = owner[dst // bs] >= 0
+            dst, pool = dst[keep], pool[keep]
+        if not len(dst):
+            return
+        for i, layer in enumerate(self.model.layers):
+            if i not in sparse.selection_layers:
+                continue
+            cache = layer.self_attn.kv_cache
+            sparse.record_keys(i, self.kv_cache.keys_at(i, dst), pool, cache, bs)
 
     def seal_kv_blocks(self, seals: tuple[tuple[int, int], ...]) -> None:
         """Late seals outside a step (before a KV export reads the blocks)."""
