@@ -338,7 +338,7 @@ def int_case(q, kv, fmt: str, salient: int):
     from leapdecode.attention.kv_cache import KVCache
     _, nb, bs, hkv, d = kv.shape
     cache = KVCache(1, nb, bs, hkv, d, kv.dtype, DEV, fmt, nb, salient)
-    cache.window[0].copy_(kv)
+    cache.window[0][:, :nb].copy_(kv)
     ids = torch.arange(nb, device=DEV)
     cache.seal_from_window(ids, ids)
     layer = cache.layer(0)

@@ -12,8 +12,9 @@ Quantized formats (lossy, opt-in; the arithmetic is in ``kv_quant.py``):
 - ``int8`` / ``int4``: a block's keys are quantized per channel, so a block is only quantized ("sealed") once all
   of its tokens are final, and (``recent_tokens``) once it lies that many tokens behind its sequence's end (the
   newest keys draw most of the attention: KIVI's full-precision residual). Until then it lives in the **window**:
-  ``window_blocks`` full-precision blocks ``[layers, 2, window_blocks, block_size, kv_heads, head_dim]`` holding
-  every sequence's open blocks (the partial last block, blocks holding draft tokens, and the recent ones). The
+  ``window_blocks`` full-precision blocks ``[layers, 2, window_blocks + 1, block_size, kv_heads, head_dim]`` holding
+  every sequence's open blocks (the partial last block, blocks holding draft tokens, and the recent ones; the
+  spare last block takes the writes of tokens that go elsewhere, so a write never syncs the host). The
   block manager hands out window blocks with pool blocks and the scheduler says which blocks seal in each step
   (``engine/block_manager.py``). A pool block stores codes
   ``[layers, 2, blocks, block_size, kv_heads, head_dim * bits / 8]``, the keys' per-channel grids ``[layers,
@@ -131,7 +132,8 @@ class KVCache:
         if self.layout.windowed:
             if self.window_blocks < 1:
                 raise ValueError(f"kv_cache_dtype={fmt!r} needs at least one full-precision window block")
-            self.window = _zeros((L, 2, self.window_blocks, bs, h, d), dtype, device)
+            # one spare block past the window: the write's dump for tokens that go elsewhere (never read)
+            self.window = _zeros((L, 2, self.window_blocks + 1, bs, h, d), dtype, device)
             self._stage = _Stage()
 
     @staticmethod
@@ -143,7 +145,8 @@ class KVCache:
     @property
     def nbytes(self) -> int:
         """Bytes of the pool, scales and window included."""
-        return self.num_blocks * self.layout.bytes_per_block + self.window_blocks * self.layout.window_bytes_per_block
+        window = self.window_blocks + 1 if self.layout.windowed else 0       # (the spare block included)
+        return self.num_blocks * self.layout.bytes_per_block + window * self.layout.window_bytes_per_block
 
     def layer(self, i: int) -> "torch.Tensor | Fp8Layer | WindowedLayer":
         """Layer i's cache: a [2, blocks, block_size, kv_heads, head_dim] tensor under "auto", else the layer's view
@@ -288,18 +291,15 @@ class WindowedLayer:
         tokens of blocks sealed this step into the stage, over what the window already held of those blocks."""
         _, nw, bs, h, d = self.window.shape
         flat = self.window.view(2, nw * bs, h, d)
-        keep = window_slots >= 0
-        if bool(keep.all()):
-            flat[0].index_copy_(0, window_slots, k.to(self.window.dtype))
-            flat[1].index_copy_(0, window_slots, v.to(self.window.dtype))
-        elif bool(keep.any()):
-            flat[0].index_copy_(0, window_slots[keep], k[keep].to(self.window.dtype))
-            flat[1].index_copy_(0, window_slots[keep], v[keep].to(self.window.dtype))
+        # tokens that go elsewhere land in the spare last block: no host sync to pick them out
+        slots = torch.where(window_slots >= 0, window_slots, (nw - 1) * bs)
+        flat[0].index_copy_(0, slots, k.to(self.window.dtype))
+        flat[1].index_copy_(0, slots, v.to(self.window.dtype))
         if seal is None:
             return
         tile = self.window[:, seal.window.clamp(min=0)].float()                        # [2, S, bs, h, d]
-        tile[:, seal.window < 0] = 0.0
-        tile = tile.view(2, -1, h, d)
+        tile = torch.where((seal.window >= 0)[None, :, None, None, None], tile, 0.0)
+        tile = tile.reshape(2, -1, h, d)
         tile[0].index_copy_(0, seal.stage_index, k[seal.stage_rows].float())
         tile[1].index_copy_(0, seal.stage_index, v[seal.stage_rows].float())
         self.stage.tile = tile.view(2, -1, bs, h, d)
