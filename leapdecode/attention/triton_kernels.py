@@ -365,8 +365,9 @@ def _quant_args(kv_cache: torch.Tensor, quant: QuantizedKV | None, block_tables:
     hkv = kv_cache.shape[3]
     width = head_dim // 2 if fmt == "int4" else head_dim
     if fmt not in _QUANT or kv_cache.shape[-1] != width or (fmt != "auto" and kv_cache.dtype != torch.uint8):
-        raise ValueError(f"a {fmt!r} cache of head_dim {head_dim} holds {width} {'uint8 codes' if fmt != 'auto' else 'values'} "
-                         f"per head; got {tuple(kv_cache.shape)} {kv_cache.dtype}")
+        what = "uint8 codes" if fmt != "auto" else "values"
+        raise ValueError(f"a {fmt!r} cache of head_dim {head_dim} holds {width} {what} per head; got "
+                         f"{tuple(kv_cache.shape)} {kv_cache.dtype}")
     nb, bs = kv_cache.shape[1], kv_cache.shape[2]
     k_aux, v_aux, sal, k_res, v_res, s_strides = kv_cache[0], kv_cache[1], kv_cache, kv_cache, kv_cache, (0, 0, 0)
     nsal = 0
