@@ -172,13 +172,20 @@ class BlockManager:
             block = table[i]
             if self.ref_counts[block] > 1 or not (self.sealed[block] or self.window_of[block] >= 0):
                 return
-            key = block_hash(seq.block_hashes[-1] if seq.block_hashes else None, seq.token_ids[i * bs:(i + 1) * bs])
-            seq.block_hashes.append(key)
             if not self.sealed[block]:
                 self.late_seals.append((block, self.window_of[block]))
                 self.sealed[block], self.window_of[block] = True, -1     # the window block waits for the seal
-            if key not in self.cached and self.block_keys[block] is None:
-                self.cached[key], self.block_keys[block] = block, key
+            self._extend_chain(seq)
+
+    def _extend_chain(self, seq: Sequence) -> None:
+        """Hash the sequence's first full block not yet in its chain and key its block in the prefix cache, unless
+        that key is cached already or the block holds another one."""
+        i, bs = len(seq.block_hashes), self.block_size
+        key = block_hash(seq.block_hashes[-1] if seq.block_hashes else None, seq.token_ids[i * bs:(i + 1) * bs])
+        seq.block_hashes.append(key)
+        block = seq.block_table[i]
+        if self.enable_prefix_caching and key not in self.cached and self.block_keys[block] is None:
+            self.cached[key], self.block_keys[block] = block, key
 
     def take_late_seals(self) -> tuple[tuple[int, int], ...]:
         """The late seals for the plan being frozen (it quantizes them before its forward, after its KV moves);
@@ -292,12 +299,6 @@ class BlockManager:
         seq.num_kv_final = num_computed
         limit = min(num_computed, seq.num_tokens) // bs
         while len(seq.block_hashes) < limit:
-            i = len(seq.block_hashes)
-            if self.windowed and not self.sealed[seq.block_table[i]]:
+            if self.windowed and not self.sealed[seq.block_table[len(seq.block_hashes)]]:
                 break                             # keyed once sealed (its next step), so a hit reads it quantized
-            key = block_hash(seq.block_hashes[-1] if seq.block_hashes else None, seq.token_ids[i * bs:(i + 1) * bs])
-            seq.block_hashes.append(key)
-            block = seq.block_table[i]
-            if self.enable_prefix_caching and key not in self.cached and self.block_keys[block] is None:
-                self.cached[key] = block
-                self.block_keys[block] = key
+            self._extend_chain(seq)

@@ -88,11 +88,17 @@ class ModelRunner:
         return graphs
 
     @property
+    def _pages(self) -> SparseAttention | None:
+        """Sparse decoding's settings when it selects by page (and keeps per-block key bounds), else None."""
+        sparse = getattr(self.backend, "sparse", None)
+        return sparse if sparse is not None and sparse.pages else None
+
+    @property
     def page_bounds_per_block(self) -> int:
         """Bytes sparse decoding's page selection keeps per block beside its KV (each selecting layer's per-channel
         key minimum and maximum, float32); 0 otherwise. Counted in the KV budget."""
-        sparse = getattr(self.backend, "sparse", None)
-        if sparse is None or not sparse.pages:
+        sparse = self._pages
+        if sparse is None:
             return 0
         return 2 * len(sparse.selection_layers) * self._kv_view.num_kv_heads * self._kv_view.head_dim * 4
 
@@ -219,8 +225,8 @@ class ModelRunner:
         a beam fork's copy of its parent's partial block) are folded into their new blocks' bounds. A windowed
         cache moves window slots: their pool blocks are found through this step's window table and seals (moves of
         a sequence the step does not run are left out)."""
-        sparse = getattr(self.backend, "sparse", None)
-        if sparse is None or not sparse.pages:
+        sparse = self._pages
+        if sparse is None:
             return
         _, dst = batch.kv_moves
         bs, meta = self.block_size, batch.meta
@@ -237,11 +243,8 @@ class ModelRunner:
             dst, pool = dst[keep], pool[keep]
         if not len(dst):
             return
-        for i, layer in enumerate(self.model.layers):
-            if i not in sparse.selection_layers:
-                continue
-            cache = layer.self_attn.kv_cache
-            sparse.record_keys(i, self.kv_cache.keys_at(i, dst), pool, cache, bs)
+        for i in sorted(sparse.selection_layers):
+            sparse.record_keys(i, self.kv_cache.keys_at(i, dst), pool, self.model.layers[i].self_attn.kv_cache, bs)
 
     def seal_kv_blocks(self, seals: tuple[tuple[int, int], ...]) -> None:
         """Late seals outside a step (before a KV export reads the blocks)."""
@@ -252,11 +255,11 @@ class ModelRunner:
     def write_kv_blocks(self, blocks: list[int], data: list[tuple[torch.Tensor, ...]]) -> None:
         """Blocks of another runner of the same layout into the pool (a KV import)."""
         self.kv_cache.write_blocks(blocks, data)
-        sparse = getattr(self.backend, "sparse", None)
-        if sparse is not None and sparse.pages and blocks:           # their keys' bounds, for page selection
+        sparse = self._pages
+        if sparse is not None and blocks:                            # their keys' bounds, for page selection
             idx = torch.tensor(blocks, device=self.device)
-            for i, layer in enumerate(self.model.layers):
-                sparse.record_blocks(i, layer.self_attn.kv_cache, idx, self.block_size)
+            for i in sorted(sparse.selection_layers):                # (the dense layers keep none)
+                sparse.record_blocks(i, self.model.layers[i].self_attn.kv_cache, idx, self.block_size)
 
     def close(self) -> None:
         """Release the weights, the KV pool and the CUDA graphs now (the executor protocol's shutdown hook). The
