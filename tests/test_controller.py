@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from leapdecode.config import SpeculativeConfig
-from leapdecode.spec.controller import Controller, StepTimeModel
+from leapdecode.spec.controller import MARGINAL_CAP, Controller, StepTimeModel
 from leapdecode.spec.drafter import Draft
 from leapdecode.spec.speculator import Speculator
 
@@ -31,6 +31,8 @@ def truth(seq_id, pos):
 
 
 class Seq:
+    is_finished = False
+
     def __init__(self, seq_id, prompt_len=16):
         self.seq_id, self.num_prompt_tokens = seq_id, prompt_len
         self.token_ids = [truth(seq_id, p) for p in range(prompt_len)]
@@ -38,10 +40,11 @@ class Seq:
 
 
 class FakeDrafter:
-    """Drafts the true continuation; each next token is right with probability ``self.q`` (a geometric chain)."""
+    """Drafts the true continuation; each next token is right with probability ``self.q`` (a geometric chain).
+    ``claim``: the drafts carry calibrated confidences that say each token is right with this probability."""
 
-    def __init__(self, q, seed=0):
-        self.q, self.rng = q, random.Random(seed)
+    def __init__(self, q, seed=0, claim=None):
+        self.q, self.rng, self.claim = q, random.Random(seed), claim
         self.calls = 0
 
     def propose(self, requests):
@@ -53,7 +56,8 @@ class FakeDrafter:
                 ok = ok and self.rng.random() < self.q
                 t = truth(r.seq_id, len(r.token_ids) + j)
                 toks.append(t if ok else t + 1)
-            out.append(Draft(toks, None, score=0.5))
+            conf = [self.claim ** (j + 1) for j in range(len(toks))] if self.claim is not None else None
+            out.append(Draft(toks, None, score=0.5, confidence=conf))
         return out
 
     def observe(self, *a, **k):
@@ -79,7 +83,7 @@ def fabricated_drafting(spec, per_request=DRAFT_SECONDS):
 
 def simulate(step_time, q, batch=1, steps=300, k=8, adaptive=True, noise=0.03, q_after=None, switch=None, seed=0,
              probe_time=None, graphs=None, spike=None, wrong=False, guard=True, draft_seconds=DRAFT_SECONDS,
-             turnover=None):
+             turnover=None, claim=None):
     """Run the speculator on a fabricated machine; returns (tokens/s, draft tokens per request per step).
     ``probe_time``: what the start-up probe measures (default: the machine's own curve). ``graphs``: a CUDA-graph
     machine, (bucket(num_seqs, q) -> (B, Q) or None, real seconds of a bucket, its replay time at start-up):
@@ -87,8 +91,9 @@ def simulate(step_time, q, batch=1, steps=300, k=8, adaptive=True, noise=0.03, q
     verifying steps (a collection set off by draft allocations, a drafter's periodic rebuild): the median of a
     size's recent steps, the controller's cost model, never sees it. ``wrong``: a controller that always keeps
     every draft (a cost model that is wrong); ``guard``: the measured throughput guard on; ``draft_seconds``: what
-    drafting costs per request; ``turnover``: every so many steps the oldest request ends and a new one arrives."""
-    drafter = FakeDrafter(q, seed)
+    drafting costs per request; ``turnover``: every so many steps the oldest request ends and a new one arrives;
+    ``claim``: the drafts' calibrated confidence per token (None: none)."""
+    drafter = FakeDrafter(q, seed, claim)
     cfg = SpeculativeConfig(method="ngram", num_speculative_tokens=k, adaptive=adaptive, drafter=drafter)
     probe = StepTimeModel()
     for n in (1, 2, 4, 8, 16, 64, 1, 64):
@@ -247,6 +252,105 @@ def test_no_loss_at_batch_16_when_real_steps_cost_more_than_the_probe():
     assert rate >= 0.985 * plain_rate(real, 16)
 
 
+def probed_model(probe=cpu_like):
+    """A step-time model holding a start-up probe (forwards of 1..64 tokens) as its shape, as the engine makes it."""
+    st = StepTimeModel()
+    for n in (1, 2, 4, 8, 16, 64, 1, 64):
+        st.observe(n, probe(n))
+    return st
+
+
+def test_decode_steps_are_priced_per_batch_size_not_by_token_count_alone():
+    """Steps with prefill chunks are cheap per token (their rows skip the LM head and per-sequence work), 64
+    decodes are not: 92 tokens as a prompt chunk cost what 64 decodes do. Priced by token count alone, 28 draft
+    tokens on 64 decodes looked free (at batch 64 on the CPU speculation lost 8-16%); priced on the curve of
+    64-sequence steps they cost what they do, and drafts worth half a token each do not pay."""
+    st = probed_model()
+    ctl = Controller(8, st)
+
+    def decodes64(n):           # the CPU trace: 64 decodes 200 ms, each draft token ~1.6 ms more
+        return 0.200 + 0.0016 * (n - 64)
+
+    for _ in range(5):
+        for n in (92, 150, 300):
+            st.observe(n, 0.060 + 0.0015 * n)            # prompt chunks with a few decodes
+        st.observe(64, decodes64(64), num_seqs=64)
+    assert st(92) == pytest.approx(0.060 + 0.0015 * 92, rel=0.05)          # a mixed step: the mixed steps' curve
+    assert st(92, num_seqs=64) >= decodes64(92)                            # 64 decodes and 28 draft tokens
+    proposals = [(i, 1, 0.5, [0.5]) for i in range(64)]
+    assert sum(ctl.draft_lengths(proposals, 64, num_seqs=64)) == 0
+    assert sum(ctl.draft_lengths([(i, 1, 0.5, [0.99]) for i in range(64)], 64, num_seqs=64)) > 0   # sure ones pay
+
+
+def test_beyond_the_steps_seen_a_draft_token_costs_at_most_twice_the_probes():
+    """Real decode steps at batch 64 cost 15x the probe's step (attention over long contexts), but a draft token
+    adds little of that (measured: ~1-2x the probe's extra token). Holding the whole ratio priced draft tokens 15x
+    too high and speculation could never be tried at that batch size."""
+    st = probed_model()
+    Controller(8, st)
+    for _ in range(3):
+        st.observe(64, 15 * cpu_like(64), num_seqs=64)
+    assert st(64, 64) == pytest.approx(15 * cpu_like(64))
+    assert st(164, 64) - st(64, 64) == pytest.approx(MARGINAL_CAP * (cpu_like(164) - cpu_like(64)), rel=0.02)
+    for _ in range(3):                                    # a real step further out: its own price
+        st.observe(164, 15 * cpu_like(64) + 0.3, num_seqs=64)
+    assert st(164, 64) == pytest.approx(15 * cpu_like(64) + 0.3)
+    assert st(64, 64) < st(114, 64) < st(164, 64)
+
+
+def test_claims_are_scaled_by_how_often_they_came_true():
+    """A drafter whose calibrated confidences claim 0.9 per token when 0.3 is the truth (a fresh drafter trusts its
+    own guesses): at batch 16 on a CPU-like machine such drafts pay only if the claims were true. The controller
+    measures accepted over claimed tokens and values later claims by it, so it stops drafting within a few steps;
+    taking the claims at their word it drafts all along and runs below plain decoding."""
+    def real(n):
+        return 2 * cpu_like(n)
+    rate, per_step, spec = simulate(real, 0.3, batch=16, steps=200, claim=0.9)
+    assert spec.controller.realized < 0.5
+    assert np.mean(per_step[50:]) < 0.2
+    assert rate >= 0.97 * plain_rate(real, 16)
+
+
+def test_claims_come_true_again_in_shadow():
+    """The discount on claims is measured on shadow drafts too: after a spell of failing drafts speculation stops,
+    and only shadows still show whether the claims come true. (Measured on verified drafts alone, at batch 1 on
+    the CPU speculation stayed off for good on HumanEval: 1.01 tokens per step against 1.56-1.66 with shadows.)"""
+    st = StepTimeModel()
+    for n in range(1, 40):
+        st.observe(n, gpu_like(n))                        # verifying is nearly free: every draft is kept
+    ctl = Controller(8, st)
+    for step in range(30):                                # claims of 0.9 per token that all fail
+        keep = ctl.draft_lengths([(1, 4, 0.5, [0.9, 0.81, 0.73, 0.66])], 1)
+        assert keep == [4]
+        ctl.observe(1, 4, 0)
+    assert ctl.realized < 0.2
+    for step in range(60):                                # then shadows: the same claims, all accepted
+        ctl.observe(1, 4, 4, claimed=0.9 + 0.81 + 0.73 + 0.66)
+    assert ctl.realized > 0.95
+
+
+def test_a_stale_plain_price_is_measured_again_before_a_modest_gain_is_trusted():
+    """Plain decoding at a batch size is timed again when new requests came in (a step with prefill chunks) since
+    it was last seen: their contexts set its cost. A controller that speculates never times a plain step otherwise,
+    and at batch 64 on the CPU the old price (254 ms, the previous requests') against the real one (165 ms) made
+    speculation that lost 22% look like a gain. A large predicted gain does not wait."""
+    st = probed_model()
+    ctl = Controller(8, st)
+    for _ in range(3):
+        st.observe(16, 0.300, num_seqs=16)                # 16 decodes over long contexts
+    for _ in range(12):
+        st.observe(32, 0.348, num_seqs=16)                # speculating steps: 16 draft tokens
+    assert not st.stale(16, 16)
+    st.observe(400, 0.6)                                  # a prompt chunk: new requests
+    assert st.stale(16, 16)
+    modest = [(i, 1, 0.5, [0.5]) for i in range(16)]       # predicted: ~1.3x
+    assert ctl.draft_lengths(modest, 16, num_seqs=16) == [0] * 16 and ctl.last_choice["explored"]
+    assert sum(ctl.draft_lengths([(i, 4, 0.5, [0.99] * 4) for i in range(16)], 16, num_seqs=16)) > 0   # ~3x
+    st.observe(16, 0.300, num_seqs=16)                    # timed again: the modest gain is taken
+    assert not st.stale(16, 16)
+    assert sum(ctl.draft_lengths(modest, 16, num_seqs=16)) > 0
+
+
 def test_off_controller_rechecks_rarely_not_every_step(monkeypatch):
     """While speculation is off the controller is asked again when something changed (a shadow draft resolved, the
     batch changed) or every 8 quiet steps, not on every step: the check costs ~0.5 ms (a CPU step's 10%; on a GPU,
@@ -311,7 +415,8 @@ def test_online_training_time_is_not_charged_as_drafting():
 
 def test_probe_times_each_size_after_an_untimed_first_forward():
     """The start-up probe must not time a size's first forward (one-off costs: allocations, oneDNN kernels made
-    per shape): a first call of 80 ms per size must not show in the curve, whose true cost is 1 ms + 0.1 ms/token."""
+    per shape): a first call of 80 ms per size must not show in the curve, whose true cost is 1 ms + 0.1 ms/token.
+    Each forward is shaped as the steps the curve prices, a verification: logits for every row."""
     import time as _time
     from types import SimpleNamespace
 
@@ -321,6 +426,7 @@ def test_probe_times_each_size_after_an_untimed_first_forward():
 
     def execute(plan):
         n = plan.num_tokens
+        assert len(plan.sample_logits_rows()) == n
         _time.sleep((0.08 if n not in seen else 0.0) + 0.001 + 0.0001 * n)
         seen.add(n)
         return SimpleNamespace(logits=torch.zeros(1))

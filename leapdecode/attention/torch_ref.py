@@ -1,8 +1,8 @@
 """Portable attention over the paged cache in plain PyTorch: runs on CPU and CUDA, and is the test oracle.
 
-Sequences with short query runs are attended in padded batches (plain decodes in groups of similar context length,
-verification and short prefills in another, so a decode row is never padded to a verification's length nor to a
-much longer context), long prefill chunks one by one,
+Sequences with short query runs are attended in padded batches (plain decodes apart from verification and short
+prefills, each kind in groups of similar context length, so a row is never padded to a verification's length nor
+to a much longer context), long prefill chunks one by one,
 all through one function with an explicit mask built from token positions, so chunked prefill, token trees and
 sliding windows share a single rule: a query at position p sees keys at positions <= p
 that are earlier context or (for trees) its ancestors. The masks and gather indices are built once per step in
@@ -78,10 +78,13 @@ class TorchAttention(AttentionBackend):
             taken = set(sparse.rows)
             short = [i for i in short if i not in taken]
         # plain decodes apart from multi-token rows (verification, short prefills): padded together, every decode
-        # row would pay for the longest row's queries (at batch 16, SDPA cost doubled on speculating steps)
+        # row would pay for the longest row's queries (at batch 16, SDPA cost doubled on speculating steps); each
+        # kind in groups of similar context length (64 verifications over 50-1,000-token contexts padded to the
+        # longest: 1,334 ms a step on the CPU, grouped 940 ms, plain decoding 842 ms)
         single = [i for i in short if meta.query_lens[i] == 1 and meta.tree(i) is None]
         multi = [i for i in short if meta.query_lens[i] > 1 or meta.tree(i) is not None]
-        groups = [_group(meta, g) for g in _by_length(single, meta.seq_lens_host) + [multi] if g]
+        lens = meta.seq_lens_host
+        groups = [_group(meta, g) for g in _by_length(single, lens) + _by_length(multi, lens) if g]
         groups += [_group(meta, [i]) for i, n in enumerate(meta.query_lens) if n > BATCH_MAX_QUERY]
         meta.plan = groups + ([sparse] if sparse is not None else [])
 
@@ -148,7 +151,8 @@ def _group(meta: AttentionMetadata, seqs: list[int]) -> _Group:
     qlens = [meta.query_lens[i] for i in seqs]
     klens = [meta.seq_lens_host[i] for i in seqs]
     max_q, max_k = max(qlens), max(klens)
-    idx = torch.tensor(seqs, device=dev) if len(seqs) != meta.num_seqs else torch.arange(len(seqs), device=dev)
+    # (a group's rows come in its own order, by context length: arange only when that is the step's order)
+    idx = torch.arange(len(seqs), device=dev) if seqs == list(range(meta.num_seqs)) else torch.tensor(seqs, device=dev)
     qpos_in_seq = torch.arange(max_q, device=dev)
     klen_t = meta.seq_lens[idx]
     nblocks = -(-max_k // meta.block_size)

@@ -7,17 +7,21 @@ them, maximising expected emitted tokens per second:
 
 where B is one bonus token per decoding request and ``base`` the tokens the step computes anyway.
 
-- **Cost, measured, not assumed** (:class:`StepTimeModel`): the engine reports every step's wall time and token
-  count. Times are kept per token-count bucket (exact counts up to 32, then ~12% wide buckets) as the median of
-  the last few steps, so a CPU whose cost grows with every token, a GPU that is flat until a knee, the jump from a
-  1-token to a multi-token forward, and garbage-collection outliers are all what they really are. Between observed
-  buckets T is interpolated, beyond them extrapolated with a forgetting least-squares line, and made
-  non-decreasing in m. The engine's start-up probe (forwards of 1-64 tokens over an empty cache) is kept apart as
-  the curve's *shape* (:meth:`StepTimeModel.mark_prior`): real steps cost more than the probe's (their tokens
-  attend to long contexts, the batch's rows are scattered), so where no real step of a size was seen, T is the
-  probe's value times the ratio real/probe observed at the nearest sizes. Mixed naively, a real 16-token step next
-  to the probe's cheaper 17..64-token points made extra tokens look free (the curve is flattened to stay
-  non-decreasing), and speculation at batch 16 ran below plain decoding.
+- **Cost, measured, not assumed** (:class:`StepTimeModel`): the engine reports every step's wall time, token
+  count and, for a decode-only step, its number of sequences. Times are kept per token-count bucket (exact counts
+  up to 32, then ~12% wide buckets) as the median of the last few steps, on one curve for steps with prefill
+  chunks and one per batch size for decode-only steps (92 tokens as a prompt chunk and a few decodes cost what 64
+  decodes do; 64 decodes with 28 draft tokens cost far more), so a CPU whose cost grows with every token, a GPU
+  that is flat until a knee, the jump from a 1-token to a multi-token forward, and garbage-collection outliers are
+  all what they really are. Between observed buckets T is interpolated, beyond them extrapolated, and made
+  non-decreasing in m. The engine's start-up probe (forwards of 1-64 tokens over an empty cache, shaped as
+  verifications) is kept apart as the curves' *shape* (:meth:`StepTimeModel.mark_prior`): real steps cost more
+  than the probe's (their tokens attend to long contexts, the batch's rows are scattered), so where no real step
+  of a size was seen, T follows the probe scaled by what real steps cost at the nearest sizes, an extra token at
+  most ``MARGINAL_CAP`` times the probe's. Mixed naively, a real 16-token step next to the probe's cheaper
+  17..64-token points made extra tokens look free (the curve is flattened to stay non-decreasing), and
+  speculation at batch 16 ran below plain decoding. A plain step at a batch size last timed before new requests
+  came in is timed again before a modest gain is trusted (:meth:`StepTimeModel.stale`).
 - **Graph steps cost their shape, not their token count**: a step replayed from a CUDA graph runs the bucket
   (sequences, tokens per sequence) that holds it, so verifying 1 draft token costs what verifying k costs, and
   the 1-token decode bucket is another kernel. Those steps are timed per bucket (:class:`GraphTimes`), apart from
@@ -30,7 +34,9 @@ where B is one bonus token per decoding request and ``base`` the tokens the step
   p1 * prod c(d), with p1 the request's own fast-decaying first-token acceptance shrunk toward the drafter's score and
   the global rate, and c(d) the conditional acceptance at depth d (the request's own, shrunk toward the global
   per-depth rate). A verified draft of k with a accepted says: depths 1..a accepted, depth a+1 rejected, deeper
-  unknown (censored), so choosing short drafts never teaches the controller that long ones fail.
+  unknown (censored), so choosing short drafts never teaches the controller that long ones fail. A calibrated
+  draft (spec/calibration.py) is valued by its own per-token probabilities instead, scaled by how many of the
+  tokens such claims promised were accepted (:attr:`Controller.realized`, verified and shadow drafts).
 - **Never slower than plain**: m > 0 only when its predicted goodput beats plain decoding's by ``min_gain``;
   occasional exploration steps measure the cost of a draft size (or of plain decoding) that has not been observed
   recently, when the model says it is close; per-request estimates decay fast (``decay``), so a request whose
@@ -44,6 +50,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+STALE_GAIN = 1.5                 # a predicted gain below this waits for a fresh plain step (StepTimeModel.stale)
+REALIZED_PRIOR = 8.0             # claimed tokens' worth of trust in a calibrated drafter's confidences
+REALIZED_DECAY = 0.99            # per verified draft: at batch 64 a few steps, at batch 1 ~100 drafts
 _EXACT = 32                      # token counts up to this are buckets of their own
 SMALL_BATCH = 8                  # up to this many requests the controller decides in plain Python (no numpy)
 _RATIO = math.log(1.125)         # then ~12% wide buckets
@@ -111,28 +120,67 @@ class GraphTimes:
         return prior + max(self(near) - self._prior[near], 0.0)
 
 
+MIXED = "mixed"
+"""The curve of steps that hold prefill chunks (or whose shape is not known)."""
+
+DECODES = "decodes"
+"""The curve of every decode-only step, whatever its batch: what a batch size with no steps of its own falls back to."""
+
+MARGINAL_CAP = 2.0
+"""Beyond the largest step seen on a curve, an extra token costs at most this many times the probe's extra token.
+A real step's excess over the probe is mostly its batch's attention over long contexts and per-sequence work, which
+draft tokens do not multiply: measured on the CPU (SmolLM2-135M, forwards of 1 + d tokens per sequence), 64 decodes
+over 100-300-token contexts cost 2.4x the probe's step of 64 tokens but each draft token ~1.0x the probe's extra
+token; 16 decodes over 50-1,000 tokens 3.3x and ~2x. Holding the whole ratio priced draft tokens at batch 64 up to
+15x too high (speculation could never be tried there); the probe's slope alone, ~2x too low."""
+
+
+class _Curve:
+    """Step times by token count (buckets: exact up to 32, then ~12% wide), each the median of its last few steps."""
+
+    def __init__(self, window: int) -> None:
+        self.window = window
+        self.buckets: dict[int, _Bucket] = {}
+        self.points: tuple | None = None        # (xs, ys, slope beyond, ratios to the prior), built when asked
+
+    def observe(self, num_tokens: int, seconds: float, step: int) -> None:
+        key = size_bucket(num_tokens)
+        b = self.buckets.get(key)
+        if b is None:
+            b = self.buckets[key] = _Bucket(deque(maxlen=self.window))
+        b.obs.append((num_tokens, seconds))
+        b.last_seen = step
+        self.points = None
+
+
 class StepTimeModel:
-    """T(n): seconds for a step that computes n tokens (see the module doc). ``c0``/``c1``: the line's prior."""
+    """T(n): seconds for a step that computes n tokens (see the module doc), kept apart for steps with prefill
+    chunks and, for decode-only steps, per batch size (``num_seqs``): a 92-token step of a few sequences and a long
+    prompt chunk says little about 64 decodes with 28 draft tokens (at batch 64 on the CPU one token-count curve
+    priced such steps at ~0.6 s when they cost 0.7-1.1 s, and speculation lost 8-16%). ``c0``/``c1``: the line's
+    prior."""
 
     def __init__(self, c0: float = 1e-3, c1: float = 1e-5, decay: float = 0.98, window: int = 5) -> None:
         self.c0, self.c1, self.decay, self.window = c0, c1, decay, window
         self._sw = self._sx = self._sy = self._sxx = self._sxy = 0.0
-        self._buckets: dict[int, _Bucket] = {}
+        self._curves: dict[object, _Curve] = {}
         self.num_observed = 0
-        self._points: tuple | None = None
+        self.last_mixed = 0                  # the step count at the last step with prefill chunks
         self._prior: tuple[np.ndarray, np.ndarray, float] | None = None    # (xs, ys, slope beyond): the shape
         self.graphs = GraphTimes(window)     # steps replayed from CUDA graphs: timed per bucket, not per token
 
     def mark_prior(self) -> None:
-        """Keep what has been observed so far (the start-up probe) as the shape of the curve, not as measurements:
-        from now on T(n) = prior(n) * (observed / prior), the ratio interpolated between observed sizes and held
-        beyond them. Does nothing when nothing was observed, or when a prior is already set."""
-        if self._prior is not None or not self._buckets:
+        """Keep what has been observed so far (the start-up probe) as the shape of the curves, not as measurements
+        (see :meth:`predict`). Does nothing when nothing was observed, or when a prior is already set."""
+        if self._prior is not None or not self._curves:
             return
-        xs, ys, slope = self._curve()[:3]
+        pooled = _Curve(self.window)
+        for c in self._curves.values():
+            for k, b in c.buckets.items():
+                pooled.buckets.setdefault(k, _Bucket(deque(maxlen=self.window))).obs.extend(b.obs)
+        xs, ys, slope = self._points(pooled)[:3]
         self._prior = (xs, np.maximum.accumulate(ys), slope)
-        self._buckets = {}
-        self._points = None
+        self._curves = {}
 
     def _prior_at(self, ns: np.ndarray) -> np.ndarray:
         xs, ys, slope = self._prior
@@ -141,9 +189,11 @@ class StepTimeModel:
             out = out + np.maximum(ns - xs[-1], 0.0) * slope
         return out
 
-    def observe(self, num_tokens: int, seconds: float, graph: tuple[int, int] | None = None) -> None:
+    def observe(self, num_tokens: int, seconds: float, graph: tuple[int, int] | None = None,
+                num_seqs: int | None = None) -> None:
         """A step of ``num_tokens`` tokens took ``seconds``; ``graph``: the CUDA graph bucket it replayed, if any
-        (its time goes to :attr:`graphs`, not to the token-count curve)."""
+        (its time goes to :attr:`graphs`, not to the token-count curves); ``num_seqs``: its sequences when it
+        held decodes only (None: it held prefill chunks)."""
         if num_tokens <= 0 or not seconds > 0.0:
             return
         self.num_observed += 1
@@ -161,42 +211,76 @@ class StepTimeModel:
             slope = (self._sw * self._sxy - self._sx * self._sy) / var
             self.c1 = max(slope, 1e-9)
             self.c0 = max((self._sy - self.c1 * self._sx) / self._sw, 1e-6)
-        key = size_bucket(num_tokens)
-        b = self._buckets.get(key)
-        if b is None:
-            b = self._buckets[key] = _Bucket(deque(maxlen=self.window))
-        b.obs.append((num_tokens, seconds))
-        b.last_seen = self.num_observed
-        self._points = None
+        if num_seqs is None:
+            self.last_mixed = self.num_observed
+        keys = (MIXED,) if num_seqs is None else (DECODES, size_bucket(num_seqs))
+        for key in keys:
+            c = self._curves.get(key)
+            if c is None:
+                c = self._curves[key] = _Curve(self.window)
+            c.observe(num_tokens, seconds, self.num_observed)
 
-    def steps_since_seen(self, num_tokens: int, graph: tuple[int, int] | None = None) -> int:
-        """Steps since a step of this size (its bucket, or its graph bucket) was last observed; a large number
-        if never."""
+    def _curve(self, num_seqs: int | None) -> _Curve | None:
+        """The curve that prices a step: its batch size's (decode-only steps), else every decode-only step's, else
+        the mixed steps'; for a mixed step, the mixed steps', else the decode-only steps'."""
+        keys = (MIXED, DECODES) if num_seqs is None else (size_bucket(num_seqs), DECODES, MIXED)
+        for key in keys:
+            c = self._curves.get(key)
+            if c is not None:
+                return c
+        return None
+
+    def steps_since_seen(self, num_tokens: int, graph: tuple[int, int] | None = None,
+                         num_seqs: int | None = None) -> int:
+        """Steps since a step of this size (its bucket on the curve that prices it, or its graph bucket) was last
+        observed; a large number if never."""
         if graph is not None:
             seen = self.graphs.last_seen(graph)
             return self.num_observed - seen if seen is not None else 1 << 30
-        b = self._buckets.get(size_bucket(num_tokens))
+        c = self._curves.get(MIXED if num_seqs is None else size_bucket(num_seqs))
+        b = c.buckets.get(size_bucket(num_tokens)) if c is not None else None
         return self.num_observed - b.last_seen if b is not None else 1 << 30
 
-    def _curve(self) -> tuple:
-        if self._points is None:
-            pts = sorted(b.point() for b in self._buckets.values())
+    def stale(self, num_tokens: int, num_seqs: int, after: int = 8) -> bool:
+        """Is the decode-only step of this size at this batch size known only from before the last step with
+        prefill chunks, more than ``after`` steps ago? (New requests came in since: their contexts, hence the step's
+        cost, may differ. A controller that speculates never times a plain step otherwise: at batch 64 on the CPU a
+        plain step priced at 254 ms by the previous requests' steps cost 165 ms with the next ones', and
+        speculation that lost 22% looked like a gain.)"""
+        c = self._curves.get(size_bucket(num_seqs))
+        b = c.buckets.get(size_bucket(num_tokens)) if c is not None else None
+        return b is not None and b.last_seen < self.last_mixed and self.num_observed - b.last_seen > after
+
+    def _points(self, c: _Curve) -> tuple:
+        if c.points is None:
+            pts = sorted(b.point() for b in c.buckets.values())
             xs, ys = np.array([p[0] for p in pts]), np.array([p[1] for p in pts])
             slope = self.c1             # beyond the largest observed size: the line, or the last segment if steeper
             if len(xs) > 1 and xs[-1] > xs[-2]:
                 slope = max(slope, (ys[-1] - ys[-2]) / (xs[-1] - xs[-2]))
-            ratios = ys / np.maximum(self._prior_at(xs), 1e-12) if self._prior is not None and len(xs) else None
-            self._points = (xs, ys, slope, ratios)
-        return self._points
+            px = self._prior_at(xs) if self._prior is not None and len(xs) else None
+            c.points = (xs, ys, slope, ys / np.maximum(px, 1e-12) if px is not None else None, px)
+        return c.points
 
-    def predict(self, ns: np.ndarray) -> np.ndarray:
-        """T at each token count of ``ns``, an increasing numpy array; the result is non-decreasing."""
+    def predict(self, ns: np.ndarray, num_seqs: int | None = None) -> np.ndarray:
+        """T at each token count of ``ns``, an increasing numpy array, for a step of ``num_seqs`` decoding
+        sequences (None: a step with prefill chunks); the result is non-decreasing."""
         ns = np.asarray(ns, dtype=np.float64)
-        xs, ys, slope, ratios = self._curve()
+        c = self._curve(num_seqs)
+        xs, ys, slope, ratios, px = self._points(c) if c is not None else \
+            (np.empty(0), np.empty(0), self.c1, None, None)
         if self._prior is not None:
             out = self._prior_at(ns)
             if len(xs):
-                out = out * np.interp(ns, xs, ratios)
+                # below the steps seen: the probe scaled by the first step's ratio; between them: their chord plus
+                # the probe's own departure from its chord (a jump at 2 tokens), scaled; beyond: the last step plus
+                # the probe's extra cost, scaled (both scales at most MARGINAL_CAP)
+                below, beyond = ns < xs[0], ns > xs[-1]
+                mid = ~(below | beyond)
+                kappa = np.minimum(np.interp(ns[mid], xs, ratios), MARGINAL_CAP)
+                out[mid] = np.interp(ns[mid], xs, ys) + kappa * (out[mid] - np.interp(ns[mid], xs, px))
+                out[beyond] = ys[-1] + min(ratios[-1], MARGINAL_CAP) * (out[beyond] - px[-1])
+                out[below] *= ratios[0]
             return np.maximum.accumulate(out)
         if len(xs) == 0:
             return self.c0 + self.c1 * ns
@@ -207,8 +291,8 @@ class StepTimeModel:
             out = np.maximum(out - np.maximum(xs[0] - ns, 0.0) * self.c1, 0.5 * ys[0])
         return np.maximum.accumulate(out)
 
-    def __call__(self, num_tokens: int) -> float:
-        return float(self.predict(np.array([num_tokens]))[0])
+    def __call__(self, num_tokens: int, num_seqs: int | None = None) -> float:
+        return float(self.predict(np.array([num_tokens]), num_seqs)[0])
 
 
 @dataclass
@@ -250,6 +334,10 @@ class Controller:
         self._g_depth_n = np.zeros(max(max_draft, 1) + 2)
         self.num_calls = 0
         self.last_choice: dict = {}       # the last decision, for benchmarks and debugging
+        # calibrated drafts: what their kept tokens claimed (raw confidences, per request until verified), and the
+        # decayed totals of tokens claimed and accepted, whose ratio scales later claims (:attr:`realized`)
+        self._claims: dict[int, list[float]] = {}
+        self._claimed = self._realized = 0.0
 
     # -- acceptance ------------------------------------------------------------------------------------------------
     def alpha(self, seq_id: int, score: float = 0.5) -> float:
@@ -277,8 +365,8 @@ class Controller:
             v *= (a.cont_acc + gd) / (a.cont_n + 1.0)
             row.append(v)
         if len(p) > 3 and p[3]:
-            conf = p[3][:len(row)]
-            row[:len(conf)] = [float(c) for c in conf]
+            conf, rho = p[3][:len(row)], self.realized
+            row[:len(conf)] = [float(c) * rho for c in conf]
         return row
 
     def _values(self, proposals: list[tuple], K: int) -> np.ndarray:
@@ -304,14 +392,24 @@ class Controller:
         for r, p in enumerate(proposals):
             if len(p) > 3 and p[3]:
                 conf = p[3][:K]
-                values[r, :len(conf)] = conf
+                values[r, :len(conf)] = [float(c) * self.realized for c in conf]
         return values
 
-    def observe(self, seq_id: int, num_drafted: int, num_accepted: int) -> None:
+    def observe(self, seq_id: int, num_drafted: int, num_accepted: int, claimed: float | None = None) -> None:
         """A draft of ``num_drafted`` tokens of which ``num_accepted`` were accepted (verified, or scored in the
-        shadow of a plain step): depths 1..a accepted, a+1 rejected (if drafted), deeper unknown."""
+        shadow of a plain step): depths 1..a accepted, a+1 rejected (if drafted), deeper unknown. ``claimed``: a
+        shadow draft's claim (:attr:`realized`); a verified one's was kept when it was chosen."""
+        claims = self._claims.pop(seq_id, None)      # (a draft the step did not verify is claimed no more)
         if num_drafted <= 0:
             return
+        if claims is not None:
+            claimed = sum(claims[:num_drafted])
+        if claimed is not None:
+            # shadows count too: a controller that stopped speculating would otherwise never see its claims
+            # come true again (at batch 1 speculation then stayed off for good on GSM8K and HumanEval)
+            d = REALIZED_DECAY
+            self._claimed = d * self._claimed + claimed
+            self._realized = d * self._realized + num_accepted
         a = self._acc.setdefault(seq_id, _Acceptance())
         d, gd, fd = self.decay, self.global_decay, self.first_decay
         first = 1.0 if num_accepted > 0 else 0.0
@@ -331,19 +429,34 @@ class Controller:
     def forget(self, seq_id: int) -> None:
         self._acc.pop(seq_id, None)
         self._score.pop(seq_id, None)
+        self._claims.pop(seq_id, None)
+
+    @property
+    def realized(self) -> float:
+        """Accepted tokens per token claimed by calibrated drafts (decayed, shrunk toward 1 by REALIZED_PRIOR
+        claimed tokens; within [0.1, 1]): their confidences are scaled by it. A fresh drafter's calibration trusts
+        its own guesses, which at batch 64 on the CPU claimed 1.3-2x the tokens then accepted, where a verified
+        token costs ~40% of a plain token's share of the step: each such step lost ~10%."""
+        return min(1.0, max(0.1, (self._realized + REALIZED_PRIOR) / (self._claimed + REALIZED_PRIOR)))
+
+    def _remember_claims(self, proposals: list[tuple], keep: list[int]) -> None:
+        for p, k in zip(proposals, keep):
+            if k and len(p) > 3 and p[3]:
+                self._claims[p[0]] = [float(c) for c in p[3][:k]]
 
     # -- the decision ----------------------------------------------------------------------------------------------
     def draft_lengths(self, proposals: list[tuple], other_tokens: int,
-                      draft_seconds: float = 0.0, num_seqs: int | None = None) -> list[int]:
+                      draft_seconds: float = 0.0, num_seqs: int | None = None, trees: bool = False) -> list[int]:
         """proposals: (seq_id, draft length on offer, drafter score[, per-token confidence]) per decoding request
         (the confidence, when given, values the draft's tokens: see :meth:`_values`); other_tokens: tokens the
         step computes anyway (one per decode, plus prefill chunks); draft_seconds: what drafting costs per step;
-        num_seqs: the step's sequences when it holds decodes only (a shape a CUDA graph may run), else None.
+        num_seqs: the step's sequences when it holds decodes only (a shape a CUDA graph may run), else None;
+        trees: the drafts are token trees (their steps run eagerly: priced by tokens, never by a graph bucket).
         Returns how many draft tokens to keep for each."""
         self.num_calls += 1
         R = len(proposals)
         if R <= SMALL_BATCH and self.small_fast_path:
-            return self._draft_lengths_small(proposals, other_tokens, draft_seconds, num_seqs)
+            return self._draft_lengths_small(proposals, other_tokens, draft_seconds, num_seqs, trees)
         keep = [0] * R
         lengths = np.array([min(p[1], self.max_draft) for p in proposals], dtype=np.int64)
         K = int(lengths.max(initial=0))
@@ -357,10 +470,11 @@ class Controller:
         M = int(lengths.sum())
         order = np.argsort(-flat, kind="stable")[:M]
         expected = float(R) + np.concatenate(([0.0], np.cumsum(flat[order])))
-        chosen = self._choose(expected, order, K, other_tokens, draft_seconds, num_seqs)
+        chosen = self._choose(expected, order, K, other_tokens, draft_seconds, num_seqs, trees)
         if chosen:
             counts = np.bincount(order[:chosen] // K, minlength=R)
             keep = counts.tolist()
+            self._remember_claims(proposals, keep)
         return keep
 
     small_fast_path = True
@@ -369,7 +483,7 @@ class Controller:
     130-450 us on an H200's host, against a 0.4 ms GPU step."""
 
     def _draft_lengths_small(self, proposals: list[tuple], other_tokens: int, draft_seconds: float,
-                             num_seqs: int | None) -> list[int]:
+                             num_seqs: int | None, trees: bool) -> list[int]:
         """:meth:`draft_lengths` for a few proposals: :meth:`_row_values` row by row, and the same stable order of
         the (request, depth) values as the numpy path."""
         R = len(proposals)
@@ -390,34 +504,39 @@ class Controller:
             total += flat[i]
             expected.append(R + total)
         chosen = self._choose(np.array(expected), np.array(order, dtype=np.int64), K, other_tokens, draft_seconds,
-                              num_seqs)
+                              num_seqs, trees)
         keep = [0] * R
         for i in order[:chosen]:
             keep[i // K] += 1
+        if chosen:
+            self._remember_claims(proposals, keep)
         return keep
 
     def _choose(self, expected: np.ndarray, order: np.ndarray, K: int, other_tokens: int, draft_seconds: float,
-                num_seqs: int | None) -> int:
+                num_seqs: int | None, trees: bool = False) -> int:
         """How many of the ``order``ed draft tokens to keep: the count m whose step has the best expected tokens
         per second (``expected[m]`` over its predicted cost), if that beats plain decoding by ``min_gain``."""
-        cost, graphs = self._costs(other_tokens, order, K, num_seqs)
+        cost, graphs = self._costs(other_tokens, order, K, num_seqs, trees)
         cost[1:] += draft_seconds
         goodput = expected / cost
         best = int(np.argmax(goodput))
         plain = goodput[0]
         chosen = best if goodput[best] > plain * (1.0 + self.min_gain) else 0
         explored = False
-        if self.explore_every and self.num_calls % self.explore_every == 0:
-            chosen, explored = self._explore(chosen, best, goodput, other_tokens, graphs)
+        if chosen and num_seqs and graphs is None and goodput[chosen] < plain * STALE_GAIN \
+                and self.step_time.stale(other_tokens, num_seqs):
+            chosen, explored = 0, True      # time plain decoding at this batch again before trusting its price
+        elif self.explore_every and self.num_calls % self.explore_every == 0:
+            chosen, explored = self._explore(chosen, best, goodput, other_tokens, graphs, num_seqs)
         self.last_choice = {"tokens": chosen, "best": best, "gain": float(goodput[chosen] / plain),
-                            "explored": explored}
+                            "explored": explored, "realized": self.realized}
         return chosen
 
     def step_seconds(self, tokens: int, num_seqs: int | None = None, per_seq: int = 1) -> float:
         """Predicted seconds of a step of ``tokens`` tokens; of its graph bucket when it holds ``num_seqs``
         decoding sequences of at most ``per_seq`` tokens each and a graph would run it."""
         t = self._graph_seconds(num_seqs, per_seq)[1] if self.graph_bucket is not None and num_seqs else None
-        return t if t is not None else self.step_time(tokens)
+        return t if t is not None else self.step_time(tokens, num_seqs)
 
     def _graph_seconds(self, num_seqs: int, per_seq: int) -> tuple[tuple[int, int] | None, float | None]:
         """(the graph bucket a step of ``num_seqs`` sequences of at most ``per_seq`` tokens replays, its predicted
@@ -425,14 +544,14 @@ class Controller:
         bucket = self.graph_bucket(num_seqs, per_seq)
         return bucket, (self.step_time.graphs(bucket) if bucket is not None else None)
 
-    def _costs(self, other_tokens: int, order: np.ndarray, K: int, num_seqs: int | None):
+    def _costs(self, other_tokens: int, order: np.ndarray, K: int, num_seqs: int | None, trees: bool = False):
         """Predicted seconds of the step with the m = 0..M most valuable draft tokens, and m -> the graph bucket
         that step would replay (None: eager), or None for no graphs. The m-th token of the greedy order is at depth
         order % K + 1 of its draft, so the step's longest sequence after m tokens is 1 + the running maximum of
         those depths: non-decreasing in m, so each bucket prices one contiguous run of m."""
         M = len(order)
-        cost = self.step_time.predict(other_tokens + np.arange(M + 1))
-        if self.graph_bucket is None or not num_seqs:
+        cost = self.step_time.predict(other_tokens + np.arange(M + 1), num_seqs)
+        if self.graph_bucket is None or not num_seqs or trees:
             return cost, None
         q = np.empty(M + 1, dtype=np.int64)
         q[0] = 1
@@ -448,17 +567,18 @@ class Controller:
             lo = hi
         return cost, (lambda m: buckets[int(q[m])])
 
-    def _explore(self, chosen: int, best: int, goodput: np.ndarray, base: int, graphs) -> tuple[int, bool]:
+    def _explore(self, chosen: int, best: int, goodput: np.ndarray, base: int, graphs,
+                 num_seqs: int | None) -> tuple[int, bool]:
         """Measure what the model has not seen lately, when it is predicted to be close: plain decoding while
         speculating, or the best draft size while not."""
         st = self.step_time
         graph = graphs or (lambda m: None)  # noqa: E731
-        if chosen > 0 and st.steps_since_seen(base, graph(0)) > self.stale_after:
+        if chosen > 0 and st.steps_since_seen(base, graph(0), num_seqs) > self.stale_after:
             return 0, True
         if chosen == 0 and best == 0 and len(goodput) > 1:
             best = 1 + int(np.argmax(goodput[1:]))
         if chosen == 0 and best > 0 and goodput[best] >= goodput[0] * (1.0 - self.explore_tolerance) \
-                and st.steps_since_seen(base + best, graph(best)) > self.explore_every:
+                and st.steps_since_seen(base + best, graph(best), num_seqs) > self.explore_every:
             return best, True
         return chosen, False
 

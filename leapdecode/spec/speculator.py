@@ -74,7 +74,8 @@ class Speculator:
         self._decode_seqs: int | None = None
         self._step_draft_seconds = 0.0   # drafting time inside this step (charged apart, so not in its step time)
         self._decided = False            # drafter_off already asked the guard this step
-        self._shadow: dict[int, tuple[DraftTree, int]] = {}   # seq_id -> (draft, committed tokens when drafted)
+        # seq_id -> (draft, committed tokens when drafted, the tokens its confidences claim or None)
+        self._shadow: dict[int, tuple[DraftTree, int, float | None]] = {}
         # while speculation is off, the controller is asked again only when something it uses has changed
         self._speculating = True
         self._news = True                # acceptance observed, or the batch changed, since the last check
@@ -234,15 +235,15 @@ class Speculator:
         # a step with a token tree runs eagerly (engine/cuda_graphs.py step_shape): price it by its tokens
         chains = all(t is None or t.parents is None for t in trees)
         keep = ctl.draft_lengths([(s.seq_id, len(d), d.score, d.confidence) for s, d in zip(seqs, drafts)], base,
-                                 charge, self._decode_seqs if chains else None)
+                                 charge, self._decode_seqs, trees=not chains)
         self._speculating = any(keep)
         out = {}
-        for s, tree, k in zip(seqs, trees, keep):
+        for s, d, tree, k in zip(seqs, drafts, trees, keep):
             if k > 0:
                 out[s.seq_id] = tree.prefix(k)
                 self._shadow.pop(s.seq_id, None)
             elif tree is not None and s.seq_id not in self._shadow:
-                self._shadow[s.seq_id] = (tree, len(s.token_ids))
+                self._shadow[s.seq_id] = (tree, len(s.token_ids), _claim(d))
         return out
 
     def off(self, num_seqs: int) -> bool:
@@ -306,26 +307,31 @@ class Speculator:
         self._shadow_cost = per if self._shadow_cost is None else 0.7 * self._shadow_cost + 0.3 * per
         for r, d in zip(need, drafts):
             if d.tokens:
-                self._shadow[r.seq_id] = (DraftTree.of(d.tokens, d.parents), len(r.token_ids))
+                self._shadow[r.seq_id] = (DraftTree.of(d.tokens, d.parents), len(r.token_ids), _claim(d))
 
     def _score_shadow(self, seq: "Sequence") -> None:
         """Resolve a shadow draft once the committed tokens decide it: a mismatch, or every level matched."""
-        tree, start = self._shadow[seq.seq_id]
+        tree, start, claim = self._shadow[seq.seq_id]
         truth = seq.token_ids[start:]
         accepted = tree.accepted_length(truth)
         if accepted < len(truth) or accepted >= tree.depth:
             del self._shadow[seq.seq_id]
             self._shadow_after[seq.seq_id] = self._steps + self.shadow_gap
-            self.controller.observe(seq.seq_id, len(tree), accepted)
+            self.controller.observe(seq.seq_id, len(tree), accepted, claim)
             self._news = True
 
     def observe(self, seq: "Sequence", num_drafted: int, num_accepted: int, topk: Seq | None) -> None:
+        """A step's outcome for a decoding sequence, also the one that finished in it: the controller learns from
+        it (a request that finishes by accepting its drafts is the best news a draft can bring; leaving it out, at
+        batch 64 with 16-token answers, the record kept mostly the drafts that failed); the drafter only while
+        the sequence goes on."""
         self._step_drafted += num_drafted
         if self.controller is not None:
             self.controller.observe(seq.seq_id, num_drafted, num_accepted)
-            if num_drafted == 0 and seq.seq_id in self._shadow:
+            if num_drafted == 0 and seq.seq_id in self._shadow and not seq.is_finished:
                 self._score_shadow(seq)
-        self.drafter.observe(seq.seq_id, seq.token_ids, num_accepted, topk)
+        if not seq.is_finished:
+            self.drafter.observe(seq.seq_id, seq.token_ids, num_accepted, topk)
 
     def observe_step(self, num_tokens: int, seconds: float, graph: tuple[int, int] | None = None,
                      emitted: int = 0) -> None:
@@ -334,7 +340,8 @@ class Speculator:
         ``graph``: the CUDA graph bucket the step replayed, if any; ``emitted``: the tokens it committed (the
         guard compares whole steps, drafting included, per emitted token)."""
         if self.controller is not None:
-            self.controller.step_time.observe(num_tokens, max(seconds - self._step_draft_seconds, 1e-9), graph)
+            self.controller.step_time.observe(num_tokens, max(seconds - self._step_draft_seconds, 1e-9), graph,
+                                              self._decode_seqs)
         if self.guard is not None and self._decode_seqs is not None:
             mode = "bare" if self._guard_bare else "spec" if self._step_drafted else "quiet"
             self.guard.record(self._decode_seqs, mode, seconds, emitted)
@@ -347,3 +354,8 @@ class Speculator:
         self._shadow_after.pop(seq.seq_id, None)
         if self.controller is not None:
             self.controller.forget(seq.seq_id)
+
+
+def _claim(draft) -> float | None:
+    """The accepted tokens a calibrated draft's confidences claim (each node's path probability, summed)."""
+    return float(sum(draft.confidence)) if draft.confidence else None
