@@ -351,6 +351,25 @@ def test_a_stale_plain_price_is_measured_again_before_a_modest_gain_is_trusted()
     assert sum(ctl.draft_lengths(modest, 16, num_seqs=16)) > 0
 
 
+def test_timing_plain_decoding_again_does_not_switch_speculation_off():
+    """The plain step the controller runs to time plain decoding again is one step, not a verdict: speculation
+    stays on for the next (switched off, at batch 1 every new request paid for a quiet spell and its shadow
+    drafts, and the guard vetoed auto 12 times in a run where it had vetoed 2)."""
+    st = probed_model()
+    cfg = SpeculativeConfig(method="ngram", num_speculative_tokens=4, adaptive=True,
+                            drafter=FakeDrafter(0.5, claim=0.5))
+    spec = fabricated_drafting(Speculator(cfg, 50_000, st))
+    spec.guard = None
+    for _ in range(3):
+        st.observe(16, 0.300, num_seqs=16)
+    for _ in range(12):
+        st.observe(32, 0.348, num_seqs=16)
+    st.observe(400, 0.6)                                  # new requests: the plain price is stale
+    seqs = [Seq(i) for i in range(16)]
+    assert spec.propose(seqs, [1] * 16, 0) == {} and spec.controller.last_choice["explored"]
+    assert spec.speculating
+
+
 def test_off_controller_rechecks_rarely_not_every_step(monkeypatch):
     """While speculation is off the controller is asked again when something changed (a shadow draft resolved, the
     batch changed) or every 8 quiet steps, not on every step: the check costs ~0.5 ms (a CPU step's 10%; on a GPU,

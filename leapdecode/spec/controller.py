@@ -389,10 +389,11 @@ class Controller:
             g = (self._g_depth_acc[d] + 0.6) / (self._g_depth_n[d] + 1.0)
             values[:, 1:] = (stats[:, 3:4] + g[None, :]) / (stats[:, 4:5] + 1.0)
         values = np.cumprod(values, axis=1)
+        rho = self.realized
         for r, p in enumerate(proposals):
             if len(p) > 3 and p[3]:
                 conf = p[3][:K]
-                values[r, :len(conf)] = [float(c) * self.realized for c in conf]
+                values[r, :len(conf)] = [float(c) * rho for c in conf]
         return values
 
     def observe(self, seq_id: int, num_drafted: int, num_accepted: int, claimed: float | None = None) -> None:

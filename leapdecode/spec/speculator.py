@@ -236,7 +236,8 @@ class Speculator:
         chains = all(t is None or t.parents is None for t in trees)
         keep = ctl.draft_lengths([(s.seq_id, len(d), d.score, d.confidence) for s, d in zip(seqs, drafts)], base,
                                  charge, self._decode_seqs, trees=not chains)
-        self._speculating = any(keep)
+        # a plain step the controller chose to time plain decoding (an exploration) does not switch speculation off
+        self._speculating = any(keep) or bool(ctl.last_choice.get("explored"))
         out = {}
         for s, d, tree, k in zip(seqs, drafts, trees, keep):
             if k > 0:
