@@ -37,7 +37,8 @@ where B is one bonus token per decoding request and ``base`` the tokens the step
   unknown (censored), so choosing short drafts never teaches the controller that long ones fail. A calibrated
   draft (spec/calibration.py) is valued by its own per-token probabilities instead, scaled by how many of the
   tokens such claims promised were accepted (:attr:`Controller.realized`, verified and shadow drafts).
-- **Never slower than plain**: m > 0 only when its predicted goodput beats plain decoding's by ``min_gain``;
+- **Never slower than plain**: m > 0 only when its predicted goodput beats plain decoding's by ``min_gain`` plus
+  ``risk`` times the relative extra step time it predicts;
   occasional exploration steps measure the cost of a draft size (or of plain decoding) that has not been observed
   recently, when the model says it is close; per-request estimates decay fast (``decay``), so a request whose
   drafts stop being accepted loses its drafts within a few steps.
@@ -243,9 +244,9 @@ class StepTimeModel:
 
     def stale(self, num_tokens: int, num_seqs: int, after: int = 8) -> bool:
         """Is the decode-only step of this size at this batch size known only from before the last step with
-        prefill chunks, more than ``after`` steps ago? (New requests came in since: their contexts, hence the step's
-        cost, may differ. A controller that speculates never times a plain step otherwise: at batch 64 on the CPU a
-        plain step priced at 254 ms by the previous requests' steps cost 165 ms with the next ones', and
+        prefill chunks, more than ``after`` steps ago? (New requests came in since: their contexts, hence
+        the step's cost, may differ. A controller that speculates never times a plain step otherwise: at batch 64 on
+        the CPU a plain step priced at 254 ms by the previous requests' steps cost 165 ms with the next ones', and
         speculation that lost 22% looked like a gain.)"""
         c = self._curves.get(size_bucket(num_seqs))
         b = c.buckets.get(size_bucket(num_tokens)) if c is not None else None
@@ -478,6 +479,11 @@ class Controller:
             self._remember_claims(proposals, keep)
         return keep
 
+    risk = 0.2
+    """Share of a draft's predicted extra step time added to the gain it must show (see :meth:`_choose`). At batch
+    64 on the CPU drafts that doubled the step were predicted to gain 1.2-1.3x and realized 0.9-1.0x; at batch 1,
+    where four draft tokens add ~15% to a step, the bar rises by ~3%."""
+
     small_fast_path = True
     """Up to ``SMALL_BATCH`` requests: values and order in plain Python, the same numbers as the numpy path (tested
     equal to the bit); numpy's per-call overhead made that path ~90-120 us a call for one request here and
@@ -522,7 +528,12 @@ class Controller:
         goodput = expected / cost
         best = int(np.argmax(goodput))
         plain = goodput[0]
-        chosen = best if goodput[best] > plain * (1.0 + self.min_gain) else 0
+        # a draft must beat plain decoding by min_gain plus a share of the extra step time it predicts: the cost
+        # and acceptance models err in proportion to what they extrapolate
+        need = plain * (1.0 + self.min_gain + self.risk * (cost / cost[0] - 1.0))
+        ok = goodput > need
+        ok[0] = False
+        chosen = int(np.argmax(np.where(ok, goodput, -np.inf))) if ok.any() else 0
         explored = False
         if chosen and num_seqs and graphs is None and goodput[chosen] < plain * STALE_GAIN \
                 and self.step_time.stale(other_tokens, num_seqs):

@@ -242,7 +242,7 @@ class Speculator:
         for s, d, tree, k in zip(seqs, drafts, trees, keep):
             if k > 0:
                 out[s.seq_id] = tree.prefix(k)
-                self._shadow.pop(s.seq_id, None)
+                self._drop_shadow(s)
             elif tree is not None and s.seq_id not in self._shadow:
                 self._shadow[s.seq_id] = (tree, len(s.token_ids), _claim(d))
         return out
@@ -321,6 +321,19 @@ class Speculator:
             self.controller.observe(seq.seq_id, len(tree), accepted, claim)
             self._news = True
 
+    def _drop_shadow(self, seq: "Sequence") -> None:
+        """Give up a pending shadow draft (a real draft replaces it, or the request ended), keeping what it has
+        shown: its tokens that matched so far were accepted, deeper ones are unknown. A shadow is resolved at its
+        first mismatch while one that keeps matching waits, so dropping pending ones unscored kept only the
+        failures: with every request shadowed, the controller learned that depth 2 was never accepted."""
+        entry = self._shadow.pop(seq.seq_id, None)
+        if entry is None or self.controller is None:
+            return
+        tree, start, _ = entry
+        matched = tree.accepted_length(seq.token_ids[start:])
+        if matched:
+            self.controller.observe(seq.seq_id, matched, matched)
+
     def observe(self, seq: "Sequence", num_drafted: int, num_accepted: int, topk: Seq | None) -> None:
         """A step's outcome for a decoding sequence, also the one that finished in it: the controller learns from
         it (a request that finishes by accepting its drafts is the best news a draft can bring; leaving it out, at
@@ -351,7 +364,7 @@ class Speculator:
 
     def finish(self, seq: "Sequence") -> None:
         self.drafter.finish(seq.seq_id, seq.token_ids, seq.num_prompt_tokens)
-        self._shadow.pop(seq.seq_id, None)
+        self._drop_shadow(seq)
         self._shadow_after.pop(seq.seq_id, None)
         if self.controller is not None:
             self.controller.forget(seq.seq_id)
