@@ -142,7 +142,7 @@ class _Curve:
     def __init__(self, window: int) -> None:
         self.window = window
         self.buckets: dict[int, _Bucket] = {}
-        self.points: tuple | None = None        # (xs, ys, slope beyond, ratios to the prior), built when asked
+        self.points: tuple | None = None        # (xs, ys, slope beyond, ratios to the prior, prior), when asked
 
     def observe(self, num_tokens: int, seconds: float, step: int) -> None:
         key = size_bucket(num_tokens)
