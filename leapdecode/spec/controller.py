@@ -127,13 +127,16 @@ MIXED = "mixed"
 DECODES = "decodes"
 """The curve of every decode-only step, whatever its batch: what a batch size with no steps of its own falls back to."""
 
-MARGINAL_CAP = 2.0
+MARGINAL_CAP = 3.0
 """Beyond the largest step seen on a curve, an extra token costs at most this many times the probe's extra token.
-A real step's excess over the probe is mostly its batch's attention over long contexts and per-sequence work, which
-draft tokens do not multiply: measured on the CPU (SmolLM2-135M, forwards of 1 + d tokens per sequence), 64 decodes
-over 100-300-token contexts cost 2.4x the probe's step of 64 tokens but each draft token ~1.0x the probe's extra
-token; 16 decodes over 50-1,000 tokens 3.3x and ~2x. Holding the whole ratio priced draft tokens at batch 64 up to
-15x too high (speculation could never be tried there); the probe's slope alone, ~2x too low."""
+A real step's excess over the probe is mostly its batch's attention over long contexts, which draft tokens do not
+multiply, but a draft token also pays what the probe leaves out (its row's sampling and verification, moving its
+sequence into the padded verification batch). Measured on the CPU (SmolLM2-135M): forwards alone, 64 decodes over
+100-300-token contexts cost 2.4x the probe's 64-token step and each draft token ~1.0x the probe's extra token (16
+decodes over 50-1,000 tokens: 3.3x and ~2x); whole engine steps at batch 29-64, 2.3-4x. Holding the whole ratio
+priced draft tokens at batch 64 up to 15x too high (speculation could never be tried there). With a cap of 2,
+auto at batch 16 / 64 ran 1.08 / 0.97x and 0.99 / 1.00x of plain (single repeats down to 0.92); with 3, 1.03 / 0.99x
+and 1.07 / 0.98x (down to 0.96), same command, same hour."""
 
 
 class _Curve:
