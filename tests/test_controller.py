@@ -67,6 +67,14 @@ class FakeDrafter:
         pass
 
 
+def probed_model(probe=cpu_like):
+    """A step-time model holding a start-up probe (forwards of 1..64 tokens) as its shape, as the engine makes it."""
+    st = StepTimeModel()
+    for n in (1, 2, 4, 8, 16, 64, 1, 64):
+        st.observe(n, probe(n))
+    return st
+
+
 DRAFT_SECONDS = 20e-6     # fabricated drafting time per request (the fake drafter's real time depends on the load)
 
 
@@ -95,9 +103,7 @@ def simulate(step_time, q, batch=1, steps=300, k=8, adaptive=True, noise=0.03, q
     ``claim``: the drafts' calibrated confidence per token (None: none)."""
     drafter = FakeDrafter(q, seed, claim)
     cfg = SpeculativeConfig(method="ngram", num_speculative_tokens=k, adaptive=adaptive, drafter=drafter)
-    probe = StepTimeModel()
-    for n in (1, 2, 4, 8, 16, 64, 1, 64):
-        probe.observe(n, (probe_time or step_time)(n))
+    probe = probed_model(probe_time or step_time)
     spec = fabricated_drafting(Speculator(cfg, 50_000, probe), draft_seconds)
     if wrong:
         spec.controller.draft_lengths = lambda proposals, *a, **k: [p[1] for p in proposals]
@@ -228,9 +234,7 @@ def test_probe_is_the_shape_and_real_steps_set_the_scale():
     """The start-up probe runs over an empty cache; real steps at batch 16 cost twice as much (long contexts). The
     cost of extra tokens must be the probe's shape scaled to the real steps, not a line from the real 16-token
     step to the probe's cheap 64-token one (which made extra tokens look nearly free)."""
-    st = StepTimeModel()
-    for n in (1, 2, 4, 8, 16, 64, 1, 64):
-        st.observe(n, cpu_like(n))
+    st = probed_model()
     Controller(8, st)                       # the controller takes what the model holds as the prior shape
     for _ in range(5):
         st.observe(16, 2 * cpu_like(16))
@@ -250,14 +254,6 @@ def test_no_loss_at_batch_16_when_real_steps_cost_more_than_the_probe():
     rate, per_step, _ = simulate(real, 0.45, batch=16, steps=150, probe_time=cpu_like)
     assert np.mean(per_step[:50]) < 0.1                   # from the first steps on, not after learning the hard way
     assert rate >= 0.985 * plain_rate(real, 16)
-
-
-def probed_model(probe=cpu_like):
-    """A step-time model holding a start-up probe (forwards of 1..64 tokens) as its shape, as the engine makes it."""
-    st = StepTimeModel()
-    for n in (1, 2, 4, 8, 16, 64, 1, 64):
-        st.observe(n, probe(n))
-    return st
 
 
 def test_decode_steps_are_priced_per_batch_size_not_by_token_count_alone():

@@ -241,8 +241,7 @@ class StepTimeModel:
         if graph is not None:
             seen = self.graphs.last_seen(graph)
             return self.num_observed - seen if seen is not None else 1 << 30
-        c = self._curves.get(MIXED if num_seqs is None else size_bucket(num_seqs))
-        b = c.buckets.get(size_bucket(num_tokens)) if c is not None else None
+        b = self._bucket(num_tokens, num_seqs)
         return self.num_observed - b.last_seen if b is not None else 1 << 30
 
     def stale(self, num_tokens: int, num_seqs: int, after: int = 8) -> bool:
@@ -251,9 +250,13 @@ class StepTimeModel:
         the step's cost, may differ. A controller that speculates never times a plain step otherwise: at batch 64 on
         the CPU a plain step priced at 254 ms by the previous requests' steps cost 165 ms with the next ones', and
         speculation that lost 22% looked like a gain.)"""
-        c = self._curves.get(size_bucket(num_seqs))
-        b = c.buckets.get(size_bucket(num_tokens)) if c is not None else None
+        b = self._bucket(num_tokens, num_seqs)
         return b is not None and b.last_seen < self.last_mixed and self.num_observed - b.last_seen > after
+
+    def _bucket(self, num_tokens: int, num_seqs: int | None) -> _Bucket | None:
+        """The bucket of this size on the steps' own curve (their batch size's, or the mixed steps'), if seen."""
+        c = self._curves.get(MIXED if num_seqs is None else size_bucket(num_seqs))
+        return c.buckets.get(size_bucket(num_tokens)) if c is not None else None
 
     def _points(self, c: _Curve) -> tuple:
         if c.points is None:

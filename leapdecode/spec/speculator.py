@@ -242,7 +242,8 @@ class Speculator:
         for s, d, tree, k in zip(seqs, drafts, trees, keep):
             if k > 0:
                 out[s.seq_id] = tree.prefix(k)
-                self._drop_shadow(s)
+                if s.seq_id in self._shadow:
+                    self._score_shadow(s, given_up=True)
             elif tree is not None and s.seq_id not in self._shadow:
                 self._shadow[s.seq_id] = (tree, len(s.token_ids), _claim(d))
         return out
@@ -310,8 +311,12 @@ class Speculator:
             if d.tokens:
                 self._shadow[r.seq_id] = (DraftTree.of(d.tokens, d.parents), len(r.token_ids), _claim(d))
 
-    def _score_shadow(self, seq: "Sequence") -> None:
-        """Resolve a shadow draft once the committed tokens decide it: a mismatch, or every level matched."""
+    def _score_shadow(self, seq: "Sequence", given_up: bool = False) -> None:
+        """Resolve a shadow draft once the committed tokens decide it: a mismatch, or every level matched. One
+        ``given_up`` before that (a real draft replaces it, or the request ended) still counts what it has shown:
+        the tokens that matched so far, deeper ones unknown. (A shadow resolves at its first mismatch while one
+        that keeps matching waits, so dropping pending ones unscored kept only the failures: with every request
+        shadowed, the controller learned that depth 2 was never accepted.)"""
         tree, start, claim = self._shadow[seq.seq_id]
         truth = seq.token_ids[start:]
         accepted = tree.accepted_length(truth)
@@ -320,19 +325,10 @@ class Speculator:
             self._shadow_after[seq.seq_id] = self._steps + self.shadow_gap
             self.controller.observe(seq.seq_id, len(tree), accepted, claim)
             self._news = True
-
-    def _drop_shadow(self, seq: "Sequence") -> None:
-        """Give up a pending shadow draft (a real draft replaces it, or the request ended), keeping what it has
-        shown: its tokens that matched so far were accepted, deeper ones are unknown. A shadow is resolved at its
-        first mismatch while one that keeps matching waits, so dropping pending ones unscored kept only the
-        failures: with every request shadowed, the controller learned that depth 2 was never accepted."""
-        entry = self._shadow.pop(seq.seq_id, None)
-        if entry is None or self.controller is None:
-            return
-        tree, start, _ = entry
-        matched = tree.accepted_length(seq.token_ids[start:])
-        if matched:
-            self.controller.observe(seq.seq_id, matched, matched)
+        elif given_up:
+            del self._shadow[seq.seq_id]
+            if accepted:
+                self.controller.observe(seq.seq_id, accepted, accepted)
 
     def observe(self, seq: "Sequence", num_drafted: int, num_accepted: int, topk: Seq | None) -> None:
         """A step's outcome for a decoding sequence, also the one that finished in it: the controller learns from
@@ -342,7 +338,7 @@ class Speculator:
         self._step_drafted += num_drafted
         if self.controller is not None:
             self.controller.observe(seq.seq_id, num_drafted, num_accepted)
-            if num_drafted == 0 and seq.seq_id in self._shadow and not seq.is_finished:
+            if num_drafted == 0 and seq.seq_id in self._shadow:
                 self._score_shadow(seq)
         if not seq.is_finished:
             self.drafter.observe(seq.seq_id, seq.token_ids, num_accepted, topk)
@@ -364,7 +360,8 @@ class Speculator:
 
     def finish(self, seq: "Sequence") -> None:
         self.drafter.finish(seq.seq_id, seq.token_ids, seq.num_prompt_tokens)
-        self._drop_shadow(seq)
+        if seq.seq_id in self._shadow:
+            self._score_shadow(seq, given_up=True)
         self._shadow_after.pop(seq.seq_id, None)
         if self.controller is not None:
             self.controller.forget(seq.seq_id)
