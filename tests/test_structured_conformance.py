@@ -871,6 +871,15 @@ def test_pattern_llguidance_cannot_decide_falls_back_to_the_guard(backend: Gramm
     assert not _produce(backend, compiled, tokenizer, '"aws.partner/a"')
 
 
+_CMP = {"type": "object", "properties": {"key": {"type": "string"}, "op": {"enum": ["eq", "ne"]},
+                                        "value": {"anyOf": [{"type": "string"}, {"type": "number"}]}},
+        "required": ["key", "op", "value"], "additionalProperties": False}
+_UNION_WITH_ANY = {"type": "object", "$defs": {"cmp": _CMP},
+                   "properties": {"filters": {"type": "array", "items": {"anyOf": [{"$ref": "#/$defs/cmp"}, {}]}},
+                                  "pick": {"anyOf": [{"$ref": "#/$defs/cmp"}, {"type": "string", "maxLength": 3},
+                                                     {"type": "number"}]},
+                                  "kind": {"enum": ["and", "or"]}},
+                   "required": ["filters", "kind"], "additionalProperties": False}
 _GUARDED_SCHEMAS = [
     # closed free-order object with required keys, nested closed object, array with uniqueItems
     {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"},
@@ -889,12 +898,16 @@ _GUARDED_SCHEMAS = [
         {"type": "object", "properties": {"type": {"const": "a"}, "alpha": {"type": "integer"}}, "required": ["type"], "additionalProperties": False},
         {"type": "object", "properties": {"type": {"const": "b"}, "beta": {"type": "string"}}, "required": ["type", "beta"], "additionalProperties": False}]}},
         "value": {"type": "string", "format": "AWS::IAM::Role.Arn"}}, "required": ["items"], "additionalProperties": False},
+    # unions of a free-order object with branches that take every string / number (their scalars need no check)
+    _UNION_WITH_ANY,
 ]
 _GUARDED_INSTANCES = [
     [{"id": {"b": "x", "a": 1}, "name": "foo", "tags": ["a", "b"]}, {"age": 3, "name": "a\"b", "id": {"a": -2}}],
     [{"bar": 2, "foo": "yes", "baz": [{"value": 1, "x": 2}, {"value": 9}]}, {"foo": "a", "name": [1, 2], "w": "qqqq"},
      {"bar": 1, "b": 2, "bark": 3, "foo": "x", "f": 0}],
     [{"value": "arn", "items": [{"alpha": 1, "type": "a"}, {"beta": "x", "type": "b"}]}, {"items": []}],
+    [{"kind": "or", "filters": ["a b", 2.5, {"value": 1, "op": "eq", "key": "k"}, [1, {"x": None}]], "pick": "abc"},
+     {"filters": [], "pick": {"op": "ne", "value": "v", "key": "q"}, "kind": "and"}, {"pick": -3e-2, "filters": [True], "kind": "or"}],
 ]
 
 
@@ -949,3 +962,61 @@ def test_small_closed_objects_take_any_order_in_the_grammar(backend: GrammarBack
                 assert _produce(backend, compiled, tokenizer, text) == ("a" in keys), text
     for text in ('[{"a":1,"a":2}]', '[{"b":"x","a":1,"b":"y"}]', '[{"a":1,"d":2}]', '[{}]'):
         assert not _produce(backend, compiled, tokenizer, text), text
+
+
+def test_universal_types_are_sound_and_found() -> None:
+    """`universal_types` names the JSON types every value of which a subschema accepts (such values need no
+    jsonschema call); checked against jsonschema on sample values of each type, and on what it must find."""
+    import jsonschema
+    from leapdecode.structured.guard import universal_types
+
+    samples = {"string": ["", "a", "no", "2020-01-01", "x" * 40], "number": [0, -1, 2.5, 1e300, 3], "boolean": [True, False],
+               "null": [None], "object": [{}, {"a": 1}], "array": [[], [1, "a"]]}
+    everything = frozenset(samples)
+    cases = [
+        ({}, everything), (True, everything), (False, frozenset()),
+        ({"type": "string", "title": "t", "x-custom": 1}, {"string"}), ({"type": "integer"}, frozenset()),
+        ({"type": ["number", "null"], "minimum": 0}, {"null"}), ({"minLength": 2}, everything - {"string"}),
+        ({"format": "date"}, everything - {"string", "number"}), ({"enum": ["a"]}, frozenset()),
+        ({"anyOf": [{"type": "string"}, {"type": "object", "required": ["a"]}]}, {"string"}),
+        ({"anyOf": [{"$ref": "#/$defs/o"}, {}]}, everything),
+        ({"allOf": [{"type": ["string", "number"]}, {"type": "string"}]}, {"string"}),
+        ({"oneOf": [{"type": "string"}, {"type": "number"}, {"type": "object"}]}, {"string", "number", "object"}),
+        ({"oneOf": [{"type": "string"}, {"minLength": 3}]}, everything - {"string"}),
+        ({"oneOf": [{"type": "integer"}, {"type": "number"}]}, frozenset()),
+        ({"$ref": "#/$defs/o"}, frozenset()), ({"$ref": "#/$defs/s"}, {"string"}), ({"$ref": "#/$defs/loop"}, {"string"}),
+        ({"$ref": "#/$defs/elsewhere"}, frozenset()), ({"$ref": "#/$defs/nested_id"}, frozenset()),
+        ({"not": {"type": "string"}}, frozenset()), ({"if": {"type": "string"}, "then": {"minLength": 1}}, frozenset()),
+        ({"then": {"minLength": 9}}, everything), ({"type": "array", "items": {"type": "integer"}}, frozenset()),
+        ({"type": "array", "maxItems": 0}, frozenset()),
+    ]
+    defs = {"o": {"type": "object", "required": ["a"]}, "s": {"type": "string", "description": "d"}, "loop": {"anyOf": [{"type": "string"}, {"$ref": "#/$defs/loop"}]},
+            "nested_id": {"$id": "http://example.com/x", "type": "string"}}
+    for schema, expected in cases:
+        root = {"$defs": defs, **schema} if isinstance(schema, dict) else schema
+        validator = jsonschema.Draft202012Validator(root, format_checker=jsonschema.Draft202012Validator.FORMAT_CHECKER)
+        found = universal_types(root, root, validator)
+        assert found == frozenset(expected), (schema, found)
+        for kind in found:
+            for value in samples[kind]:
+                assert validator.is_valid(value), (schema, kind, value)
+
+
+def test_values_every_branch_accepts_cost_no_jsonschema_call(backend: GrammarBackend, tokenizer: Any,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """A union of a free-order object with `{}` (pydantic's `Union[Model, Any]`) is validated by the guard as a
+    whole at its fixed path; a string element there used to be checked with jsonschema once per candidate token
+    that could close it (10 ms rows), although `{}` takes every string. Now no jsonschema call is made for it,
+    and the row is still exactly the grammar's minus what `accept` refuses."""
+    from leapdecode.structured import guard as guard_module
+
+    calls = []
+    real = guard_module._is_valid
+    monkeypatch.setattr(guard_module, "_is_valid", lambda v, value: calls.append(value) or real(v, value))
+    compiled = backend.compile(_schema_spec(_UNION_WITH_ANY))
+    matcher = backend.matcher(compiled)
+    prefix = '{"kind":"or","filters":["a b'
+    assert matcher.accept_tokens(_encode(tokenizer, prefix)) == len(_encode(tokenizer, prefix))
+    calls.clear()
+    _check_row_against_brute_force(backend, tokenizer, matcher, prefix)
+    assert not calls

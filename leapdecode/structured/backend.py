@@ -103,8 +103,8 @@ class GrammarBackend:
         self._token_bytes: list[bytes] | None = None
         self._marks: TokenMarks | None = None
         self._executor: Any = None
-        if guard:  # ~0.8 s for a 128k vocabulary: paid at startup, not on the first guarded request
-            self.byte_marks().structure
+        if guard:  # ~1 s for a 128k vocabulary: paid at startup, not inside the first guarded request's masks
+            self.byte_marks().warm()
 
     # -- compile -------------------------------------------------------------------------------------------
     def compile_async(self, structured: Any) -> Future[CompiledGrammar]:

@@ -76,16 +76,42 @@ class TokenMarks:
 
     def containing(self, needle: bytes, anywhere: bool) -> np.ndarray:
         """Ids of the tokens whose bytes contain `needle` (anywhere, or at their start), found with bytes.find
-        over all tokens joined (a C loop, not a Python one over the vocabulary)."""
-        blob, starts = self.joined
+        over the tokens joined (a C loop, not a Python one over the vocabulary); a needle with a quote searches
+        only the tokens that have one (~2% of a vocabulary). Cached: the answer depends on the vocabulary
+        only, so every grammar of the backend shares it."""
+        cache = self.found
+        hit = cache.get((needle, anywhere))
+        if hit is not None:
+            return hit
+        blob, starts, ids = self.joined_quoted if b'"' in needle else self.joined
         found: set[int] = set()
         pos = blob.find(needle)
         while pos >= 0:
-            token = int(np.searchsorted(starts, pos, side="right")) - 1
-            if pos + len(needle) <= starts[token] + self.length[token] and (anywhere or pos == starts[token]):
+            i = int(np.searchsorted(starts, pos, side="right")) - 1
+            token = int(ids[i]) if ids is not None else i
+            if pos + len(needle) <= starts[i] + self.length[token] and (anywhere or pos == starts[i]):
                 found.add(token)
             pos = blob.find(needle, pos + 1)
-        return np.array(sorted(found), dtype=np.int64)
+        hit = np.array(sorted(found), dtype=np.int64)
+        if len(cache) > 65536:
+            cache.clear()
+        cache[(needle, anywhere)] = hit
+        return hit
+
+    def prefixes(self, text: bytes) -> np.ndarray:
+        """Ids of the tokens whose bytes are a non-empty prefix of `text` (cached like `containing`)."""
+        hit = self.found.get((text, None))
+        if hit is None:
+            hit = np.array([t for i in range(1, len(text) + 1) for t in self.ids_of(text[:i])], dtype=np.int64)
+            if len(self.found) > 65536:
+                self.found.clear()
+            self.found[(text, None)] = hit
+        return hit
+
+    def warm(self) -> "TokenMarks":
+        """Build every lazy table now (start-up), so that none is built inside a mask fill."""
+        self.structure, self.by_bytes, self.joined, self.joined_quoted  # noqa: B018
+        return self
 
     def ids_of(self, piece: bytes) -> list[int]:
         """The tokens whose bytes are exactly `piece`."""
@@ -126,11 +152,24 @@ class TokenMarks:
         return TokenStructure(in_string, outside, texts, _pack(string_exit), _pack(key_exit))
 
     @functools.cached_property
-    def joined(self) -> tuple[bytes, np.ndarray]:
-        pieces = self.pieces
-        starts = np.zeros(len(pieces), dtype=np.int64)
-        np.cumsum([len(p) + 1 for p in pieces[:-1]], out=starts[1:])
-        return b"\x00".join(pieces), starts
+    def found(self) -> dict[tuple[bytes, bool | None], np.ndarray]:
+        return {}  # the answers of `containing` and `prefixes`
+
+    @functools.cached_property
+    def joined(self) -> tuple[bytes, np.ndarray, None]:
+        return _join(self.pieces) + (None,)
+
+    @functools.cached_property
+    def joined_quoted(self) -> tuple[bytes, np.ndarray, np.ndarray]:
+        ids = np.flatnonzero(self.quote)
+        return _join([self.pieces[t] for t in ids.tolist()]) + (ids,)
+
+
+def _join(pieces: list[bytes]) -> tuple[bytes, np.ndarray]:
+    """The pieces joined by NUL bytes, and where each starts."""
+    starts = np.zeros(len(pieces), dtype=np.int64)
+    np.cumsum([len(p) + 1 for p in pieces[:-1]], out=starts[1:])
+    return b"\x00".join(pieces), starts
 
 
 @dataclass(frozen=True, eq=False)
@@ -306,6 +345,9 @@ class _Anchor:
     validator: Any  # the whole subschema (None for the root: the document check covers it)
     monotone: Any = None  # validator for the monotone keywords only, run on partial containers
     names: Any = None  # propertyNames validator, run on each key as it closes
+    # The JSON types every value of which the subschema accepts (`universal_types`): a value of such a type
+    # closing here needs no jsonschema call, and its verdict reads no earlier text (so it is shared).
+    universal: frozenset[str] = frozenset()
 
     def matches(self, path: tuple[Any, ...]) -> bool:
         return len(path) == len(self.pattern) and all(
@@ -362,10 +404,12 @@ class SchemaGuard:
         ]
         self.anchors += [_Anchor(pattern, self.validator.evolve(schema=node)) for node, patterns in free_order.unions
                          for pattern in patterns if pattern]
+        for anchor in self.anchors:
+            sub = schema if anchor.validator is None else anchor.validator.schema
+            anchor.universal = universal_types(sub, schema, self.validator)
         if any(not pattern for _, patterns in free_order.unions for pattern in patterns) and not self.anchors:
             self.anchors.append(_Anchor((), None))  # a union at the root: the document check (rule B) covers it
         self._closed_objects = any(o.closed is not None for o in self.objects)
-        self._repeat_cache: dict[tuple[bytes, bool | None], np.ndarray] = {}  # also `_prefix_tokens`'s
         self._at_cache: dict[tuple[Any, ...], tuple[list[_Anchor], list[_ObjectRule]]] = {}
         self._verdicts: dict[tuple[Any, ...], _Verdicts] = {}  # see `restrict`
         self._near_cache: dict[tuple[Any, ...], tuple[list[_Anchor], list[_ObjectRule]]] = {}
@@ -510,7 +554,7 @@ class SchemaGuard:
         if cursor.in_string and not cursor.escape:
             if in_key_string and not names_checked:
                 exits = structure.key_exit
-            elif not in_key_string and not self._at(path)[0]:
+            elif not in_key_string and not self.checks_strings(path):
                 exits = structure.string_exit
         interesting: np.ndarray | None = None
         extra: list[np.ndarray] = []  # token ids found by content, checked beside `interesting`
@@ -576,14 +620,7 @@ class SchemaGuard:
         escaped = _escaped(name)
         if not escaped.startswith(typed):
             return _NO_TOKENS
-        rest = escaped[len(typed) :]
-        ids = self._repeat_cache.get((rest, None))
-        if ids is None:
-            ids = np.array([t for i in range(1, len(rest) + 1) for t in marks.ids_of(rest[:i])], dtype=np.int64)
-            if len(self._repeat_cache) > 4096:
-                self._repeat_cache.clear()
-            self._repeat_cache[(rest, None)] = ids
-        return ids
+        return marks.prefixes(escaped[len(typed) :])
 
     def _repeat_tokens(self, key: str, typed: bytes | None, backend: GrammarBackend) -> np.ndarray:
         """Token ids that can write the key `key` again: inside the key (`typed` so far), those starting with
@@ -595,13 +632,7 @@ class SchemaGuard:
             needle, anywhere = escaped[len(typed) :] + b'"', False
         else:
             needle, anywhere = b'"' + escaped + b'"', True
-        ids = self._repeat_cache.get((needle, anywhere))
-        if ids is None:
-            ids = backend.byte_marks().containing(needle, anywhere)
-            if len(self._repeat_cache) > 4096:
-                self._repeat_cache.clear()
-            self._repeat_cache[(needle, anywhere)] = ids
-        return ids
+        return backend.byte_marks().containing(needle, anywhere)
 
     # -- event checks ----------------------------------------------------------------------------------------
     def value_ok(self, path: tuple[Any, ...], raw: bytes) -> bool:
@@ -615,6 +646,18 @@ class SchemaGuard:
 
     def _value_ok(self, path: tuple[Any, ...], raw: bytes) -> bool:
         return _all_valid([a.validator or self.validator for a in self._at(path)[0]], raw)
+
+    def checks_value(self, path: tuple[Any, ...], raw: bytes) -> bool:
+        """Can an anchor at `path` refuse the value `raw` (its JSON type read from its first byte)?"""
+        anchors = self._at(path)[0]
+        if not anchors:
+            return False
+        kind = _KIND_OF_FIRST_BYTE.get(raw[0], "number") if raw else "number"
+        return not all(kind in a.universal for a in anchors)
+
+    def checks_strings(self, path: tuple[Any, ...]) -> bool:
+        """Can an anchor at `path` refuse some string value?"""
+        return not all("string" in a.universal for a in self._at(path)[0])
 
     def partial_ok(self, path: tuple[Any, ...], raw: bytes) -> bool:
         return _all_valid([a.monotone for a in self._at(path)[0] if a.monotone is not None], raw)
@@ -759,8 +802,8 @@ def _scan(buf: bytes, cursor: Cursor, piece: bytes, guard: SchemaGuard,
     frames = list(cursor.frames)
 
     def value_ok(path: tuple[Any, ...], raw: bytes) -> bool:
-        if not guard._at(path)[0]:
-            return True  # no anchor here: nothing to check
+        if not guard.checks_value(path, raw):
+            return True  # no anchor here, or none that can refuse a value of this type: nothing to check
         if trace is not None:
             trace.append(path)
         return guard.value_ok(path, raw)
@@ -1290,6 +1333,81 @@ def _monotone_part(node: dict[str, Any]) -> dict[str, Any]:
     if isinstance(node.get("maxProperties"), int):
         part["maxProperties"] = node["maxProperties"]
     return part
+
+
+_KIND_OF_FIRST_BYTE = {0x22: "string", 0x7B: "object", 0x5B: "array", 0x74: "boolean", 0x66: "boolean", 0x6E: "null"}
+_ALL_TYPES = frozenset({"string", "number", "boolean", "null", "object", "array"})
+# What each validation keyword can refuse: a keyword only ever refuses values of these types (jsonschema's
+# keyword functions return early for other types). `format` counts for strings and numbers (conservative).
+_REFUSES = {
+    **dict.fromkeys(("minLength", "maxLength", "pattern"), frozenset({"string"})),
+    "format": frozenset({"string", "number"}),
+    **dict.fromkeys(("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf"),
+                    frozenset({"number"})),
+    **dict.fromkeys(("properties", "required", "additionalProperties", "patternProperties", "minProperties",
+                     "maxProperties", "propertyNames", "dependentRequired", "dependentSchemas", "dependencies",
+                     "unevaluatedProperties"), frozenset({"object"})),
+    **dict.fromkeys(("items", "prefixItems", "additionalItems", "contains", "minItems", "maxItems", "uniqueItems",
+                     "unevaluatedItems"), frozenset({"array"})),
+}
+
+
+def universal_types(node: Any, root: Any, validator: Any) -> frozenset[str]:
+    """The JSON types ("number" for every numeral) every value of which `node` accepts, found statically and
+    conservatively (an empty set whenever unsure): keywords jsonschema does not know are ignored as it ignores
+    them; type-specific keywords remove their type; anyOf unites, allOf intersects; oneOf counts a branch only
+    where every other branch's `type` excludes that type; local `$ref`s are followed (a cycle, a nested `$id`
+    or any other reference: nothing); enum, const, not, if and `$dynamicRef` give nothing."""
+    known = type(validator).VALIDATORS
+    memo: dict[int, frozenset[str]] = {}
+
+    def excludes(sub: Any, kind: str) -> bool:
+        if sub is False:
+            return True
+        types = sub.get("type") if isinstance(sub, dict) else None
+        if types is None:
+            return False
+        types = {types} if isinstance(types, str) else set(types)
+        return kind not in types and not (kind == "number" and "integer" in types)
+
+    def walk(sub: Any, chain: frozenset[int]) -> frozenset[str]:
+        if sub is True:
+            return _ALL_TYPES
+        if not isinstance(sub, dict) or id(sub) in chain or (sub is not root and "$id" in sub):
+            return frozenset()
+        hit = memo.get(id(sub))
+        if hit is not None:
+            return hit
+        inner = chain | {id(sub)}
+        out = _ALL_TYPES
+        for key, value in sub.items():
+            if key not in known or not out:
+                continue
+            if key in _REFUSES:
+                out = out - _REFUSES[key]
+            elif key == "type":
+                types = {value} if isinstance(value, str) else set(value) if isinstance(value, list) else set()
+                out = out & frozenset(types - {"integer"})  # "integer" alone does not take every numeral
+            elif key == "anyOf" and isinstance(value, list):
+                out = out & frozenset().union(*(walk(b, inner) for b in value))
+            elif key == "allOf" and isinstance(value, list):
+                for b in value:
+                    out = out & walk(b, inner)
+            elif key == "oneOf" and isinstance(value, list):
+                alone: set[str] = set()
+                for i, b in enumerate(value):
+                    alone |= {k for k in walk(b, inner)
+                              if all(excludes(o, k) for j, o in enumerate(value) if j != i)}
+                out = out & frozenset(alone)
+            elif key == "$ref" and isinstance(value, str):
+                target = resolve_local_ref(root, value)
+                out = out & (walk(target, inner) if target is not None else frozenset())
+            else:  # enum, const, not, if, $dynamicRef, malformed values: anything may be refused
+                out = frozenset()
+        memo[id(sub)] = out
+        return out
+
+    return walk(node, frozenset())
 
 
 def resolve_local_ref(root: Any, ref: str) -> Any:
