@@ -531,6 +531,14 @@ def test_guard_dead_end_is_reported(backend: GrammarBackend, tokenizer: Any) -> 
     allowed = torch.nonzero(bitmask_to_bool(row[0], backend.vocab_size)).flatten().tolist()
     assert allowed == [tokenizer.eos_token_id] and matcher.error is not None
     assert not matcher.accept(tokenizer.eos_token_id)  # the invalid document can still never be completed
+    # A root number the grammar lets only end (0..9), refused by the document check alone (rule A): the row's one
+    # grammatical token is EOS and the guard clears nothing else; still a dead end, still reported.
+    compiled = backend.compile(_schema_spec({"type": "integer", "minimum": 0, "maximum": 9, "not": {"const": 5}}))
+    matcher = backend.matcher(compiled)
+    assert matcher.accept_tokens(_encode(tokenizer, "5")) == 1
+    matcher.fill_bitmask(row, 0)
+    allowed = torch.nonzero(bitmask_to_bool(row[0], backend.vocab_size)).flatten().tolist()
+    assert allowed == [tokenizer.eos_token_id] and matcher.error is not None
 
 
 # ----------------------------------------------------------------------------------------------- ASAp

@@ -205,18 +205,24 @@ class _Plan:
 @dataclass(eq=False)
 class _Verdicts:
     """What the guard knows under one cursor signature: its plan, the verdict of each structure class, and
-    (packed, like a mask row) the tokens judged so far and those refused."""
+    (packed, like a mask row) the tokens judged so far and all but those refused."""
 
     plan: _Plan | None
     classes: dict[int, bool]
     known: np.ndarray
-    refused: np.ndarray
+    kept: np.ndarray  # every bit set but the refused tokens' (a row is ANDed with it)
     any_refused: bool = False
+    pending: np.ndarray | None = None  # the plan's `interesting` tokens not judged yet
 
 
 def _set_bits(words: np.ndarray, ids: np.ndarray) -> None:
     if ids.size:
         np.bitwise_or.at(words, ids >> 5, np.uint32(1) << (ids & 31).astype(np.uint32))
+
+
+def _clear_bits(words: np.ndarray, ids: np.ndarray) -> None:
+    if ids.size:
+        np.bitwise_and.at(words, ids >> 5, ~(np.uint32(1) << (ids & 31).astype(np.uint32)))
 
 
 @functools.lru_cache(maxsize=65536)
@@ -439,11 +445,12 @@ class SchemaGuard:
         buf = bytes(text) + piece
         return _scan(buf, cursor, piece, self)
 
-    def restrict(self, row: torch.Tensor, text: bytearray, cursor: Cursor, backend: GrammarBackend) -> None:
-        """Clear, in one mask row, the tokens that `advance` would refuse."""
+    def restrict(self, words: np.ndarray, text: bytearray, cursor: Cursor, backend: GrammarBackend) -> bool:
+        """Clear, in one mask row (uint32 words, changed in place), the tokens that `advance` would refuse;
+        False when certainly none was cleared."""
         if not self.active:
-            return
-        words = row.numpy().view(np.uint32)  # shares memory with the tensor row
+            return False
+        cleared = False
         depth = len(cursor.frames) - 1
         # A verdict that read no text from before the token (no jsonschema anchor looked at it: `_scan`'s trace)
         # depends only on the cursor's signature and the structure the token writes (`TokenMarks.structure`: in a
@@ -460,22 +467,24 @@ class SchemaGuard:
             if memo is None:
                 if len(self._verdicts) > 1024:
                     self._verdicts.clear()
-                memo = self._verdicts[signature] = _Verdicts(self._plan(text, cursor, backend), {},
-                                                             np.zeros_like(words), np.zeros_like(words))
+                plan = self._plan(text, cursor, backend)
+                memo = self._verdicts[signature] = _Verdicts(plan, {}, np.zeros_like(words),
+                                                             np.full_like(words, 0xFFFFFFFF))
+                if plan is not None and plan.interesting is not None:
+                    memo.pending = plan.interesting[: words.shape[0]].copy()
             elif memo.any_refused:
-                words &= ~memo.refused
+                words &= memo.kept
+                cleared = True
             plan = memo.plan
         else:
             plan = self._plan(text, cursor, backend)
         if plan is None:
-            return
+            return cleared
         interesting, extra, refused, closed_key = plan.interesting, plan.extra, list(plan.refused), plan.closed_key
         structure = backend.byte_marks().structure
         todo = _NO_TOKENS
         if interesting is not None:
-            hit = words & interesting[: words.shape[0]]
-            if memo is not None:
-                hit &= ~memo.known
+            hit = words & (interesting[: words.shape[0]] if memo is None else memo.pending)
             hit = hit.view(np.uint64) if hit.shape[0] % 2 == 0 else hit
             nonzero = np.flatnonzero(hit)
             width = hit.dtype.itemsize * 8
@@ -507,10 +516,12 @@ class SchemaGuard:
             is_unknown = np.isin(classes, unknown) if unknown else np.zeros(len(classes), dtype=bool)
             judged = todo[~is_unknown]
             _set_bits(memo.known, judged)
+            if memo.pending is not None:
+                _clear_bits(memo.pending, judged)
             bad = [c for c, v in verdict.items() if v == 0]
             if bad:
                 out = todo[np.isin(classes, bad)]
-                _set_bits(memo.refused, out)
+                _clear_bits(memo.kept, out)
                 memo.any_refused = True
                 refused.append(out)
             todo = todo[is_unknown]
@@ -532,7 +543,9 @@ class SchemaGuard:
             refused.append(np.array(bad, dtype=np.int64))
         for ids in refused:
             if ids.size:
-                np.bitwise_and.at(words, ids >> 5, ~(np.uint32(1) << (ids & 31).astype(np.uint32)))
+                _clear_bits(words, ids)
+                cleared = True
+        return cleared
 
     def _plan(self, text: bytearray, cursor: Cursor, backend: GrammarBackend) -> _Plan | None:
         """What a row must be checked on at this cursor (None: nothing), whatever the row allows (refusing a

@@ -139,13 +139,15 @@ def lower(schema: Any, regex_ok: Callable[[str], bool], dropped: list[str], rela
     """
     memo: dict[int, Any] = {}
     schema = {} if schema is True else copy.deepcopy(schema, memo)
+    exact: set[str] = set()  # the exact-name regexes written here: every library takes them, no check needed
     for key in relax:
         node = memo.get(key)
         if isinstance(node, dict):
             props = node.pop("properties")
             node.pop("required", None)
-            node["patternProperties"] = {**{exact_name_regex(name): sub for name, sub in props.items()},
-                                         **node.get("patternProperties", {})}
+            names = {exact_name_regex(name): sub for name, sub in props.items()}
+            exact.update(names)
+            node["patternProperties"] = {**names, **node.get("patternProperties", {})}
     for key in expand:
         node = memo.get(key)
         if isinstance(node, dict) and len(node.get("properties", ())) > 1:
@@ -174,7 +176,7 @@ def lower(schema: Any, regex_ok: Callable[[str], bool], dropped: list[str], rela
             dropped.append("pattern (regex not supported by the library)")
         props = node.get("patternProperties")
         if isinstance(props, dict):
-            for key in [k for k in props if not regex_ok(k)]:
+            for key in [k for k in props if k not in exact and not regex_ok(k)]:
                 del props[key]
                 dropped.append("patternProperties (regex not supported by the library)")
     return schema

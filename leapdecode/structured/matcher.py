@@ -148,22 +148,26 @@ class Matcher:
     # -- masks -----------------------------------------------------------------------------------------------
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
         """Write the allowed next tokens into bitmask[row] (CPU int32 [rows, ceil(V/32)])."""
+        words = _words(bitmask, row)
         if self._terminated:
-            bitmask[row].zero_()
-            self._set_eos(bitmask, row, True)
+            words[:] = 0
+            self._set_eos(words, True)
             return
         self._state.fill(bitmask, row)
         if self._library_failed():
-            bitmask[row].zero_()
-            self._set_eos(bitmask, row, True)  # keep the row samplable; the engine ends the request with `error`
+            words[:] = 0
+            self._set_eos(words, True)  # keep the row samplable; the engine ends the request with `error`
             return
-        self._set_eos(bitmask, row, self._eos_allowed())
-        if self._guard is not None:
-            self._guard.restrict(bitmask[row], self._text, self._cursors[-1], self._backend)
-            if not bitmask[row].numpy().any():
-                # Dead end: nothing leads to a valid instance. Keep the row samplable (EOS) and say so.
-                self.error = "no continuation of the output can satisfy the JSON schema"
-                self._set_eos(bitmask, row, True)
+        accepting = self._state.is_accepting()
+        eos_ok = accepting and (self._guard is None or self._guard.document_ok(bytes(self._text)))
+        self._set_eos(words, eos_ok)
+        if self._guard is None:
+            return
+        cleared = self._guard.restrict(words, self._text, self._cursors[-1], self._backend)
+        if (cleared or accepting and not eos_ok) and not words.any():
+            # Dead end: nothing leads to a valid instance. Keep the row samplable (EOS) and say so.
+            self.error = "no continuation of the output can satisfy the JSON schema"
+            self._set_eos(words, True)
 
     def fill_bitmasks(self, bitmask: torch.Tensor, row: int, drafts: Sequence[int] = ()) -> int:
         """Fill one row per position: before drafts[0], after each accepted draft token (the last is the bonus).
@@ -192,8 +196,9 @@ class Matcher:
     def finish_native(self, bitmask: torch.Tensor, row: int, drafts: Sequence[int]) -> None:
         """After a native fill of rows row .. row+len(drafts): apply rule A (EOS only for a valid document)."""
         if self._library_failed():
-            bitmask[row].zero_()
-            self._set_eos(bitmask, row, True)
+            words = _words(bitmask, row)
+            words[:] = 0
+            self._set_eos(words, True)
             return
         if self._guard is None:
             return
@@ -205,7 +210,7 @@ class Matcher:
                 text += pieces[drafts[i - 1]]
             word = int(bitmask[row + i, eos >> 5]) & 0xFFFFFFFF
             if word >> (eos & 31) & 1 and not self._guard.document_ok(text):
-                self._set_eos(bitmask, row + i, False)
+                self._set_eos(_words(bitmask, row + i), False)
 
     def forced_tokens(self) -> list[int]:
         """Tokens the grammar allows as the only continuation (jump-forward), to be proposed as drafts."""
@@ -230,12 +235,16 @@ class Matcher:
             return False
         return self._guard is None or self._guard.document_ok(bytes(self._text))
 
-    def _set_eos(self, bitmask: torch.Tensor, row: int, allowed: bool) -> None:
-        words = bitmask[row].numpy().view(np.uint32)  # CPU bitmask; shares memory
+    def _set_eos(self, words: np.ndarray, allowed: bool) -> None:
         for t in self._eos:
-            word, bit = divmod(t, 32)
+            word, bit = t >> 5, t & 31
             if word < words.shape[0]:
                 if allowed:
                     words[word] |= np.uint32(1 << bit)
                 else:
                     words[word] &= np.uint32(~(1 << bit) & 0xFFFFFFFF)
+
+
+def _words(bitmask: torch.Tensor, row: int) -> np.ndarray:
+    """A CPU bitmask row as uint32 words, sharing its memory."""
+    return bitmask[row].numpy().view(np.uint32)
