@@ -56,7 +56,8 @@ class FakeDrafter:
                 ok = ok and self.rng.random() < self.q
                 t = truth(r.seq_id, len(r.token_ids) + j)
                 toks.append(t if ok else t + 1)
-            conf = [self.claim ** (j + 1) for j in range(len(toks))] if self.claim is not None else None
+            claim = self.q if self.claim == "q" else self.claim        # "q": claims that track the real rate
+            conf = [claim ** (j + 1) for j in range(len(toks))] if claim is not None else None
             out.append(Draft(toks, None, score=0.5, confidence=conf))
         return out
 
@@ -190,6 +191,31 @@ def test_backs_off_within_a_few_steps_when_acceptance_drops_and_returns():
     _, per_step, _ = simulate(cpu_like, 0.0, steps=260, q_after=0.95, switch=100)
     assert np.mean(per_step[60:100]) < 0.3
     assert np.mean(per_step[200:]) > 2
+
+
+def test_calibrated_claims_back_off_and_return():
+    """The same with calibrated drafts whose claims track the real rate: the quiet re-check values each request by
+    its drafter's latest draft (shadow drafts included), so low claims keep it quiet and high ones bring it back."""
+    _, per_step, _ = simulate(cpu_like, 0.95, steps=260, q_after=0.0, switch=100, claim="q")
+    assert np.mean(per_step[60:100]) > 2
+    assert np.mean(per_step[110:140]) < 0.3
+    _, per_step, _ = simulate(cpu_like, 0.0, steps=260, q_after=0.95, switch=100, claim="q")
+    assert np.mean(per_step[60:100]) < 0.3
+    assert np.mean(per_step[200:]) > 2
+
+
+def test_quiet_recheck_values_requests_as_their_drafts_are_valued(monkeypatch):
+    """While speculation is off, the re-check (`worth_drafting`) valued each request by its drafter score alone,
+    while the drafts themselves are valued by their calibrated confidences: where the two disagreed (here: good
+    acceptance so far, drafts that claim little), every quiet re-check said "worth it", the whole batch was
+    drafted and nothing was chosen (at batch 64 on the CPU: on every step). The re-check now goes by the
+    confidences of the request's latest draft, so the batch is not drafted again for nothing."""
+    full = []
+    real = FakeDrafter.propose
+    monkeypatch.setattr(FakeDrafter, "propose", lambda self, reqs: full.append(len(reqs) == 16) or real(self, reqs))
+    _, per_step, _ = simulate(cpu_like, 0.9, batch=16, steps=300, claim=0.05)
+    assert sum(per_step) == 0
+    assert sum(full) <= 3, sum(full)
 
 
 def test_draft_lengths_choose_by_value_and_cost():

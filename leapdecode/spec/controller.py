@@ -48,6 +48,7 @@ from __future__ import annotations
 import math
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -335,6 +336,7 @@ class Controller:
         self.explore_every, self.explore_tolerance, self.stale_after = explore_every, explore_tolerance, stale_after
         self._acc: dict[int, _Acceptance] = {}
         self._score: dict[int, float] = {}
+        self._confidence: dict[int, Any] = {}   # the last real draft's calibrated confidences (for the probe)
         # global: first-token acceptance, and conditional acceptance per depth (index d = depth, d >= 2)
         self._g_first = [0.0, 0.0]
         self._g_depth_acc = np.zeros(max(max_draft, 1) + 2)
@@ -434,9 +436,23 @@ class Controller:
             self._g_depth_n[2:top + 1] += 1.0
             self._g_depth_acc[2:min(top, num_accepted) + 1] += 1.0
 
+    def _note(self, proposal: tuple) -> None:
+        """Remember what a drafter's proposal was valued by (for :meth:`worth_drafting`'s probe)."""
+        self.note(proposal[0], proposal[2], proposal[3] if len(proposal) > 3 else None)
+
+    def note(self, seq_id: int, score: float, confidence: Any = None) -> None:
+        """The drafter's latest draft for a request (a real or a shadow one): its score and calibrated
+        confidences, which :meth:`worth_drafting` values the request by."""
+        self._score[seq_id] = score
+        if confidence:
+            self._confidence[seq_id] = confidence
+        else:
+            self._confidence.pop(seq_id, None)
+
     def forget(self, seq_id: int) -> None:
         self._acc.pop(seq_id, None)
         self._score.pop(seq_id, None)
+        self._confidence.pop(seq_id, None)
         self._claims.pop(seq_id, None)
 
     @property
@@ -471,7 +487,7 @@ class Controller:
         if K <= 0:
             return keep
         for p in proposals:
-            self._score[p[0]] = p[2]
+            self._note(p)
         values = self._values(proposals, K)
         values[np.arange(K)[None, :] >= lengths[:, None]] = -1.0          # beyond what is on offer
         flat = values.ravel()
@@ -507,7 +523,7 @@ class Controller:
         g = self._depth_rates(K)
         flat: list[float] = []
         for p, L in zip(proposals, lengths):
-            self._score[p[0]] = p[2]
+            self._note(p)
             row = self._row_values(p, g)
             row[L:] = [-1.0] * (K - L)                            # beyond what is on offer
             flat += row
@@ -604,7 +620,12 @@ class Controller:
                        num_seqs: int | None = None) -> bool:
         """Could any draft pay this step? offers: (seq_id, room). Uses each request's last drafter score; a cheap
         check that lets the speculator skip the drafter when speculation is off."""
-        probe = [(sid, room, self._score.get(sid, 0.5)) for sid, room in offers]
+        # valued as the request's last real draft was (its score, and its calibrated confidences when it had them):
+        # a probe valued by the score alone while the drafts are valued by their confidences said "worth it" on
+        # every quiet step at batch 64 on the CPU, and every real draft then chose nothing
+        conf = self._confidence
+        probe = [(sid, room, self._score.get(sid, 0.5)) if sid not in conf else
+                 (sid, min(room, len(conf[sid])), self._score.get(sid, 0.5), conf[sid]) for sid, room in offers]
         calls, last = self.num_calls, self.last_choice
         keep = self.draft_lengths(probe, other_tokens, draft_seconds, num_seqs)
         self.num_calls, self.last_choice = calls, last

@@ -308,6 +308,7 @@ class Speculator:
         per = dt / len(need)
         self._shadow_cost = per if self._shadow_cost is None else 0.7 * self._shadow_cost + 0.3 * per
         for r, d in zip(need, drafts):
+            self.controller.note(r.seq_id, d.score, d.confidence)   # what the probe of worth_drafting goes by
             if d.tokens:
                 self._shadow[r.seq_id] = (DraftTree.of(d.tokens, d.parents), len(r.token_ids), _claim(d))
 
