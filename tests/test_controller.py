@@ -360,22 +360,46 @@ def test_a_stale_plain_price_is_measured_again_before_a_modest_gain_is_trusted()
     """Plain decoding at a batch size is timed again when new requests came in (a step with prefill chunks) since
     it was last seen: their contexts set its cost. A controller that speculates never times a plain step otherwise,
     and at batch 64 on the CPU the old price (254 ms, the previous requests') against the real one (165 ms) made
-    speculation that lost 22% look like a gain. A large predicted gain does not wait."""
+    speculation that lost 22% look like a gain. Below ``STALE_BATCH`` a large predicted gain does not wait (a
+    step there is mostly weights, not contexts); from it on every gain waits."""
+    for batch, large_waits in ((4, False), (16, True)):
+        st = probed_model()
+        ctl = Controller(8, st)
+        for _ in range(3):
+            st.observe(batch, 0.300, num_seqs=batch)          # decodes over long contexts
+        for _ in range(12):
+            st.observe(2 * batch, 0.348, num_seqs=batch)      # speculating steps: one draft token each
+        assert not st.stale(batch, batch)
+        st.observe(400, 0.6)                                  # a prompt chunk: new requests
+        assert st.stale(batch, batch)
+        modest = [(i, 1, 0.5, [0.5]) for i in range(batch)]   # predicted: ~1.3x
+        assert ctl.draft_lengths(modest, batch, num_seqs=batch) == [0] * batch and ctl.last_choice["explored"]
+        large = [(i, 4, 0.5, [0.99] * 4) for i in range(batch)]   # ~3x
+        assert (sum(ctl.draft_lengths(large, batch, num_seqs=batch)) == 0) == large_waits, batch
+        st.observe(batch, 0.300, num_seqs=batch)              # timed again: the modest gain is taken
+        assert not st.stale(batch, batch)
+        assert sum(ctl.draft_lengths(modest, batch, num_seqs=batch)) > 0
+
+
+def test_a_plain_step_never_timed_at_a_large_batch_is_stale_once_new_requests_came():
+    """At batch 64 on the CPU the controller drafted from its first decode steps, so plain decoding at that batch
+    was priced from its speculating steps of earlier requests (400 ms against 180 ms measured): a gain of 2.3x was
+    predicted and 0.88x realized. A plain step never timed at a batch size of at least ``STALE_BATCH`` is stale
+    when every step seen there predates the newest requests; before any step there (nothing to distrust: the
+    start-up probe prices it) and below ``STALE_BATCH`` it is not."""
     st = probed_model()
-    ctl = Controller(8, st)
-    for _ in range(3):
-        st.observe(16, 0.300, num_seqs=16)                # 16 decodes over long contexts
-    for _ in range(12):
-        st.observe(32, 0.348, num_seqs=16)                # speculating steps: 16 draft tokens
-    assert not st.stale(16, 16)
-    st.observe(400, 0.6)                                  # a prompt chunk: new requests
-    assert st.stale(16, 16)
-    modest = [(i, 1, 0.5, [0.5]) for i in range(16)]       # predicted: ~1.3x
-    assert ctl.draft_lengths(modest, 16, num_seqs=16) == [0] * 16 and ctl.last_choice["explored"]
-    assert sum(ctl.draft_lengths([(i, 4, 0.5, [0.99] * 4) for i in range(16)], 16, num_seqs=16)) > 0   # ~3x
-    st.observe(16, 0.300, num_seqs=16)                    # timed again: the modest gain is taken
-    assert not st.stale(16, 16)
-    assert sum(ctl.draft_lengths(modest, 16, num_seqs=16)) > 0
+    assert not st.stale(64, 64)                               # no step at 64 yet: the probe's price stands
+    for _ in range(5):
+        st.observe(190, 0.40, num_seqs=64)                    # speculating steps only
+    assert not st.stale(64, 64)
+    st.observe(500, 0.6)                                      # new requests
+    assert st.stale(64, 64)
+    for _ in range(5):
+        st.observe(8, 0.04, num_seqs=4)
+    st.observe(500, 0.6)
+    assert not st.stale(4, 4)                                 # a small batch: priced by what it has
+    st.observe(180, 0.38, num_seqs=64)                        # a step of the new requests at 64
+    assert not st.stale(64, 64)
 
 
 def test_a_draft_that_doubles_the_step_must_show_more_than_one_that_adds_little():

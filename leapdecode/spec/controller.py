@@ -21,7 +21,9 @@ where B is one bonus token per decoding request and ``base`` the tokens the step
   most ``MARGINAL_CAP`` times the probe's. Mixed naively, a real 16-token step next to the probe's cheaper
   17..64-token points made extra tokens look free (the curve is flattened to stay non-decreasing), and
   speculation at batch 16 ran below plain decoding. A plain step at a batch size last timed before new requests
-  came in is timed again before a modest gain is trusted (:meth:`StepTimeModel.stale`).
+  came in is timed again before a modest gain is trusted, from ``STALE_BATCH`` on before any gain, and there a
+  plain step never timed is stale once every step seen at that batch size predates the new requests
+  (:meth:`StepTimeModel.stale`).
 - **Graph steps cost their shape, not their token count**: a step replayed from a CUDA graph runs the bucket
   (sequences, tokens per sequence) that holds it, so verifying 1 draft token costs what verifying k costs, and
   the 1-token decode bucket is another kernel. Those steps are timed per bucket (:class:`GraphTimes`), apart from
@@ -53,6 +55,12 @@ from typing import Any
 import numpy as np
 
 STALE_GAIN = 1.5                 # a predicted gain below this waits for a fresh plain step (StepTimeModel.stale)
+STALE_BATCH = 8
+"""From this batch size on, any predicted gain waits for a fresh plain step, and a plain step never timed at the
+batch size is stale: its cost is mostly attention over the batch's contexts, which change with every cohort of
+requests (at batch 64 on the CPU a plain step priced at 400 ms from earlier requests' steps cost 180 ms, a gain
+of 2.3x was predicted and 0.88x realized). Below it a step is mostly weights read once, and a large gain (copying
+text at batch 1) is trusted at once rather than paying a plain step per new request."""
 REALIZED_PRIOR = 8.0             # claimed tokens' worth of trust in a calibrated drafter's confidences
 REALIZED_DECAY = 0.99            # per verified draft: at batch 64 a few steps, at batch 1 ~100 drafts
 _EXACT = 32                      # token counts up to this are buckets of their own
@@ -252,7 +260,10 @@ class StepTimeModel:
         the CPU a plain step priced at 254 ms by the previous requests' steps cost 165 ms with the next ones', and
         speculation that lost 22% looked like a gain.)"""
         b = self._bucket(num_tokens, num_seqs)
-        return b is not None and b.last_seen < self.last_mixed and self.num_observed - b.last_seen > after
+        if b is None:   # never timed at this batch size: priced by its other steps, all from earlier requests?
+            c = self._curves.get(size_bucket(num_seqs)) if num_seqs >= STALE_BATCH else None
+            return c is not None and all(o.last_seen < self.last_mixed for o in c.buckets.values())
+        return b.last_seen < self.last_mixed and self.num_observed - b.last_seen > after
 
     def _bucket(self, num_tokens: int, num_seqs: int | None) -> _Bucket | None:
         """The bucket of this size on the steps' own curve (their batch size's, or the mixed steps'), if seen."""
@@ -557,7 +568,8 @@ class Controller:
         ok[0] = False
         chosen = int(np.argmax(np.where(ok, goodput, -np.inf))) if ok.any() else 0
         explored = False
-        if chosen and num_seqs and graphs is None and goodput[chosen] < plain * STALE_GAIN \
+        if chosen and num_seqs and graphs is None \
+                and (goodput[chosen] < plain * STALE_GAIN or num_seqs >= STALE_BATCH) \
                 and self.step_time.stale(other_tokens, num_seqs):
             chosen, explored = 0, True      # time plain decoding at this batch again before trusting its price
         elif self.explore_every and self.num_calls % self.explore_every == 0:
