@@ -99,8 +99,9 @@ class _LLGuidanceState:
             raise RuntimeError(f"llguidance could not roll back {n} tokens: {self._m.get_error()}")
 
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
-        v = bitmask[row]
-        self._m.unsafe_compute_mask_ptr(v.data_ptr(), v.numel() * v.element_size())
+        # the row's address computed, not indexed: a tensor view costs ~1 us, a tenth of a guarded row's overhead
+        size = bitmask.shape[1] * bitmask.element_size()
+        self._m.unsafe_compute_mask_ptr(bitmask.data_ptr() + row * bitmask.stride(0) * bitmask.element_size(), size)
 
     def is_accepting(self) -> bool:
         return self._m.is_accepting()

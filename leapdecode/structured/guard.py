@@ -22,14 +22,14 @@ from typing import TYPE_CHECKING, Any, Iterator
 import jsonschema
 import jsonschema.validators
 import numpy as np
-import torch
 
 from leapdecode.structured.lowering import check_deadline, iter_subschemas
 
 if TYPE_CHECKING:
     from leapdecode.structured.backend import GrammarBackend
 
-__all__ = ["Cursor", "FreeOrder", "SchemaGuard", "TokenMarks", "TokenStructure", "free_order_sites", "probe_schema"]
+__all__ = ["Cursor", "FreeOrder", "SchemaGuard", "TokenMarks", "TokenStructure", "free_order_sites", "probe_schema",
+           "universal_types"]
 
 _OPEN = frozenset(b"[{")
 _CLOSE = frozenset(b"]}")
@@ -472,7 +472,10 @@ class SchemaGuard:
                                                              np.full_like(words, 0xFFFFFFFF))
                 if plan is not None and plan.interesting is not None:
                     memo.pending = plan.interesting[: words.shape[0]].copy()
-            elif memo.any_refused:
+                if plan is not None and any(ids.size for ids in plan.refused):
+                    _clear_bits(memo.kept, np.concatenate(plan.refused))    # refused as they are: kept packed
+                    memo.any_refused = True
+            if memo.any_refused:
                 words &= memo.kept
                 cleared = True
             plan = memo.plan
@@ -480,16 +483,18 @@ class SchemaGuard:
             plan = self._plan(text, cursor, backend)
         if plan is None:
             return cleared
-        interesting, extra, refused, closed_key = plan.interesting, plan.extra, list(plan.refused), plan.closed_key
+        interesting, extra, closed_key = plan.interesting, plan.extra, plan.closed_key
+        refused = [] if memo is not None else list(plan.refused)   # (a signature's are in memo.kept)
         structure = backend.byte_marks().structure
         todo = _NO_TOKENS
         if interesting is not None:
             hit = words & (interesting[: words.shape[0]] if memo is None else memo.pending)
             hit = hit.view(np.uint64) if hit.shape[0] % 2 == 0 else hit
             nonzero = np.flatnonzero(hit)
-            width = hit.dtype.itemsize * 8
-            at = np.flatnonzero(np.unpackbits(hit[nonzero].view(np.uint8), bitorder="little"))
-            todo = nonzero[at // width] * width + at % width
+            if nonzero.size:
+                width = hit.dtype.itemsize * 8
+                at = np.flatnonzero(np.unpackbits(hit[nonzero].view(np.uint8), bitorder="little"))
+                todo = nonzero[at // width] * width + at % width
         if extra.size:
             live = words if memo is None else words & ~memo.known
             ids = extra[((live[extra >> 5] >> (extra & 31).astype(np.uint32)) & 1).astype(bool)]

@@ -55,6 +55,7 @@ class Matcher:
             and self._eos == (backend.native_eos,)
             and (self._guard is None or not self._guard.active)
         )
+        self._eos_is_native = self._eos == (backend.native_eos,)   # the only EOS is the one the library masks
         self._history: list[int] = []  # accepted tokens, EOS included
         self._terminated = False
         self.error: str | None = None  # set when no token can continue to a valid instance (see module doc)
@@ -160,7 +161,8 @@ class Matcher:
             return
         accepting = self._state.is_accepting()
         eos_ok = accepting and (self._guard is None or self._guard.document_ok(bytes(self._text)))
-        self._set_eos(words, eos_ok)
+        if accepting or not self._eos_is_native:    # (not accepting: the library left its EOS bit clear)
+            self._set_eos(words, eos_ok)
         if self._guard is None:
             return
         cleared = self._guard.restrict(words, self._text, self._cursors[-1], self._backend)
