@@ -786,6 +786,7 @@ def _search(patrn: str, text: str) -> bool:
     return _compiled(patrn).search(text) is not None
 
 
+@functools.lru_cache(maxsize=None)
 def _format_checker(cls: Any) -> jsonschema.FormatChecker:
     """The draft's format checker (formats are asserted), without the slow ones."""
     checker = jsonschema.FormatChecker(formats=())
@@ -966,7 +967,7 @@ def _find_anchors(schema: Any, validator: Any, dropped: tuple[str, ...]) -> list
         return bool(used) and not (used == {"format"} and node.get("format") in useless)
 
     if formats is not None and all(note.lower().startswith("unknown format") for note in dropped) and not any(
-        isinstance(node, dict) and guarded(node) for node, _ in iter_subschemas(schema)
+        isinstance(node, dict) and guarded(node) for node in iter_subschemas(schema)
     ):
         return []  # only unchecked formats were dropped: nothing for rules B/C to check (rule A stays)
     relevant = _relevant_nodes(schema, keys)
@@ -1157,7 +1158,7 @@ def _joined(root: dict[str, Any], nodes: dict[int, Any]) -> set[int]:
 def _closed(node: dict[str, Any]) -> tuple[tuple[bytes, str], ...] | None:
     if node.get("additionalProperties") is not False or node.get("patternProperties"):
         return None
-    return tuple((json.dumps(name, ensure_ascii=False)[1:-1].encode(), name) for name in node["properties"])
+    return tuple((_escaped(name), name) for name in node["properties"])
 
 
 def _mixed_intersections(root: dict[str, Any], nodes: dict[int, Any]) -> set[int]:
@@ -1188,7 +1189,7 @@ def _mixed_intersections(root: dict[str, Any], nodes: dict[int, Any]) -> set[int
 def _pointed_through_properties(root: dict[str, Any]) -> set[int]:
     """ids of the nodes whose `properties` some $ref points into (relaxing them would break the pointer)."""
     out: set[int] = set()
-    for node, _ in iter_subschemas(root):
+    for node in iter_subschemas(root):
         ref = node.get("$ref")
         if not isinstance(ref, str) or not ref.startswith("#/"):
             continue

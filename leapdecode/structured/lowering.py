@@ -6,7 +6,6 @@ is a loop over it. Values of `DATA_KEYWORDS` are instances, not subschemas, and 
 
 from __future__ import annotations
 
-import copy
 import itertools
 import threading
 import time
@@ -47,63 +46,70 @@ def check_deadline() -> None:
         raise CompileTimeout("the compilation ran past its time limit")
 
 
-# children(node) -> (path steps, child) pairs; see `iter_subschemas`.
-Children = Callable[[dict[str, Any]], Iterable[tuple[tuple[Any, ...], Any]]]
-
-
-def _all_children(node: dict[str, Any]) -> Iterator[tuple[tuple[Any, ...], Any]]:
-    """Every value outside DATA_KEYWORDS, lists flattened; steps are JSON-pointer parts (keys, list indices)."""
-    for key, value in node.items():
-        if key not in DATA_KEYWORDS:
-            yield from _flatten((key,), value)
-
-
-def _flatten(steps: tuple[Any, ...], value: Any) -> Iterator[tuple[tuple[Any, ...], Any]]:
-    if isinstance(value, list):
-        for i, item in enumerate(value):
-            yield from _flatten(steps + (i,), item)
-    else:
-        yield steps, value
-
-
-def iter_subschemas(schema: Any, children: Children = _all_children, *,
-                    max_depth: int | None = None) -> Iterator[tuple[dict[str, Any], tuple[Any, ...]]]:
-    """(node, path) for every object reached from `schema`, depth first, in document order.
-
-    By default every value outside DATA_KEYWORDS is walked (including mappings such as `properties` itself) and
-    `path` is the node's location in the schema. A caller may pass `children` to walk other edges (the guard
-    walks instance paths); a (node, path) pair reached twice is yielded once, nodes deeper than `max_depth`
-    hops are skipped. A node's children are read after the caller resumes the generator, so the caller may
-    edit the node it was just given (what `lower` does) and the walk sees the edited node.
-    """
-    seen: set[tuple[int, tuple[Any, ...]]] = set()
-    stack: list[tuple[Any, tuple[Any, ...], int]] = [(schema, (), 0)]
+def iter_subschemas(schema: Any) -> Iterator[dict[str, Any]]:
+    """Every object reached from `schema` (every value outside DATA_KEYWORDS, lists walked into), depth first,
+    in document order, each once. A node's children are read after the caller resumes the generator, so the
+    caller may edit the node it was just given (what `lower` does) and the walk sees the edited node."""
+    seen: set[int] = set()
+    stack: list[Any] = [schema]
     visited = 0
     while stack:
+        node = stack.pop()
+        if not isinstance(node, dict) or id(node) in seen:
+            continue
         visited += 1
         if visited & 255 == 0:
             check_deadline()
-        node, path, depth = stack.pop()
-        if not isinstance(node, dict) or (max_depth is not None and depth > max_depth) or (id(node), path) in seen:
-            continue
-        seen.add((id(node), path))
-        yield node, path
-        stack.extend(reversed([(child, path + steps, depth + 1) for steps, child in children(node)]))
+        seen.add(id(node))
+        yield node
+        children: list[Any] = []
+        for key, value in node.items():
+            if key in DATA_KEYWORDS:
+                continue
+            if isinstance(value, dict):
+                children.append(value)
+            elif isinstance(value, list):
+                _collect(value, children)
+        stack.extend(reversed(children))
+
+
+def _collect(items: list[Any], out: list[Any]) -> None:
+    """The objects in a (possibly nested) list, in order."""
+    for item in items:
+        if isinstance(item, dict):
+            out.append(item)
+        elif isinstance(item, list):
+            _collect(item, out)
+
+
+def _copy(value: Any, copies: dict[int, Any]) -> Any:
+    """A deep copy of a JSON value; `copies` maps id(original object) -> its copy (shared objects stay shared).
+    (copy.deepcopy's generic dispatch was a fifth of a realistic schema's lowering.)"""
+    if isinstance(value, dict):
+        done = copies.get(id(value))
+        if done is None:
+            done = copies[id(value)] = {}
+            for k, v in value.items():
+                done[k] = _copy(v, copies)
+        return done
+    if isinstance(value, list):
+        return [_copy(v, copies) for v in value]
+    return value
 
 
 def all_keys(schema: Any) -> set[str]:
     """Every keyword used anywhere in a schema (property names included; only used for over-reporting)."""
-    return {key for node, _ in iter_subschemas(schema) for key in node}
+    return {key for node in iter_subschemas(schema) for key in node}
 
 
 def contains_key(schema: Any, key: str) -> bool:
-    return any(key in node for node, _ in iter_subschemas(schema))
+    return any(key in node for node in iter_subschemas(schema))
 
 
 def drop_keyword(schema: Any, keyword: str) -> Any:
     """A copy of `schema` without `keyword` anywhere (outside data values)."""
-    schema = copy.deepcopy(schema)
-    for node, _ in iter_subschemas(schema):
+    schema = _copy(schema, {})
+    for node in iter_subschemas(schema):
         node.pop(keyword, None)
     return schema
 
@@ -138,7 +144,7 @@ def lower(schema: Any, regex_ok: Callable[[str], bool], dropped: list[str], rela
       every order (llguidance keeps each branch's order): any order, exactly, with no guard.
     """
     memo: dict[int, Any] = {}
-    schema = {} if schema is True else copy.deepcopy(schema, memo)
+    schema = {} if schema is True else _copy(schema, memo)
     exact: set[str] = set()  # the exact-name regexes written here: every library takes them, no check needed
     for key in relax:
         node = memo.get(key)
@@ -157,7 +163,7 @@ def lower(schema: Any, regex_ok: Callable[[str], bool], dropped: list[str], rela
                 del node[moved]
             node["anyOf"] = [{**rest, "properties": {name: props[name] for name in order}}
                              for order in itertools.permutations(props)]
-    for node, _ in iter_subschemas(schema):
+    for node in iter_subschemas(schema):
         for key in _INTEGER_KEYWORDS:
             value = node.get(key)
             if isinstance(value, float) and value.is_integer():

@@ -205,7 +205,7 @@ def _fast_check(schema: Any, cls: Any) -> bool:
         return False
     from leapdecode.structured.lowering import iter_subschemas
 
-    for node, _ in iter_subschemas(schema):
+    for node in iter_subschemas(schema):
         patterns = [node["pattern"]] if isinstance(node.get("pattern"), str) else []
         if isinstance(node.get("patternProperties"), dict):
             patterns += list(node["patternProperties"])
