@@ -347,7 +347,7 @@ class Controller:
         self.explore_every, self.explore_tolerance, self.stale_after = explore_every, explore_tolerance, stale_after
         self._acc: dict[int, _Acceptance] = {}
         self._score: dict[int, float] = {}
-        self._confidence: dict[int, Any] = {}   # the last real draft's calibrated confidences (for the probe)
+        self._confidence: dict[int, Any] = {}   # the latest draft's calibrated confidences (:meth:`note`)
         # global: first-token acceptance, and conditional acceptance per depth (index d = depth, d >= 2)
         self._g_first = [0.0, 0.0]
         self._g_depth_acc = np.zeros(max(max_draft, 1) + 2)
@@ -630,11 +630,11 @@ class Controller:
 
     def worth_drafting(self, offers: list[tuple[int, int]], other_tokens: int, draft_seconds: float = 0.0,
                        num_seqs: int | None = None) -> bool:
-        """Could any draft pay this step? offers: (seq_id, room). Uses each request's last drafter score; a cheap
-        check that lets the speculator skip the drafter when speculation is off."""
-        # valued as the request's last real draft was (its score, and its calibrated confidences when it had them):
-        # a probe valued by the score alone while the drafts are valued by their confidences said "worth it" on
-        # every quiet step at batch 64 on the CPU, and every real draft then chose nothing
+        """Could any draft pay this step? offers: (seq_id, room). Values each request by its drafter's latest draft
+        (:meth:`note`: its score, and its calibrated confidences when it had them); a cheap check that lets the
+        speculator skip the drafter when speculation is off."""
+        # (a probe valued by the score alone, while the drafts are valued by their confidences, said "worth it" on
+        # every quiet step at batch 64 on the CPU, and every real draft then chose nothing)
         conf = self._confidence
         probe = [(sid, room, self._score.get(sid, 0.5)) if sid not in conf else
                  (sid, min(room, len(conf[sid])), self._score.get(sid, 0.5), conf[sid]) for sid, room in offers]
