@@ -402,6 +402,33 @@ def test_a_plain_step_never_timed_at_a_large_batch_is_stale_once_new_requests_ca
     assert not st.stale(64, 64)
 
 
+def test_a_large_batch_prices_drafts_by_the_newest_requests_steps_only():
+    """At batch 64 on the CPU the previous requests' cheap speculating steps (short contexts) sat on the curve beside
+    a fresh, dearer plain step of the new ones: the curve, kept non-decreasing, priced every draft token at nothing,
+    and drafts that lost ~9% were taken. From ``STALE_BATCH`` on, once the new requests have a step of their own,
+    only such steps price the batch size (beyond them, the probe's extra cost, scaled)."""
+    st = probed_model()
+    st.mark_prior()                                           # (what a Controller does with it)
+    for _ in range(5):
+        st.observe(64, 0.18, num_seqs=64)                     # the previous requests: plain ...
+        st.observe(190, 0.22, num_seqs=64)                    # ... and speculating steps
+    st.observe(600, 0.9)                                      # new requests (long contexts)
+    for _ in range(3):
+        st.observe(64, 0.40, num_seqs=64)                     # their plain step
+    extra = st(190, num_seqs=64) - st(64, num_seqs=64)
+    probe_extra = st._prior_at(np.array([190.0]))[0] - st._prior_at(np.array([64.0]))[0]
+    assert extra >= probe_extra > 0, (extra, probe_extra)
+    st.observe(190, 0.70, num_seqs=64)                        # their own speculating step: it prices drafts now
+    assert abs(st(190, num_seqs=64) - 0.70) < 1e-9
+    # below STALE_BATCH a batch size keeps every step it saw (a step there is mostly weights, not contexts)
+    for _ in range(5):
+        st.observe(4, 0.05, num_seqs=4)
+        st.observe(12, 0.055, num_seqs=4)
+    st.observe(600, 0.9)
+    st.observe(4, 0.06, num_seqs=4)
+    assert abs(st(12, num_seqs=4) - 0.055) < 1e-9            # the previous requests' 12-token step still prices it
+
+
 def test_a_draft_that_doubles_the_step_must_show_more_than_one_that_adds_little():
     """The bar a draft clears grows with the extra step time it predicts (``Controller.risk``): the models err in
     proportion to what they extrapolate (at batch 64 on the CPU drafts that doubled the step were predicted to

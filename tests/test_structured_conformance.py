@@ -1028,3 +1028,11 @@ def test_values_every_branch_accepts_cost_no_jsonschema_call(backend: GrammarBac
     calls.clear()
     _check_row_against_brute_force(backend, tokenizer, matcher, prefix)
     assert not calls
+    import jsonschema   # and what it accepts is what jsonschema accepts (the skip is sound)
+    for doc in ({"filters": ["x", 3, None], "kind": "or", "pick": "abc"}, {"filters": [], "kind": "or", "pick": "abcd"},
+                {"filters": [{"key": "k", "op": "eq", "value": [1]}], "kind": "and"}, {"pick": {"key": "k"}, "filters": [], "kind": "or"},
+                {"pick": {"value": 2, "op": "ne", "key": "k"}, "filters": [{}], "kind": "and"}):
+        valid = jsonschema.Draft202012Validator(_UNION_WITH_ANY).is_valid(doc)
+        for indent in (None, 2):
+            text = json.dumps(doc, indent=indent, separators=None if indent else (",", ":"))
+            assert _produce(backend, compiled, tokenizer, text) == valid, (text, valid)

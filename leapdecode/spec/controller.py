@@ -23,7 +23,9 @@ where B is one bonus token per decoding request and ``base`` the tokens the step
   speculation at batch 16 ran below plain decoding. A plain step at a batch size last timed before new requests
   came in is timed again before a modest gain is trusted, from ``STALE_BATCH`` on before any gain, and there a
   plain step never timed is stale once every step seen at that batch size predates the new requests
-  (:meth:`StepTimeModel.stale`).
+  (:meth:`StepTimeModel.stale`); there, too, once the new requests have steps of their own, only those price the
+  batch size (:meth:`StepTimeModel._fresh`: the previous requests' cheap speculating steps beside a fresh, dearer
+  plain step priced drafts at nothing).
 - **Graph steps cost their shape, not their token count**: a step replayed from a CUDA graph runs the bucket
   (sequences, tokens per sequence) that holds it, so verifying 1 draft token costs what verifying k costs, and
   the 1-token decode bucket is another kernel. Those steps are timed per bucket (:class:`GraphTimes`), apart from
@@ -155,15 +157,19 @@ class _Curve:
         self.window = window
         self.buckets: dict[int, _Bucket] = {}
         self.points: tuple | None = None        # (xs, ys, slope beyond, ratios to the prior, prior), when asked
+        self.fresh: tuple | None = None         # (bucket keys, the curve of only those), see StepTimeModel._fresh
 
-    def observe(self, num_tokens: int, seconds: float, step: int) -> None:
+    def observe(self, num_tokens: int, seconds: float, step: int, since: int = -1) -> None:
+        """``since``: forget what the bucket saw before this step (the newest requests' arrival, large batches)."""
         key = size_bucket(num_tokens)
         b = self.buckets.get(key)
         if b is None:
             b = self.buckets[key] = _Bucket(deque(maxlen=self.window))
+        elif b.last_seen < since:
+            b.obs.clear()
         b.obs.append((num_tokens, seconds))
         b.last_seen = step
-        self.points = None
+        self.points = self.fresh = None
 
 
 class StepTimeModel:
@@ -231,7 +237,8 @@ class StepTimeModel:
             c = self._curves.get(key)
             if c is None:
                 c = self._curves[key] = _Curve(self.window)
-            c.observe(num_tokens, seconds, self.num_observed)
+            own = num_seqs is not None and num_seqs >= STALE_BATCH and key != DECODES    # (see _fresh)
+            c.observe(num_tokens, seconds, self.num_observed, self.last_mixed if own else -1)
 
     def _curve(self, num_seqs: int | None) -> _Curve | None:
         """The curve that prices a step: its batch size's (decode-only steps), else every decode-only step's, else
@@ -265,6 +272,24 @@ class StepTimeModel:
             return c is not None and all(o.last_seen < self.last_mixed for o in c.buckets.values())
         return b.last_seen < self.last_mixed and self.num_observed - b.last_seen > after
 
+    def _fresh(self, c: _Curve | None, num_seqs: int | None) -> _Curve | None:
+        """From ``STALE_BATCH`` on, a batch size's own curve with only the steps seen since the newest requests
+        came in (their contexts set a step's cost), once it has any (until then, all of it: the controller times a
+        plain step first, see :meth:`stale`).
+        At batch 64 on the CPU, draft tokens priced by the previous requests' speculating steps made the new
+        requests' drafts look cheap: ~1.3 tokens per step realized at 0.91x of plain decoding."""
+        if c is None or not num_seqs or num_seqs < STALE_BATCH or c is not self._curves.get(size_bucket(num_seqs)):
+            return c
+        keep = {k: b for k, b in c.buckets.items() if b.last_seen > self.last_mixed}
+        if not keep or len(keep) == len(c.buckets):
+            return c
+        key = tuple(sorted(keep))
+        if c.fresh is None or c.fresh[0] != key:       # (reset whenever the curve observes a step)
+            fresh = _Curve(c.window)
+            fresh.buckets = keep
+            c.fresh = (key, fresh)
+        return c.fresh[1]
+
     def _bucket(self, num_tokens: int, num_seqs: int | None) -> _Bucket | None:
         """The bucket of this size on the steps' own curve (their batch size's, or the mixed steps'), if seen."""
         c = self._curves.get(MIXED if num_seqs is None else size_bucket(num_seqs))
@@ -285,7 +310,7 @@ class StepTimeModel:
         """T at each token count of ``ns``, an increasing numpy array, for a step of ``num_seqs`` decoding
         sequences (None: a step with prefill chunks); the result is non-decreasing."""
         ns = np.asarray(ns, dtype=np.float64)
-        c = self._curve(num_seqs)
+        c = self._fresh(self._curve(num_seqs), num_seqs)
         xs, ys, slope, ratios, px = self._points(c) if c is not None else \
             (np.empty(0), np.empty(0), self.c1, None, None)
         if self._prior is not None:
