@@ -404,7 +404,7 @@ class SchemaGuard:
         free_order = free_order or FreeOrder({}, [])
         self.objects: list[_ObjectRule] = [
             _ObjectRule(pattern, frozenset(r for r in node.get("required", ()) if isinstance(r, str)), _closed(node))
-            if not in_union else _ObjectRule(pattern, frozenset())  # the union's anchor checks the rest
+            if pattern not in in_union else _ObjectRule(pattern, frozenset())  # the union's anchor checks the rest
             for node, patterns, in_union in free_order.sites.values()
             for pattern in patterns
         ]
@@ -1012,10 +1012,11 @@ MAX_EXPANDED = 3  # properties of a closed object written into the grammar in ev
 
 @dataclass
 class FreeOrder:
-    """What `free_order_sites` found: sites {id(node): (node, [pattern, ...], in_union)} and the unions of
-    objects (anyOf/oneOf nodes at fixed paths) one of whose branches is a site: [(union node, [pattern, ...])]."""
+    """What `free_order_sites` found: sites {id(node): (node, [pattern, ...], {the patterns where it is a union's
+    branch})} and the unions of objects (anyOf/oneOf nodes at fixed paths) one of whose branches is a site:
+    [(union node, [pattern, ...])]."""
 
-    sites: dict[int, tuple[dict[str, Any], list[tuple[Any, ...]], bool]]
+    sites: dict[int, tuple[dict[str, Any], list[tuple[Any, ...]], frozenset[tuple[Any, ...]]]]
     unions: list[tuple[dict[str, Any], list[tuple[Any, ...]]]]
     expanded: frozenset[int] = frozenset()  # small closed objects the grammar takes in any order exactly
 
@@ -1033,8 +1034,9 @@ def free_order_sites(schema: Any) -> FreeOrder:
     `properties`, none of `_ORDER_BLOCKERS`, and its patternProperties match none of its property names. The
     others keep schema order (exact in the grammar). Any unresolvable or dynamic $ref: no site at all.
     The branches of a union of objects at a fixed path (anyOf/oneOf with several object branches, e.g. a
-    pydantic discriminated union) qualify too, with `in_union` set: which branch applies is known only at the
-    end, so their `required` is checked by validating the whole union when its value closes."""
+    pydantic discriminated union) qualify too, at those patterns as union branches: which branch applies is known
+    only at the end, so there their `required` is checked by validating the whole union when its value closes
+    (a model both in a union and at a fixed path elsewhere keeps its own rules at the fixed path)."""
     if not isinstance(schema, dict):
         return FreeOrder({}, [])
     memo: dict[int, list[tuple[Any, Any]]] = {}
@@ -1066,15 +1068,15 @@ def free_order_sites(schema: Any) -> FreeOrder:
             else:  # same location ($ref, allOf) keeps the mode; a property or item of a union branch: elsewhere
                 stack.append((child, how if not steps or how == 0 else 2))
     tainted = {i for i, how in mode.items() if how == 2}
-    union_members = {i for i, how in mode.items() if how == 1}
     patterns: dict[int, list[tuple[Any, ...]]] = {}
     unions: dict[int, tuple[dict[str, Any], list[tuple[Any, ...]]]] = {}
     cyclic: set[int] = set()
     overflow: set[int] = set()
-    walk: list[tuple[Any, tuple[Any, ...], tuple[int, ...]]] = [(schema, (), ())]
+    walk: list[tuple[Any, tuple[Any, ...], tuple[int, ...], bool]] = [(schema, (), (), False)]
+    in_union: dict[int, set[tuple[Any, ...]]] = {}   # the patterns at which a subschema is a union's branch
     visits = 0
     while walk:  # the fixed instance paths of each subschema (acyclic walk, bounded)
-        node, pattern, chain = walk.pop()
+        node, pattern, chain, branch = walk.pop()
         visits += 1
         if visits > 16 * MAX_ANCHOR_VISITS:
             return FreeOrder({}, [])
@@ -1082,6 +1084,8 @@ def free_order_sites(schema: Any) -> FreeOrder:
             check_deadline()
         seen_at = patterns.setdefault(id(node), [])
         seen_at.append(pattern)
+        if branch:
+            in_union.setdefault(id(node), set()).add(pattern)
         if len(seen_at) > _MAX_PATTERNS_PER_OBJECT:  # too many paths: neither it nor what is below is relaxed
             overflow.add(id(node))
             continue
@@ -1089,14 +1093,18 @@ def free_order_sites(schema: Any) -> FreeOrder:
         for steps, child in edges(node):
             if steps is None or not isinstance(child, dict):
                 continue
-            if steps is _UNION:
+            union = steps is _UNION
+            if union:
                 steps = ()
                 if mode.get(id(node)) == 0:
-                    unions.setdefault(id(node), (node, []))[1].append(pattern)
+                    at = unions.setdefault(id(node), (node, []))[1]
+                    if pattern not in at:   # (reached once per object branch: one anchor is enough)
+                        at.append(pattern)
             if id(child) in chain:
                 cyclic.update(chain[chain.index(id(child)) :])
                 continue
-            walk.append((child, pattern + steps, chain))
+            # a union's branch, also through $ref / allOf at the same location (not at its properties)
+            walk.append((child, pattern + steps, chain, union or (branch and not steps)))
     local = _pointed_through_properties(schema) | _mixed_intersections(schema, nodes)  # about the node itself
     bad = set(tainted) | local
     spread: set[int] = set()  # whatever a recursion reaches has infinitely many paths (an overflow, too many)
@@ -1111,7 +1119,7 @@ def free_order_sites(schema: Any) -> FreeOrder:
                 todo.append(id(child))
     bad |= spread
     sites = {
-        i: (nodes[i], pats, i in union_members)
+        i: (nodes[i], pats, frozenset(in_union.get(i, ())))
         for i, pats in patterns.items()
         if i not in bad and len(pats) <= _MAX_PATTERNS_PER_OBJECT and _free_order_ok(nodes[i])
     }
@@ -1119,8 +1127,8 @@ def free_order_sites(schema: Any) -> FreeOrder:
     # written into the grammar as the anyOf of its property orders (`lowering.lower`'s `expand`): exact, so the
     # guard does not follow it (a few orders cost llguidance little; 24 for four properties cost ~6 ms to compile).
     joined = _joined(schema, nodes)
-    expanded = frozenset(i for i, (node, _, in_union) in sites.items()
-                         if not in_union and i not in joined and _closed(node) is not None
+    expanded = frozenset(i for i, (node, _, branch_at) in sites.items()
+                         if not branch_at and i not in joined and _closed(node) is not None
                          and len(node["properties"]) <= MAX_EXPANDED)
     sites = {i: site for i, site in sites.items() if i not in expanded}
     # A relaxed union branch leaves `required` (of whichever branch applies) to a check of the whole union at
