@@ -128,3 +128,70 @@ def _every_allowed_token_is_accepted(backend: Any, compiled: Any, tokenizer: Any
             matcher.rollback(1)
         if not matcher.accept(token):
             return
+
+
+# Shared models: pydantic-style `$defs` objects used in several contexts of one schema (directly, as a union's
+# branch, beside `{}` or scalars, in arrays, optional), where the guard's any-order rules depend on the context a
+# model is reached through, not on the model alone (a model both in a union and alone at a fixed path once lost its
+# required keys at the fixed path).
+_CONTEXTS = [
+    {"$ref": "#/$defs/m1"},
+    {"anyOf": [{"$ref": "#/$defs/m1"}, {"$ref": "#/$defs/m2"}]},
+    {"anyOf": [{"$ref": "#/$defs/m1"}, {}]},
+    {"anyOf": [{"$ref": "#/$defs/m2"}, {"type": "string", "maxLength": 3}, {"type": "number"}]},
+    {"type": "array", "items": {"$ref": "#/$defs/m1"}, "maxItems": 2},
+    {"type": "array", "items": {"anyOf": [{"$ref": "#/$defs/m1"}, {"$ref": "#/$defs/m2"}]}, "maxItems": 2},
+    {"anyOf": [{"$ref": "#/$defs/m2"}, {"type": "null"}]},
+]
+
+
+@st.composite
+def _model(draw: Any) -> dict[str, Any]:
+    names = draw(st.lists(st.sampled_from(NAMES), min_size=1, max_size=4, unique=True))
+    schema: dict[str, Any] = {"type": "object", "properties": {n: draw(_leaf()) for n in names}}
+    required = [n for n in names if draw(st.booleans())]
+    if required:
+        schema["required"] = required
+    if draw(st.booleans()):
+        schema["additionalProperties"] = False
+    return schema
+
+
+@st.composite
+def _shared_models(draw: Any) -> dict[str, Any]:
+    chosen = draw(st.lists(st.integers(0, len(_CONTEXTS) - 1), min_size=2, max_size=4, unique=True))
+    props = {f"p{i}": _CONTEXTS[i] for i in chosen}
+    schema = {"type": "object", "$defs": {"m1": draw(_model()), "m2": draw(_model())}, "properties": props,
+              "additionalProperties": False}
+    required = [k for k in props if draw(st.booleans())]
+    if required:
+        schema["required"] = required
+    return schema
+
+
+def _inlined(schema: Any, root: dict[str, Any]) -> Any:
+    """The schema with its (non-recursive) local $refs replaced by their targets, for `_instance`."""
+    if isinstance(schema, dict):
+        if "$ref" in schema:
+            return _inlined(root["$defs"][schema["$ref"].rsplit("/", 1)[1]], root)
+        return {k: _inlined(v, root) for k, v in schema.items() if k != "$defs"}
+    if isinstance(schema, list):
+        return [_inlined(v, root) for v in schema]
+    return schema
+
+
+@settings(max_examples=40, deadline=None, derandomize=True, database=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture, HealthCheck.data_too_large])
+@given(schema=_shared_models(), seed=st.integers(0, 2**16))
+def test_fuzz_shared_models_agree_with_jsonschema(backend: Any, tokenizer: Any, schema: dict[str, Any],
+                                                  seed: int) -> None:
+    compiled = backend.compile(_schema_spec(schema))
+    validator = jsonschema.Draft202012Validator(schema)
+    flat = _inlined(schema, schema)
+    rng = random.Random(seed)
+    for _ in range(6):
+        value = _instance(flat, rng)
+        valid = validator.is_valid(value)
+        for text in (json.dumps(value, separators=(",", ":")), json.dumps(value, indent=2)):
+            produced = _produce(backend, compiled, tokenizer, text, check_mask=True)
+            assert produced == valid, f"{'valid' if valid else 'invalid'} {text!r} for {json.dumps(schema)}"
