@@ -99,14 +99,24 @@ def _instrument(engine, out: list) -> None:
     ctl = sp.controller
     if ctl is None:
         return
-    draft_lengths = ctl.draft_lengths
+    draft_lengths, worth_drafting = ctl.draft_lengths, ctl.worth_drafting
+    probing = [False]
+
+    def worth(*a, **k):           # the quiet re-check calls draft_lengths too: its lines say "probe"
+        probing[0] = True
+        try:
+            return worth_drafting(*a, **k)
+        finally:
+            probing[0] = False
+    ctl.worth_drafting = worth
 
     def decide(props, other, charge=0.0, num_seqs=None, **kw):
         keep = draft_lengths(props, other, charge, num_seqs, **kw)
         st, chosen, c = ctl.step_time, sum(keep), ctl.last_choice
         t0, t1 = st(other, num_seqs), st(other + max(chosen, 1), num_seqs)
         claimed = c["gain"] * len(props) * (t1 + (charge if chosen else 0.0)) / t0 - len(props) if chosen else 0.0
-        out.append(f"  decide   requests {len(props)}  base {other}  offered {sum(p[1] for p in props)}"
+        out.append(f"  {'probe ' if probing[0] else 'decide'}   requests {len(props)}  base {other}"
+                   f"  offered {sum(p[1] for p in props)}"
                    f"  chosen {chosen}"
                    f"  T(base) {1000 * t0:.0f} ms  T(base+chosen) {1000 * t1:.0f} ms  claimed ~{claimed:.1f}"
                    f"  gain {c['gain']:.2f}  explored {c['explored']}  discount {c['realized']:.2f}")
