@@ -269,8 +269,12 @@ class StepTimeModel:
         b = self._bucket(num_tokens, num_seqs)
         if b is None:   # never timed at this batch size: priced by its other steps, all from earlier requests?
             c = self._curves.get(size_bucket(num_seqs)) if num_seqs >= STALE_BATCH else None
-            return c is not None and all(o.last_seen < self.last_mixed for o in c.buckets.values())
+            return c is not None and not self._since_newest(c)
         return b.last_seen < self.last_mixed and self.num_observed - b.last_seen > after
+
+    def _since_newest(self, c: _Curve) -> dict[int, _Bucket]:
+        """The buckets of a curve seen since the newest requests came in (the last step with prefill chunks)."""
+        return {k: b for k, b in c.buckets.items() if b.last_seen > self.last_mixed}
 
     def _fresh(self, c: _Curve | None, num_seqs: int | None) -> _Curve | None:
         """From ``STALE_BATCH`` on, a batch size's own curve with only the steps seen since the newest requests
@@ -280,7 +284,7 @@ class StepTimeModel:
         requests' drafts look cheap: ~1.3 tokens per step realized at 0.91x of plain decoding."""
         if c is None or not num_seqs or num_seqs < STALE_BATCH or c is not self._curves.get(size_bucket(num_seqs)):
             return c
-        keep = {k: b for k, b in c.buckets.items() if b.last_seen > self.last_mixed}
+        keep = self._since_newest(c)
         if not keep or len(keep) == len(c.buckets):
             return c
         key = tuple(sorted(keep))
@@ -472,9 +476,9 @@ class Controller:
             self._g_depth_n[2:top + 1] += 1.0
             self._g_depth_acc[2:min(top, num_accepted) + 1] += 1.0
 
-    def _note(self, proposal: tuple) -> None:
-        """Remember what a drafter's proposal was valued by (for :meth:`worth_drafting`'s probe)."""
-        self.note(proposal[0], proposal[2], proposal[3] if len(proposal) > 3 else None)
+    def _note(self, proposals: list[tuple]) -> None:
+        for p in proposals:
+            self.note(p[0], p[2], p[3] if len(p) > 3 else None)
 
     def note(self, seq_id: int, score: float, confidence: Any = None) -> None:
         """The drafter's latest draft for a request (a real or a shadow one): its score and calibrated
@@ -505,25 +509,26 @@ class Controller:
                 self._claims[p[0]] = [float(c) for c in p[3][:k]]
 
     # -- the decision ----------------------------------------------------------------------------------------------
-    def draft_lengths(self, proposals: list[tuple], other_tokens: int,
-                      draft_seconds: float = 0.0, num_seqs: int | None = None, trees: bool = False) -> list[int]:
+    def draft_lengths(self, proposals: list[tuple], other_tokens: int, draft_seconds: float = 0.0,
+                      num_seqs: int | None = None, trees: bool = False, record: bool = True) -> list[int]:
         """proposals: (seq_id, draft length on offer, drafter score[, per-token confidence]) per decoding request
         (the confidence, when given, values the draft's tokens: see :meth:`_values`); other_tokens: tokens the
         step computes anyway (one per decode, plus prefill chunks); draft_seconds: what drafting costs per step;
         num_seqs: the step's sequences when it holds decodes only (a shape a CUDA graph may run), else None;
-        trees: the drafts are token trees (their steps run eagerly: priced by tokens, never by a graph bucket).
+        trees: the drafts are token trees (their steps run eagerly: priced by tokens, never by a graph bucket);
+        record: remember the proposals (:meth:`note`) and the kept tokens' claims (False: a probe).
         Returns how many draft tokens to keep for each."""
         self.num_calls += 1
         R = len(proposals)
         if R <= SMALL_BATCH and self.small_fast_path:
-            return self._draft_lengths_small(proposals, other_tokens, draft_seconds, num_seqs, trees)
+            return self._draft_lengths_small(proposals, other_tokens, draft_seconds, num_seqs, trees, record)
         keep = [0] * R
         lengths = np.array([min(p[1], self.max_draft) for p in proposals], dtype=np.int64)
         K = int(lengths.max(initial=0))
         if K <= 0:
             return keep
-        for p in proposals:
-            self._note(p)
+        if record:
+            self._note(proposals)
         values = self._values(proposals, K)
         values[np.arange(K)[None, :] >= lengths[:, None]] = -1.0          # beyond what is on offer
         flat = values.ravel()
@@ -534,7 +539,8 @@ class Controller:
         if chosen:
             counts = np.bincount(order[:chosen] // K, minlength=R)
             keep = counts.tolist()
-            self._remember_claims(proposals, keep)
+            if record:
+                self._remember_claims(proposals, keep)
         return keep
 
     risk = 0.2
@@ -548,7 +554,7 @@ class Controller:
     130-450 us on an H200's host, against a 0.4 ms GPU step."""
 
     def _draft_lengths_small(self, proposals: list[tuple], other_tokens: int, draft_seconds: float,
-                             num_seqs: int | None, trees: bool) -> list[int]:
+                             num_seqs: int | None, trees: bool, record: bool) -> list[int]:
         """:meth:`draft_lengths` for a few proposals: :meth:`_row_values` row by row, and the same stable order of
         the (request, depth) values as the numpy path."""
         R = len(proposals)
@@ -558,8 +564,9 @@ class Controller:
             return [0] * R
         g = self._depth_rates(K)
         flat: list[float] = []
+        if record:
+            self._note(proposals)
         for p, L in zip(proposals, lengths):
-            self._note(p)
             row = self._row_values(p, g)
             row[L:] = [-1.0] * (K - L)                            # beyond what is on offer
             flat += row
@@ -573,7 +580,7 @@ class Controller:
         keep = [0] * R
         for i in order[:chosen]:
             keep[i // K] += 1
-        if chosen:
+        if chosen and record:
             self._remember_claims(proposals, keep)
         return keep
 
@@ -664,6 +671,6 @@ class Controller:
         probe = [(sid, room, self._score.get(sid, 0.5)) if sid not in conf else
                  (sid, min(room, len(conf[sid])), self._score.get(sid, 0.5), conf[sid]) for sid, room in offers]
         calls, last = self.num_calls, self.last_choice
-        keep = self.draft_lengths(probe, other_tokens, draft_seconds, num_seqs)
+        keep = self.draft_lengths(probe, other_tokens, draft_seconds, num_seqs, record=False)
         self.num_calls, self.last_choice = calls, last
         return any(keep) or (self.explore_every > 0 and (calls + 1) % self.explore_every == 0)

@@ -79,8 +79,7 @@ class TokenMarks:
         over the tokens joined (a C loop, not a Python one over the vocabulary); a needle with a quote searches
         only the tokens that have one (~2% of a vocabulary). Cached: the answer depends on the vocabulary
         only, so every grammar of the backend shares it."""
-        cache = self.found
-        hit = cache.get((needle, anywhere))
+        hit = self.found.get((needle, anywhere))
         if hit is not None:
             return hit
         blob, starts, ids = self.joined_quoted if b'"' in needle else self.joined
@@ -92,21 +91,22 @@ class TokenMarks:
             if pos + len(needle) <= starts[i] + self.length[token] and (anywhere or pos == starts[i]):
                 found.add(token)
             pos = blob.find(needle, pos + 1)
-        hit = np.array(sorted(found), dtype=np.int64)
-        if len(cache) > 65536:
-            cache.clear()
-        cache[(needle, anywhere)] = hit
-        return hit
+        return self._keep((needle, anywhere), np.array(sorted(found), dtype=np.int64))
 
     def prefixes(self, text: bytes) -> np.ndarray:
         """Ids of the tokens whose bytes are a non-empty prefix of `text` (cached like `containing`)."""
         hit = self.found.get((text, None))
         if hit is None:
-            hit = np.array([t for i in range(1, len(text) + 1) for t in self.ids_of(text[:i])], dtype=np.int64)
-            if len(self.found) > 65536:
-                self.found.clear()
-            self.found[(text, None)] = hit
+            hit = self._keep((text, None), np.array([t for i in range(1, len(text) + 1) for t in self.ids_of(text[:i])],
+                                                    dtype=np.int64))
         return hit
+
+    def _keep(self, key: tuple[bytes, bool | None], ids: np.ndarray) -> np.ndarray:
+        """Cache an answer of `containing` / `prefixes` (bounded: cleared when full)."""
+        if len(self.found) > 65536:
+            self.found.clear()
+        self.found[key] = ids
+        return ids
 
     def warm(self) -> "TokenMarks":
         """Build every lazy table now (start-up), so that none is built inside a mask fill."""

@@ -160,7 +160,7 @@ class Matcher:
             self._set_eos(words, True)  # keep the row samplable; the engine ends the request with `error`
             return
         accepting = self._state.is_accepting()
-        eos_ok = accepting and (self._guard is None or self._guard.document_ok(bytes(self._text)))
+        eos_ok = accepting and self._document_ok()
         if accepting or not self._eos_is_native:    # (not accepting: the library left its EOS bit clear)
             self._set_eos(words, eos_ok)
         if self._guard is None:
@@ -233,8 +233,10 @@ class Matcher:
         return True
 
     def _eos_allowed(self) -> bool:
-        if not self._state.is_accepting():
-            return False
+        return self._state.is_accepting() and self._document_ok()
+
+    def _document_ok(self) -> bool:
+        """The output so far is a document the schema accepts (rule A), or there is no schema to check."""
         return self._guard is None or self._guard.document_ok(bytes(self._text))
 
     def _set_eos(self, words: np.ndarray, allowed: bool) -> None:
