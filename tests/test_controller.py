@@ -716,3 +716,104 @@ def test_shadow_drafts_of_a_costly_drafter_cost_about_two_percent():
     rate, _, spec = simulate(gpu_like, 0.0, batch=64, steps=600, draft_seconds=2e-3, turnover=2, guard=False)
     assert spec.num_shadow_proposals > 20                    # the requests are still watched
     assert rate >= 0.94 * plain_rate(gpu_like, 64)
+
+
+def test_one_slow_step_pools_with_the_better_known_sizes_instead_of_lifting_them():
+    """The curve is kept non-decreasing by pooling a bucket that breaks the order with its neighbours, weighted by
+    the steps behind each: one slow 2-token step among well-timed 1- and 5-token steps no longer prices every
+    draft of 2-5 tokens at its own cost (a draft that is not chosen is never timed again)."""
+    st = probed_model(lambda n: 0.020 + 0.0002 * n)
+    st.mark_prior()
+    for _ in range(5):
+        st.observe(1, 0.020, num_seqs=1)
+        st.observe(5, 0.021, num_seqs=1)
+    st.observe(2, 0.030, num_seqs=1)                     # one slow step (a collection, a busy neighbour)
+    t = st.predict(np.arange(1, 6), num_seqs=1)
+    assert t[0] == pytest.approx(0.020)
+    assert t[-1] == pytest.approx((0.030 + 5 * 0.021) / 6)  # pooled, not max(0.030, 0.021)
+    assert np.all(np.diff(t) >= 0) and t[1] < 0.0235
+
+
+def test_thinly_timed_draft_sizes_are_tried_at_small_batches_only():
+    """Below STALE_BATCH, a draft size predicted close to plain decoding (within explore_tolerance, not past it)
+    whose price rests on fewer than EVIDENCE steps is tried, as an exploration, until it has that many: one slow
+    step no longer keeps a size from being timed again. From STALE_BATCH on it is not tried."""
+    from leapdecode.spec.controller import STALE_BATCH
+    for batch in (1, STALE_BATCH):
+        st = probed_model(lambda n: 0.020 + 0.0002 * n)
+        ctl = Controller(4, st)
+        ctl.explore_every = 0
+        for _ in range(5):
+            st.observe(batch, 0.020, num_seqs=batch)
+        st.observe(2 * batch, 0.0232, num_seqs=batch)         # one slow step: 0.93x of plain at its price
+        props = [(i, 1, 0.5, [0.08]) for i in range(batch)]
+        picks = []
+        for _ in range(5):
+            keep = ctl.draft_lengths(props, batch, 0.0, batch)
+            if any(keep):
+                picks.append(ctl.last_choice["explored"])
+                st.observe(batch + sum(keep), 0.0202, num_seqs=batch)     # what such a step really costs
+        if batch < STALE_BATCH:
+            assert picks[:Controller.EVIDENCE - 1] == [True] * (Controller.EVIDENCE - 1)
+            assert picks[Controller.EVIDENCE - 1:] and not any(picks[Controller.EVIDENCE - 1:])   # then it pays
+        else:
+            assert picks == []
+
+
+def test_a_draft_in_hand_keeps_what_pays_without_its_time_and_drafting_stops():
+    """Drafts already made: where drafting does not pay with their time, the tokens that pay without it are still
+    verified (that time is spent), and ``pays`` says False, so the speculator drafts no more until it would."""
+    st = probed_model(lambda n: 0.020 + 0.0002 * n)
+    ctl = Controller(4, st)
+    ctl.explore_every = 0
+    for _ in range(5):
+        st.observe(1, 0.020, num_seqs=1)
+        st.observe(3, 0.0205, num_seqs=1)
+    props = [(0, 2, 0.5, [0.15, 0.04])]
+    assert ctl.draft_lengths(props, 1, 0.004, 1) == [0]                 # charged 4 ms: not worth drafting
+    keep = ctl.draft_lengths(props, 1, 0.004, 1, sunk=True)
+    assert keep[0] > 0 and ctl.last_choice["pays"] is False              # in hand: verify the likely token
+    ctl.draft_lengths([(0, 2, 0.5, [0.9, 0.8])], 1, 0.004, 1, sunk=True)
+    assert ctl.last_choice["pays"] is True
+
+
+def test_drafting_time_excludes_the_drafters_backlog():
+    """A drafter's catching up on tokens committed before the previous step (``last_backlog_seconds``: EAGLE over
+    a new prompt) is not charged as drafting time per step; the shadows' budget still spends it."""
+    import time
+
+    class Slow(FakeDrafter):
+        def propose(self, requests):
+            time.sleep(0.03)
+            self.last_backlog_seconds = 0.025
+            return super().propose(requests)
+    spec = Speculator(SpeculativeConfig(method="ngram", num_speculative_tokens=4, drafter=Slow(0.5)), 50_000,
+                      probed_model())
+    from leapdecode.spec.drafter import DraftRequest
+    _, dt, _ = spec._draft([DraftRequest(0, [1, 2, 3], 3, 4)])
+    assert dt < 0.015 and spec._backlog_seconds == pytest.approx(0.025)
+
+
+def test_the_guard_judges_the_drafters_steps_together():
+    """Quiet steps (a draft declined, a shadow, a prompt's first draft) pay for what speculating steps verify: the
+    drafter's steps are judged together against bare ones. Judged apart, quiet steps 18% dearer than bare vetoed a
+    drafter whose steps together beat plain decoding."""
+    from leapdecode.spec.guard import ThroughputGuard
+    g = ThroughputGuard(margin=0.08, window=4, refresh=1000, cooldown=40, min_samples=4)
+    for _ in range(4):
+        assert not g.bare(1)
+        g.record(1, "spec", 0.031, 2)                    # 15.5 ms a token
+    for _ in range(4):
+        assert g.bare(1)
+        g.record(1, "bare", 0.0205, 1)
+    for _ in range(12):
+        assert not g.bare(1)
+        g.record(1, "quiet", 0.0245, 1)
+        g.record(1, "spec", 0.031, 2)
+    assert g.num_vetoes == 0 and not g.vetoed(1)
+    quiet = 0
+    while not g.num_vetoes and quiet < 100:             # the drafter stops paying: quiet steps only, dearer
+        g.bare(1)
+        g.record(1, "quiet", 0.0245, 1)
+        quiet += 1
+    assert g.num_vetoes == 1 and quiet > 10

@@ -139,6 +139,49 @@ def test_batched_chains_equal_one_sequence_at_a_time(draft_vocab):
         assert probs == pytest.approx(ref_probs, rel=1e-4)
 
 
+def test_drafts_carry_the_heads_confidence_and_stop_where_it_is_low():
+    """EAGLE drafts carry the head's cumulative probability of each node as ``confidence`` (the controller prices
+    each draft token by it): a chain's probabilities in order, a tree's nodes best first (still topological); a
+    chain stops growing once its probability is below ``stop_below``."""
+    head = tiny_head()
+    g = torch.Generator().manual_seed(3)
+    feats = torch.randn(9, 64, generator=g)
+    toks = torch.randint(0, 384, (10,), generator=g).tolist()
+    state = extend_state(head, None, feats, toks[1:10], 0)
+    chain, probs = draft_chains(head, [state], [5])[0]
+    assert len(chain) == 5 and probs == sorted(probs, reverse=True)
+    j = max(range(1, 4), key=lambda i: probs[i - 1] / probs[i])     # the clearest drop
+    bar = (probs[j - 1] * probs[j]) ** 0.5               # token j + 1 is the first below it: kept, then stop
+    short, short_probs = draft_chains(head, [state], [5], stop_below=bar)[0]
+    assert short == chain[:j + 1] and short_probs == pytest.approx(probs[:j + 1])
+    drafter = EagleDrafter(head, depth=5, stop_below=0.0)
+    drafter.add_features(1, range(9), feats)
+    d = drafter.propose([DraftRequest(1, toks, 4, max_draft=5)])[0]
+    assert d.tokens == chain and d.confidence == pytest.approx(probs) and d.score == pytest.approx(probs[0])
+    tree_drafter = EagleDrafter(head, depth=4, top_k=3, stop_below=0.0)
+    tree_drafter.add_features(1, range(9), feats)
+    t = tree_drafter.propose([DraftRequest(1, toks, 4, max_draft=10)])[0]
+    assert len(t.tokens) == 10 and t.confidence == sorted(t.confidence, reverse=True)
+    assert all(p < i for i, p in enumerate(t.parents))
+    assert all(p < 0 or t.confidence[i] <= t.confidence[p] for i, p in enumerate(t.parents))
+
+
+def test_catching_up_on_a_new_prompt_is_backlog_not_drafting():
+    """The first draft of a request catches the head up on its whole prompt; that time is reported as
+    ``last_backlog_seconds`` (the speculator does not charge it per step), while a draft one committed token later
+    reports none."""
+    head = tiny_head()
+    g = torch.Generator().manual_seed(4)
+    toks = torch.randint(0, 384, (301,), generator=g).tolist()
+    drafter = EagleDrafter(head, depth=3)
+    drafter.add_features(1, range(300), torch.randn(300, 64, generator=g))
+    drafter.propose([DraftRequest(1, toks, 200, max_draft=3)])
+    assert drafter.last_backlog_seconds > 0
+    drafter.add_features(1, [300], torch.randn(1, 64, generator=g))
+    drafter.propose([DraftRequest(1, toks + [5], 200, max_draft=3)])
+    assert drafter.last_backlog_seconds == 0
+
+
 def test_save_load_round_trip(tmp_path):
     head = tiny_head(draft_vocab=50)
     path = str(tmp_path / "head")

@@ -118,6 +118,7 @@ class AutoDrafter:
         self.costly_gate: Callable[[list[DraftRequest], list[float]], bool] | None = None
         self.last_costly_seconds = 0.0
         self.last_train_seconds = 0.0   # the model drafter's online training in the last propose (not drafting)
+        self.last_backlog_seconds = 0.0  # and its catching up on tokens committed before the previous step
 
     @property
     def capture_layers(self) -> tuple[int, ...]:
@@ -203,7 +204,7 @@ class AutoDrafter:
         """The model drafter's drafts that beat the free ones (request index -> draft); it is asked only
         where the free draft promises less than its record, and only if ``costly_gate`` agrees. Its drafts go into
         ``drafts`` (for its record)."""
-        self.last_costly_seconds = self.last_train_seconds = 0.0
+        self.last_costly_seconds = self.last_train_seconds = self.last_backlog_seconds = 0.0
         if self.costly is None:
             return {}
         promises = [self._promise(req) if req.max_draft > 0 else 0.0 for req in requests]
@@ -221,9 +222,12 @@ class AutoDrafter:
             drafts[i][self.costly] = d
             if self.expected_accepted(self.costly, requests[i].seq_id, d) > promised[i]:
                 won[i] = d
-        # the model drafter's online training (spec/online.py), if any, is reported apart from its drafting
-        self.last_train_seconds = getattr(self.drafters[self.costly], "last_train_seconds", 0.0)
-        self.last_costly_seconds = time.perf_counter() - t0 - self.last_train_seconds
+        # the model drafter's online training (spec/online.py) and backlog (spec/speculator.py, ``_draft``), if
+        # any, are reported apart from its drafting
+        model = self.drafters[self.costly]
+        self.last_train_seconds = getattr(model, "last_train_seconds", 0.0)
+        self.last_backlog_seconds = getattr(model, "last_backlog_seconds", 0.0)
+        self.last_costly_seconds = time.perf_counter() - t0 - self.last_train_seconds - self.last_backlog_seconds
         return won
 
     def _most_confident(self, gathered: list[tuple[str, Offer]], root: int) -> str:

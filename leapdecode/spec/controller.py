@@ -301,8 +301,9 @@ class StepTimeModel:
 
     def _points(self, c: _Curve) -> tuple:
         if c.points is None:
-            pts = sorted(b.point() for b in c.buckets.values())
-            xs, ys = np.array([p[0] for p in pts]), np.array([p[1] for p in pts])
+            pts = sorted((*b.point(), len(b.obs)) for b in c.buckets.values())
+            xs = np.array([p[0] for p in pts])
+            ys = _monotone([p[1] for p in pts], [p[2] for p in pts])
             slope = self.c1             # beyond the largest observed size: the line, or the last segment if steeper
             if len(xs) > 1 and xs[-1] > xs[-2]:
                 slope = max(slope, (ys[-1] - ys[-2]) / (xs[-1] - xs[-2]))
@@ -341,6 +342,22 @@ class StepTimeModel:
 
     def __call__(self, num_tokens: int, num_seqs: int | None = None) -> float:
         return float(self.predict(np.array([num_tokens]), num_seqs)[0])
+
+
+def _monotone(ys: list[float], ws: list[int]) -> np.ndarray:
+    """The non-decreasing sequence closest to ``ys`` in weighted least squares (pool adjacent violators; weights:
+    the steps behind each point). A bucket priced by one slow step then pools with the better-known bucket above
+    it instead of lifting it: at batch 1 on the CPU, where 1 to 5 tokens cost within ~5% of each other and a
+    step's noise is larger, one slow verification step of 2 tokens had priced every draft of 2-4 tokens 25% above
+    plain decoding, and a draft that is not chosen is never timed again."""
+    blocks: list[list[float]] = []           # [weighted mean, weight, points]
+    for y, w in zip(ys, ws):
+        blocks.append([float(y), float(max(w, 1)), 1])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            y2, w2, n2 = blocks.pop()
+            y1, w1, n1 = blocks[-1]
+            blocks[-1] = [(y1 * w1 + y2 * w2) / (w1 + w2), w1 + w2, n1 + n2]
+    return np.array([b[0] for b in blocks for _ in range(b[2])], dtype=np.float64)
 
 
 @dataclass
@@ -510,18 +527,21 @@ class Controller:
 
     # -- the decision ----------------------------------------------------------------------------------------------
     def draft_lengths(self, proposals: list[tuple], other_tokens: int, draft_seconds: float = 0.0,
-                      num_seqs: int | None = None, trees: bool = False, record: bool = True) -> list[int]:
+                      num_seqs: int | None = None, trees: bool = False, record: bool = True,
+                      sunk: bool = False) -> list[int]:
         """proposals: (seq_id, draft length on offer, drafter score[, per-token confidence]) per decoding request
         (the confidence, when given, values the draft's tokens: see :meth:`_values`); other_tokens: tokens the
         step computes anyway (one per decode, plus prefill chunks); draft_seconds: what drafting costs per step;
         num_seqs: the step's sequences when it holds decodes only (a shape a CUDA graph may run), else None;
         trees: the drafts are token trees (their steps run eagerly: priced by tokens, never by a graph bucket);
-        record: remember the proposals (:meth:`note`) and the kept tokens' claims (False: a probe).
+        record: remember the proposals (:meth:`note`) and the kept tokens' claims (False: a probe); sunk: the
+        drafts are already made: where drafting does not pay with their time, keep what pays without it (that
+        time is spent), and say in ``last_choice["pays"]`` whether it paid with it (whether to draft next step).
         Returns how many draft tokens to keep for each."""
         self.num_calls += 1
         R = len(proposals)
         if R <= SMALL_BATCH and self.small_fast_path:
-            return self._draft_lengths_small(proposals, other_tokens, draft_seconds, num_seqs, trees, record)
+            return self._draft_lengths_small(proposals, other_tokens, draft_seconds, num_seqs, trees, record, sunk)
         keep = [0] * R
         lengths = np.array([min(p[1], self.max_draft) for p in proposals], dtype=np.int64)
         K = int(lengths.max(initial=0))
@@ -535,7 +555,7 @@ class Controller:
         M = int(lengths.sum())
         order = np.argsort(-flat, kind="stable")[:M]
         expected = float(R) + np.concatenate(([0.0], np.cumsum(flat[order])))
-        chosen = self._choose(expected, order, K, other_tokens, draft_seconds, num_seqs, trees)
+        chosen = self._choose(expected, order, K, other_tokens, draft_seconds, num_seqs, trees, sunk)
         if chosen:
             counts = np.bincount(order[:chosen] // K, minlength=R)
             keep = counts.tolist()
@@ -554,7 +574,7 @@ class Controller:
     130-450 us on an H200's host, against a 0.4 ms GPU step."""
 
     def _draft_lengths_small(self, proposals: list[tuple], other_tokens: int, draft_seconds: float,
-                             num_seqs: int | None, trees: bool, record: bool) -> list[int]:
+                             num_seqs: int | None, trees: bool, record: bool, sunk: bool = False) -> list[int]:
         """:meth:`draft_lengths` for a few proposals: :meth:`_row_values` row by row, and the same stable order of
         the (request, depth) values as the numpy path."""
         R = len(proposals)
@@ -576,7 +596,7 @@ class Controller:
             total += flat[i]
             expected.append(R + total)
         chosen = self._choose(np.array(expected), np.array(order, dtype=np.int64), K, other_tokens, draft_seconds,
-                              num_seqs, trees)
+                              num_seqs, trees, sunk)
         keep = [0] * R
         for i in order[:chosen]:
             keep[i // K] += 1
@@ -585,29 +605,44 @@ class Controller:
         return keep
 
     def _choose(self, expected: np.ndarray, order: np.ndarray, K: int, other_tokens: int, draft_seconds: float,
-                num_seqs: int | None, trees: bool = False) -> int:
+                num_seqs: int | None, trees: bool = False, sunk: bool = False) -> int:
         """How many of the ``order``ed draft tokens to keep: the count m whose step has the best expected tokens
-        per second (``expected[m]`` over its predicted cost), if that beats plain decoding by ``min_gain``."""
+        per second (``expected[m]`` over its predicted cost, drafting included unless ``sunk``), if that beats
+        plain decoding by ``min_gain``."""
         cost, graphs = self._costs(other_tokens, order, K, num_seqs, trees)
-        cost[1:] += draft_seconds
-        goodput = expected / cost
+        charged = cost.copy()
+        charged[1:] += draft_seconds
+        plain = expected[0] / cost[0]
+
+        def passing(c: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+            # a draft must beat plain decoding by min_gain plus a share of the extra step time it predicts: the
+            # cost and acceptance models err in proportion to what they extrapolate
+            g = expected / c
+            ok = g > plain * (1.0 + self.min_gain + self.risk * (c / c[0] - 1.0))
+            ok[0] = False
+            return g, ok
+        goodput, ok = passing(charged)
+        pays = bool(ok.any())
+        if sunk and not pays:
+            # drafting does not pay this step, but this draft's time is spent: keep what it gains now (at batch 1
+            # on the CPU an EAGLE draft is ~12% of a step; charged again, a draft that came out modest was thrown
+            # away with its few likely tokens). Where drafting pays, the charged choice stands: spread over more
+            # tokens, the drafting time that recurs every step is what makes longer drafts worth verifying.
+            goodput, ok = passing(cost)
         best = int(np.argmax(goodput))
-        plain = goodput[0]
-        # a draft must beat plain decoding by min_gain plus a share of the extra step time it predicts: the cost
-        # and acceptance models err in proportion to what they extrapolate
-        need = plain * (1.0 + self.min_gain + self.risk * (cost / cost[0] - 1.0))
-        ok = goodput > need
-        ok[0] = False
         chosen = int(np.argmax(np.where(ok, goodput, -np.inf))) if ok.any() else 0
         explored = False
         if chosen and num_seqs and graphs is None \
                 and (goodput[chosen] < plain * STALE_GAIN or num_seqs >= STALE_BATCH) \
                 and self.step_time.stale(other_tokens, num_seqs):
             chosen, explored = 0, True      # time plain decoding at this batch again before trusting its price
-        elif self.explore_every and self.num_calls % self.explore_every == 0:
+        elif chosen == 0 and num_seqs and num_seqs < STALE_BATCH and graphs is None and len(goodput) > 1:
+            chosen = self._thin(goodput, other_tokens, num_seqs)
+            explored = chosen > 0
+        if not explored and self.explore_every and self.num_calls % self.explore_every == 0:
             chosen, explored = self._explore(chosen, best, goodput, other_tokens, graphs, num_seqs)
         self.last_choice = {"tokens": chosen, "best": best, "gain": float(goodput[chosen] / plain),
-                            "explored": explored, "realized": self.realized}
+                            "explored": explored, "realized": self.realized, "pays": pays if sunk else chosen > 0}
         return chosen
 
     def step_seconds(self, tokens: int, num_seqs: int | None = None, per_seq: int = 1) -> float:
@@ -644,6 +679,22 @@ class Controller:
                 cost[lo:hi] = t
             lo = hi
         return cost, (lambda m: buckets[int(q[m])])
+
+    EVIDENCE = 3
+    """Below ``STALE_BATCH``, a draft size whose price rests on fewer steps than this is tried when it is predicted
+    within ``explore_tolerance`` of plain decoding (:meth:`_thin`)."""
+
+    def _thin(self, goodput: np.ndarray, base: int, num_seqs: int) -> int:
+        """The best draft size, if its price rests on fewer than ``EVIDENCE`` steps and it is predicted close to
+        plain decoding: one slow step would otherwise keep a size from being timed again (a draft that is not
+        chosen is not timed), and at small batches a step's noise is larger than what drafts add to it. Each size
+        is tried at most ``EVIDENCE`` times per batch size (below ``STALE_BATCH`` its steps are kept across
+        requests), so this costs a few steps per process."""
+        best = 1 + int(np.argmax(goodput[1:]))
+        if goodput[best] < goodput[0] * (1.0 - self.explore_tolerance):
+            return 0
+        b = self.step_time._bucket(base + best, num_seqs)
+        return best if b is None or len(b.obs) < self.EVIDENCE else 0
 
     def _explore(self, chosen: int, best: int, goodput: np.ndarray, base: int, graphs,
                  num_seqs: int | None) -> tuple[int, bool]:

@@ -277,12 +277,14 @@ def extend_state(head: EagleHead, state: HeadState | None, feats: torch.Tensor, 
 
 
 @torch.no_grad()
-def draft_chains(head: EagleHead, states: Sequence[HeadState], depths: Sequence[int]
+def draft_chains(head: EagleHead, states: Sequence[HeadState], depths: Sequence[int], stop_below: float = 0.0
                  ) -> list[tuple[list[int], list[float]]]:
     """Greedy chains for several sequences at once: what ``draft(head, state, depth)`` gives for each (top-1 at
     every depth), one head forward per depth for the whole batch instead of one per sequence. The sequences'
     head KV (different lengths) is right-padded into one [B, Hkv, S, D] block and masked; each chain's own draft
-    KV is appended after it. Returns per sequence (tokens, cumulative probabilities)."""
+    KV is appended after it. Returns per sequence (tokens, cumulative probabilities). ``stop_below``: stop once
+    every chain that could still grow has a cumulative probability below it (a deeper token is less probable
+    still: SpecDec++'s stopping rule; the head's cumulative probability tracks the acceptance rate closely)."""
     B, dev = len(states), head.draft_vocab.device
     if B == 0:
         return []
@@ -306,11 +308,14 @@ def draft_chains(head: EagleHead, states: Sequence[HeadState], depths: Sequence[
         val, idx = lp.max(-1)
         cum = cum + val
         tok = [int(voc[j]) for j in idx.tolist()]
+        growing = 0.0                            # the most probable chain that may still grow
         for b, (t, c) in enumerate(zip(tok, torch.exp(cum).tolist())):
             if d <= depths[b]:
                 toks[b].append(t)
                 probs[b].append(c)
-        if d == depth:
+                if d < depths[b]:
+                    growing = max(growing, c)
+        if d == depth or growing < stop_below:
             break
         # the pair (predicted feature, drafted token) at position next_pos + d - 1 predicts the next feature
         mask = torch.cat([seen, seen.new_ones(B, d)], 1)[:, None, None]                     # [B, 1, 1, S + d]
@@ -330,8 +335,9 @@ def draft(head: EagleHead, state: HeadState, depth: int, top_k: int = 1, budget:
     confidence) are run through the head and each proposes its ``top_k`` best children. ``dynamic=True`` then keeps
     the ``budget`` nodes of highest cumulative probability among everything proposed (EAGLE-2's re-ranking: a deep
     branch survives only where the head is confident); ``dynamic=False`` keeps the fixed shape: the expanded
-    frontier, ``top_k`` nodes per depth. Returns the tree (topological order) and each node's cumulative
-    probability under the head."""
+    frontier, ``top_k`` nodes per depth. Returns the tree, its nodes best first (by cumulative probability under
+    the head, which never rises from a parent to its child, so the order is also topological and any prefix is
+    the most probable subtree of its size among the kept nodes), and each node's cumulative probability."""
     budget = budget or depth * top_k
     if depth <= 0 or budget <= 0:
         return DraftTree(), []
@@ -380,7 +386,8 @@ def draft(head: EagleHead, state: HeadState, depth: int, top_k: int = 1, budget:
         new_ids = []
         for c in order:
             r, j = divmod(c, top_k)
-            scores.append(cand_l[c]), depths.append(d), parents.append(frontier[r])
+            # (never above the parent's, whatever the rounding: the best-first order below stays topological)
+            scores.append(min(cand_l[c], scores[frontier[r]])), depths.append(d), parents.append(frontier[r])
             tokens.append(int(voc[idx_l[r][j]]))
             new_ids.append(len(tokens) - 1)
         frontier = new_ids[:top_k]
@@ -399,7 +406,7 @@ def draft(head: EagleHead, state: HeadState, depth: int, top_k: int = 1, budget:
                 keep.append(i)
     else:
         keep = shape[:budget]
-    keep.sort(key=lambda i: (depths[i], -scores[i]))
+    keep.sort(key=lambda i: (-scores[i], depths[i]))
     index = {i: j for j, i in enumerate(keep)}
     tree = DraftTree.of([tokens[i] for i in keep], [index[parents[i]] if parents[i] >= 0 else -1 for i in keep])
     return tree, [math.exp(scores[i]) for i in keep]
@@ -471,13 +478,28 @@ class EagleDrafter:
     then extends each sequence's head state with the new committed pairs and drafts a chain (``top_k=1``) or an
     EAGLE-2 tree (``top_k > 1``, at most ``max_draft`` nodes, ``depth`` levels). A sequence whose features are
     missing (e.g. after preemption, until its recompute hands them over again) gets an empty draft. The state is
-    dropped in :meth:`finish`."""
+    dropped in :meth:`finish`.
+
+    Each draft carries the head's cumulative probability of every node as its ``confidence`` (nodes best first):
+    on the default model's held-out prompts it tracks the rate at which verification accepts the node's whole
+    path within a few points per decile (benchmarks/README.md, "EAGLE drafts valued by their confidence"), so the
+    goodput controller prices each draft token by it rather than by a per-request average. Catching a sequence's
+    head state up on pairs committed before the previous step (a new prompt, or tokens decoded while speculation
+    was off) is reported as ``last_backlog_seconds``: a drafter that drafts every step does not pay it again, so
+    the speculator does not charge it to the step as drafting cost."""
+
+    STEADY_PAIRS = 2
+    """Committed pairs per sequence a drafting step catches up on in the steady state (the bonus token, plus the
+    accepted ones); catching up on more is backlog."""
 
     def __init__(self, head: EagleHead, depth: int = 6, top_k: int = 1, dynamic: bool = True,
-                 feature_layer: int | None = None, online=None) -> None:
+                 feature_layer: int | None = None, online=None, stop_below: float = 0.02) -> None:
         """``online``: an :class:`~leapdecode.spec.online.OnlineDistiller` that keeps training ``head`` on the
-        committed features it sees (None: the head is fixed)."""
+        committed features it sees (None: the head is fixed). ``stop_below``: a chain stops growing once its
+        cumulative probability is below this (0: always ``depth`` tokens)."""
         self.head, self.depth, self.top_k, self.dynamic = head, depth, top_k, dynamic
+        self.stop_below = stop_below
+        self.last_backlog_seconds = 0.0
         self.online = online
         self._lm_int8 = None             # with online training on int8: drafting reads an int8 copy of the head
         # time the last propose spent training (online): a bounded investment (OnlineConfig.max_share), which the
@@ -494,17 +516,20 @@ class EagleDrafter:
     @classmethod
     def for_runner(cls, runner, model: str | None = None, num_speculative_tokens: int = 4, top_k: int = 1,
                    depth: int | None = None, dynamic: bool = True, int8: bool | None = None,
-                   online: bool | dict = False) -> "EagleDrafter":
+                   online: bool | dict = False, stop_below: float = 0.02) -> "EagleDrafter":
         """The drafter for ``speculative_config={"method": "eagle", ...}``: the head at ``model`` (default: the
         shipped SmolLM2-135M head) bound to the target in ``runner``; chains of ``num_speculative_tokens`` when
         ``top_k == 1``, else EAGLE-2 trees of ``depth`` levels (default 6) and up to ``num_speculative_tokens``
         nodes. ``int8``: the head's matmuls from int8 weights (default: on a CPU where that is measurably faster;
         lossless, see :meth:`EagleHead.quantize_int8`). ``online``: keep distilling the head on the served
         workload (True, or a dict of :class:`~leapdecode.spec.online.OnlineConfig` fields): the float head is
-        trained, and with int8 drafting reads an int8 copy of it, made again after each update."""
+        trained, and with int8 drafting reads an int8 copy of it, made again after each update. ``stop_below``:
+        a chain stops once its cumulative probability under the head is below this (0: never early)."""
         for name, v in (("num_speculative_tokens", num_speculative_tokens), ("top_k", top_k)):
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"eagle: {name} must be a positive integer, got {v!r}")
+        if isinstance(stop_below, bool) or not isinstance(stop_below, (int, float)) or not 0 <= stop_below < 1:
+            raise ValueError(f"eagle: stop_below must be a number in [0, 1), got {stop_below!r}")
         if depth is None:
             depth = num_speculative_tokens if top_k == 1 else 6
         if not isinstance(depth, int) or depth < 1:
@@ -524,11 +549,12 @@ class EagleDrafter:
         if distiller_cfg is None:
             if use_int8:
                 head.quantize_int8()
-            return cls(head, depth, top_k, dynamic, feature_layer=runner.model_cfg.num_layers)
+            return cls(head, depth, top_k, dynamic, feature_layer=runner.model_cfg.num_layers,
+                       stop_below=float(stop_below))
         # online: the float head is trained; drafting reads an int8 copy of it, refreshed after each update
         from leapdecode.spec.online import OnlineDistiller
         drafter = cls(head, depth, top_k, dynamic, feature_layer=runner.model_cfg.num_layers,
-                      online=OnlineDistiller(head, distiller_cfg))
+                      online=OnlineDistiller(head, distiller_cfg), stop_below=float(stop_below))
         if use_int8:
             drafter._lm_int8 = int8_linear.Int8Linear(head.lm_weight)
             drafter.head = drafter._drafting_copy()
@@ -569,6 +595,11 @@ class EagleDrafter:
         for p, f in zip(positions, feats):
             store[int(p)] = f
 
+    def _behind(self, seq_id: int, token_ids: Sequence[int]) -> int:
+        """Committed pairs the sequence's head state lacks."""
+        state = self.states.get(seq_id)
+        return len(token_ids) - 1 - (state.next_pos if state is not None else 0)
+
     def _catch_up(self, seq_id: int, token_ids: Sequence[int]) -> HeadState | None:
         n = len(token_ids) - 1                      # pairs 0..n-1 need features f_0..f_{n-1}
         store = self.features.get(seq_id, {})
@@ -603,10 +634,14 @@ class EagleDrafter:
     def propose(self, requests: list[DraftRequest]) -> list[Draft]:
         out = [Draft() for _ in requests]
         chains: list[tuple[int, HeadState, int]] = []       # chains are drafted for all sequences at once
+        self.last_backlog_seconds = 0.0
         for i, req in enumerate(requests):
             if req.max_draft <= 0:
                 continue
+            t0, behind = time.perf_counter(), self._behind(req.seq_id, req.token_ids)
             state = self._catch_up(req.seq_id, req.token_ids)
+            if behind > self.STEADY_PAIRS:
+                self.last_backlog_seconds += (time.perf_counter() - t0) * (1.0 - self.STEADY_PAIRS / behind)
             if state is None:
                 continue
             depth = min(self.depth, req.max_draft)
@@ -616,10 +651,11 @@ class EagleDrafter:
                 continue
             tree, probs = draft(self.head, state, depth, self.top_k, req.max_draft, self.dynamic)
             out[i] = Draft.from_tree(tree, score=probs[0] if probs else 0.0)
+            out[i].confidence = probs
         if chains:
             for (i, _, _), (toks, probs) in zip(chains, draft_chains(self.head, [c[1] for c in chains],
-                                                                      [c[2] for c in chains])):
-                out[i] = Draft(toks, None, score=probs[0] if probs else 0.0)
+                                                                      [c[2] for c in chains], self.stop_below)):
+                out[i] = Draft(toks, None, score=probs[0] if probs else 0.0, confidence=probs)
         self.last_train_seconds = 0.0
         if self.online is not None:
             t0 = time.perf_counter()

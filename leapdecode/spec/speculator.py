@@ -67,6 +67,7 @@ class Speculator:
         self.drafter_seconds = 0.0       # total time inside the drafter (bounded: a sum, not a history)
         self.draft_seconds_ema = 0.0     # drafting time per speculating step, auto's model drafter excepted
         self.costly_seconds_ema = 0.0    # auto's model drafter: time per step that asks it
+        self._backlog_seconds = 0.0      # the last propose's backlog (see _draft)
         self._gate_calls = 0
         self._step_shape = (0, 0)        # this step's (decoding requests, tokens computed anyway), for the gate
         # this step's sequences when it holds decodes only (a CUDA graph's shape; the steps the guard compares);
@@ -128,7 +129,12 @@ class Speculator:
     def _draft(self, reqs: list[DraftRequest]):
         """(drafts, seconds in the free drafters, seconds in auto's model drafter). A drafter's online training
         (``last_train_seconds``, spec/online.py) is in neither: it is a bounded investment the user opted into
-        (``OnlineConfig.max_share``); charged as drafting, it would turn off the very head that is learning."""
+        (``OnlineConfig.max_share``); charged as drafting, it would turn off the very head that is learning. Nor
+        is its backlog (``last_backlog_seconds``: catching up on tokens committed before the previous step, e.g.
+        EAGLE's head over a new prompt, spec/eagle.py), which a drafter drafting every step does not pay again:
+        in the drafting time per step it set the price of EAGLE drafts at 2-3x their steady cost at batch 1, and
+        the controller kept a head off where it gave 1.2x. It is kept in ``_backlog_seconds`` for the shadows'
+        budget, which spends real time."""
         t0 = time.perf_counter()
         drafts = self.drafter.propose(reqs)
         dt = time.perf_counter() - t0
@@ -136,10 +142,11 @@ class Speculator:
         self._step_draft_seconds += dt
         train = min(getattr(self.drafter, "last_train_seconds", 0.0), dt)
         costly = min(getattr(self.drafter, "last_costly_seconds", 0.0), dt - train)
+        self._backlog_seconds = min(getattr(self.drafter, "last_backlog_seconds", 0.0), dt - train - costly)
         if costly > 0:
             ema = self.costly_seconds_ema
             self.costly_seconds_ema = costly if ema == 0 else 0.8 * ema + 0.2 * costly
-        return drafts, dt - train - costly, costly
+        return drafts, dt - train - costly - self._backlog_seconds, costly
 
     def _costly_pays(self, reqs: list[DraftRequest], promises: list[float]) -> bool:
         """Auto's gate: do the model drafter's promised accepted tokens for ``reqs`` beat plain decoding, charged
@@ -235,9 +242,11 @@ class Speculator:
         # a step with a token tree runs eagerly (engine/cuda_graphs.py step_shape): price it by its tokens
         chains = all(t is None or t.parents is None for t in trees)
         keep = ctl.draft_lengths([(s.seq_id, len(d), d.score, d.confidence) for s, d in zip(seqs, drafts)], base,
-                                 charge, self._decode_seqs, trees=not chains)
-        # a plain step the controller chose to time plain decoding (an exploration) does not switch speculation off
-        self._speculating = any(keep) or bool(ctl.last_choice.get("explored"))
+                                 charge, self._decode_seqs, trees=not chains, sunk=True)
+        # drafting goes on while it pays, drafting time included (the drafts in hand are kept by what they gain
+        # now that their time is spent); a plain step the controller chose to time plain decoding (an exploration)
+        # does not switch speculation off
+        self._speculating = ctl.last_choice.get("pays", any(keep)) or bool(ctl.last_choice.get("explored"))
         out = {}
         for s, d, tree, k in zip(seqs, drafts, trees, keep):
             if k > 0:
@@ -302,7 +311,7 @@ class Speculator:
         if n < len(need):
             need = sorted(need, key=lambda r: after.get(r.seq_id, -1))[:n]     # never shadowed, then the oldest
         drafts, dt, costly = self._draft(need)
-        dt += costly
+        dt += costly + self._backlog_seconds
         self.num_shadow_proposals += 1
         self._shadow_credit -= dt
         per = dt / len(need)
