@@ -817,3 +817,33 @@ def test_the_guard_judges_the_drafters_steps_together():
         g.record(1, "quiet", 0.0245, 1)
         quiet += 1
     assert g.num_vetoes == 1 and quiet > 10
+
+
+def test_a_small_batch_veto_ends_with_the_request_it_was_earned_on():
+    """Below STALE_BATCH the drafter's record is about the requests' text: when a request ends, vetoes there are
+    lifted and the drafter's rates forgotten (the bare rate stays); at batch 64 a veto keeps its cool-down."""
+    from leapdecode.spec.guard import ThroughputGuard
+    g = ThroughputGuard(margin=0.08, window=4, refresh=1000, cooldown=40, min_samples=4)
+    for n in (1, 64):
+        for _ in range(4):
+            assert not g.bare(n)
+            g.record(n, "spec", 1.3, 1)
+        for _ in range(4):
+            assert g.bare(n)
+            g.record(n, "bare", 1.0, 1)
+        assert not g.bare(n)
+        g.record(n, "spec", 1.3, 1)
+    assert g.num_vetoes == 2 and g.vetoed(1) and g.vetoed(64)
+    g.request_ended()
+    assert not g.vetoed(1) and not g.off(1) and g.vetoed(64)
+    assert g._batches[1].rates["spec"].count == 0 and g._batches[1].rates["bare"].count == 4
+    for _ in range(3):                                      # a new request: fresh evidence before any veto
+        assert not g.bare(1)
+        g.record(1, "spec", 1.3, 1)
+    assert not g.vetoed(1)
+    spec = Speculator(SpeculativeConfig(method="ngram", num_speculative_tokens=4, drafter=FakeDrafter(0.5)), 50_000,
+                      probed_model())
+    spec.guard._batch(1).veto_until = spec.guard.steps + 100
+    assert spec.guard.vetoed(1)
+    spec.finish(Seq(0))                                     # the speculator tells the guard
+    assert not spec.guard.vetoed(1)

@@ -370,6 +370,8 @@ class Speculator:
 
     def finish(self, seq: "Sequence") -> None:
         self.drafter.finish(seq.seq_id, seq.token_ids, seq.num_prompt_tokens)
+        if self.guard is not None:
+            self.guard.request_ended()
         if seq.seq_id in self._shadow:
             self._score_shadow(seq, given_up=True)
         self._shadow_after.pop(seq.seq_id, None)
