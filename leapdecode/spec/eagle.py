@@ -482,7 +482,7 @@ class EagleDrafter:
 
     Each draft carries the head's cumulative probability of every node as its ``confidence`` (nodes best first):
     on the default model's held-out prompts it tracks the rate at which verification accepts the node's whole
-    path within a few points per decile (benchmarks/README.md, "EAGLE drafts valued by their confidence"), so the
+    path within a few points per decile (benchmarks/README.md, "EAGLE under the controller at batch 1"), so the
     goodput controller prices each draft token by it rather than by a per-request average. Catching a sequence's
     head state up on pairs committed before the previous step (a new prompt, or tokens decoded while speculation
     was off) is reported as ``last_backlog_seconds``: a drafter that drafts every step does not pay it again, so
