@@ -847,3 +847,46 @@ def test_a_small_batch_veto_ends_with_the_request_it_was_earned_on():
     assert spec.guard.vetoed(1)
     spec.finish(Seq(0))                                     # the speculator tells the guard
     assert not spec.guard.vetoed(1)
+
+
+class AlternatingDrafter(FakeDrafter):
+    """Every other draft is sure and right (its 4 tokens accepted), the others unsure and wrong from the first
+    token, and each says so in its confidences: a draft's worth that varies from position to position."""
+
+    def __init__(self):
+        super().__init__(1.0)
+        self.n = 0
+
+    def propose(self, requests):
+        out = []
+        for r in requests:
+            self.n += 1
+            good = self.n % 2 == 1
+            toks = [truth(r.seq_id, len(r.token_ids) + j) + (0 if good else 1) for j in range(r.max_draft)]
+            conf = [0.95 ** (j + 1) for j in range(len(toks))] if good else [0.1 * 0.1 ** j for j in range(len(toks))]
+            out.append(Draft(toks, None, score=conf[0], confidence=conf))
+        return out
+
+
+def test_drafting_goes_on_while_it_pays_on_average():
+    """One modest draft does not switch speculation off: drafting goes on while what its steps deliver, drafting
+    time included, is above plain decoding on average (switched off by each modest draft, speculation came back
+    only once a quiet re-check saw a confident shadow, and half the sure drafts were never made)."""
+    drafter = AlternatingDrafter()
+    spec = fabricated_drafting(Speculator(SpeculativeConfig(method="ngram", num_speculative_tokens=4,
+                                                            drafter=drafter), 50_000, probed_model()), 0.002)
+    spec.guard = None
+    seq = Seq(0)
+    verified = 0
+    for _ in range(200):
+        before = spec.drafter_seconds
+        drafts = spec.propose([seq], [4], 0)
+        d = drafts.get(0)
+        pos = len(seq.token_ids)
+        acc = d.accepted_length([truth(0, pos + j) for j in range(len(d))]) if d else 0
+        seq.token_ids += [truth(0, pos + j) for j in range(acc + 1)]
+        spec.observe(seq, len(d) if d else 0, acc, None)
+        verified += bool(d)
+        spec.observe_step(1 + (len(d) if d else 0), spec.drafter_seconds - before + cpu_like(1 + (len(d) if d else 0)),
+                          None, acc + 1)
+    assert drafter.n >= 190 and verified >= 90        # a draft every step; the sure ones (half) verified

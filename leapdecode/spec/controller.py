@@ -400,6 +400,7 @@ class Controller:
         self._g_depth_n = np.zeros(max(max_draft, 1) + 2)
         self.num_calls = 0
         self.last_choice: dict = {}       # the last decision, for benchmarks and debugging
+        self.last_probe_gain = 1.0        # the gain the last quiet re-check predicted (:meth:`worth_drafting`)
         # calibrated drafts: what their kept tokens claimed (raw confidences, per request until verified), and the
         # decayed totals of tokens claimed and accepted, whose ratio scales later claims (:attr:`realized`)
         self._claims: dict[int, list[float]] = {}
@@ -642,7 +643,11 @@ class Controller:
         if not explored and self.explore_every and self.num_calls % self.explore_every == 0:
             chosen, explored = self._explore(chosen, best, goodput, other_tokens, graphs, num_seqs)
         self.last_choice = {"tokens": chosen, "best": best, "gain": float(goodput[chosen] / plain),
-                            "explored": explored, "realized": self.realized, "pays": pays if sunk else chosen > 0}
+                            "explored": explored, "realized": self.realized, "pays": pays if sunk else chosen > 0,
+                            # drafts in hand: what this step is predicted to deliver against plain decoding, its
+                            # drafting time included (below 1 when drafting did not pay, whatever is kept)
+                            "value": float(expected[chosen] / (cost[chosen] + draft_seconds) / plain) if sunk
+                            else None}
         return chosen
 
     def step_seconds(self, tokens: int, num_seqs: int | None = None, per_seq: int = 1) -> float:
@@ -723,5 +728,6 @@ class Controller:
                  (sid, min(room, len(conf[sid])), self._score.get(sid, 0.5), conf[sid]) for sid, room in offers]
         calls, last = self.num_calls, self.last_choice
         keep = self.draft_lengths(probe, other_tokens, draft_seconds, num_seqs, record=False)
+        self.last_probe_gain = self.last_choice.get("gain", 1.0)
         self.num_calls, self.last_choice = calls, last
         return any(keep) or (self.explore_every > 0 and (calls + 1) % self.explore_every == 0)

@@ -38,6 +38,7 @@ OFFER_FLOOR = 0.02
 """With the controller on, a calibrated drafter offers every token at least this likely to be accepted."""
 
 QUIET_SHARE = 0.02
+VALUE_RATE = 0.3                 # weight of the newest drafting step in the running value (see propose)
 """While speculation is off, shadow drafts cost at most about this share of the decoding time (at batch 64 on an
 H200 a shadow draft of every request cost 1-45 ms against a 2 ms step)."""
 
@@ -79,6 +80,9 @@ class Speculator:
         self._shadow: dict[int, tuple[DraftTree, int, float | None]] = {}
         # while speculation is off, the controller is asked again only when something it uses has changed
         self._speculating = True
+        # while speculating: a running average of what the drafting steps deliver against plain decoding, their
+        # drafting time included (Controller.last_choice["value"]); drafting goes on while it is above 1
+        self._value: float | None = None
         self._news = True                # acceptance observed, or the batch changed, since the last check
         self._batch: tuple[int, ...] = ()
         self._quiet_steps = 0
@@ -243,10 +247,20 @@ class Speculator:
         chains = all(t is None or t.parents is None for t in trees)
         keep = ctl.draft_lengths([(s.seq_id, len(d), d.score, d.confidence) for s, d in zip(seqs, drafts)], base,
                                  charge, self._decode_seqs, trees=not chains, sunk=True)
-        # drafting goes on while it pays, drafting time included (the drafts in hand are kept by what they gain
-        # now that their time is spent); a plain step the controller chose to time plain decoding (an exploration)
-        # does not switch speculation off
-        self._speculating = ctl.last_choice.get("pays", any(keep)) or bool(ctl.last_choice.get("explored"))
+        # drafting goes on while it pays on average over the last few drafting steps, drafting time included (the
+        # drafts in hand are kept by what they gain now that their time is spent): a draft's worth varies from
+        # position to position (EAGLE's head is sure of one token and not of the next), and switched off by one
+        # modest draft, drafting came back only once a quiet re-check saw a confident shadow. A plain step the
+        # controller chose to time plain decoding (an exploration) does not switch speculation off either.
+        value = ctl.last_choice.get("value")
+        if value is None:
+            on = ctl.last_choice.get("pays", any(keep))
+        else:
+            self._value = value if self._value is None else (1.0 - VALUE_RATE) * self._value + VALUE_RATE * value
+            on = self._value > 1.0 + ctl.min_gain
+        self._speculating = on or bool(ctl.last_choice.get("explored"))
+        if not self._speculating:
+            self._value = None
         out = {}
         for s, d, tree, k in zip(seqs, drafts, trees, keep):
             if k > 0:
@@ -292,6 +306,8 @@ class Speculator:
         if step > 0:
             self._check_wait = min(math.ceil((time.perf_counter() - t0) / (CHECK_SHARE * step)) - 1, CHECK_WAIT)
         self._news = worth            # worth it: the news stands (asked again next quiet step, if this draft fails)
+        if worth:
+            self._value = self.controller.last_probe_gain     # the running average starts from what it predicted
         return worth
 
     def _propose_shadows(self, reqs: list[DraftRequest], step: float) -> None:
