@@ -553,3 +553,19 @@ def test_auto_gate_keeps_a_slow_model_drafter_from_running_where_it_cannot_pay(l
         asked[gate] = oracle.asked
         assert_pool_free(llm)
     assert 0 < asked[True] <= 2 < asked[False], asked
+
+
+def test_greedy_model_drafts_carry_their_path_confidence():
+    """A draft model's (or layer_skip's) greedy chain carries the running product of its tokens' confidences as
+    ``confidence`` (the controller prices each token by it); a sampled chain carries none (its tokens are accepted
+    with probability min(1, p/q), which q does not say)."""
+    from leapdecode.spec.draft_model import draft_chains
+
+    class Sampler:               # row 0 greedy, sure at 0.9 a token; row 1 sampled from a uniform q
+        def draw(self, logits, ctxs, histories):
+            n = len(ctxs)
+            return [7] * n, torch.full((n, 8), 1 / 8), [0.9, 0.125][:n], [True, False][:n]
+
+    drafts = draft_chains(Sampler(), torch.zeros(2, 8), [None, None], [3, 3], 0.0, lambda a, d, t: torch.zeros(2, 8))
+    assert drafts[0].tokens == [7, 7, 7] and drafts[0].confidence == pytest.approx([0.9, 0.81, 0.729])
+    assert drafts[1].confidence is None and drafts[1].probs is not None and drafts[0].score == pytest.approx(0.9)

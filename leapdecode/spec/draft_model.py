@@ -117,10 +117,14 @@ def draft_chains(sampler: DraftSampler, logits: torch.Tensor, ctxs: list[_Ctx], 
     """Draft one chain per row, autoregressively and batched: draw from ``logits`` (one row per context), keep
     going for the rows under their length limit whose drawn token had confidence >= ``threshold``, and ask
     ``step(active rows, depth, their last tokens)`` for those rows' next logits. Each draft carries its q rows
-    when every token of it was sampled (not greedy), and its first token's confidence as its score."""
+    when every token of it was sampled (not greedy), its first token's confidence as its score, and, when every
+    token of it was greedy, the running product of its tokens' confidences as its ``confidence`` (the draft's
+    probability of its whole path: what the controller prices greedy draft tokens by, as EAGLE's; a sampled
+    token is accepted with probability min(1, p/q), which its q does not say)."""
     B = len(ctxs)
     tokens: list[list[int]] = [[] for _ in range(B)]
     qs: list[list[torch.Tensor]] = [[] for _ in range(B)]
+    paths: list[list[float] | None] = [[] for _ in range(B)]     # cumulative confidences while all greedy
     score = [0.0] * B
     active = list(range(B))
     depth = 0
@@ -134,13 +138,18 @@ def draft_chains(sampler: DraftSampler, logits: torch.Tensor, ctxs: list[_Ctx], 
                 qs[b].append(q[a])
             if depth == 1:
                 score[b] = conf[a]
+            if paths[b] is not None and greedy[a]:
+                paths[b].append((paths[b][-1] if paths[b] else 1.0) * conf[a])
+            elif paths[b] is not None:
+                paths[b] = None
             if depth < limits[b] and conf[a] >= threshold:
                 nxt.append(b)
         active = nxt
         if active:
             logits = step(active, depth, [tokens[b][-1] for b in active])
     return [Draft(tokens[b], None, score=score[b],
-                  probs=torch.stack(qs[b]) if qs[b] and len(qs[b]) == len(tokens[b]) else None) for b in range(B)]
+                  probs=torch.stack(qs[b]) if qs[b] and len(qs[b]) == len(tokens[b]) else None,
+                  confidence=paths[b] or None) for b in range(B)]
 
 
 def run_layers(model, input_ids: torch.Tensor, meta, layers: Sequence[int] | None = None) -> torch.Tensor:

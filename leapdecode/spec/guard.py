@@ -14,7 +14,9 @@ Once the drafter's modes have a few samples at a batch size, and every ``refresh
 window of bare steps there, so the bare rate is current; when the measured rate of the drafter's steps (spec and
 quiet together: the quiet ones pay for drafts the speculating ones verify) is worse than bare by more than
 ``margin``, the drafter is switched off at that batch size for a cool-down that doubles each time this repeats
-there (up to ``max_cooldown``) and resets when speculation wins again there: a server whose load swings keeps speculating at batch 1 after losing at batch 64.
+there (up to ``max_cooldown``) and resets when speculation wins again there: a server whose load swings keeps
+speculating at batch 1 after losing at batch 64. Below ``STALE_BATCH`` a veto ends with the request it was earned
+on (:meth:`ThroughputGuard.request_ended`).
 Steps with prefill chunks are not compared (their cost is the prompt's, not the mode's). While the drafter is off,
 an engine with ``async_scheduling`` overlaps its steps as plain decoding does (engine/engine.py): those bare steps
 are timed from step to step, so speculation is measured against plain decoding at its best, not against a

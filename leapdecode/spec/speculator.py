@@ -38,9 +38,11 @@ OFFER_FLOOR = 0.02
 """With the controller on, a calibrated drafter offers every token at least this likely to be accepted."""
 
 QUIET_SHARE = 0.02
-VALUE_RATE = 0.3                 # weight of the newest drafting step in the running value (see propose)
 """While speculation is off, shadow drafts cost at most about this share of the decoding time (at batch 64 on an
 H200 a shadow draft of every request cost 1-45 ms against a 2 ms step)."""
+
+VALUE_RATE = 0.3
+"""Weight of the newest drafting step in the running value that keeps drafting on (see :meth:`Speculator.propose`)."""
 
 CHECK_SHARE, CHECK_WAIT = 0.05, 8
 """... and the controller's re-checks (0.2 ms at batch 64 there) about this share, waiting at most CHECK_WAIT quiet
