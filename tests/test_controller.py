@@ -890,3 +890,27 @@ def test_drafting_goes_on_while_it_pays_on_average():
         spec.observe_step(1 + (len(d) if d else 0), spec.drafter_seconds - before + cpu_like(1 + (len(d) if d else 0)),
                           None, acc + 1)
     assert drafter.n >= 190 and verified >= 90        # a draft every step; the sure ones (half) verified
+
+
+def test_a_stale_bare_rate_is_measured_again_before_it_vetoes():
+    """The machine slowed down since the last bare window (drafter and plain steps alike): compared with that old
+    bare rate, the drafter's steps look 15% slower. The guard measures bare again first (a window now), and
+    vetoes only what is still slower than today's plain steps."""
+    from leapdecode.spec.guard import ThroughputGuard
+    for spec_seconds, vetoed in ((0.0100, False), (0.0140, True)):    # at par with today's plain steps; slower
+        g = ThroughputGuard(margin=0.08, window=4, refresh=10_000, cooldown=40, min_samples=4, stale=64)
+        for _ in range(4):
+            assert not g.bare(1)
+            g.record(1, "spec", 0.0087, 1)
+        for _ in range(4):
+            assert g.bare(1)
+            g.record(1, "bare", 0.0087, 1)               # the machine then: 8.7 ms a step
+        for _ in range(70):
+            assert not g.bare(1)
+            g.record(1, "spec", 0.0087, 1)               # the drafter at par
+        for _ in range(40):                              # the machine slows to 10 ms a plain step
+            if g.bare(1):
+                g.record(1, "bare", 0.0100, 1)
+            else:
+                g.record(1, "spec", spec_seconds, 1)
+        assert (g.num_vetoes >= 1) == vetoed

@@ -16,7 +16,8 @@ quiet together: the quiet ones pay for drafts the speculating ones verify) is wo
 ``margin``, the drafter is switched off at that batch size for a cool-down that doubles each time this repeats
 there (up to ``max_cooldown``) and resets when speculation wins again there: a server whose load swings keeps
 speculating at batch 1 after losing at batch 64. Below ``STALE_BATCH`` a veto ends with the request it was earned
-on (:meth:`ThroughputGuard.request_ended`).
+on (:meth:`ThroughputGuard.request_ended`), and a bare rate measured more than ``stale`` steps ago is measured again
+before it vetoes anything.
 Steps with prefill chunks are not compared (their cost is the prompt's, not the mode's). While the drafter is off,
 an engine with ``async_scheduling`` overlaps its steps as plain decoding does (engine/engine.py): those bare steps
 are timed from step to step, so speculation is measured against plain decoding at its best, not against a
@@ -62,11 +63,15 @@ class _Batch:
 
 class ThroughputGuard:
     def __init__(self, margin: float = 0.08, window: int = 8, refresh: int = 256, cooldown: int = 64,
-                 max_cooldown: int = 4096, min_samples: int = 16, decay: float = 0.97) -> None:
+                 max_cooldown: int = 4096, min_samples: int = 16, decay: float = 0.97, stale: int = 64) -> None:
         """``margin``: how much slower a mode must measure than bare to be vetoed. The controller makes the fine
         choices; the guard is for clear losses: a speculative step emits 1 to k + 1 tokens, so over ~15 steps a
-        ratio of sums still varies by several percent, and a smaller margin vetoed speculation that paid 1.1x."""
-        self.margin, self.window, self.refresh = margin, window, refresh
+        ratio of sums still varies by several percent, and a smaller margin vetoed speculation that paid 1.1x.
+        ``stale``: a bare rate last measured more than this many steps ago is measured again (a bare window now)
+        before it vetoes anything: on a shared machine a step's time drifts by more than ``margin`` within
+        minutes (plain batch-1 steps of 18 and 25 ms in one half hour on the 2-core VM), and a veto then compared
+        the drafter's steps with a machine that was no longer there."""
+        self.margin, self.window, self.refresh, self.stale = margin, window, refresh, stale
         self.base_cooldown, self.max_cooldown = cooldown, max_cooldown
         self.min_samples, self.decay = min_samples, decay
         self.steps = 0
@@ -152,6 +157,10 @@ class ThroughputGuard:
         d = b.rates[DRAFTER]
         worse = d.spt / bare.spt if bare.spt > 0 else 1.0
         if worse > 1.0 + self.margin and (d.count >= self.min_samples or worse > CLEAR_LOSS and d.count >= QUICK):
+            if self.steps - bare.at > self.stale:
+                b.window_at = None                 # the next step at this size starts a bare window, which
+                b.rates["bare"] = _Rate()          # alone sets the bare rate the next comparison uses
+                return
             # the evidence stays (decaying): after the cool-down two more bad steps veto again, while a real
             # change (the text starts to copy) outweighs it within ~10 steps
             b.veto_until = self.steps + b.cooldown
