@@ -777,21 +777,25 @@ def test_a_draft_in_hand_keeps_what_pays_without_its_time_and_drafting_stops():
     assert ctl.last_choice["pays"] is True
 
 
-def test_drafting_time_excludes_the_drafters_backlog():
+def test_drafting_time_excludes_the_drafters_backlog(monkeypatch):
     """A drafter's catching up on tokens committed before the previous step (``last_backlog_seconds``: EAGLE over
-    a new prompt) is not charged as drafting time per step; the shadows' budget still spends it."""
-    import time
+    a new prompt) is not charged as drafting time per step; the shadows' budget still spends it. (A fake clock:
+    the drafter takes 30 ms of which 25 are backlog.)"""
+    import types
+    import leapdecode.spec.speculator as speculator_mod
+    clock = [100.0]
+    monkeypatch.setattr(speculator_mod, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
 
     class Slow(FakeDrafter):
         def propose(self, requests):
-            time.sleep(0.03)
+            clock[0] += 0.030
             self.last_backlog_seconds = 0.025
             return super().propose(requests)
     spec = Speculator(SpeculativeConfig(method="ngram", num_speculative_tokens=4, drafter=Slow(0.5)), 50_000,
                       probed_model())
     from leapdecode.spec.drafter import DraftRequest
     _, dt, _ = spec._draft([DraftRequest(0, [1, 2, 3], 3, 4)])
-    assert dt < 0.015 and spec._backlog_seconds == pytest.approx(0.025)
+    assert dt == pytest.approx(0.005) and spec._backlog_seconds == pytest.approx(0.025)
 
 
 def test_the_guard_judges_the_drafters_steps_together():
