@@ -254,9 +254,9 @@ class Speculator:
         # position to position (EAGLE's head is sure of one token and not of the next), and switched off by one
         # modest draft, drafting came back only once a quiet re-check saw a confident shadow. A plain step the
         # controller chose to time plain decoding (an exploration) does not switch speculation off either.
-        value = ctl.last_choice.get("value")
+        value = ctl.last_choice.get("value")      # (None only from a controller that does not price drafts in hand)
         if value is None:
-            on = ctl.last_choice.get("pays", any(keep))
+            on = any(keep)
         else:
             self._value = value if self._value is None else (1.0 - VALUE_RATE) * self._value + VALUE_RATE * value
             on = self._value > 1.0 + ctl.min_gain
