@@ -123,7 +123,7 @@ def acceptance(llm, head, tasks: dict[str, list[list[int]]], max_tokens: int) ->
         if len(ids) - len(prompt) < 2:
             continue
         P = len(prompt)
-        feats = tdh.record_features(llm, ids)
+        feats = tdh.record_features(llm, [ids])[0]
         with torch.no_grad():
             T = len(ids) - 1
             pos = torch.arange(T)[None]

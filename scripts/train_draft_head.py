@@ -11,7 +11,9 @@ Three stages, each bounded in wall time so the whole run fits a CPU hour for Smo
    target's final-norm hidden state at every position (``ModelRunner.execute(capture=(L,))``).
 2. **train**: the head (one decoder layer, fc 2d -> d, the target's frozen embedding and LM head over a draft
    vocabulary of the most frequent training tokens) with EAGLE's loss: smooth-L1 on the next feature + 0.1 x
-   cross-entropy against the target's distribution; AdamW, linear decay over ``--train-minutes``.
+   cross-entropy against the target's distribution, unrolled ``--unroll`` steps on the head's own predictions
+   (``distill_loss``: it then learns from what it reads when it drafts); AdamW, linear decay over
+   ``--train-minutes``.
 3. **save**: an HF-style directory (config.json + model.safetensors, bf16) with the data and training figures in
    ``config.json["training"]``.
 
@@ -94,21 +96,35 @@ def magpie_queries(llm, n: int, max_tokens: int = 64) -> list[str]:
     return qs
 
 
-def record_features(llm, ids: list[int]) -> torch.Tensor:
-    """The target's final-norm hidden state at every position of ``ids``: one teacher-forced forward."""
+def record_features(llm, seqs: list[list[int]], max_tokens: int = 4096) -> list[torch.Tensor]:
+    """The target's final-norm hidden state at every position of each sequence in ``seqs``: teacher-forced
+    forwards over packs of at most ``max_tokens`` tokens (no logits beyond one row per sequence)."""
     from leapdecode.engine.sequence import Sequence
     from leapdecode.engine.step import ScheduledSeq, lay_out
     from leapdecode.sampling_params import SamplingParams
     eng = llm.engine
-    seq = Sequence("record", 0, list(ids), SamplingParams())
-    assert eng.block_manager.allocate(seq, len(ids))
-    try:
-        chunk = ScheduledSeq(seq.seq_id, 0, tuple(ids), tuple(seq.block_table), prompt_logprobs=True)
-        L = eng.model_cfg.num_layers
-        out = eng.runner.execute(lay_out(0, eng.cfg.block_size, [chunk]), capture=(L,))
-        return out.hidden_states[L].float().cpu()
-    finally:
-        eng.block_manager.free_seq(seq)
+    L = eng.model_cfg.num_layers
+    out: list[torch.Tensor] = []
+    i = 0
+    while i < len(seqs):
+        pack, n = [], 0
+        while i < len(seqs) and (not pack or n + len(seqs[i]) <= max_tokens):
+            seq = Sequence(f"record-{i}", 0, list(seqs[i]), SamplingParams())
+            if not eng.block_manager.allocate(seq, len(seqs[i])):
+                if not pack:
+                    raise RuntimeError(f"no KV room to record a sequence of {len(seqs[i])} tokens")
+                break
+            pack.append(seq)
+            n += len(seqs[i])
+            i += 1
+        try:
+            chunks = [ScheduledSeq(s.seq_id, 0, tuple(s.token_ids), tuple(s.block_table)) for s in pack]
+            res = eng.runner.execute(lay_out(0, eng.cfg.block_size, chunks), capture=(L,), all_rows=True)
+            out += list(res.hidden_states[L].float().cpu().split([len(s.token_ids) for s in pack]))
+        finally:
+            for s in pack:
+                eng.block_manager.free_seq(s)
+    return out
 
 
 def generate_rounds(llm, queue: list[tuple[str, list[int], dict]], max_tokens: int, batch: int, deadline: float,
@@ -140,7 +156,8 @@ def generate_rounds(llm, queue: list[tuple[str, list[int], dict]], max_tokens: i
 def stage_data(args, log) -> None:
     from leapdecode import LLM
     t_start = time.time()
-    llm = LLM(args.model, max_model_len=args.max_model_len, enable_prefix_caching=False, device=args.device)
+    llm = LLM(args.model, max_model_len=args.max_model_len, enable_prefix_caching=False, device=args.device,
+              max_num_seqs=args.seqs or args.batch)
     tok = llm.get_tokenizer()
     per_task = items("train")
     rng = random.Random(0)
@@ -164,8 +181,8 @@ def stage_data(args, log) -> None:
     done = generate_rounds(llm, queue, args.max_tokens, args.batch, deadline, log)
     t_gen = time.time() - t_start
     t1 = time.time()
-    for d in done:
-        d["feats"] = record_features(llm, d["ids"]).to(torch.bfloat16)
+    for d, f in zip(done, record_features(llm, [d["ids"] for d in done])):
+        d["feats"] = f.to(torch.bfloat16)
         d["ids"] = torch.tensor(d["ids"], dtype=torch.int32)
     t_rec = time.time() - t1
     stats = {"sequences": len(done), "tokens": sum(len(d["ids"]) for d in done),
@@ -220,11 +237,13 @@ def stage_refdata(args, log) -> None:
             if v:
                 order.append(v.pop(0))
     done = []
-    for task, ids, plen in order:
+    for at in range(0, len(order), 16):
         if time.time() - t0 > args.ref_minutes * 60:
             break
-        done.append({"task": task, "ids": torch.tensor(ids, dtype=torch.int32), "prompt_len": plen,
-                     "source": "reference", "feats": record_features(llm, ids).to(torch.bfloat16)})
+        part = order[at:at + 16]
+        for (task, ids, plen), f in zip(part, record_features(llm, [c[1] for c in part])):
+            done.append({"task": task, "ids": torch.tensor(ids, dtype=torch.int32), "prompt_len": plen,
+                         "source": "reference", "feats": f.to(torch.bfloat16)})
     stats = {"sequences": len(done), "tokens": sum(len(d["ids"]) for d in done),
              "answer_tokens": sum(len(d["ids"]) - d["prompt_len"] for d in done),
              "per_task": dict(Counter(d["task"] for d in done)), "seconds": round(time.time() - t0, 1)}
@@ -324,7 +343,7 @@ def stage_train(args, log) -> None:
                 g["lr"] = lr
             feats, toks, valid, cls_from = collate(group, args.device)
             loss, parts = distill_loss(head, feats, toks, valid, noise=noise, w_cls=args.w_cls,
-                                       cls_from=cls_from if args.answer_ce_only else None)
+                                       cls_from=cls_from if args.answer_ce_only else None, unroll=args.unroll)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(params, 0.5)
@@ -343,7 +362,8 @@ def stage_train(args, log) -> None:
             log(f"  {json.dumps(row)}")
     t_train = time.time() - t0
     head.cfg.training = {"data": stats, "train_seconds": round(t_train, 1), "steps": step, "epochs": epoch,
-                         "lr": args.lr, "w_cls": args.w_cls, "answer_ce_only": bool(args.answer_ce_only),
+                         "lr": args.lr, "w_cls": args.w_cls, "unroll": args.unroll,
+                         "answer_ce_only": bool(args.answer_ce_only),
                          "batch_tokens": args.batch_tokens, "noise": round(noise, 4),
                          "draft_vocab_coverage": round(covered, 4), "first_step": first, "history": hist,
                          "device": args.device, "threads": torch.get_num_threads(),
@@ -366,6 +386,9 @@ def main() -> None:
     ap.add_argument("--gen-minutes", type=float, default=17.0)
     ap.add_argument("--train-minutes", type=float, default=24.0)
     ap.add_argument("--batch", type=int, default=32, help="prompts per generate() call")
+    ap.add_argument("--seqs", type=int, default=0,
+                    help="sequences decoded at once (continuous batching refills the batch within a call; "
+                         "0: --batch)")
     ap.add_argument("--max-tokens", type=int, default=192, help="answer length cap")
     ap.add_argument("--max-model-len", type=int, default=1024)
     ap.add_argument("--magpie", type=int, default=48, help="self-generated user questions to sample")
@@ -377,6 +400,8 @@ def main() -> None:
     ap.add_argument("--w-cls", type=float, default=0.1, help="weight of the cross-entropy (EAGLE: 0.1)")
     ap.add_argument("--answer-ce-only", type=int, default=1,
                     help="cross-entropy on answer positions only (the regression covers every position)")
+    ap.add_argument("--unroll", type=int, default=3,
+                    help="train on the head's own predictions this many steps deep (1: EAGLE-1's loss alone)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)

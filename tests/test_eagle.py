@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from leapdecode.spec.eagle import (EagleConfig, EagleDrafter, EagleHead, HeadState, distill_loss, draft, draft_chains,
-                                   extend_state)
+                                   extend_state, unrolled)
 from leapdecode.spec.drafter import DraftRequest
 
 
@@ -217,7 +217,7 @@ def test_training_reduces_the_loss(tiny_dir):
     seqs = []
     for _ in range(4):
         ids = torch.randint(2, 384, (40,), generator=g).tolist()
-        seqs.append({"ids": torch.tensor(ids), "feats": tdh.record_features(llm, ids)})
+        seqs.append({"ids": torch.tensor(ids), "feats": tdh.record_features(llm, [ids])[0]})
     model = llm.engine.runner.model
     cfg = EagleConfig.for_target(llm.engine.model_cfg, intermediate_size=64)
     torch.manual_seed(0)
@@ -233,6 +233,35 @@ def test_training_reduces_the_loss(tiny_dir):
         losses.append(loss.item())
     assert losses[-1] < 0.7 * losses[0]
     assert set(parts) == {"reg", "ce", "top1"}
+
+
+def test_unrolled_training_steps_see_what_drafting_sees():
+    """Step s of the unrolled loss at position i must be the head's output when it drafts s tokens after the
+    committed pair i - s + 1, fed its own predicted features (extend_state + one head call per drafted pair)."""
+    head = tiny_head()
+    T, d = 12, head.cfg.hidden_size
+    g = torch.Generator().manual_seed(3)
+    feats = torch.randn(1, T, d, generator=g)
+    nxt = torch.randint(0, head.cfg.vocab_size, (1, T), generator=g)
+    with torch.no_grad():
+        outs = unrolled(head, feats, nxt, torch.arange(T)[None], 3)
+    for step, out in enumerate(outs, 1):
+        for i in range(step - 1, T):
+            c = i - step + 1                              # the last committed pair
+            state = extend_state(head, None, feats[0, :c + 1], nxt[0, :c + 1].tolist(), 0)
+            pred, past = state.last_out, (state.k, state.v)
+            with torch.no_grad():
+                for p in range(c + 1, i + 1):             # drafted pairs: (own prediction, the next token)
+                    o, k, v = head(pred[None, None], nxt[:, p:p + 1], torch.tensor([[p]]), past)
+                    pred, past = o[0, -1], (torch.cat([past[0], k], 2), torch.cat([past[1], v], 2))
+            assert torch.allclose(out[0, i], pred, atol=1e-5), (step, i)
+    # and the loss reports every step; unroll=1 is the plain loss
+    valid = torch.ones(1, T, dtype=torch.bool)
+    toks = torch.cat([torch.zeros(1, 1, dtype=torch.long), nxt[:, :-1]], 1)
+    _, parts = distill_loss(head, feats, toks, valid, unroll=3)
+    assert {"top1", "top1_2", "top1_3"} <= set(parts)
+    one, _ = distill_loss(head, feats, toks, valid, unroll=1)
+    assert torch.allclose(one, distill_loss(head, feats, toks, valid)[0])
 
 
 def test_drafter_state_catches_up_and_is_dropped():
@@ -328,7 +357,7 @@ def tiny_eagle(tiny_dir, tmp_path_factory):
     seqs = []
     for p, o in zip(prompts, outs):
         ids = p + list(o.outputs[0].token_ids)
-        seqs.append({"ids": torch.tensor(ids), "feats": tdh.record_features(llm, ids)})
+        seqs.append({"ids": torch.tensor(ids), "feats": tdh.record_features(llm, [ids])[0]})
     torch.manual_seed(0)
     head = EagleHead(EagleConfig.for_target(llm.engine.model_cfg, intermediate_size=64)).bind_target(
         llm.engine.runner.model)

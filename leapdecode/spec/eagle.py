@@ -213,27 +213,75 @@ class EagleHead(nn.Module):
 
 # -- training loss (self-distillation, EAGLE) -------------------------------------------------------------------
 
+def unroll_mask(T: int, step: int, device: torch.device) -> torch.Tensor:
+    """Attention of unrolled step ``step`` (>= 2) of :func:`distill_loss`: [1, 1, T, step * T], True = may attend.
+    Its query at position i stands for the head drafting token i + 1 after ``step - 1`` drafted pairs: it sees
+    the committed pairs 0 .. i - step + 1 (step 1's keys, from the target's features) and the drafted pairs at
+    i - step + 2 .. i (one from each later step's keys: step r's key at position i - (step - r))."""
+    i = torch.arange(T, device=device)[:, None]
+    j = torch.arange(T, device=device)[None, :]
+    blocks = [j <= i - step + 1] + [j == i - (step - r) for r in range(2, step + 1)]
+    return torch.cat(blocks, 1)[None, None]
+
+
+def unrolled(head: EagleHead, feats: torch.Tensor, next_tokens: torch.Tensor, positions: torch.Tensor,
+             steps: int) -> list[torch.Tensor]:
+    """The head's outputs [B, T, d] for pairs (feats[:, i], next_tokens[:, i]) at ``positions`` (0 .. T - 1), then
+    ``steps`` - 1 more times on its own predictions: step s's output at position i is what the head drafting
+    s tokens after committed pair i - s + 1 predicts there (``next_tokens`` standing for the drafted tokens)."""
+    T = feats.shape[1]
+    outs, past = [], None
+    for step in range(1, steps + 1):
+        if step == 1:
+            out, k, v = head(feats, next_tokens, positions)
+        else:
+            prev = torch.cat([outs[-1][:, :1], outs[-1][:, :-1]], 1)   # position i reads the prediction at i - 1
+            out, k, v = head(prev, next_tokens, positions, past, unroll_mask(T, step, feats.device))
+        past = (k, v) if past is None else (torch.cat([past[0], k], 2), torch.cat([past[1], v], 2))
+        outs.append(out)
+    return outs
+
+
 def distill_loss(head: EagleHead, feats: torch.Tensor, tokens: torch.Tensor, valid: torch.Tensor,
-                 noise: float = 0.0, w_cls: float = 0.1, cls_from: torch.Tensor | None = None
-                 ) -> tuple[torch.Tensor, dict[str, float]]:
+                 noise: float = 0.0, w_cls: float = 0.1, cls_from: torch.Tensor | None = None,
+                 unroll: int = 1, decay: float = 0.8) -> tuple[torch.Tensor, dict[str, float]]:
     """EAGLE's loss on padded sequences: ``feats`` [B, T, d] target features f_0..f_{T-1}, ``tokens`` [B, T] the
     tokens x_0..x_{T-1}, ``valid`` [B, T] bool (right padding). Pair i = (f_i, x_{i+1}) predicts f_{i+1}: smooth-L1
     to the target's feature plus ``w_cls`` times the cross-entropy against the target's distribution (its LM head on
     f_{i+1}, over the draft vocabulary). ``noise``: uniform input noise on the features (EAGLE uses 0.1 of the
     feature scale) so the head tolerates its own predicted features when drafting. ``cls_from`` [B]: the
-    cross-entropy only on pairs i >= cls_from[b] (e.g. the answer: the LM head is the costly part on a CPU)."""
+    cross-entropy only on pairs i >= cls_from[b] (e.g. the answer: the LM head is the costly part on a CPU).
+
+    ``unroll`` > 1 trains the way the head drafts (EAGLE-3's "training-time test", HASS's aligned context): step
+    s feeds the head its own step s - 1 predictions at every position, with the attention of a head s - 1 tokens
+    deep into a draft (:func:`unroll_mask`), against the same targets; step s's loss is weighted ``decay`` ** (s -
+    1). Without it the head only ever sees the target's features as input, yet from the second draft token on it
+    reads its own."""
     B, T, _ = feats.shape
     inp = feats[:, :-1]
     if noise > 0:
         inp = inp + (torch.rand_like(inp) * 2 - 1) * noise
     pos = torch.arange(T - 1, device=feats.device).expand(B, -1)
-    out, _, _ = head(inp, tokens[:, 1:], pos)
-    target = feats[:, 1:].to(out.dtype)
+    nxt = tokens[:, 1:]
+    target = feats[:, 1:]
     mb = valid[:, 1:] & valid[:, :-1]
-    m = mb.to(out.dtype)
-    n = m.sum().clamp_min(1)
-    reg = (F.smooth_l1_loss(out, target, reduction="none").mean(-1) * m).sum() / n
     sel = mb if cls_from is None else mb & (pos >= cls_from.to(pos.device)[:, None])
+    total, parts = 0.0, {}
+    for step, out in enumerate(unrolled(head, inp, nxt, pos, unroll), 1):
+        keep = pos >= step - 1                                   # a position needs step - 1 earlier ones
+        reg, ce, acc = _feature_and_token_loss(head, out, target.to(out.dtype), mb & keep, sel & keep)
+        total = total + decay ** (step - 1) * (reg + w_cls * ce)
+        tag = "" if step == 1 else f"_{step}"
+        parts.update({f"reg{tag}": reg.item(), f"ce{tag}": ce.item(), f"top1{tag}": acc})
+    return total, parts
+
+
+def _feature_and_token_loss(head: EagleHead, out: torch.Tensor, target: torch.Tensor, mb: torch.Tensor,
+                            sel: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """Smooth-L1 to the target's features over ``mb``, cross-entropy against its distribution over ``sel``, and
+    the top-1 agreement there."""
+    m = mb.to(out.dtype)
+    reg = (F.smooth_l1_loss(out, target, reduction="none").mean(-1) * m).sum() / m.sum().clamp_min(1)
     with torch.no_grad():
         p = torch.softmax(head.logits(target[sel]), -1)
     logq = torch.log_softmax(head.logits(out[sel]), -1)
@@ -241,7 +289,7 @@ def distill_loss(head: EagleHead, feats: torch.Tensor, tokens: torch.Tensor, val
     ce = -(p * logq).sum() / nc
     with torch.no_grad():
         acc = (p.argmax(-1) == logq.argmax(-1)).sum().item() / nc
-    return reg + w_cls * ce, {"reg": reg.item(), "ce": ce.item(), "top1": acc}
+    return reg, ce, acc
 
 
 # -- drafting ---------------------------------------------------------------------------------------------------
@@ -695,5 +743,5 @@ def load_head_for(model, head_path: str | None, dtype: torch.dtype, device: torc
     return head.bind_target(model).eval()
 
 
-__all__ = ["EagleConfig", "EagleHead", "EagleDrafter", "HeadState", "distill_loss", "extend_state", "draft",
+__all__ = ["EagleConfig", "EagleHead", "EagleDrafter", "HeadState", "distill_loss", "unrolled", "extend_state", "draft",
            "load_head_for", "shipped_head_path"]
