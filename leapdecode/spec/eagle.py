@@ -263,33 +263,26 @@ def distill_loss(head: EagleHead, feats: torch.Tensor, tokens: torch.Tensor, val
         inp = inp + (torch.rand_like(inp) * 2 - 1) * noise
     pos = torch.arange(T - 1, device=feats.device).expand(B, -1)
     nxt = tokens[:, 1:]
-    target = feats[:, 1:]
+    target = feats[:, 1:].to(head.input_layernorm.weight.dtype)
     mb = valid[:, 1:] & valid[:, :-1]
     sel = mb if cls_from is None else mb & (pos >= cls_from.to(pos.device)[:, None])
+    with torch.no_grad():                  # the target's distribution, the same for every unrolled step
+        p = torch.softmax(head.logits(target[sel]), -1)
+        best = p.argmax(-1)
+    pos_sel = pos[sel]
     total, parts = 0.0, {}
     for step, out in enumerate(unrolled(head, inp, nxt, pos, unroll), 1):
-        keep = pos >= step - 1                                   # a position needs step - 1 earlier ones
-        reg, ce, acc = _feature_and_token_loss(head, out, target.to(out.dtype), mb & keep, sel & keep)
+        m = (mb & (pos >= step - 1)).to(out.dtype)               # a position needs step - 1 earlier ones
+        reg = (F.smooth_l1_loss(out, target, reduction="none").mean(-1) * m).sum() / m.sum().clamp_min(1)
+        w = (pos_sel >= step - 1).to(out.dtype)
+        logq = torch.log_softmax(head.logits(out[sel]), -1)
+        nc = w.sum().clamp_min(1)
+        ce = -((p * logq).sum(-1) * w).sum() / nc
+        acc = ((best == logq.argmax(-1)).to(w.dtype) * w).sum().item() / nc.item()
         total = total + decay ** (step - 1) * (reg + w_cls * ce)
         tag = "" if step == 1 else f"_{step}"
         parts.update({f"reg{tag}": reg.item(), f"ce{tag}": ce.item(), f"top1{tag}": acc})
     return total, parts
-
-
-def _feature_and_token_loss(head: EagleHead, out: torch.Tensor, target: torch.Tensor, mb: torch.Tensor,
-                            sel: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, float]:
-    """Smooth-L1 to the target's features over ``mb``, cross-entropy against its distribution over ``sel``, and
-    the top-1 agreement there."""
-    m = mb.to(out.dtype)
-    reg = (F.smooth_l1_loss(out, target, reduction="none").mean(-1) * m).sum() / m.sum().clamp_min(1)
-    with torch.no_grad():
-        p = torch.softmax(head.logits(target[sel]), -1)
-    logq = torch.log_softmax(head.logits(out[sel]), -1)
-    nc = max(int(sel.sum()), 1)
-    ce = -(p * logq).sum() / nc
-    with torch.no_grad():
-        acc = (p.argmax(-1) == logq.argmax(-1)).sum().item() / nc
-    return reg, ce, acc
 
 
 # -- drafting ---------------------------------------------------------------------------------------------------
