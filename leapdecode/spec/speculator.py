@@ -69,6 +69,7 @@ class Speculator:
         self.num_shadow_proposals = 0
         self.drafter_seconds = 0.0       # total time inside the drafter (bounded: a sum, not a history)
         self.draft_seconds_ema = 0.0     # drafting time per speculating step, auto's model drafter excepted
+        self._drafting_timed = False     # draft_seconds_ema holds a measurement
         self.costly_seconds_ema = 0.0    # auto's model drafter: time per step that asks it
         self._backlog_seconds = 0.0      # the last propose's backlog (see _draft)
         self._gate_calls = 0
@@ -154,6 +155,13 @@ class Speculator:
             self.costly_seconds_ema = costly if ema == 0 else 0.8 * ema + 0.2 * costly
         return drafts, dt - train - costly - self._backlog_seconds, costly
 
+    def _time_drafting(self, seconds: float) -> None:
+        """Fold one drafting step's free-drafter time into ``draft_seconds_ema``, the charge of a drafting step.
+        Shadow drafts of every request count too: timed only when it drafted for real, a charge seeded by one slow
+        first draft (one-off costs, a burst of load) stayed wrong for as long as it kept the drafter off."""
+        timed, self._drafting_timed = self._drafting_timed, True
+        self.draft_seconds_ema = seconds if not timed else 0.8 * self.draft_seconds_ema + 0.2 * seconds
+
     def _costly_pays(self, reqs: list[DraftRequest], promises: list[float]) -> bool:
         """Auto's gate: do the model drafter's promised accepted tokens for ``reqs`` beat plain decoding, charged
         its measured time and the verification of its drafts? Always yes until its time is measured, and on one
@@ -237,7 +245,7 @@ class Speculator:
             self._quiet_steps = 0
         drafts, dt, costly = self._draft(reqs)
         self.num_proposals += 1
-        self.draft_seconds_ema = dt if self.num_proposals == 1 else 0.8 * self.draft_seconds_ema + 0.2 * dt
+        self._time_drafting(dt)
         for s, d in zip(seqs, drafts):
             if d.probs is not None and d.tokens:
                 self._probs[s.seq_id] = (DraftTree.of(d.tokens, d.parents), d.probs)
@@ -329,6 +337,8 @@ class Speculator:
         if n < len(need):
             need = sorted(need, key=lambda r: after.get(r.seq_id, -1))[:n]     # never shadowed, then the oldest
         drafts, dt, costly = self._draft(need)
+        if len(need) == len(reqs):      # a whole drafting step's worth (at batch 1, always): it prices drafting
+            self._time_drafting(dt)
         dt += costly + self._backlog_seconds
         self.num_shadow_proposals += 1
         self._shadow_credit -= dt
