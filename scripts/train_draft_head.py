@@ -316,14 +316,16 @@ def stage_train(args, log) -> None:
     cfg = EagleConfig.for_target(mc, draft_vocab_size=vocab_n if vocab_n < mc.vocab_size else None,
                                  target={"model": os.path.basename(str(model_name)), "num_layers": mc.num_layers})
     torch.manual_seed(args.seed)
-    if args.init:                           # go on from a trained head (its draft vocabulary with it)
+    if args.init:      # go on from a trained head: its weights predict features, whatever the draft vocabulary
         head = EagleHead.from_pretrained(args.init, device=args.device)
+        if head.cfg.draft_vocab_size != cfg.draft_vocab_size:
+            raise ValueError(f"--init {args.init} has a draft vocabulary of {head.cfg.draft_vocab_size}, "
+                             f"--draft-vocab asks for {cfg.draft_vocab_size}")
         head.cfg.target = cfg.target
-        covered = sum(counts[t] for t in head.vocab_list()) / max(sum(counts.values()), 1)
         stats["init"] = os.path.basename(os.path.normpath(args.init))
     else:
         head = EagleHead(cfg)
-        head.draft_vocab = torch.tensor(sorted(top))
+    head.draft_vocab, head._vocab_list = torch.tensor(sorted(top)), None
     head = head.to(args.device)
     head.bind(embed.to(args.device), lm.to(args.device))
     feat_scale = torch.cat([d["feats"][:64].float() for d in seqs[:50]]).abs().mean().item()
@@ -408,7 +410,7 @@ def main() -> None:
                     help="cross-entropy on answer positions only (the regression covers every position)")
     ap.add_argument("--unroll", type=int, default=3,
                     help="train on the head's own predictions this many steps deep (1: EAGLE-1's loss alone)")
-    ap.add_argument("--init", default=None, help="start from this trained head (and keep its draft vocabulary)")
+    ap.add_argument("--init", default=None, help="start from this trained head's weights")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
