@@ -301,23 +301,27 @@ def _load_tdh():
 
 def test_int8_head_drafts_like_the_float_head():
     """The int8 head (model/int8_linear.py) computes the float head's logits within int8's error, and its chains
-    follow its own logits (what verification's q must be); fails if quantize_int8 leaves a float layer behind."""
+    follow its own logits (what verification's q must be); fails if quantize_int8 leaves a float layer behind
+    other than ``fc``. The features carry an outlier dimension, as a real target's final-norm hidden states do:
+    through an int8 ``fc`` (whose input quantization has one scale per call) it flattens the token embedding
+    beside it (the shipped head's top-1 agreement with the target fell from 0.67 to 0.32)."""
     from leapdecode.model import int8_linear
     from leapdecode.model.int8_linear import Int8Linear
     if not int8_linear.available():
         pytest.skip("no fbgemm/x86 quantized backend in this torch build")
     ref = tiny_head(draft_vocab=100)
     q = tiny_head(draft_vocab=100).quantize_int8()
-    assert all(isinstance(m, Int8Linear) for m in (q.fc, q.qkv_proj, q.o_proj, q.mlp.gate_up_proj,
-                                                   q.mlp.down_proj, q.lm_int8))
-    assert not any(isinstance(m, torch.nn.Linear) for m in q.modules())
+    assert all(isinstance(m, Int8Linear) for m in (q.qkv_proj, q.o_proj, q.mlp.gate_up_proj, q.mlp.down_proj,
+                                                   q.lm_int8))
+    assert [m for m in q.modules() if isinstance(m, torch.nn.Linear)] == [q.fc]
     g = torch.Generator().manual_seed(5)
     feats = torch.randn(9, 64, generator=g)
+    feats[:, 3] = 200.0                                            # an outlier dimension
     toks = torch.randint(0, 384, (9,), generator=g).tolist()
     s_ref, s_q = extend_state(ref, None, feats, toks, 0), extend_state(q, None, feats, toks, 0)
     lr, lq = ref.logits(s_ref.last_out[None])[0], q.logits(s_q.last_out[None])[0]
     assert not torch.equal(lr, lq)                                  # really quantized
-    assert (lr - lq).abs().max() < 0.05 * lr.abs().max()            # and close
+    assert (lr - lq).abs().max() < 0.025 * lr.abs().max()           # and close (0.013; 0.051 with an int8 fc)
     chain, _ = draft(q, s_q, depth=4)
     for i in range(4):
         assert chain.tokens[i] == q.vocab_list()[int(path_logits(q, s_q, list(chain.tokens[:i])).argmax())]
@@ -524,10 +528,10 @@ def test_online_distillation_with_int8_drafting(tiny_dir, tmp_path):
         "online": {"every": 1, "window": 8, "max_share": 1.0}})
     drafter = llm.engine.speculator.drafter
     first = drafter.head
-    assert isinstance(first.fc, Int8Linear) and isinstance(first.lm_int8, Int8Linear)
-    assert not isinstance(drafter.online.head.fc, Int8Linear)          # the trained head is float
+    assert isinstance(first.qkv_proj, Int8Linear) and isinstance(first.lm_int8, Int8Linear)
+    assert not isinstance(drafter.online.head.qkv_proj, Int8Linear)    # the trained head is float
     for _ in range(2):
         assert [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)] == plain
-    assert drafter.online.steps > 0 and drafter.head is not first and isinstance(drafter.head.fc, Int8Linear)
-    x = torch.randn(1, 2 * llm.engine.model_cfg.hidden_size)
-    assert not torch.equal(first.fc(x), drafter.head.fc(x))              # the copy carries the trained weights
+    assert drafter.online.steps > 0 and drafter.head is not first and isinstance(drafter.head.qkv_proj, Int8Linear)
+    x = torch.randn(1, llm.engine.model_cfg.hidden_size)
+    assert not torch.equal(first.qkv_proj(x), drafter.head.qkv_proj(x))  # the copy carries the trained weights
