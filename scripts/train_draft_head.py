@@ -7,8 +7,9 @@ Three stages, each bounded in wall time so the whole run fits a CPU hour for Smo
    user questions sampled from the target itself (Magpie: the chat template up to the user's text, sampled at
    T=1). Only the *training split* is used (``split_of``: a fixed, documented rule; the held-out split is what
    benchmarks/eagle_acceptance.py evaluates on). Answers come from ``LLM.generate`` (greedy, batched), in rounds of
-   ``--batch`` prompts until ``--gen-minutes`` run out; then one teacher-forced forward per sequence records the
-   target's final-norm hidden state at every position (``ModelRunner.execute(capture=(L,))``).
+   ``--batch`` prompts (``--seqs`` decoded at once) until ``--gen-minutes`` run out; then teacher-forced forwards
+   over packs of sequences record the target's final-norm hidden state at every position
+   (``ModelRunner.execute(capture=(L,), all_rows=True)``).
 2. **train**: the head (one decoder layer, fc 2d -> d, the target's frozen embedding and LM head over a draft
    vocabulary of the most frequent training tokens) with EAGLE's loss: smooth-L1 on the next feature + 0.1 x
    cross-entropy against the target's distribution, unrolled ``--unroll`` steps on the head's own predictions
