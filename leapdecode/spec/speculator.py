@@ -70,7 +70,6 @@ class Speculator:
         self.drafter_seconds = 0.0       # total time inside the drafter (bounded: a sum, not a history)
         self.draft_seconds_ema = 0.0     # drafting time per speculating step, auto's model drafter excepted
         self._drafting_timed = False     # draft_seconds_ema holds a measurement beyond the drafter's first call
-        self._drafted = False            # the drafter has been called (its first call is a warm-up)
         self._warming_up = False         # the last call was that first one (the guard does not see its step)
         self.costly_seconds_ema = 0.0    # auto's model drafter: time per step that asks it
         self._backlog_seconds = 0.0      # the last propose's backlog (see _draft)
@@ -148,12 +147,13 @@ class Speculator:
         drafts = self.drafter.propose(reqs)
         return self._account(drafts, time.perf_counter() - t0)
 
-    def _account(self, drafts: list, dt: float):
+    def _account(self, drafts: list, dt: float) -> tuple[list, float, float]:
         """:meth:`_draft`'s share-out of ``dt``, the drafter's wall time for ``drafts``."""
         self.drafter_seconds += dt
         self._step_draft_seconds += dt
         train = min(getattr(self.drafter, "last_train_seconds", 0.0), dt)
-        self._warming_up, self._drafted = not self._drafted, True     # (see _time_drafting)
+        # the drafter's first call (see _time_drafting); its callers count their calls after this
+        self._warming_up = self.num_proposals + self.num_shadow_proposals == 0
         costly = min(getattr(self.drafter, "last_costly_seconds", 0.0), dt - train)
         self._backlog_seconds = min(getattr(self.drafter, "last_backlog_seconds", 0.0), dt - train - costly)
         if costly > 0:
