@@ -50,6 +50,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                         "which fit more tokens in the same memory (default: auto)")
     g.add_argument("--kv-cache-recent-tokens", type=int, default=0, metavar="N",
                    help="a quantized KV cache keeps each sequence's N newest tokens at full precision (default: 0)")
+    g.add_argument("--quantization", choices=["int4"], default=None,
+                   help="int4: LOSSY 4-bit weights with bfloat16 activations on a CPU, about 2x faster decoding "
+                        "(a 4-bit GGUF keeps its own weights) (default: off, the checkpoint's weights)")
     g.add_argument("--seed", type=int, default=0, help="engine random seed (default: 0)")
     g.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
                    help="shard the model over N processes (N GPUs on cuda, gloo on cpu) (default: 1)")
@@ -99,7 +102,8 @@ def _llm_kwargs(args: argparse.Namespace) -> dict[str, Any]:
                 kv_cache_memory=args.kv_cache_memory, seed=args.seed, speculative_config=spec,
                 grammar_cache_size=getattr(args, "grammar_cache_size", 256), sparse_attention=_sparse_attention(args),
                 tensor_parallel_size=args.tensor_parallel_size, kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"),
-                kv_cache_recent_tokens=getattr(args, "kv_cache_recent_tokens", 0))
+                kv_cache_recent_tokens=getattr(args, "kv_cache_recent_tokens", 0),
+                quantization=getattr(args, "quantization", None))
 
 
 def _sparse_attention(args: argparse.Namespace) -> Any:

@@ -196,6 +196,7 @@ class EngineConfig:
     enforce_eager: bool = False               # True: no CUDA graphs (engine/cuda_graphs.py), every step eager
     cpu_packed_linears: bool | None = None    # float32 CPU: linears through oneDNN, weights packed once
                                               # (model/packed_linear.py); None: where available
+    quantization: str | None = None           # "int4": LOSSY 4-bit weights on the CPU (model/int4_linear.py)
     max_graph_batch: int = 256                # CUDA graphs are captured for decode batches up to this size
 
     def __post_init__(self) -> None:
@@ -219,6 +220,9 @@ class EngineConfig:
         from leapdecode.model.loader import LOAD_FORMATS
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
+        from leapdecode.model.int4_linear import QUANTIZATIONS
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
         if not isinstance(self.max_graph_batch, int) or self.max_graph_batch < 0:
             raise ValueError(f"max_graph_batch must be an integer >= 0, got {self.max_graph_batch!r}")
         r = self.kv_cache_salient_ratio

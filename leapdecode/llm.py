@@ -47,7 +47,7 @@ class LLM:
                  kv_cache_salient_ratio: float | None = None, kv_cache_recent_tokens: int = 0,
                  load_format: str = "auto",
                  enforce_eager: bool = False, max_graph_batch: int = 256,
-                 cpu_packed_linears: bool | None = None) -> None:
+                 cpu_packed_linears: bool | None = None, quantization: str | None = None) -> None:
         """``kv_cache_dtype``: "auto" stores KV in the model's dtype (lossless); "fp8", "int8" and "int4" are LOSSY
         quantized caches that fit more tokens in the same memory (see ``kv_cache_info()``); int4 keeps the share
         ``kv_cache_salient_ratio`` (default 0.125) of each block's most attended tokens at 8 bits; a quantized
@@ -57,7 +57,10 @@ class LLM:
         ``load_format="dummy"``: random weights at the checkpoint's shapes (benchmarks). On CUDA with the Triton
         backend, decode and verification steps replay CUDA graphs for batches up to ``max_graph_batch`` unless
         ``enforce_eager``. ``cpu_packed_linears``: a float32 model on a CPU runs its linears through oneDNN with
-        weights packed once (model/packed_linear.py; None = where available, False = PyTorch's F.linear)."""
+        weights packed once (model/packed_linear.py; None = where available, False = PyTorch's F.linear).
+        ``quantization="int4"``: LOSSY, CPU only: the layers' weights as 4-bit codes (a 4-bit GGUF keeps its own)
+        with bfloat16 activations and a bfloat16 LM head, about 2x faster decoding on a CPU; its quality cost is
+        measured in benchmarks/README.md (model/int4_linear.py)."""
         cfg = EngineConfig(
             model=resolve_model(model), tokenizer=tokenizer, dtype=dtype, device=device, max_model_len=max_model_len,
             kv_cache_memory=kv_cache_memory, num_kv_blocks=num_kv_blocks, block_size=block_size,
@@ -68,7 +71,7 @@ class LLM:
             tensor_parallel_size=tensor_parallel_size, kv_cache_dtype=kv_cache_dtype,
             kv_cache_salient_ratio=kv_cache_salient_ratio, kv_cache_recent_tokens=kv_cache_recent_tokens,
             load_format=load_format, enforce_eager=enforce_eager,
-            max_graph_batch=max_graph_batch, cpu_packed_linears=cpu_packed_linears)
+            max_graph_batch=max_graph_batch, cpu_packed_linears=cpu_packed_linears, quantization=quantization)
         self.engine = Engine(cfg)
         self._ids = itertools.count()
 

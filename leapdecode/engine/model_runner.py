@@ -23,6 +23,7 @@ from leapdecode.engine.input_batch import ForwardBatch, InputBuffers
 from leapdecode.engine.step import StepPlan
 from leapdecode.model.config import ModelConfig
 from leapdecode.model.loader import load_model
+from leapdecode.model.int4_linear import quantize_model
 from leapdecode.model.packed_linear import pack_model
 from leapdecode.model.parallel_layers import head_shard
 
@@ -54,6 +55,7 @@ class ModelRunner:
         self.model = load_model(cfg.model, model_cfg, self.backend, dtype, self.device, max_model_len, tp,
                                 cfg.load_format, cfg.seed)
         self.num_packed_linears = pack_model(self.model, cfg.cpu_packed_linears)
+        self.quantized = quantize_model(self.model, cfg.quantization)    # counts; all zero without quantization
         # blocks past the block manager's pool, written only by a drafter that runs the target itself
         # (spec/layer_skip.py), so draft KV never lands in a slot the target owns
         self.num_scratch_blocks = _scratch_blocks(cfg)
