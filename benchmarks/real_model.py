@@ -282,7 +282,8 @@ def speculation(path: str, tok, tasks: dict[str, list[list[int]]], n: int, kv: s
 
 
 def spec_batches(path: str, tasks: dict[str, list[list[int]]], batches: list[int], n: int, kv: str, k_spec: int,
-                 repeats: int, methods: tuple[str, ...], per_task_b1: int = 2) -> list[dict]:
+                 repeats: int, methods: tuple[str, ...], per_task_b1: int = 2,
+                 quantization: str | None = None) -> list[dict]:
     """Issue 19's end-to-end check: plain decoding and each drafter (adaptive controller on) at each batch size,
     in one process, every configuration's LLM alive, repeats interleaved in a rotating order. Batch 1 runs each
     task's prompts one at a time (a row per task); batch B > 1 submits B prompts drawn round-robin from the tasks
@@ -296,7 +297,8 @@ def spec_batches(path: str, tasks: dict[str, list[list[int]]], batches: list[int
     for method in configs:
         base, options = VARIANTS.get(method, (method, {}))
         spec = None if method == "plain" else {"method": base, "num_speculative_tokens": k_spec, "options": options}
-        llms[method] = LLM(path, kv_cache_memory=kv, speculative_config=spec, max_num_seqs=max(batches))
+        llms[method] = LLM(path, kv_cache_memory=kv, speculative_config=spec, max_num_seqs=max(batches),
+                           quantization=quantization)
         llms[method].generate([next(iter(tasks.values()))[0][:8]], SamplingParams(max_tokens=2), use_tqdm=False)
     # round robin over the tasks, every prompt of each (zip stopped at the shortest: 10 code edits capped a batch
     # of six task types at 60 prompts)
@@ -392,6 +394,8 @@ def main() -> None:
     ap.add_argument("--spec-tokens", type=int, default=96)
     ap.add_argument("--num-speculative-tokens", type=int, default=6)
     ap.add_argument("--kv-cache-memory", default="1GiB")
+    ap.add_argument("--quantization", default=None, choices=["int4"], help="--spec-batches: LLM(quantization=...) "
+                    "for every configuration (plain included)")
     ap.add_argument("--skip-hf", action="store_true", help="leave transformers out")
     ap.add_argument("--skip-startup", action="store_true")
     ap.add_argument("--json", default=None, help="also write the results here")
@@ -465,9 +469,10 @@ def spec_batches_main(args) -> None:
         tasks = {t: tasks[t] for t in wanted}
     del llm
     rows = spec_batches(path, tasks, batches, {b: n.get(b, 32) for b in batches}, args.kv_cache_memory, k_spec,
-                        args.repeats, tuple(args.methods.split(",")), args.prompts_per_task)
+                        args.repeats, tuple(args.methods.split(",")), args.prompts_per_task, args.quantization)
     print(f"\nmodel: {path}; machine: {platform.machine()}, {os.cpu_count()} CPUs, load average {load0:.1f} -> "
-          f"{os.getloadavg()[0]:.1f}; {args.threads} threads; k={k_spec}; {args.repeats} interleaved repeats\n")
+          f"{os.getloadavg()[0]:.1f}; {args.threads} threads; k={k_spec}; {args.repeats} interleaved repeats; "
+          f"weights {args.quantization or 'as loaded (float32)'}\n")
     print("| batch | task | method | tok/s wall | wall ratio to plain (median of repeats; pooled) | per repeat | "
           "tok per CPU-s | CPU-time ratio (median) | per repeat | tokens/step | verified/output token | "
           "identical greedy |\n|---|---|---|---:|---:|---|---:|---:|---|---:|---:|---:|")

@@ -51,8 +51,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-cache-recent-tokens", type=int, default=0, metavar="N",
                    help="a quantized KV cache keeps each sequence's N newest tokens at full precision (default: 0)")
     g.add_argument("--quantization", choices=["int4"], default=None,
-                   help="int4: LOSSY 4-bit weights with bfloat16 activations on a CPU, about 2x faster decoding "
-                        "(a 4-bit GGUF keeps its own weights) (default: off, the checkpoint's weights)")
+                   help="int4: LOSSY 4-bit weights with bfloat16 activations on a CPU, ~1.8x faster decoding at "
+                        "batch 1, slower from batch 16 (a 4-bit GGUF keeps its own weights) (default: off)")
     g.add_argument("--seed", type=int, default=0, help="engine random seed (default: 0)")
     g.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
                    help="shard the model over N processes (N GPUs on cuda, gloo on cpu) (default: 1)")

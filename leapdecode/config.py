@@ -239,6 +239,9 @@ class EngineConfig:
             raise ValueError("kv_cache_recent_tokens applies to a quantized kv_cache_dtype (fp8, int8, int4), "
                              "not 'auto' (every token is already at full precision)")
         self.torch_device = torch.device(self.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        if self.quantization is not None and (self.torch_device.type != "cpu" or self.tensor_parallel_size != 1):
+            raise ValueError(f"quantization={self.quantization!r} runs on a CPU without tensor parallelism (got "
+                             f"device {self.torch_device.type}, tensor_parallel_size={self.tensor_parallel_size})")
         self._check_tensor_parallel()
 
     def _check_tensor_parallel(self) -> None:

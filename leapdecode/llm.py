@@ -59,8 +59,9 @@ class LLM:
         ``enforce_eager``. ``cpu_packed_linears``: a float32 model on a CPU runs its linears through oneDNN with
         weights packed once (model/packed_linear.py; None = where available, False = PyTorch's F.linear).
         ``quantization="int4"``: LOSSY, CPU only: the layers' weights as 4-bit codes (a 4-bit GGUF keeps its own)
-        with bfloat16 activations and a bfloat16 LM head, about 2x faster decoding on a CPU; its quality cost is
-        measured in benchmarks/README.md (model/int4_linear.py)."""
+        with bfloat16 activations, a bfloat16 LM head and float64 attention (so speculation stays exact): ~1.8x
+        faster decoding at batch 1 on a CPU, slower than float32 from batch 16; its quality cost is measured in
+        benchmarks/README.md (model/int4_linear.py)."""
         cfg = EngineConfig(
             model=resolve_model(model), tokenizer=tokenizer, dtype=dtype, device=device, max_model_len=max_model_len,
             kv_cache_memory=kv_cache_memory, num_kv_blocks=num_kv_blocks, block_size=block_size,

@@ -268,3 +268,30 @@ def test_final_only_requests_give_one_output_with_the_streamed_text(llama_dir):
     for i in range(len(ps)):
         assert finals[(True, str(i))] == finals[(False, str(i))]
     assert any(r[2] == "stop" and isinstance(r[3], str) for i in range(len(ps)) for r in finals[(False, str(i))])
+
+
+def test_exact_torch_attention_gives_a_row_the_same_bits_in_any_step():
+    """``TorchAttention(exact=True)`` (used under ``quantization="int4"``, whose bfloat16 activations turn a
+    last-bit difference into a different token): a query row's output is bit for bit the same whether it is a
+    plain decode alone, a plain decode padded beside a longer partner, or one row of a 5-token verification
+    (float32 SDPA gives each of these different last bits)."""
+    from leapdecode.attention.torch_ref import TorchAttention
+    from leapdecode.engine.input_batch import InputBuffers
+    bs, hkv, group, d, n = 16, 3, 3, 64, 600
+    nb = -(-(n + 5) // bs)
+    own, partner = tuple(range(nb)), tuple(range(nb, nb + 64))
+    gen = torch.Generator().manual_seed(0)
+    cache = torch.randn(2, nb + 64, bs, hkv, d, generator=gen)
+    q = torch.randn(5, hkv * group, d, generator=gen)
+    backend = TorchAttention(exact=True)
+
+    def attend(seqs, rows):
+        meta = InputBuffers(torch.device("cpu")).build(lay_out(0, bs, seqs), None).meta
+        return backend.attend(rows, cache, meta, 0.125)
+
+    verify = attend([ScheduledSeq(0, n, (5, 6, 7, 8, 9), own, DraftTree.of((6, 7, 8, 9), None), samples=True)], q)
+    for i in range(5):
+        alone = attend([ScheduledSeq(0, n + i, (5,), own, samples=True)], q[i:i + 1])
+        padded = attend([ScheduledSeq(0, n + i, (5,), own, samples=True),
+                         ScheduledSeq(1, 1000, (5,), partner, samples=True)], torch.cat([q[i:i + 1], q[:1]]))
+        assert torch.equal(alone, verify[i:i + 1]) and torch.equal(padded[:1], alone), i

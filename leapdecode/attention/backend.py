@@ -99,13 +99,14 @@ BACKENDS = ("auto", "torch", "triton")
 
 
 def get_backend(name: str = "auto", device: torch.device | None = None,
-                sparse: SparseAttention | None = None) -> AttentionBackend:
+                sparse: SparseAttention | None = None, exact: bool = False) -> AttentionBackend:
     """"torch": the portable reference backend; "triton": the Triton GPU kernels (CUDA only).
     "auto": on CUDA the Triton kernels (verified on an H200 against float64 and the torch backend; they are what
     CUDA graphs capture, and which decode every quantized ``kv_cache_dtype`` as they read), unless the step needs
     what only the torch backend does (``sparse`` decoding); elsewhere the torch backend.
     LEAPDECODE_ATTENTION_BACKEND=torch|triton overrides "auto".
-    ``sparse``: lossy sparse decoding's settings (attention/sparse.py), which only the torch backend implements."""
+    ``sparse``: lossy sparse decoding's settings (attention/sparse.py), which only the torch backend implements.
+    ``exact``: the torch backend attends in float64 (see ``TorchAttention``); ignored by the Triton kernels."""
     import os
     if name == "auto":
         on_cuda = device is not None and torch.device(device).type == "cuda"
@@ -113,7 +114,7 @@ def get_backend(name: str = "auto", device: torch.device | None = None,
         name = os.environ.get("LEAPDECODE_ATTENTION_BACKEND", default).strip().lower() or default
     if name == "torch":
         from leapdecode.attention.torch_ref import TorchAttention
-        return TorchAttention(sparse)
+        return TorchAttention(sparse, exact)
     if sparse is not None and name == "triton":
         raise ValueError("sparse_attention runs on the torch attention backend only (attention_backend='torch' or "
                          "'auto'): the Triton kernels have no sparse path yet")

@@ -3,8 +3,8 @@
 Why: a CPU decode step streams every weight for a handful of rows. SmolLM2-135M in float32 is 540 MB a step; as
 4-bit codes with a bfloat16 scale and zero per group of 32 weights its layers take ~60 MB, and PyTorch's CPU kernel
 for that format (``_weight_int4pack_mm_for_cpu``, the one torchao and gpt-fast use) runs them with bfloat16
-activations, float32 accumulation. Measured on the 2-core test VM (benchmarks/README.md, "cpu_int4.py"): about
-2x plain decoding's tokens per second at batch 1.
+activations, float32 accumulation. Measured on the 2-core test VM (benchmarks/README.md, "cpu_int4.py"): 1.8x
+float32's decoding speed at batch 1 on short chat contexts, but 0.87x at batch 16 (see below): a latency mode.
 
 **Codes.** ``w = (code - 8) * scale + zero`` for each group of 32 input columns. A group whose values lie on one
 grid of at most 16 levels (what every 4-bit GGUF block holds once the loader has dequantized it: Q4_0, Q4_1, the
@@ -20,7 +20,12 @@ model), so the head runs in bfloat16 through oneDNN (:class:`BF16Linear`; weight
 computes one; both kernels must give a row the same bits whatever shares its call. That holds for the int4 kernel
 and for oneDNN's bfloat16 linear on many shapes but not all (bfloat16 with 1536 inputs splits its reduction by
 the row count), so every layer shape is probed once at load (:func:`row_independent`) and a shape that fails
-keeps the float layer.
+keeps the float layer. Attention is the other half: float32 SDPA gives a row different last bits as a plain
+decode, a verification row or beside a padded partner, and rounding activations to bfloat16 turns those bits
+into different tokens (on the real model 2 of 12 documents and 21 of 48 batch-1 outputs left plain decoding's
+text with n-gram speculation). So under this mode the engine attends in float64 (``TorchAttention(exact=True)``,
+set by ``ModelRunner``), which makes every output identical again and costs most where attention is most of the
+step: long contexts and large batches (batch 16: 0.87x float32 instead of 1.11x).
 
 Only on a CPU, without tensor parallelism, and only the target's linears (not a draft model's, not embeddings).
 """
