@@ -151,6 +151,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     print(f"leapdecode: serving '{name}' on http://{args.host}:{args.port}/v1 "
           f"(max_model_len={llm.engine.max_model_len}, KV blocks={llm.engine.block_manager.num_blocks}"
           f"{', KV cache ' + llm.engine.cfg.kv_cache_dtype + ' (lossy)' if llm.engine.cfg.kv_cache_dtype != 'auto' else ''}"
+          f"{', weights ' + llm.engine.cfg.quantization + ' (lossy)' if llm.engine.cfg.quantization else ''}"
           f"{', API key required' if api_key else ''})", file=sys.stderr, flush=True)
     # uvicorn stops accepting on SIGINT/SIGTERM, lets in-flight requests finish for up to shutdown_timeout
     # seconds, then cancels them (which aborts their engine requests) and runs the app's shutdown.
@@ -406,7 +407,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     results: dict[str, Any] = {
         "model": str(engine.cfg.model), "device": str(engine.device), "dtype": str(engine.dtype).replace("torch.", ""),
         "num_requests": len(finished), "input_len": args.input_len, "output_len": args.output_len,
-        "kv_cache_dtype": engine.cfg.kv_cache_dtype, "kv_blocks": engine.block_manager.num_blocks,
+        "kv_cache_dtype": engine.cfg.kv_cache_dtype, "quantization": engine.cfg.quantization,
+        "kv_blocks": engine.block_manager.num_blocks,
         "max_num_seqs": engine.cfg.max_num_seqs, "request_rate": args.request_rate,
         "speculative_method": args.speculative_method, "duration_s": duration,
         "requests_per_s": len(finished) / duration, "output_tokens_per_s": out_tokens / duration,
@@ -424,6 +426,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     table.add_column("value", justify="right")
     labels = [("model", "model"), ("device", "device"), ("dtype", "dtype"), ("requests", "num_requests"),
               ("input / output tokens", None), ("KV cache (lossy unless auto)", "kv_cache_dtype"),
+              ("weights (lossy when quantized)", "quantization"),
               ("KV blocks", "kv_blocks"), ("max_num_seqs", "max_num_seqs"), ("request rate (req/s)",
               "request_rate"), ("speculation", "speculative_method"), ("duration (s)", "duration_s"),
               ("requests/s", "requests_per_s"), ("output tokens/s", "output_tokens_per_s"),
@@ -439,7 +442,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             continue
         else:
             value = results[key]
-        if key == "speculative_method" and value is None:
+        if key in ("speculative_method", "quantization") and value is None:
             value = "off"
         table.add_row(label, f"{value:.2f}" if isinstance(value, float) else str(value))
     Console().print(table)
