@@ -12,6 +12,9 @@ Sections:
 - quality: perplexity of the first ``--ppl-tokens`` tokens of Python's language reference (``pydoc_data``, as
   kv_compression.py), and greedy agreement over ``--greedy-tokens`` new tokens from 3 prompts (first divergence
   and the share of equal tokens).
+- exact: what float64 attention (``batch_invariant``, on by default under int4) costs, for float32 and int4
+  weights: batch 1 over 4 documentation prompts of 600-1,000 tokens (summaries, real_model.py's), batch 16 over
+  MT-Bench questions; whole ``generate`` time, 48 tokens, 3 alternating repeats, medians.
 - spec: tokens/s of n-gram prompt lookup and the EAGLE head, both under the goodput controller, over plain decoding
   in the same precision and run (batch 1; MT-Bench and HumanEval prompts), float32 and int4.
 """
@@ -37,8 +40,9 @@ from leapdecode.llm import resolve_model  # noqa: E402
 FORMATS = {"float32": None, "int4": "int4"}
 
 
-def build(path: str, quantization: str | None, spec: dict | None = None) -> LLM:
-    return LLM(path, quantization=quantization, max_model_len=4096, speculative_config=spec)
+def build(path: str, quantization: str | None, spec: dict | None = None, batch_invariant: bool | None = None) -> LLM:
+    return LLM(path, quantization=quantization, max_model_len=4096, speculative_config=spec,
+               batch_invariant=batch_invariant)
 
 
 def chat(tok, questions: list[str]) -> list[list[int]]:
@@ -129,6 +133,35 @@ def quality(path: str, tok, args) -> None:
               f"{same / total:.3f} |")
 
 
+def exact(path: str, tok, args) -> None:
+    import real_model
+    docs = real_model.doc_tasks(tok, 4)["Summarization"]
+    qs = chat(tok, [turns[0] for turns in S.mtbench_questions()][20:36])
+    sp = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+    print("\n## float64 attention (batch_invariant): tokens/s, whole generate, medians of 3 alternating repeats\n")
+    print("| weights | attention | batch 1 (documents) | vs float32 attention | batch 16 | vs float32 attention |")
+    print("|---|---|---:|---:|---:|---:|")
+    for name, q in FORMATS.items():
+        llms = {inv: build(path, q, batch_invariant=inv) for inv in (False, True)}
+        rates: dict[bool, list[tuple[float, float]]] = {False: [], True: []}
+        for llm in llms.values():
+            llm.generate(qs[:1], SamplingParams(max_tokens=4), use_tqdm=False)
+        for _ in range(3):
+            for inv, llm in llms.items():
+                t = time.perf_counter()
+                for p in docs:
+                    llm.generate([p], sp, use_tqdm=False)
+                b1 = len(docs) * 48 / (time.perf_counter() - t)
+                rates[inv].append((b1, batch_rate(llm, qs, 48)))
+        med = {inv: (statistics.median(r[0] for r in v), statistics.median(r[1] for r in v)) for inv, v in rates.items()}
+        for inv in (False, True):
+            (b1, b16), (r1, r16) = med[inv], med[False]
+            print(f"| {name} | {'float64' if inv else 'float32'} | {b1:.1f} | {b1 / r1:.2f}x | {b16:.1f} | "
+                  f"{b16 / r16:.2f}x |")
+        for llm in llms.values():
+            llm.close()
+
+
 def spec(path: str, tok, args) -> None:
     tasks = {"mtbench": chat(tok, S._task_messages("mtbench")[50:50 + args.prompts]),
              "humaneval": chat(tok, S._task_messages("humaneval")[10:10 + args.prompts])}
@@ -160,7 +193,7 @@ def spec(path: str, tok, args) -> None:
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--sections", default="speed,quality,spec")
+    p.add_argument("--sections", default="speed,quality,exact,spec")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--prompts", type=int, default=4, help="batch-1 prompts (per task in spec)")
     p.add_argument("--tokens", type=int, default=64)
@@ -180,6 +213,8 @@ def main(argv=None) -> None:
         speed(path, tok, args)
     if "quality" in sections:
         quality(path, tok, args)
+    if "exact" in sections:
+        exact(path, tok, args)
     if "spec" in sections:
         spec(path, tok, args)
 

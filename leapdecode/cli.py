@@ -53,6 +53,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--quantization", choices=["int4"], default=None,
                    help="int4: LOSSY 4-bit weights with bfloat16 activations on a CPU, ~1.8x faster decoding at "
                         "batch 1, slower from batch 16 (a 4-bit GGUF keeps its own weights) (default: off)")
+    g.add_argument("--batch-invariant", action="store_true", default=None,
+                   help="attend in float64 so each request's logits are bit for bit the same whatever shares its "
+                        "step (slower; default: only with --quantization)")
     g.add_argument("--seed", type=int, default=0, help="engine random seed (default: 0)")
     g.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
                    help="shard the model over N processes (N GPUs on cuda, gloo on cpu) (default: 1)")
@@ -103,7 +106,8 @@ def _llm_kwargs(args: argparse.Namespace) -> dict[str, Any]:
                 grammar_cache_size=getattr(args, "grammar_cache_size", 256), sparse_attention=_sparse_attention(args),
                 tensor_parallel_size=args.tensor_parallel_size, kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"),
                 kv_cache_recent_tokens=getattr(args, "kv_cache_recent_tokens", 0),
-                quantization=getattr(args, "quantization", None))
+                quantization=getattr(args, "quantization", None),
+                batch_invariant=getattr(args, "batch_invariant", None))
 
 
 def _sparse_attention(args: argparse.Namespace) -> Any:

@@ -197,6 +197,8 @@ class EngineConfig:
     cpu_packed_linears: bool | None = None    # float32 CPU: linears through oneDNN, weights packed once
                                               # (model/packed_linear.py); None: where available
     quantization: str | None = None           # "int4": LOSSY 4-bit weights on the CPU (model/int4_linear.py)
+    batch_invariant: bool | None = None       # attend in float64: a request's logits are bit for bit the same
+                                              # whatever shares its step; None: on with quantization
     max_graph_batch: int = 256                # CUDA graphs are captured for decode batches up to this size
 
     def __post_init__(self) -> None:
@@ -239,6 +241,8 @@ class EngineConfig:
             raise ValueError("kv_cache_recent_tokens applies to a quantized kv_cache_dtype (fp8, int8, int4), "
                              "not 'auto' (every token is already at full precision)")
         self.torch_device = torch.device(self.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        if self.batch_invariant not in (None, True, False):
+            raise ValueError(f"batch_invariant must be True, False or None, got {self.batch_invariant!r}")
         if self.quantization is not None and (self.torch_device.type != "cpu" or self.tensor_parallel_size != 1):
             raise ValueError(f"quantization={self.quantization!r} runs on a CPU without tensor parallelism (got "
                              f"device {self.torch_device.type}, tensor_parallel_size={self.tensor_parallel_size})")
@@ -259,6 +263,12 @@ class EngineConfig:
             raise ValueError(f"speculative_config {spec.model_methods[0]!r} runs a model inside the step, which is "
                              f"not sharded: it does not work with tensor_parallel_size={n} yet (use a model-free "
                              "drafter: ngram, suffix, recycling, auto)")
+
+    @property
+    def exact_attention(self) -> bool:
+        """Whether the torch attention backend attends in float64 (``batch_invariant``; by default only under
+        ``quantization``, whose bfloat16 activations make float32 attention's last bits visible)."""
+        return self.batch_invariant if self.batch_invariant is not None else self.quantization is not None
 
     @property
     def kv_cache_salient_tokens(self) -> int:

@@ -47,7 +47,8 @@ class LLM:
                  kv_cache_salient_ratio: float | None = None, kv_cache_recent_tokens: int = 0,
                  load_format: str = "auto",
                  enforce_eager: bool = False, max_graph_batch: int = 256,
-                 cpu_packed_linears: bool | None = None, quantization: str | None = None) -> None:
+                 cpu_packed_linears: bool | None = None, quantization: str | None = None,
+                 batch_invariant: bool | None = None) -> None:
         """``kv_cache_dtype``: "auto" stores KV in the model's dtype (lossless); "fp8", "int8" and "int4" are LOSSY
         quantized caches that fit more tokens in the same memory (see ``kv_cache_info()``); int4 keeps the share
         ``kv_cache_salient_ratio`` (default 0.125) of each block's most attended tokens at 8 bits; a quantized
@@ -61,7 +62,11 @@ class LLM:
         ``quantization="int4"``: LOSSY, CPU only: the layers' weights as 4-bit codes (a 4-bit GGUF keeps its own)
         with bfloat16 activations, a bfloat16 LM head and float64 attention (so speculation stays exact): ~1.8x
         faster decoding at batch 1 on a CPU, slower than float32 from batch 16; its quality cost is measured in
-        benchmarks/README.md (model/int4_linear.py)."""
+        benchmarks/README.md (model/int4_linear.py).
+        ``batch_invariant=True``: attention in float64 (torch backend), so a request's logits are bit for bit the
+        same alone, batched with any others, chunked or verifying drafts (float32 attention differs in the last
+        bits, which can flip a near-tie); costs 9-30% on a CPU (benchmarks/README.md, "cpu_int4.py"). None: on
+        with ``quantization`` only."""
         cfg = EngineConfig(
             model=resolve_model(model), tokenizer=tokenizer, dtype=dtype, device=device, max_model_len=max_model_len,
             kv_cache_memory=kv_cache_memory, num_kv_blocks=num_kv_blocks, block_size=block_size,
@@ -72,7 +77,8 @@ class LLM:
             tensor_parallel_size=tensor_parallel_size, kv_cache_dtype=kv_cache_dtype,
             kv_cache_salient_ratio=kv_cache_salient_ratio, kv_cache_recent_tokens=kv_cache_recent_tokens,
             load_format=load_format, enforce_eager=enforce_eager,
-            max_graph_batch=max_graph_batch, cpu_packed_linears=cpu_packed_linears, quantization=quantization)
+            max_graph_batch=max_graph_batch, cpu_packed_linears=cpu_packed_linears, quantization=quantization,
+            batch_invariant=batch_invariant)
         self.engine = Engine(cfg)
         self._ids = itertools.count()
 

@@ -106,11 +106,11 @@ def get_backend(name: str = "auto", device: torch.device | None = None,
     what only the torch backend does (``sparse`` decoding); elsewhere the torch backend.
     LEAPDECODE_ATTENTION_BACKEND=torch|triton overrides "auto".
     ``sparse``: lossy sparse decoding's settings (attention/sparse.py), which only the torch backend implements.
-    ``exact``: the torch backend attends in float64 (see ``TorchAttention``); ignored by the Triton kernels."""
+    ``exact``: attend in float64 (``TorchAttention``: batch-invariant results), which only the torch backend does."""
     import os
     if name == "auto":
         on_cuda = device is not None and torch.device(device).type == "cuda"
-        default = "triton" if on_cuda and sparse is None else "torch"
+        default = "triton" if on_cuda and sparse is None and not exact else "torch"
         name = os.environ.get("LEAPDECODE_ATTENTION_BACKEND", default).strip().lower() or default
     if name == "torch":
         from leapdecode.attention.torch_ref import TorchAttention
@@ -118,6 +118,9 @@ def get_backend(name: str = "auto", device: torch.device | None = None,
     if sparse is not None and name == "triton":
         raise ValueError("sparse_attention runs on the torch attention backend only (attention_backend='torch' or "
                          "'auto'): the Triton kernels have no sparse path yet")
+    if exact and name == "triton":
+        raise ValueError("batch_invariant=True (float64 attention) runs on the torch attention backend only "
+                         "(attention_backend='torch' or 'auto')")
     if name == "triton":
         if device is not None and torch.device(device).type != "cuda" and not os.environ.get("TRITON_INTERPRET"):
             raise ValueError("the triton attention backend needs a CUDA device (or TRITON_INTERPRET=1)")

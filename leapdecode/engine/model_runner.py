@@ -51,10 +51,8 @@ class ModelRunner:
         c = self._kv_view = replace(model_cfg, num_kv_heads=head_shard(model_cfg, tp).num_kv_heads)
         self.kv_layout = KVLayout(cfg.kv_cache_dtype, c.num_layers, self.block_size, c.num_kv_heads, c.head_dim,
                                   dtype, cfg.kv_cache_salient_tokens, cfg.kv_cache_recent_tokens)
-        # bfloat16 activations (quantization) would turn float32 attention's last-bit differences between query
-        # shapes into different tokens: attend in float64 there (attention/torch_ref.py)
         self.backend = get_backend(cfg.attention_backend, self.device, _sparse_attention(cfg, model_cfg),
-                                   exact=cfg.quantization is not None)
+                                   exact=cfg.exact_attention)
         self.model = load_model(cfg.model, model_cfg, self.backend, dtype, self.device, max_model_len, tp,
                                 cfg.load_format, cfg.seed)
         self.num_packed_linears = pack_model(self.model, cfg.cpu_packed_linears)
