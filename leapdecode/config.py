@@ -243,6 +243,11 @@ class EngineConfig:
         self.torch_device = torch.device(self.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         if self.batch_invariant not in (None, True, False):
             raise ValueError(f"batch_invariant must be True, False or None, got {self.batch_invariant!r}")
+        if self.quantization is not None and self.batch_invariant is False and self.speculative_config is not None:
+            import warnings
+            warnings.warn(f"quantization={self.quantization!r} with batch_invariant=False: float32 attention's last "
+                          "bits, rounded to bfloat16, change tokens, so speculation's greedy output can differ from "
+                          "plain decoding's (see model/int4_linear.py)", stacklevel=3)
         if self.quantization is not None and (self.torch_device.type != "cpu" or self.tensor_parallel_size != 1):
             raise ValueError(f"quantization={self.quantization!r} runs on a CPU without tensor parallelism (got "
                              f"device {self.torch_device.type}, tensor_parallel_size={self.tensor_parallel_size})")

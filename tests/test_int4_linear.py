@@ -156,3 +156,15 @@ def test_cli_flag_builds_an_int4_engine(tiny_dir, tmp_path):
     assert llm.engine.cfg.quantization == "int4" and llm.engine.runner.quantized["int4"] > 0
     llm.close()
     assert build_parser().parse_args(["serve"]).quantization is None
+
+
+def test_opting_out_of_exact_attention_under_int4_warns_when_speculating(llama_dir):
+    from leapdecode.config import EngineConfig
+    spec = {"method": "ngram", "num_speculative_tokens": 4}
+    with pytest.warns(UserWarning, match="speculation's greedy output can differ"):
+        EngineConfig(model=llama_dir, quantization="int4", batch_invariant=False, speculative_config=spec)
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        EngineConfig(model=llama_dir, quantization="int4", speculative_config=spec)
+        EngineConfig(model=llama_dir, quantization="int4", batch_invariant=False)

@@ -25,7 +25,8 @@ decode, a verification row or beside a padded partner, and rounding activations 
 into different tokens (on the real model 2 of 12 documents and 21 of 48 batch-1 outputs left plain decoding's
 text with n-gram speculation). So under this mode the engine attends in float64 (``TorchAttention(exact=True)``,
 set by ``ModelRunner``), which makes every output identical again and costs most where attention is most of the
-step: long contexts and large batches (batch 16: 0.87x float32 instead of 1.11x).
+step: long contexts and large batches (batch 16: 0.87x float32 instead of 1.11x). ``batch_invariant=False`` opts
+out (faster from batch 16; speculation then warns that its greedy output can differ from plain decoding's).
 
 Only on a CPU, without tensor parallelism, and only the target's linears (not a draft model's, not embeddings).
 """
