@@ -12,7 +12,8 @@ Sections:
 - quality: perplexity of the first ``--ppl-tokens`` tokens of Python's language reference (``pydoc_data``, as
   kv_compression.py), and greedy agreement over ``--greedy-tokens`` new tokens from 3 prompts (first divergence
   and the share of equal tokens).
-- exact: what float64 attention (``batch_invariant``, on by default under int4) costs, for float32 and int4
+- exact: what exact attention (``batch_invariant``, on by default under int4: attention/cpu_exact.py's kernel, or
+  float64 SDPA where it cannot be built) costs against float32 SDPA, for float32 and int4
   weights: batch 1 over 4 documentation prompts of 600-1,000 tokens (summaries, real_model.py's), batch 16 over
   MT-Bench questions; whole ``generate`` time, 48 tokens, 3 alternating repeats, medians.
 - spec: tokens/s of n-gram prompt lookup and the EAGLE head, both under the goodput controller, over plain decoding
@@ -138,8 +139,8 @@ def exact(path: str, tok, args) -> None:
     docs = real_model.doc_tasks(tok, 4)["Summarization"]
     qs = chat(tok, [turns[0] for turns in S.mtbench_questions()][20:36])
     sp = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
-    print("\n## float64 attention (batch_invariant): tokens/s, whole generate, medians of 3 alternating repeats\n")
-    print("| weights | attention | batch 1 (documents) | vs float32 attention | batch 16 | vs float32 attention |")
+    print("\n## exact attention (batch_invariant): tokens/s, whole generate, medians of 3 alternating repeats\n")
+    print("| weights | attention | batch 1 (documents) | vs SDPA | batch 16 | vs SDPA |")
     print("|---|---|---:|---:|---:|---:|")
     for name, q in FORMATS.items():
         llms = {inv: build(path, q, batch_invariant=inv) for inv in (False, True)}
@@ -156,7 +157,7 @@ def exact(path: str, tok, args) -> None:
         med = {inv: (statistics.median(r[0] for r in v), statistics.median(r[1] for r in v)) for inv, v in rates.items()}
         for inv in (False, True):
             (b1, b16), (r1, r16) = med[inv], med[False]
-            print(f"| {name} | {'float64' if inv else 'float32'} | {b1:.1f} | {b1 / r1:.2f}x | {b16:.1f} | "
+            print(f"| {name} | {'exact' if inv else 'SDPA float32'} | {b1:.1f} | {b1 / r1:.2f}x | {b16:.1f} | "
                   f"{b16 / r16:.2f}x |")
         for llm in llms.values():
             llm.close()

@@ -51,11 +51,11 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-cache-recent-tokens", type=int, default=0, metavar="N",
                    help="a quantized KV cache keeps each sequence's N newest tokens at full precision (default: 0)")
     g.add_argument("--quantization", choices=["int4"], default=None,
-                   help="int4: LOSSY 4-bit weights with bfloat16 activations on a CPU, ~1.8x faster decoding at "
-                        "batch 1, slower from batch 16 (a 4-bit GGUF keeps its own weights) (default: off)")
+                   help="int4: LOSSY 4-bit weights with bfloat16 activations on a CPU, ~2x faster decoding at "
+                        "batch 1, ~1x from batch 16 (a 4-bit GGUF keeps its own weights) (default: off)")
     g.add_argument("--batch-invariant", action="store_true", default=None,
-                   help="attend in float64 so each request's logits are bit for bit the same whatever shares its "
-                        "step (slower; default: only with --quantization)")
+                   help="exact attention: each request's logits bit for bit the same whatever shares its step "
+                        "(default: only with --quantization)")
     g.add_argument("--seed", type=int, default=0, help="engine random seed (default: 0)")
     g.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
                    help="shard the model over N processes (N GPUs on cuda, gloo on cpu) (default: 1)")

@@ -60,13 +60,15 @@ class LLM:
         ``enforce_eager``. ``cpu_packed_linears``: a float32 model on a CPU runs its linears through oneDNN with
         weights packed once (model/packed_linear.py; None = where available, False = PyTorch's F.linear).
         ``quantization="int4"``: LOSSY, CPU only: the layers' weights as 4-bit codes (a 4-bit GGUF keeps its own)
-        with bfloat16 activations, a bfloat16 LM head and float64 attention (so speculation stays exact): ~1.8x
-        faster decoding at batch 1 on a CPU, slower than float32 from batch 16; its quality cost is measured in
+        with bfloat16 activations, a bfloat16 LM head and exact attention (so speculation stays exact): ~2x
+        faster decoding at batch 1 on a CPU, about float32's speed from batch 16; its quality cost is measured in
         benchmarks/README.md (model/int4_linear.py).
-        ``batch_invariant=True``: attention in float64 (torch backend), so a request's logits are bit for bit the
-        same alone, batched with any others, chunked or verifying drafts (float32 attention differs in the last
-        bits, which can flip a near-tie); costs 9-30% on a CPU (benchmarks/README.md, "cpu_int4.py"). None: on
-        with ``quantization`` only."""
+        ``batch_invariant=True``: exact attention (torch backend: on a CPU a C++ kernel that computes each decode
+        and verification row alone in a fixed order, attention/cpu_exact.py; elsewhere float64 SDPA), so a
+        request's logits are bit for bit the same alone, batched with any others or verifying drafts (float32
+        SDPA differs in the last bits, which can flip a near-tie); on the CPU 0.92-0.97x SDPA's speed at batch 1
+        on long contexts, 1.07x at batch 16 (benchmarks/README.md, "cpu_int4.py"). None: on with
+        ``quantization`` only."""
         cfg = EngineConfig(
             model=resolve_model(model), tokenizer=tokenizer, dtype=dtype, device=device, max_model_len=max_model_len,
             kv_cache_memory=kv_cache_memory, num_kv_blocks=num_kv_blocks, block_size=block_size,

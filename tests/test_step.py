@@ -270,12 +270,19 @@ def test_final_only_requests_give_one_output_with_the_streamed_text(llama_dir):
     assert any(r[2] == "stop" and isinstance(r[3], str) for i in range(len(ps)) for r in finals[(False, str(i))])
 
 
-def test_exact_torch_attention_gives_a_row_the_same_bits_in_any_step():
+@pytest.mark.parametrize("path", ["kernel", "float64"])
+def test_exact_torch_attention_gives_a_row_the_same_bits_in_any_step(path, monkeypatch):
     """``TorchAttention(exact=True)`` (used under ``quantization="int4"``, whose bfloat16 activations turn a
     last-bit difference into a different token): a query row's output is bit for bit the same whether it is a
     plain decode alone, a plain decode padded beside a longer partner, or one row of a 5-token verification
-    (float32 SDPA gives each of these different last bits)."""
+    (float32 SDPA gives each of these different last bits); through the C++ kernel and through its float64
+    fallback."""
+    from leapdecode.attention import cpu_exact
     from leapdecode.attention.torch_ref import TorchAttention
+    if path == "kernel" and cpu_exact.kernel() is None:
+        pytest.skip("no C++ toolchain to build attention/cpu_exact.py")
+    if path == "float64":
+        monkeypatch.setattr(cpu_exact, "kernel", lambda: None)
     from leapdecode.engine.input_batch import InputBuffers
     bs, hkv, group, d, n = 16, 3, 3, 64, 600
     nb = -(-(n + 5) // bs)
@@ -295,3 +302,33 @@ def test_exact_torch_attention_gives_a_row_the_same_bits_in_any_step():
         padded = attend([ScheduledSeq(0, n + i, (5,), own, samples=True),
                          ScheduledSeq(1, 1000, (5,), partner, samples=True)], torch.cat([q[i:i + 1], q[:1]]))
         assert torch.equal(alone, verify[i:i + 1]) and torch.equal(padded[:1], alone), i
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_exact_kernel_matches_float64_attention(dtype):
+    """attention/cpu_exact.py's kernel against SDPA in float64 on the same paged cache: decodes and token-tree
+    verifications in one step, grouped query attention, a head size that is not a multiple of its 16 lanes."""
+    from leapdecode.attention import cpu_exact
+    from leapdecode.attention.torch_ref import TorchAttention
+    from leapdecode.engine.input_batch import InputBuffers
+    if cpu_exact.kernel() is None:
+        pytest.skip("no C++ toolchain to build attention/cpu_exact.py")
+    bs, hkv, group, d = 16, 2, 3, 40
+    lens = [37, 70, 5, 129]
+    seqs, block = [], 0
+    for i, n in enumerate(lens):
+        nb = -(-n // bs)
+        draft = DraftTree.of((6, 7, 8), [-1, -1, 0]) if i % 2 else EMPTY
+        q_len = 1 + len(draft.tokens)
+        seqs.append(ScheduledSeq(i, n - q_len, tuple(range(5, 5 + q_len)), tuple(range(block, block + nb)), draft,
+                                 samples=True))
+        block += nb
+    meta = InputBuffers(torch.device("cpu")).build(lay_out(0, bs, seqs), None).meta
+    gen = torch.Generator().manual_seed(3)
+    cache = torch.randn(2, block, bs, hkv, d, generator=gen).to(dtype)
+    q = torch.randn(sum(1 + (3 if i % 2 else 0) for i in range(len(lens))), hkv * group, d, generator=gen)
+    ours = TorchAttention(exact=True).attend(q, cache, meta, 0.2)
+    meta.plan = None
+    ref = TorchAttention().attend(q.double(), cache.double(), meta, 0.2)
+    assert ours.dtype == torch.float32
+    torch.testing.assert_close(ours.double(), ref, rtol=2e-6, atol=2e-6)

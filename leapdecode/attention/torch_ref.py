@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from leapdecode.attention import kv_quant
+from leapdecode.attention import cpu_exact, kv_quant
 from leapdecode.attention.backend import AttentionBackend, AttentionMetadata, SealPlan
 from leapdecode.attention.kv_cache import Fp8Layer, WindowedLayer
 from leapdecode.attention.sparse import SparseAttention, SparseStep
@@ -69,12 +69,14 @@ class TorchAttention(AttentionBackend):
     kv_cache_dtypes = kv_quant.KV_CACHE_DTYPES
 
     def __init__(self, sparse: SparseAttention | None = None, exact: bool = False) -> None:
-        """``exact``: attend in float64 and round the result to the model's dtype. PyTorch's float32 SDPA blocks
-        its work by query length and padded key length, so a row's result differs in the last bits between plain
-        decoding (one query), verification (several) and other batch partners; in float64 those differences sit
-        ~29 bits below float32's last bit and rounding almost never shows them. Needed where activations are
-        later rounded to bfloat16 (``quantization="int4"``), which turns a last-bit difference into a visible one
-        (greedy speculation matched plain decoding on 10 of 12 documents without it, 12 of 12 with it)."""
+        """``exact``: a row's result must not depend on its query length, padding or batch partners. PyTorch's
+        float32 SDPA blocks its work by query length and padded key length, so a row's last bits differ between
+        plain decoding (one query), verification (several) and other batch partners; bfloat16 activations
+        (``quantization="int4"``) turn such bits into different tokens (greedy speculation matched plain decoding
+        on 10 of 12 documents). On a CPU with a float cache the C++ kernel of attention/cpu_exact.py computes each
+        decode and verification row alone, exact by construction; long prefill chunks (a row per token: the
+        kernel's per-row loops would be slow there) and other caches run SDPA in float64, where those differences
+        sit ~29 bits below float32's last bit and rounding almost never shows them."""
         self.sparse = sparse
         self.exact = exact
 
@@ -123,12 +125,17 @@ class TorchAttention(AttentionBackend):
             if isinstance(g, SparseStep):
                 out[g.out_index] = g.attend(q, kv_cache, scale, layer).to(out.dtype)
                 continue
-            k, v = _read(kv_cache, g)                                                   # [B, max_k, Hkv, D]
-            qg, k, v = q[g.q_index].transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, H, max_q, D]
-            if self.exact:
-                qg, k, v = qg.double(), k.double(), v.double()
-            o = F.scaled_dot_product_attention(qg, k, v, attn_mask=g.mask, scale=scale, enable_gqa=True)
-            o = o.transpose(1, 2)
+            o = None
+            if (self.exact and isinstance(kv_cache, torch.Tensor) and kv_cache.device.type == "cpu"
+                    and g.q_index.shape[1] <= BATCH_MAX_QUERY):      # long prefill chunks: SDPA's blocked GEMMs
+                o = cpu_exact.attend(q[g.q_index], kv_cache, g.blocks, g.mask[:, 0], scale)  # [B, max_q, H, D]
+            if o is None:
+                k, v = _read(kv_cache, g)                                               # [B, max_k, Hkv, D]
+                qg, k, v = q[g.q_index].transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, H, max_q, D]
+                if self.exact:
+                    qg, k, v = qg.double(), k.double(), v.double()
+                o = F.scaled_dot_product_attention(qg, k, v, attn_mask=g.mask, scale=scale, enable_gqa=True)
+                o = o.transpose(1, 2)
             out[g.out_index] = (o[:, 0] if g.valid_q is None else o[g.valid_q]).to(out.dtype)
         return out
 

@@ -3,8 +3,9 @@
 Why: a CPU decode step streams every weight for a handful of rows. SmolLM2-135M in float32 is 540 MB a step; as
 4-bit codes with a bfloat16 scale and zero per group of 32 weights its layers take ~60 MB, and PyTorch's CPU kernel
 for that format (``_weight_int4pack_mm_for_cpu``, the one torchao and gpt-fast use) runs them with bfloat16
-activations, float32 accumulation. Measured on the 2-core test VM (benchmarks/README.md, "cpu_int4.py"): 1.8x
-float32's decoding speed at batch 1 on short chat contexts, but 0.87x at batch 16 (see below): a latency mode.
+activations, float32 accumulation. Measured on the 2-core test VM (benchmarks/README.md, "cpu_int4.py"): 2.0x
+float32's decoding speed at batch 1 on short chat contexts, 1.05x at batch 16 (its kernel's per-row arithmetic
+catches up with float32's there): a latency mode.
 
 **Codes.** ``w = (code - 8) * scale + zero`` for each group of 32 input columns. A group whose values lie on one
 grid of at most 16 levels (what every 4-bit GGUF block holds once the loader has dequantized it: Q4_0, Q4_1, the
@@ -23,10 +24,11 @@ the row count), so every layer shape is probed once at load (:func:`row_independ
 keeps the float layer. Attention is the other half: float32 SDPA gives a row different last bits as a plain
 decode, a verification row or beside a padded partner, and rounding activations to bfloat16 turns those bits
 into different tokens (on the real model 2 of 12 documents and 21 of 48 batch-1 outputs left plain decoding's
-text with n-gram speculation). So under this mode the engine attends in float64 (``TorchAttention(exact=True)``,
-set by ``ModelRunner``), which makes every output identical again and costs most where attention is most of the
-step: long contexts and large batches (batch 16: 0.87x float32 instead of 1.11x). ``batch_invariant=False`` opts
-out (faster from batch 16; speculation then warns that its greedy output can differ from plain decoding's).
+text with n-gram speculation). So under this mode the engine attends exactly (``TorchAttention(exact=True)``,
+set by ``ModelRunner``: attention/cpu_exact.py's kernel computes each decode and verification row alone, in a
+fixed order), which makes every output identical again at 0.92x SDPA's speed at batch 1 on 600-1,000-token
+contexts and 1.07x at batch 16. ``batch_invariant=False`` opts out (speculation then warns that its greedy output
+can differ from plain decoding's).
 
 Only on a CPU, without tensor parallelism, and only the target's linears (not a draft model's, not embeddings).
 """
