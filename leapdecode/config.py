@@ -197,8 +197,9 @@ class EngineConfig:
     cpu_packed_linears: bool | None = None    # float32 CPU: linears through oneDNN, weights packed once
                                               # (model/packed_linear.py); None: where available
     quantization: str | None = None           # "int4": LOSSY 4-bit weights on the CPU (model/int4_linear.py)
-    batch_invariant: bool | None = None       # attend in float64: a request's logits are bit for bit the same
-                                              # whatever shares its step; None: on with quantization
+    batch_invariant: bool | None = None       # exact attention: a request's logits are bit for bit the same
+                                              # whatever shares its step (attention/cpu_exact.py); None: on with
+                                              # quantization
     max_graph_batch: int = 256                # CUDA graphs are captured for decode batches up to this size
 
     def __post_init__(self) -> None:
@@ -271,8 +272,8 @@ class EngineConfig:
 
     @property
     def exact_attention(self) -> bool:
-        """Whether the torch attention backend attends in float64 (``batch_invariant``; by default only under
-        ``quantization``, whose bfloat16 activations make float32 attention's last bits visible)."""
+        """Whether the torch attention backend attends exactly (``batch_invariant``; by default only under
+        ``quantization``, whose bfloat16 activations make float32 SDPA's last bits visible)."""
         return self.batch_invariant if self.batch_invariant is not None else self.quantization is not None
 
     @property

@@ -362,7 +362,7 @@ def test_an_engine_nobody_holds_is_freed_and_close_releases_it(llama_dir):
 
 
 def test_batch_invariant_logprobs_are_bit_identical_alone_batched_and_drafted(tiny_dir):
-    """``batch_invariant=True`` (float64 attention): every request's log-probabilities are bit for bit the same
+    """``batch_invariant=True`` (exact attention): every request's log-probabilities are bit for bit the same
     alone, in a batch with requests of other lengths, and while verifying (partly wrong) drafts. Float32 attention
     gives them different last bits (tests/test_step.py shows why); on this model its tokens still agree."""
     from conftest import OracleDrafter

@@ -106,7 +106,7 @@ def get_backend(name: str = "auto", device: torch.device | None = None,
     what only the torch backend does (``sparse`` decoding); elsewhere the torch backend.
     LEAPDECODE_ATTENTION_BACKEND=torch|triton overrides "auto".
     ``sparse``: lossy sparse decoding's settings (attention/sparse.py), which only the torch backend implements.
-    ``exact``: attend in float64 (``TorchAttention``: batch-invariant results), which only the torch backend does."""
+    ``exact``: batch-invariant attention (``TorchAttention(exact=True)``), which only the torch backend does."""
     import os
     if name == "auto":
         on_cuda = device is not None and torch.device(device).type == "cuda"
@@ -119,7 +119,7 @@ def get_backend(name: str = "auto", device: torch.device | None = None,
         raise ValueError("sparse_attention runs on the torch attention backend only (attention_backend='torch' or "
                          "'auto'): the Triton kernels have no sparse path yet")
     if exact and name == "triton":
-        raise ValueError("batch_invariant=True (float64 attention) runs on the torch attention backend only "
+        raise ValueError("batch_invariant=True (exact attention) runs on the torch attention backend only "
                          "(attention_backend='torch' or 'auto')")
     if name == "triton":
         if device is not None and torch.device(device).type != "cuda" and not os.environ.get("TRITON_INTERPRET"):
