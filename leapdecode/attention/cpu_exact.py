@@ -28,6 +28,7 @@ _SOURCE = r"""
 #include <ATen/Parallel.h>
 #include <cmath>
 #include <algorithm>
+#include <type_traits>
 #include <limits>
 #include <vector>
 
@@ -36,6 +37,17 @@ _SOURCE = r"""
 // the sequence lives in block table[seq, j / bs] at offset j % bs.
 constexpr int LANES = 16;
 constexpr int64_t CHUNK = 64;   // keys per task: chunks start at fixed key positions (multiples of CHUNK)
+
+// A cache row as float32: in place for a float32 cache, else converted into buf.
+template <typename T>
+inline const float* row_as_float(const T* row, float* buf, int64_t n) {
+  if constexpr (std::is_same<T, float>::value) {
+    return row;
+  } else {
+    for (int64_t i = 0; i < n; ++i) buf[i] = static_cast<float>(row[i]);
+    return buf;
+  }
+}
 
 inline float dot(const float* a, const float* b, int64_t D) {
   float part[LANES] = {0.f};
@@ -73,22 +85,20 @@ void run(const float* q, const T* kc, const T* vc, const int64_t* table, const i
       for (int64_t i = 0; i < H * D; ++i) accs[i] = 0.f;
       for (int64_t j = j0; j < j1; ++j) {
         if (!m[j]) continue;
-        const T* kj = kc + tab[j / bs] * block_stride + (j % bs) * Hkv * D;
-        for (int64_t i = 0; i < Hkv * D; ++i) kbuf[i] = static_cast<float>(kj[i]);
+        const float* kf = row_as_float(kc + tab[j / bs] * block_stride + (j % bs) * Hkv * D, kbuf.data(), Hkv * D);
         for (int64_t h = 0; h < H; ++h) {
-          const float s = dot(qr + h * D, kbuf.data() + (h / group) * D, D) * scale;
+          const float s = dot(qr + h * D, kf + (h / group) * D, D) * scale;
           score[h * CHUNK + (j - j0)] = s;
           if (s > mxs[h]) mxs[h] = s;
         }
       }
       for (int64_t j = j0; j < j1; ++j) {
         if (!m[j]) continue;
-        const T* vj = vc + tab[j / bs] * block_stride + (j % bs) * Hkv * D;
-        for (int64_t i = 0; i < Hkv * D; ++i) kbuf[i] = static_cast<float>(vj[i]);
+        const float* vf = row_as_float(vc + tab[j / bs] * block_stride + (j % bs) * Hkv * D, kbuf.data(), Hkv * D);
         for (int64_t h = 0; h < H; ++h) {
           const float p = std::exp(score[h * CHUNK + (j - j0)] - mxs[h]);
           ls[h] += p;
-          const float* v = kbuf.data() + (h / group) * D;
+          const float* v = vf + (h / group) * D;
           float* a = accs + h * D;
           for (int64_t d = 0; d < D; ++d) a[d] += p * v[d];
         }
