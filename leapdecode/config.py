@@ -198,8 +198,8 @@ class EngineConfig:
                                               # (model/packed_linear.py); None: where available
     quantization: str | None = None           # "int4": LOSSY 4-bit weights on the CPU (model/int4_linear.py)
     batch_invariant: bool | None = None       # exact attention: a request's logits are bit for bit the same
-                                              # whatever shares its step (attention/cpu_exact.py); None: on with
-                                              # quantization
+                                              # whatever shares its step (attention/cpu_exact.py); None: where it
+                                              # is free (CPU decode rows), everywhere with quantization
     max_graph_batch: int = 256                # CUDA graphs are captured for decode batches up to this size
 
     def __post_init__(self) -> None:
@@ -271,10 +271,13 @@ class EngineConfig:
                              "drafter: ngram, suffix, recycling, auto)")
 
     @property
-    def exact_attention(self) -> bool:
-        """Whether the torch attention backend attends exactly (``batch_invariant``; by default only under
-        ``quantization``, whose bfloat16 activations make float32 SDPA's last bits visible)."""
-        return self.batch_invariant if self.batch_invariant is not None else self.quantization is not None
+    def exact_attention(self) -> str:
+        """The torch attention backend's ``exact`` mode (attention/torch_ref.py): "always" with
+        ``batch_invariant=True`` or, by default, under ``quantization`` (whose bfloat16 activations make float32
+        SDPA's last bits visible); "off" with ``batch_invariant=False``; else "kernel" (exact where it is free)."""
+        if self.batch_invariant or (self.batch_invariant is None and self.quantization is not None):
+            return "always"
+        return "off" if self.batch_invariant is False else "kernel"
 
     @property
     def kv_cache_salient_tokens(self) -> int:

@@ -63,12 +63,12 @@ class LLM:
         with bfloat16 activations, a bfloat16 LM head and exact attention (so speculation stays exact): ~2x
         faster decoding at batch 1 on a CPU, about float32's speed from batch 16; its quality cost is measured in
         benchmarks/README.md (model/int4_linear.py).
-        ``batch_invariant=True``: exact attention (torch backend: on a CPU a C++ kernel that computes each decode
-        and verification row alone in a fixed order, attention/cpu_exact.py; elsewhere float64 SDPA), so a
-        request's logits are bit for bit the same alone, batched with any others or verifying drafts (float32
-        SDPA differs in the last bits, which can flip a near-tie); on the CPU 0.92-0.97x SDPA's speed at batch 1
-        on long contexts, 1.07x at batch 16 (benchmarks/README.md, "cpu_int4.py"). None: on with
-        ``quantization`` only."""
+        ``batch_invariant``: exact attention, so a request's logits are bit for bit the same alone, batched with
+        any others or verifying drafts (float32 SDPA differs in the last bits, which can flip a near-tie). None
+        (the default): where it is free, i.e. decode and verification rows on a CPU with a float KV cache go
+        through a C++ kernel that computes each row alone in a fixed order (attention/cpu_exact.py; compiled at
+        first use, ~20 s; SDPA where it cannot be built), and everywhere under ``quantization``. True: everywhere
+        (float64 SDPA for what the kernel does not serve). False: float32 SDPA."""
         cfg = EngineConfig(
             model=resolve_model(model), tokenizer=tokenizer, dtype=dtype, device=device, max_model_len=max_model_len,
             kv_cache_memory=kv_cache_memory, num_kv_blocks=num_kv_blocks, block_size=block_size,

@@ -361,22 +361,27 @@ def test_an_engine_nobody_holds_is_freed_and_close_releases_it(llama_dir):
     assert pool() is None and llm.engine.runner.model is None
 
 
-def test_batch_invariant_logprobs_are_bit_identical_alone_batched_and_drafted(tiny_dir):
-    """``batch_invariant=True`` (exact attention): every request's log-probabilities are bit for bit the same
-    alone, in a batch with requests of other lengths, and while verifying (partly wrong) drafts. Float32 attention
-    gives them different last bits (tests/test_step.py shows why); on this model its tokens still agree."""
+@pytest.mark.parametrize("invariant", [True, None])
+def test_batch_invariant_logprobs_are_bit_identical_alone_batched_and_drafted(tiny_dir, invariant):
+    """Exact attention (``batch_invariant=True``, and the CPU default ``None``, whose decode and verification rows
+    go through attention/cpu_exact.py's kernel): every request's log-probabilities are bit for bit the same alone,
+    in a batch with requests of other lengths, and while verifying (partly wrong) drafts. Float32 SDPA gives them
+    different last bits (tests/test_step.py shows why); on this model its tokens still agree."""
+    from leapdecode.attention import cpu_exact
+    if invariant is None and cpu_exact.kernel() is None:
+        pytest.skip("no C++ toolchain to build attention/cpu_exact.py: the default then keeps SDPA")
     from conftest import OracleDrafter
     path = tiny_dir("llama", hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2)
     prompts = random_prompts(6, lo=100, hi=300, seed=5)
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=1)
 
     def run(batched, spec=None):
-        llm = make_llm(path, batch_invariant=True, max_model_len=512, speculative_config=spec)
+        llm = make_llm(path, batch_invariant=invariant, max_model_len=512, speculative_config=spec)
         outs = llm.generate(prompts, params, use_tqdm=False) if batched else \
             [llm.generate([p], params, use_tqdm=False)[0] for p in prompts]
         if spec is not None:
             assert llm.engine.stats["accepted_tokens"] > 0
-        assert llm.engine.runner.backend.exact
+        assert llm.engine.runner.backend.exact == ("always" if invariant else "kernel")
         llm.close()
         return [[(t, lp[t]) for t, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)] for o in outs]
 
@@ -393,8 +398,10 @@ def test_batch_invariant_bad_values_are_clear_errors(llama_dir):
     with pytest.raises(ValueError, match="batch_invariant must be True, False or None"):
         EngineConfig(model=llama_dir, batch_invariant="yes")
     with pytest.raises(ValueError, match="runs on the torch attention backend only"):
-        get_backend("triton", torch.device("cpu"), exact=True)
-    assert get_backend("auto", torch.device("cuda"), exact=True).name == "torch"
-    assert EngineConfig(model=llama_dir, quantization="int4").exact_attention
-    assert not EngineConfig(model=llama_dir, quantization="int4", batch_invariant=False).exact_attention
-    assert not EngineConfig(model=llama_dir).exact_attention
+        get_backend("triton", torch.device("cpu"), exact="always")
+    assert get_backend("auto", torch.device("cuda"), exact="always").name == "torch"
+    assert get_backend("auto", torch.device("cuda"), exact="kernel").name == "triton"
+    assert EngineConfig(model=llama_dir, quantization="int4").exact_attention == "always"
+    assert EngineConfig(model=llama_dir, quantization="int4", batch_invariant=False).exact_attention == "off"
+    assert EngineConfig(model=llama_dir).exact_attention == "kernel"
+    assert EngineConfig(model=llama_dir, batch_invariant=True).exact_attention == "always"

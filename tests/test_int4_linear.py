@@ -105,7 +105,7 @@ def test_engine_quantizes_the_layers_and_stays_close_to_the_float_model(tiny_dir
     assert q["int4"] == len(names) == 4 * len(layers) and q["kept_float"] == 0, names
     assert q["exact_groups"] == q["groups"] > 0          # every Q4_0 block of the file kept as it is
     assert q["bf16_head"] == 1 and isinstance(llm.engine.runner.model.output_head.packed_logits, BF16Linear)
-    assert llm.engine.runner.backend.exact                # float64 attention (tests/test_step.py: why)
+    assert llm.engine.runner.backend.exact == "always"    # exact attention (tests/test_step.py: why)
     ours = prompt_logprobs(llm)
     assert not np.array_equal(ours, ref)                 # the int4 path is what ran
     # bfloat16 activations on a tiny random model: each log-probability within a few hundredths on average

@@ -272,7 +272,7 @@ def test_final_only_requests_give_one_output_with_the_streamed_text(llama_dir):
 
 @pytest.mark.parametrize("path", ["kernel", "float64"])
 def test_exact_torch_attention_gives_a_row_the_same_bits_in_any_step(path, monkeypatch):
-    """``TorchAttention(exact=True)`` (used under ``quantization="int4"``, whose bfloat16 activations turn a
+    """``TorchAttention(exact="always")`` (used under ``quantization="int4"``, whose bfloat16 activations turn a
     last-bit difference into a different token): a query row's output is bit for bit the same whether it is a
     plain decode alone, a plain decode padded beside a longer partner, or one row of a 5-token verification
     (float32 SDPA gives each of these different last bits); through the C++ kernel and through its float64
@@ -290,7 +290,7 @@ def test_exact_torch_attention_gives_a_row_the_same_bits_in_any_step(path, monke
     gen = torch.Generator().manual_seed(0)
     cache = torch.randn(2, nb + 64, bs, hkv, d, generator=gen)
     q = torch.randn(5, hkv * group, d, generator=gen)
-    backend = TorchAttention(exact=True)
+    backend = TorchAttention(exact="always")
 
     def attend(seqs, rows):
         meta = InputBuffers(torch.device("cpu")).build(lay_out(0, bs, seqs), None).meta
@@ -327,7 +327,7 @@ def test_exact_kernel_matches_float64_attention(dtype):
     gen = torch.Generator().manual_seed(3)
     cache = torch.randn(2, block, bs, hkv, d, generator=gen).to(dtype)
     q = torch.randn(sum(1 + (3 if i % 2 else 0) for i in range(len(lens))), hkv * group, d, generator=gen)
-    ours = TorchAttention(exact=True).attend(q, cache, meta, 0.2)
+    ours = TorchAttention(exact="always").attend(q, cache, meta, 0.2)
     meta.plan = None
     ref = TorchAttention().attend(q.double(), cache.double(), meta, 0.2)
     assert ours.dtype == torch.float32

@@ -99,18 +99,19 @@ BACKENDS = ("auto", "torch", "triton")
 
 
 def get_backend(name: str = "auto", device: torch.device | None = None,
-                sparse: SparseAttention | None = None, exact: bool = False) -> AttentionBackend:
+                sparse: SparseAttention | None = None, exact: str = "off") -> AttentionBackend:
     """"torch": the portable reference backend; "triton": the Triton GPU kernels (CUDA only).
     "auto": on CUDA the Triton kernels (verified on an H200 against float64 and the torch backend; they are what
     CUDA graphs capture, and which decode every quantized ``kv_cache_dtype`` as they read), unless the step needs
     what only the torch backend does (``sparse`` decoding); elsewhere the torch backend.
     LEAPDECODE_ATTENTION_BACKEND=torch|triton overrides "auto".
     ``sparse``: lossy sparse decoding's settings (attention/sparse.py), which only the torch backend implements.
-    ``exact``: batch-invariant attention (``TorchAttention(exact=True)``), which only the torch backend does."""
+    ``exact``: batch-invariant attention ("kernel" where it is free, "always"; ``TorchAttention``), which only the
+    torch backend does; "always" picks it on CUDA too."""
     import os
     if name == "auto":
         on_cuda = device is not None and torch.device(device).type == "cuda"
-        default = "triton" if on_cuda and sparse is None and not exact else "torch"
+        default = "triton" if on_cuda and sparse is None and exact != "always" else "torch"
         name = os.environ.get("LEAPDECODE_ATTENTION_BACKEND", default).strip().lower() or default
     if name == "torch":
         from leapdecode.attention.torch_ref import TorchAttention
@@ -118,7 +119,7 @@ def get_backend(name: str = "auto", device: torch.device | None = None,
     if sparse is not None and name == "triton":
         raise ValueError("sparse_attention runs on the torch attention backend only (attention_backend='torch' or "
                          "'auto'): the Triton kernels have no sparse path yet")
-    if exact and name == "triton":
+    if exact == "always" and name == "triton":
         raise ValueError("batch_invariant=True (exact attention) runs on the torch attention backend only "
                          "(attention_backend='torch' or 'auto')")
     if name == "triton":

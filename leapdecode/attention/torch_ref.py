@@ -26,6 +26,8 @@ from leapdecode.attention.backend import AttentionBackend, AttentionMetadata, Se
 from leapdecode.attention.kv_cache import Fp8Layer, WindowedLayer
 from leapdecode.attention.sparse import SparseAttention, SparseStep
 
+EXACT_MODES = ("off", "kernel", "always")     # see TorchAttention.__init__
+
 # Sequences with at most this many query tokens (decodes, verification, short prefills) share one padded batch;
 # longer prefill chunks run alone so padding never multiplies their cost.
 BATCH_MAX_QUERY = 32
@@ -68,15 +70,18 @@ class TorchAttention(AttentionBackend):
     name = "torch"
     kv_cache_dtypes = kv_quant.KV_CACHE_DTYPES
 
-    def __init__(self, sparse: SparseAttention | None = None, exact: bool = False) -> None:
-        """``exact``: a row's result must not depend on its query length, padding or batch partners. PyTorch's
+    def __init__(self, sparse: SparseAttention | None = None, exact: str = "off") -> None:
+        """``exact``: whether a row's result may depend on its query length, padding or batch partners. PyTorch's
         float32 SDPA blocks its work by query length and padded key length, so a row's last bits differ between
-        plain decoding (one query), verification (several) and other batch partners; bfloat16 activations
-        (``quantization="int4"``) turn such bits into different tokens (greedy speculation matched plain decoding
-        on 10 of 12 documents). On a CPU with a float cache the C++ kernel of attention/cpu_exact.py computes each
-        decode and verification row alone, exact by construction; long prefill chunks (a row per token: the
-        kernel's per-row loops would be slow there) and other caches run SDPA in float64, where those differences
-        sit ~29 bits below float32's last bit and rounding almost never shows them."""
+        plain decoding (one query), verification (several) and other batch partners: a near-tie can flip, and
+        bfloat16 activations (``quantization="int4"``) turn such bits into different tokens (greedy speculation
+        matched plain decoding on 10 of 12 documents). "kernel": decode and verification rows on a CPU float cache
+        go through the C++ kernel of attention/cpu_exact.py, which computes each row alone (exact by construction,
+        and no slower than gather + SDPA), everything else through float32 SDPA; "always": the same, and what the
+        kernel cannot serve (long prefill chunks, quantized caches, no compiler) runs SDPA in float64, where those
+        differences sit ~29 bits below float32's last bit and rounding almost never shows them; "off": SDPA."""
+        if exact not in EXACT_MODES:
+            raise ValueError(f"exact must be one of {EXACT_MODES}, got {exact!r}")
         self.sparse = sparse
         self.exact = exact
 
@@ -126,13 +131,13 @@ class TorchAttention(AttentionBackend):
                 out[g.out_index] = g.attend(q, kv_cache, scale, layer).to(out.dtype)
                 continue
             o = None
-            if (self.exact and isinstance(kv_cache, torch.Tensor) and kv_cache.device.type == "cpu"
+            if (self.exact != "off" and isinstance(kv_cache, torch.Tensor) and kv_cache.device.type == "cpu"
                     and g.q_index.shape[1] <= BATCH_MAX_QUERY):      # long prefill chunks: SDPA's blocked GEMMs
                 o = cpu_exact.attend(q[g.q_index], kv_cache, g.blocks, g.mask[:, 0], scale)  # [B, max_q, H, D]
             if o is None:
                 k, v = _read(kv_cache, g)                                               # [B, max_k, Hkv, D]
                 qg, k, v = q[g.q_index].transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, H, max_q, D]
-                if self.exact:
+                if self.exact == "always":
                     qg, k, v = qg.double(), k.double(), v.double()
                 o = F.scaled_dot_product_attention(qg, k, v, attn_mask=g.mask, scale=scale, enable_gqa=True)
                 o = o.transpose(1, 2)
