@@ -32,9 +32,9 @@ _SOURCE = r"""
 #include <limits>
 #include <vector>
 
-// out[r, h, :] = softmax over visible keys j (ascending) of scale * q[r, h] . k[j, h / group], times v[j].
-// rows: flat query rows; for row r: seq = row_seq[r], its mask row mask[r, :max_k] (true = visible), and key j of
-// the sequence lives in block table[seq, j / bs] at offset j % bs.
+// out[s, m, h, :] = softmax over visible keys j (ascending) of scale * q[s, m, h] . k[j, h / group], times v[j]:
+// query row m of sequence s sees key j where mask[s, m, j], and key j of sequence s lives in block table[s, j / bs]
+// at offset j % bs.
 constexpr int LANES = 16;
 constexpr int64_t CHUNK = 64;   // keys per task: chunks start at fixed key positions (multiples of CHUNK)
 
@@ -60,47 +60,55 @@ inline float dot(const float* a, const float* b, int64_t D) {
   return part[0];
 }
 
-// Two phases. (1) One task per (row, chunk of CHUNK keys), all heads: each visible key's values for every kv head
-// are read once, contiguously; per head the chunk's max, sum of exponentials and weighted values. (2) One task per
-// (row, head): the chunks merged in ascending order. Every sum has a fixed order and chunk boundaries are fixed key
-// positions, so a row's result depends only on its query and its visible keys: not on padding, query count or
-// other rows.
+// Two phases. (1) One task per (sequence, chunk of CHUNK keys), all its query rows and heads: each visible key's
+// values for every kv head are read once, contiguously, for all the rows that see it; per (row, head) the chunk's
+// max, sum of exponentials and weighted values. (2) One task per (row, head): the chunks merged in ascending
+// order. Every sum has a fixed order and chunk boundaries are fixed key positions, so a row's result depends only
+// on its query and its visible keys: not on padding, on how many rows its sequence verifies, or on other
+// sequences.
 template <typename T>
-void run(const float* q, const T* kc, const T* vc, const int64_t* table, const int64_t* row_seq, const bool* mask,
-         float* out, int64_t R, int64_t H, int64_t Hkv, int64_t D, int64_t bs, int64_t max_k, int64_t block_stride,
+void run(const float* q, const T* kc, const T* vc, const int64_t* table, const bool* mask, float* out, int64_t S,
+         int64_t M, int64_t H, int64_t Hkv, int64_t D, int64_t bs, int64_t max_k, int64_t block_stride,
          int64_t table_stride, float scale) {
-  const int64_t group = H / Hkv, nc = (max_k + CHUNK - 1) / CHUNK;
+  const int64_t group = H / Hkv, nc = (max_k + CHUNK - 1) / CHUNK, R = S * M;
   std::vector<float> pm(R * nc * H), pl(R * nc * H), pacc(R * nc * H * D);
-  at::parallel_for(0, R * nc, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> kbuf(Hkv * D), score(H * CHUNK);
+  at::parallel_for(0, S * nc, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> kbuf(Hkv * D), score(M * H * CHUNK);
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t r = task / nc, c = task % nc, j0 = c * CHUNK, j1 = std::min(max_k, j0 + CHUNK);
-      const float* qr = q + r * H * D;
-      const int64_t* tab = table + row_seq[r] * table_stride;
-      const bool* m = mask + r * max_k;
-      float* mxs = pm.data() + task * H;
-      float* ls = pl.data() + task * H;
-      float* accs = pacc.data() + task * H * D;
-      for (int64_t h = 0; h < H; ++h) { mxs[h] = -std::numeric_limits<float>::infinity(); ls[h] = 0.f; }
-      for (int64_t i = 0; i < H * D; ++i) accs[i] = 0.f;
-      for (int64_t j = j0; j < j1; ++j) {
-        if (!m[j]) continue;
-        const float* kf = row_as_float(kc + tab[j / bs] * block_stride + (j % bs) * Hkv * D, kbuf.data(), Hkv * D);
-        for (int64_t h = 0; h < H; ++h) {
-          const float s = dot(qr + h * D, kf + (h / group) * D, D) * scale;
-          score[h * CHUNK + (j - j0)] = s;
-          if (s > mxs[h]) mxs[h] = s;
-        }
+      const int64_t s = task / nc, c = task % nc, j0 = c * CHUNK, j1 = std::min(max_k, j0 + CHUNK);
+      const int64_t* tab = table + s * table_stride;
+      for (int64_t m = 0; m < M; ++m) {
+        const int64_t idx = ((s * M + m) * nc + c) * H;
+        for (int64_t h = 0; h < H; ++h) { pm[idx + h] = -std::numeric_limits<float>::infinity(); pl[idx + h] = 0.f; }
+        for (int64_t i = 0; i < H * D; ++i) pacc[idx * D + i] = 0.f;
       }
-      for (int64_t j = j0; j < j1; ++j) {
-        if (!m[j]) continue;
-        const float* vf = row_as_float(vc + tab[j / bs] * block_stride + (j % bs) * Hkv * D, kbuf.data(), Hkv * D);
-        for (int64_t h = 0; h < H; ++h) {
-          const float p = std::exp(score[h * CHUNK + (j - j0)] - mxs[h]);
-          ls[h] += p;
-          const float* v = vf + (h / group) * D;
-          float* a = accs + h * D;
-          for (int64_t d = 0; d < D; ++d) a[d] += p * v[d];
+      for (int pass = 0; pass < 2; ++pass) {
+        const T* cache = pass == 0 ? kc : vc;
+        for (int64_t j = j0; j < j1; ++j) {
+          bool seen = false;
+          for (int64_t m = 0; m < M && !seen; ++m) seen = mask[(s * M + m) * max_k + j];
+          if (!seen) continue;
+          const float* row = row_as_float(cache + tab[j / bs] * block_stride + (j % bs) * Hkv * D, kbuf.data(),
+                                          Hkv * D);
+          for (int64_t m = 0; m < M; ++m) {
+            const int64_t r = s * M + m;
+            if (!mask[r * max_k + j]) continue;
+            const int64_t idx = (r * nc + c) * H;
+            float* sc = score.data() + m * H * CHUNK;
+            for (int64_t h = 0; h < H; ++h) {
+              if (pass == 0) {
+                const float x = dot(q + (r * H + h) * D, row + (h / group) * D, D) * scale;
+                sc[h * CHUNK + (j - j0)] = x;
+                if (x > pm[idx + h]) pm[idx + h] = x;
+              } else {
+                const float p = std::exp(sc[h * CHUNK + (j - j0)] - pm[idx + h]);
+                pl[idx + h] += p;
+                const float* v = row + (h / group) * D;
+                float* a = pacc.data() + (idx + h) * D;
+                for (int64_t d = 0; d < D; ++d) a[d] += p * v[d];
+              }
+            }
+          }
         }
       }
     }
@@ -128,24 +136,23 @@ void run(const float* q, const T* kc, const T* vc, const int64_t* table, const i
   });
 }
 
-torch::Tensor paged_attention(torch::Tensor q, torch::Tensor kv_cache, torch::Tensor table, torch::Tensor row_seq,
-                              torch::Tensor mask, double scale) {
-  // q [R, H, D] float32; kv_cache [2, nb, bs, Hkv, D]; table [S, nblocks] int64; row_seq [R] int64;
-  // mask [R, max_k] bool
+torch::Tensor paged_attention(torch::Tensor q, torch::Tensor kv_cache, torch::Tensor table, torch::Tensor mask,
+                              double scale) {
+  // q [S, M, H, D] float32 (M query rows per sequence); kv_cache [2, nb, bs, Hkv, D]; table [S, nblocks] int64;
+  // mask [S, M, max_k] bool
   TORCH_CHECK(q.dtype() == torch::kFloat32 && q.is_contiguous(), "q must be contiguous float32");
-  TORCH_CHECK(kv_cache.is_contiguous() && table.is_contiguous() && row_seq.is_contiguous() && mask.is_contiguous(),
-              "inputs must be contiguous");
-  const int64_t R = q.size(0), H = q.size(1), D = q.size(2);
+  TORCH_CHECK(kv_cache.is_contiguous() && table.is_contiguous() && mask.is_contiguous(), "inputs must be contiguous");
+  const int64_t S = q.size(0), M = q.size(1), H = q.size(2), D = q.size(3);
   const int64_t nb = kv_cache.size(1), bs = kv_cache.size(2), Hkv = kv_cache.size(3);
-  const int64_t max_k = mask.size(1);
-  TORCH_CHECK(kv_cache.size(4) == D && H % Hkv == 0, "shape mismatch");
+  const int64_t max_k = mask.size(2);
+  TORCH_CHECK(kv_cache.size(4) == D && H % Hkv == 0 && mask.size(0) == S && mask.size(1) == M, "shape mismatch");
   auto out = torch::empty_like(q);
   const int64_t block_stride = bs * Hkv * D;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, kv_cache.scalar_type(), "paged_attention", [&] {
     const scalar_t* base = kv_cache.data_ptr<scalar_t>();
     run<scalar_t>(q.data_ptr<float>(), base, base + nb * block_stride, table.data_ptr<int64_t>(),
-                  row_seq.data_ptr<int64_t>(), mask.data_ptr<bool>(), out.data_ptr<float>(), R, H, Hkv, D, bs,
-                  max_k, block_stride, table.size(1), static_cast<float>(scale));
+                  mask.data_ptr<bool>(), out.data_ptr<float>(), S, M, H, Hkv, D, bs, max_k, block_stride,
+                  table.size(1), static_cast<float>(scale));
   });
   return out;
 }
@@ -189,12 +196,8 @@ def attend(q: torch.Tensor, kv_cache: torch.Tensor, blocks: torch.Tensor, mask: 
     fn = kernel()
     if fn is None:
         return None
-    B, M, H, D = q.shape
-    rows = q.reshape(B * M, H, D).float().contiguous()
-    row_seq = torch.arange(B, dtype=torch.int64).repeat_interleave(M)
-    out = fn(rows, kv_cache.contiguous(), blocks.to(torch.int64).contiguous(), row_seq,
-             mask.reshape(B * M, -1).contiguous(), float(scale))
-    return out.view(B, M, H, D)
+    return fn(q.float().contiguous(), kv_cache.contiguous(), blocks.to(torch.int64).contiguous(), mask.contiguous(),
+              float(scale))
 
 
 __all__ = ["attend", "kernel"]
