@@ -34,6 +34,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+import real_model  # noqa: E402
 import speculative as S  # noqa: E402
 from leapdecode import LLM, SamplingParams  # noqa: E402
 from leapdecode.llm import resolve_model  # noqa: E402
@@ -68,17 +69,11 @@ def batch_rate(llm: LLM, prompts: list[list[int]], n: int) -> float:
 
 
 def hf_rate(path: str, prompts: list[list[int]], n: int) -> float:
-    import transformers
-    model = transformers.AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
-                                                              dtype=torch.float32).eval()
-
-    def run(ids: list[int], k: int) -> float:
-        with torch.no_grad():
-            t = time.perf_counter()
-            model.generate(torch.tensor([ids]), max_new_tokens=k, min_new_tokens=k, do_sample=False, pad_token_id=2)
-            return time.perf_counter() - t
-    run(prompts[0][:8], 2)
-    return statistics.mean((n - 1) / (run(ids, n) - run(ids, 1)) for ids in prompts)
+    """transformers' decode tokens/s at batch 1 (real_model.py's loader and timed ``generate``)."""
+    model = real_model.hf_model(path).eval()
+    real_model.hf_generate(model, prompts[0][:8], 2)
+    return statistics.mean((n - 1) / (real_model.hf_generate(model, ids, n) - real_model.hf_generate(model, ids, 1))
+                           for ids in prompts)
 
 
 def speed(path: str, tok, args) -> list[tuple]:
@@ -135,7 +130,6 @@ def quality(path: str, tok, args) -> None:
 
 
 def exact(path: str, tok, args) -> None:
-    import real_model
     docs = real_model.doc_tasks(tok, 4)["Summarization"]
     qs = chat(tok, [turns[0] for turns in S.mtbench_questions()][20:36])
     sp = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)

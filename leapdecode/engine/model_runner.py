@@ -55,8 +55,9 @@ class ModelRunner:
                                    exact=cfg.exact_attention)
         self.model = load_model(cfg.model, model_cfg, self.backend, dtype, self.device, max_model_len, tp,
                                 cfg.load_format, cfg.seed)
-        self.num_packed_linears = pack_model(self.model, cfg.cpu_packed_linears)
+        # quantize first: packing a weight for oneDNN only to unpack and quantize it was work (and memory) twice
         self.quantized = quantize_model(self.model, cfg.quantization)    # counts; all zero without quantization
+        self.num_packed_linears = pack_model(self.model, cfg.cpu_packed_linears)   # the float layers left
         # blocks past the block manager's pool, written only by a drafter that runs the target itself
         # (spec/layer_skip.py), so draft KV never lands in a slot the target owns
         self.num_scratch_blocks = _scratch_blocks(cfg)

@@ -89,6 +89,8 @@ def pack_model(model: nn.Module, enable: bool | None = None) -> int:
     if not names:
         return 0
     replace_linears(model.layers, names, lambda m: PackedLinear(m.weight, getattr(m, "bias", None)))
+    if head.packed_logits is not None:          # already given its own form (model/int4_linear.py: bfloat16)
+        return len(names)
     head.packed_logits = PackedLinear(head.weight)
     return len(names) + 1
 
