@@ -321,7 +321,8 @@ def section_kvquant(args, rep: Report, copy_bw: float) -> None:
             calls = {"bf16": lambda: tk.paged_decode_attention(q, kv, tables, seq_lens, qsl, pos, D ** -0.5,
                                                                max_seq_len=ctx, out=outs["bf16"]),
                      "fp8": lambda: tk.paged_decode_attention(q, codes, tables, seq_lens, qsl, pos, D ** -0.5,
-                                                              max_seq_len=ctx, out=outs["fp8"], kv_scales=scales)}
+                                                              max_seq_len=ctx, out=outs["fp8"],
+                                                              quant=tk.QuantizedKV("fp8", scales))}
             kv_bytes = {"bf16": 2 * batch * ctx * HKV * D * 2, "fp8": 2 * batch * ctx * HKV * (D + 2)}
             secs = {f: triton.testing.do_bench(dr.graphed(fn), warmup=25, rep=100, return_mode="median") * 1e-3
                     for f, fn in calls.items()}
