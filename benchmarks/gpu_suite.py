@@ -317,20 +317,26 @@ def section_kvquant(args, rep: Report, copy_bw: float) -> None:
             qsl = torch.arange(batch + 1, dtype=torch.int32, device="cuda")
             pos = torch.full((batch,), ctx - 1, dtype=torch.int64, device="cuda")
             q = torch.randn(batch, H, D, dtype=torch.bfloat16, device="cuda")
-            outs = {f: torch.empty_like(q) for f in ("bf16", "fp8")}
-            calls = {"bf16": lambda: tk.paged_decode_attention(q, kv, tables, seq_lens, qsl, pos, D ** -0.5,
-                                                               max_seq_len=ctx, out=outs["bf16"]),
-                     "fp8": lambda: tk.paged_decode_attention(q, codes, tables, seq_lens, qsl, pos, D ** -0.5,
-                                                              max_seq_len=ctx, out=outs["fp8"],
-                                                              quant=tk.QuantizedKV("fp8", scales))}
-            kv_bytes = {"bf16": 2 * batch * ctx * HKV * D * 2, "fp8": 2 * batch * ctx * HKV * (D + 2)}
-            secs = {f: triton.testing.do_bench(dr.graphed(fn), warmup=25, rep=100, return_mode="median") * 1e-3
-                    for f, fn in calls.items()}
-            err = (outs["fp8"].float() - outs["bf16"].float()).abs().max().item()
-            for f in ("bf16", "fp8"):
+            # fp8 with its codes read 1, 2, 4 or 8 to a load (the kernels' ``code_bytes``; tk.CODE_BYTES default)
+            fmts = ["bf16"] + [f"fp8, {cb} B/load" for cb in args.kv_code_bytes]
+            outs = {f: torch.empty_like(q) for f in fmts}
+
+            def call(f):
+                if f == "bf16":
+                    return lambda: tk.paged_decode_attention(q, kv, tables, seq_lens, qsl, pos, D ** -0.5,
+                                                             max_seq_len=ctx, out=outs[f])
+                cb = int(f.split(", ")[1].split()[0])
+                return lambda: tk.paged_decode_attention(q, codes, tables, seq_lens, qsl, pos, D ** -0.5,
+                                                         max_seq_len=ctx, out=outs[f], tune=dict(code_bytes=cb),
+                                                         quant=tk.QuantizedKV("fp8", scales))
+            kv_bytes = {f: 2 * batch * ctx * HKV * (D * 2 if f == "bf16" else D + 2) for f in fmts}
+            secs = {f: triton.testing.do_bench(dr.graphed(call(f)), warmup=25, rep=100, return_mode="median")
+                    * 1e-3 for f in fmts}
+            for f in fmts:
+                err = (outs[f].float() - outs["bf16"].float()).abs().max().item()
                 rows.append(dict(part="kernel", batch=batch, context=ctx, format=f, us=secs[f] * 1e6,
                                  **{"KV MB": kv_bytes[f] / 1e6, "GB/s": kv_bytes[f] / secs[f] / 1e9,
-                                    "vs bf16": secs["bf16"] / secs[f], "max |diff|": err if f == "fp8" else ""}))
+                                    "vs bf16": secs["bf16"] / secs[f], "max |diff|": err if f != "bf16" else ""}))
             del kv, codes, scales, q, outs
             free()
     for name in args.batched_models:
@@ -339,6 +345,8 @@ def section_kvquant(args, rep: Report, copy_bw: float) -> None:
             res = {}
             for f, kw in (("auto", {}), ("fp8", {}), ("fp8, 256 recent", {"kv_cache_recent_tokens": 256}),
                           ("int8", {}), ("int4", {})):
+                if f not in args.kv_engine_formats:
+                    continue
                 try:
                     llm = engine(path, 2048 + 80, batch, async_scheduling=True, kv_cache_dtype=f.split(",")[0], **kw)
                     prompts = dr.prompts_for(batch, 2048, vocab, seed=2)
@@ -543,10 +551,15 @@ def parse_args(argv=None):
     ap.add_argument("--spec-async", action="store_true", help="spec: async scheduling for every engine")
     ap.add_argument("--kvfp8-batches", type=ints, default=[1, 16, 64])
     ap.add_argument("--kvfp8-contexts", type=ints, default=[4096, 32768])
+    ap.add_argument("--kv-code-bytes", type=ints, default=[1, 8],
+                    help="kvquant: fp8 codes per load in the kernel rows (1, 2, 4, 8)")
+    ap.add_argument("--kv-engine-formats", default="auto;fp8;fp8, 256 recent;int8;int4",
+                    help="kvquant: the engine rows' cache formats, separated by ';'")
     args = ap.parse_args(argv)
     split = lambda s: [x.strip() for x in s.split(",") if x.strip()]  # noqa: E731
     args.sections, args.models = split(args.sections), split(args.models)
     args.compile_models, args.batched_models = split(args.compile_models), split(args.batched_models)
+    args.kv_engine_formats = [f.strip() for f in args.kv_engine_formats.split(";") if f.strip()]
     return args
 
 

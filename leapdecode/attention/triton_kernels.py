@@ -72,7 +72,7 @@ def _kv_tile(k_cache, v_cache, k_aux, v_aux, sal, k_res, v_res, k_win, v_win, kv
              d, dmask, stride_cb, stride_cs, stride_ch, stride_cd, stride_sb, stride_ss, stride_sh,
              stride_wb, stride_ws, stride_wh, stride_wd, stride_kw, like,
              BLOCK_SIZE: tl.constexpr, HKV: tl.constexpr, HEAD_DIM: tl.constexpr, QUANT: tl.constexpr,
-             NSAL: tl.constexpr, NSAL_P2: tl.constexpr, WINDOWED: tl.constexpr):
+             NSAL: tl.constexpr, NSAL_P2: tl.constexpr, WINDOWED: tl.constexpr, CODE_BYTES: tl.constexpr):
     """Keys and values [BLOCK_N, BLOCK_D] of kv head g at the sequence's key indices j, through its block table
     row: from the pool (dequantized as the format says), or for a windowed cache, where the step's ``kv_window``
     names a window block (open and recent blocks), from the full-precision window."""
@@ -89,9 +89,11 @@ def _kv_tile(k_cache, v_cache, k_aux, v_aux, sal, k_res, v_res, k_win, v_win, kv
         w_off = kv_off
     rows = jmask & ~in_win                              # keys read from the pool
     k = _load_kv(k_cache, k_aux, sal, k_res, k_win, kv_off, s_off, w_off, page, o, g, in_win, rows, d, dmask,
-                 stride_cd, stride_wd, like, True, BLOCK_SIZE, HKV, HEAD_DIM, QUANT, NSAL, NSAL_P2, WINDOWED)
+                 stride_cd, stride_wd, like, True, BLOCK_SIZE, HKV, HEAD_DIM, QUANT, NSAL, NSAL_P2, WINDOWED,
+                 CODE_BYTES)
     v = _load_kv(v_cache, v_aux, sal, v_res, v_win, kv_off, s_off, w_off, page, o, g, in_win, rows, d, dmask,
-                 stride_cd, stride_wd, like, False, BLOCK_SIZE, HKV, HEAD_DIM, QUANT, NSAL, NSAL_P2, WINDOWED)
+                 stride_cd, stride_wd, like, False, BLOCK_SIZE, HKV, HEAD_DIM, QUANT, NSAL, NSAL_P2, WINDOWED,
+                 CODE_BYTES)
     return k, v
 
 
@@ -99,7 +101,7 @@ def _kv_tile(k_cache, v_cache, k_aux, v_aux, sal, k_res, v_res, k_win, v_win, kv
 def _load_kv(cache, aux, sal, res, win, kv_off, s_off, w_off, page, o, g, in_win, rows, d, dmask, stride_cd,
              stride_wd, like, IS_KEY: tl.constexpr, BLOCK_SIZE: tl.constexpr, HKV: tl.constexpr,
              HEAD_DIM: tl.constexpr, QUANT: tl.constexpr, NSAL: tl.constexpr, NSAL_P2: tl.constexpr,
-             WINDOWED: tl.constexpr):
+             WINDOWED: tl.constexpr, CODE_BYTES: tl.constexpr):
     """A [BLOCK_N, BLOCK_D] tile of keys (``IS_KEY``) or values in the dtype of the pointer ``like`` (the
     queries'), decoded as ``kv_quant`` decodes, in float32 and rounded once to the model's dtype: fp8 = code *
     per-token scale (``aux``: the scales); int8/int4 = zero + step * unit, on the keys' per-channel or the values'
@@ -122,11 +124,18 @@ def _load_kv(cache, aux, sal, res, win, kv_off, s_off, w_off, page, o, g, in_win
             low = tl.load(res + ((page * NSAL + idx) * HKV + g)[:, None] * (HEAD_DIM // 2) + d[None, :] // 2,
                           mask=pool & is_sal[:, None], other=0).to(tl.int32)
             u = tl.where(is_sal[:, None], nib * 16 + ((low >> shift) & 15), u)
+    elif CODE_BYTES > 1:                                 # fp8, int8: CODE_BYTES codes a load (``_code_views``)
+        w = tl.arange(0, d.shape[0] // CODE_BYTES)
+        word = tl.load(cache + kv_off[:, None] + w[None, :],
+                       mask=rows[:, None] & (w[None, :] * CODE_BYTES < HEAD_DIM), other=0)
+        u = tl.reshape(_unpack_codes(word, QUANT, CODE_BYTES), [word.shape[0], d.shape[0]])
     else:
         u = tl.load(cache + kv_off[:, None] + d[None, :] * stride_cd, mask=pool, other=0)
+        if QUANT == 1:
+            u = u.to(tl.float8e4nv, bitcast=True)
     if QUANT == 1:
         sc = tl.load(aux + s_off, mask=rows, other=0.0).to(tl.float32)
-        x = u.to(tl.float8e4nv, bitcast=True).to(tl.float32) * sc[:, None]
+        x = u.to(tl.float32) * sc[:, None]
     elif QUANT >= 2:
         u = u.to(tl.float32)
         if IS_KEY:                                       # [blocks, 2, HKV, HEAD_DIM]: per channel
@@ -146,6 +155,33 @@ def _load_kv(cache, aux, sal, res, win, kv_off, s_off, w_off, page, o, g, in_win
                      other=0.0)
         x = tl.where(in_win[:, None], xw.to(like.dtype.element_ty), x)
     return x
+
+
+@triton.jit
+def _code(word, k: tl.constexpr, QUANT: tl.constexpr):
+    """Byte k of each word as the value its code stands for before scaling (fp8: the e4m3 number; int8: 0-255)."""
+    b = ((word >> (8 * k)) & 255).to(tl.uint8)
+    if QUANT == 1:
+        b = b.to(tl.float8e4nv, bitcast=True)
+    return b.to(tl.float32)
+
+
+@triton.jit
+def _unpack_codes(word, QUANT: tl.constexpr, CODE_BYTES: tl.constexpr):
+    """[..., n] words of CODE_BYTES little-endian codes -> [..., n, CODE_BYTES] float32, code k of a word at k.
+    Why words: loaded a byte at a time, the values' tile reached the matrix units through shared memory one byte
+    a load (no transposing ldmatrix reads 8-bit elements), and the fp8 kernel ran at 0.6-0.7x of bf16's speed on
+    an H200 while reading half the bytes. Joins nest inside out: the first join's axis ends up outermost."""
+    if CODE_BYTES == 2:
+        return tl.join(_code(word, 0, QUANT), _code(word, 1, QUANT))
+    elif CODE_BYTES == 4:
+        return tl.join(tl.join(_code(word, 0, QUANT), _code(word, 2, QUANT)),
+                       tl.join(_code(word, 1, QUANT), _code(word, 3, QUANT)))
+    else:
+        return tl.join(tl.join(tl.join(_code(word, 0, QUANT), _code(word, 4, QUANT)),
+                               tl.join(_code(word, 2, QUANT), _code(word, 6, QUANT))),
+                       tl.join(tl.join(_code(word, 1, QUANT), _code(word, 5, QUANT)),
+                               tl.join(_code(word, 3, QUANT), _code(word, 7, QUANT))))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -210,6 +246,7 @@ def _decode_partial_kernel(
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     HAS_WINDOW: tl.constexpr, SINGLE_SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
     HKV: tl.constexpr, QUANT: tl.constexpr, NSAL: tl.constexpr, NSAL_P2: tl.constexpr, WINDOWED: tl.constexpr,
+    CODE_BYTES: tl.constexpr,
 ):
     """Program (i, kv head g, slice s): the query heads of group g of decode row i against keys of slice s.
 
@@ -249,7 +286,7 @@ def _decode_partial_kernel(
         k, v = _kv_tile(k_cache, v_cache, k_aux, v_aux, sal, k_res, v_res, k_win, v_win, kv_window, bt_row, b, g, j,
                         jmask, d, dmask, stride_cb, stride_cs, stride_ch, stride_cd, stride_sb, stride_ss, stride_sh,
                         stride_wb, stride_ws, stride_wh, stride_wd, stride_kw, q_ptr,
-                        BLOCK_SIZE, HKV, HEAD_DIM, QUANT, NSAL, NSAL_P2, WINDOWED)
+                        BLOCK_SIZE, HKV, HEAD_DIM, QUANT, NSAL, NSAL_P2, WINDOWED, CODE_BYTES)
         qk = _mma(q, tl.trans(k), DOT_PRECISION, UPCAST_DOT) * scale_log2       # [BLOCK_H, BLOCK_N]
         visible = jmask & ((j <= p) | (j == ctx))       # (the window is applied by starting at lo)
         qk = tl.where(visible[None, :], qk, float("-inf"))
@@ -357,6 +394,25 @@ class QuantizedKV:
 _QUANT = {"auto": AUTO, "fp8": FP8, "int8": INT8, "int4": INT4}
 
 
+CODE_BYTES = 8
+"""fp8 and int8 codes per load in the attention kernels (1, 2, 4 or 8; see ``_unpack_codes``)."""
+_WORD = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _code_views(kv_cache: torch.Tensor, quant: "QuantizedKV | None", code_bytes: int
+                ) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(keys' pool, values' pool, codes per load) as the kernels read them: fp8 and int8 codes as words of
+    ``code_bytes`` codes where the head dimension divides into them, anything else as it is."""
+    k, v = kv_cache[0], kv_cache[1]
+    if quant is None or quant.fmt not in ("fp8", "int8") or code_bytes == 1:
+        return k, v, 1
+    if code_bytes not in _WORD:
+        raise ValueError(f"code_bytes must be one of {sorted(_WORD)}, got {code_bytes!r}")
+    if k.shape[-1] % code_bytes or k.stride(-1) != 1 or (k.storage_offset() | v.storage_offset()) % code_bytes:
+        return k, v, 1
+    return k.view(_WORD[code_bytes]), v.view(_WORD[code_bytes]), code_bytes
+
+
 def _quant_args(kv_cache: torch.Tensor, quant: QuantizedKV | None, block_tables: torch.Tensor, head_dim: int):
     """(pointer arguments, scale strides, window strides, constexprs) of a cache for the kernels; the codes stand
     in for what a format does not have (never read). ValueError where the pieces do not fit together."""
@@ -441,6 +497,7 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
         num_splits = choose_num_splits(n, hkv, max_seq_len, _num_sms(q.device))
     num_splits = max(1, min(num_splits, triton.cdiv(max_seq_len, 16)))
     cfg = {**decode_tuning(q.dtype, D), **(tune or {})}
+    kc, vc, consts["CODE_BYTES"] = _code_views(kv_cache, quant, cfg.get("code_bytes", CODE_BYTES))
     block_n = max(16, min(cfg["block_n"], triton.next_power_of_2(triton.cdiv(max_seq_len, num_splits))))
     block_d = max(16, triton.next_power_of_2(D))
     single = num_splits == 1
@@ -451,7 +508,6 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
         mid_o = torch.empty(n, H, num_splits, D, dtype=torch.float32, device=q.device)
         mid_lse = torch.empty(n, H, num_splits, dtype=torch.float32, device=q.device)
         mo_strides, ml_strides = mid_o.stride(), mid_lse.stride()
-    kc, vc = kv_cache[0], kv_cache[1]
     window = sliding_window or 0
     _decode_partial_kernel[(n, hkv, num_splits)](
         q, kc, vc, *pointers, block_tables, seq_lens, query_start_loc, positions, seq_ids,
@@ -487,6 +543,7 @@ def _prefill_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_TREE: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
     HKV: tl.constexpr, QUANT: tl.constexpr, NSAL: tl.constexpr, NSAL_P2: tl.constexpr, WINDOWED: tl.constexpr,
+    CODE_BYTES: tl.constexpr,
 ):
     """Program (tile t, sequence i, kv head g): rows are (query token, head of group g) pairs, token-major, so
     BLOCK_M // GROUP consecutive query tokens share each K/V tile (GQA reads K/V once per kv head).
@@ -538,7 +595,7 @@ def _prefill_kernel(
         k, v = _kv_tile(k_cache, v_cache, k_aux, v_aux, sal, k_res, v_res, k_win, v_win, kv_window, bt_row, b, g, j,
                         jmask, d, dmask, stride_cb, stride_cs, stride_ch, stride_cd, stride_sb, stride_ss, stride_sh,
                         stride_wb, stride_ws, stride_wh, stride_wd, stride_kw, q_ptr,
-                        BLOCK_SIZE, HKV, HEAD_DIM, QUANT, NSAL, NSAL_P2, WINDOWED)
+                        BLOCK_SIZE, HKV, HEAD_DIM, QUANT, NSAL, NSAL_P2, WINDOWED, CODE_BYTES)
         qk = _mma(q, tl.trans(k), DOT_PRECISION, UPCAST_DOT) * scale_log2       # [BLOCK_M, BLOCK_N]
 
         is_new = j >= ctx                                # this step's keys carry their token's position
@@ -611,7 +668,7 @@ def paged_prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table
     has_tree = tree_mask is not None
     if not has_tree:
         tree_mask = tree_offsets = seq_ids          # unused placeholders
-    kc, vc = kv_cache[0], kv_cache[1]
+    kc, vc, consts["CODE_BYTES"] = _code_views(kv_cache, quant, cfg.get("code_bytes", CODE_BYTES))
     grid = (triton.cdiv(max_query_len, tokens_per_tile), n, hkv)
     _prefill_kernel[grid](
         q, kc, vc, *pointers, block_tables, seq_lens, query_start_loc, positions, seq_ids,
