@@ -534,6 +534,42 @@ def test_graph_buffers_and_padding_under_interpreter(tiny_dir):
     assert {q for _, q in r.graphs.used} == {1, 4} and {b for b, _ in r.graphs.used} >= {1, 4}
 
 
+@pytest.mark.skipif(CUDA, reason="on a GPU the graphs themselves are captured and tested (TestOnGPU)")
+@pytest.mark.parametrize("fmt,extra", [("int8", {}), ("int4", {}), ("fp8", {"kv_cache_recent_tokens": 16})])
+def test_windowed_cache_graph_buffers_under_interpreter(tiny_dir, fmt, extra):
+    """Windowed caches (int8, int4 with salient tokens, fp8 keeping recent tokens) through the CUDA graphs'
+    static buffers without a GPU: window slots, window table and seal plans copied in, seals padded to the bucket
+    (padding seals into the trash block), decode and verification buckets, steps that seal and steps that do not;
+    greedy tokens equal the same cache's eager steps."""
+    from leapdecode import LLM, SamplingParams
+    from leapdecode.engine.cuda_graphs import CudaGraphs
+
+    path = tiny_dir("llama")
+    rng = random.Random(4)
+    prompts = [[rng.randrange(2, 40) for _ in range(rng.randint(3, 30))] for _ in range(5)]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "adaptive": False}
+    kw = dict(dtype="float32", device="cpu", max_model_len=96, speculative_config=spec, attention_backend="triton",
+              kv_cache_dtype=fmt, **extra)
+    ref = LLM(path, **kw)
+    llm = LLM(path, pad_to_buckets=True, **kw)
+    r = llm.engine.runner
+    assert r.trash_block == r.num_blocks and r.kv_cache.num_blocks == r.num_blocks + 1
+    r.graphs = CudaGraphs(r.model, r.backend, r.device, r.block_size, r.max_model_len, None, 4, (1, 4),
+                          capture_graphs=False, trash_block=r.trash_block)
+    r.graphs.capture()
+    assert set(r.graphs.sealing) == set(r.graphs.graphs)
+    for n in (1, 5):
+        want = [o.outputs[0].token_ids for o in ref.generate(prompts[:n], params, use_tqdm=False)]
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts[:n], params, use_tqdm=False)]
+        assert got == want
+        # the same steps in the same blocks: every sealed block holds the same codes (and what decodes them)
+        for (name, mine, axis), (_, theirs, _) in zip(r.kv_cache.planes(), ref.engine.runner.kv_cache.planes()):
+            assert torch.equal(mine.narrow(axis, 0, r.num_blocks), theirs.narrow(axis, 0, r.num_blocks)), name
+    assert r.graphs.num_sealing_replays > 0 and r.graphs.num_replays > r.graphs.num_sealing_replays
+    assert {q for _, q in r.graphs.used} == {1, 4}
+
+
 @pytest.mark.skipif(CUDA, reason="on a GPU the draft model's graphs are captured (TestOnGPU's draft-model test)")
 def test_draft_model_graph_buffers_under_interpreter():
     """The draft model's CUDA-graph path without a GPU: its one-token forwards and short catch-ups go through its
@@ -712,6 +748,32 @@ class TestOnGPU:
             want = [o.outputs[0].token_ids for o in eager.generate(prompts[:n], params, use_tqdm=False)]
             assert [o.outputs[0].token_ids for o in graphs.generate(prompts[:n], params, use_tqdm=False)] == want
         assert {b for b, _ in g.used} == {1, 2, 4, 8, 16} and {q for _, q in g.used} == {1, 4}
+
+    @pytest.mark.parametrize("fmt,extra", [("int8", {}), ("int4", {}), ("fp8", {"kv_cache_recent_tokens": 16})])
+    def test_windowed_cache_graphs_equal_eager(self, tiny_dir, fmt, extra):
+        """Windowed caches captured in CUDA graphs (each bucket with its sealing twin) give the greedy tokens of
+        the same engine with ``enforce_eager``, and leave the same codes in every sealed block. (int4's codes are
+        not compared: its salient tokens are ranked by a batched matmul over the step's seals, padded in a graph,
+        whose last bits may move with the batch and flip a near-tie.)"""
+        from leapdecode import LLM, SamplingParams
+        path = tiny_dir("llama")
+        rng = random.Random(6)
+        prompts = [[rng.randrange(2, 40) for _ in range(rng.randint(3, 60))] for _ in range(8)]
+        params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+        kw = dict(dtype="float32", device="cuda", max_model_len=256, attention_backend="triton", max_num_seqs=8,
+                  speculative_config={"method": "ngram", "num_speculative_tokens": 3, "adaptive": False},
+                  kv_cache_dtype=fmt, num_kv_blocks=160, **extra)
+        eager, graphs = LLM(path, enforce_eager=True, **kw), LLM(path, **kw)
+        g = graphs.engine.runner.graphs
+        assert g is not None and set(g.sealing) == set(g.graphs)
+        for n in (1, 3, 8):
+            want = [o.outputs[0].token_ids for o in eager.generate(prompts[:n], params, use_tqdm=False)]
+            assert [o.outputs[0].token_ids for o in graphs.generate(prompts[:n], params, use_tqdm=False)] == want
+            r, e = graphs.engine.runner, eager.engine.runner
+            for (name, mine, axis), (_, theirs, _) in zip(r.kv_cache.planes() if fmt != "int4" else (),
+                                                          e.kv_cache.planes()):
+                assert torch.equal(mine.narrow(axis, 0, r.num_blocks), theirs.narrow(axis, 0, r.num_blocks)), name
+        assert g.num_sealing_replays > 0 and g.num_replays > g.num_sealing_replays
 
     def test_graphs_and_overlap_equal_the_cpu_reference(self, tiny_dir):
         """The engine on CUDA with graphs and the overlapped step (async scheduling) gives the greedy tokens of

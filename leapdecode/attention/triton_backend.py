@@ -11,8 +11,8 @@ they load it, exactly as ``kv_quant`` decodes (fp8 codes times their per-token s
 grids, int4's salient tokens at 8 bits); a windowed cache (int8/int4, fp8 with recent tokens) has its open and
 recent blocks read from the full-precision window by the step's ``kv_window`` table. Writing is the reference's:
 fp8 without a window quantizes with ``kv_quant.fp8_quantize`` and stores codes and scales with the copy kernel; a
-windowed cache writes and seals with the torch backend's own code (``WindowedLayer.write``, ``seal_blocks``), so
-its steps run eagerly (which blocks seal changes from step to step: no CUDA graphs).
+windowed cache writes and seals with the torch backend's own code (``WindowedLayer.write``, ``seal_blocks``), in
+device work only, so its steps can be captured (engine/cuda_graphs.py pads each step's seals to its bucket).
 """
 from __future__ import annotations
 

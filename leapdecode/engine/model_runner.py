@@ -65,7 +65,10 @@ class ModelRunner:
         self.num_blocks, self.num_window_blocks = self._num_blocks(max_model_len)
         if agree_blocks is not None:
             self.num_blocks = agree_blocks(self.num_blocks)
-        self.kv_cache = KVCache(c.num_layers, self.num_blocks + self.num_scratch_blocks, self.block_size,
+        # a windowed cache has one more pool block that nothing reads: CUDA graphs' padding seals write it
+        self.trash_block = self.num_blocks + self.num_scratch_blocks if self.kv_layout.windowed else None
+        self.kv_cache = KVCache(c.num_layers, self.num_blocks + self.num_scratch_blocks
+                                + (self.trash_block is not None), self.block_size,
                                 c.num_kv_heads, c.head_dim, dtype, self.device, cfg.kv_cache_dtype,
                                 self.num_window_blocks, cfg.kv_cache_salient_tokens, cfg.kv_cache_recent_tokens)
         for i, layer in enumerate(self.model.layers):
@@ -78,16 +81,17 @@ class ModelRunner:
     def _cuda_graphs(self) -> CudaGraphs | None:
         """CUDA graphs for decode and verification steps (engine/cuda_graphs.py), captured now; None where they do
         not apply: not CUDA, ``enforce_eager``, the torch attention backend (its plan reads host data), tensor
-        parallelism, a drafter that runs the target itself (layer skipping), or a windowed KV cache (which blocks
-        seal changes from step to step)."""
+        parallelism, or a drafter that runs the target itself (layer skipping). A windowed KV cache's graphs come in
+        pairs (steps that seal blocks and steps that do not, see engine/cuda_graphs.py)."""
         cfg = self.cfg
         if (cfg.enforce_eager or cfg.max_graph_batch == 0 or self.device.type != "cuda" or self.tp.size > 1
-                or not hasattr(self.backend, "plan_graph") or self.num_scratch_blocks or self.kv_layout.windowed):
+                or not hasattr(self.backend, "plan_graph") or self.num_scratch_blocks):
             return None
         spec = cfg.speculative_config
         query_lens = (1,) + ((spec.num_speculative_tokens + 1,) if spec is not None else ())
         graphs = CudaGraphs(self.model, self.backend, self.device, self.block_size, self.max_model_len,
-                            self.model_cfg.sliding_window, min(cfg.max_graph_batch, cfg.max_num_seqs), query_lens)
+                            self.model_cfg.sliding_window, min(cfg.max_graph_batch, cfg.max_num_seqs), query_lens,
+                            trash_block=self.trash_block)
         graphs.capture()
         return graphs
 
