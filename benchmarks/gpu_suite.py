@@ -317,31 +317,43 @@ def section_kvquant(args, rep: Report, copy_bw: float) -> None:
             qsl = torch.arange(batch + 1, dtype=torch.int32, device="cuda")
             pos = torch.full((batch,), ctx - 1, dtype=torch.int64, device="cuda")
             q = torch.randn(batch, H, D, dtype=torch.bfloat16, device="cuda")
-            # fp8 with its codes read 1, 2, 4 or 8 to a load (the kernels' ``code_bytes``; tk.CODE_BYTES default)
-            fmts = ["bf16"] + [f"fp8, {cb} B/load" for cb in args.kv_code_bytes]
+            caches = {"bf16": (kv, None), "fp8": (codes, tk.QuantizedKV("fp8", scales))}
+            if "int" in args.kv_kernel_formats:      # timing only: random codes on random grids (the tests check
+                u8 = lambda *shape: torch.randint(0, 256, shape, dtype=torch.uint8, device="cuda")  # noqa: E731
+                grids = dict(key_grid=0.01 * torch.randn(nblk, 2, HKV, D, device="cuda").half(),   # the values)
+                             value_grid=0.01 * torch.randn(nblk, 2, BS, HKV, device="cuda").half())
+                caches["int8"] = (u8(2, nblk, BS, HKV, D), tk.QuantizedKV("int8", **grids))
+                sal = torch.tensor([3, 9], dtype=torch.uint8, device="cuda")[None, :, None].expand(nblk, 2, HKV)
+                caches["int4+2 salient"] = (u8(2, nblk, BS, HKV, D // 2), tk.QuantizedKV(
+                    "int4", **grids, salient=sal.contiguous(), residual=u8(2, nblk, 2, HKV, D // 2)))
+            # each quantized format with its codes read 1, 2, 4 or 8 bytes to a load (the kernels' ``code_bytes``)
+            fmts = ["bf16"] + [f"{f}, {cb} B/load" for f in caches if f != "bf16" for cb in args.kv_code_bytes]
             outs = {f: torch.empty_like(q) for f in fmts}
 
             def call(f):
-                if f == "bf16":
-                    return lambda: tk.paged_decode_attention(q, kv, tables, seq_lens, qsl, pos, D ** -0.5,
-                                                             max_seq_len=ctx, out=outs[f])
-                cb = int(f.split(", ")[1].split()[0])
-                return lambda: tk.paged_decode_attention(q, codes, tables, seq_lens, qsl, pos, D ** -0.5,
-                                                         max_seq_len=ctx, out=outs[f], tune=dict(code_bytes=cb),
-                                                         quant=tk.QuantizedKV("fp8", scales))
-            kv_bytes = {f: 2 * batch * ctx * HKV * (D * 2 if f == "bf16" else D + 2) for f in fmts}
+                name, _, cb = f.partition(", ")
+                cache, quant = caches[name]
+                tune = dict(code_bytes=int(cb.split()[0])) if cb else None
+                return lambda: tk.paged_decode_attention(q, cache, tables, seq_lens, qsl, pos, D ** -0.5,
+                                                         max_seq_len=ctx, out=outs[f], tune=tune, quant=quant)
+
+            def nbytes(f):     # what the kernel reads: codes and what decodes them
+                cache, quant = caches[f.partition(", ")[0]]
+                aux = [getattr(quant, a) for a in ("scales", "key_grid", "value_grid", "salient", "residual")] \
+                    if quant is not None else []
+                return sum(t.numel() * t.element_size() for t in [cache, *aux] if t is not None)
             secs = {f: triton.testing.do_bench(dr.graphed(call(f)), warmup=25, rep=100, return_mode="median")
                     * 1e-3 for f in fmts}
             for f in fmts:
-                err = (outs[f].float() - outs["bf16"].float()).abs().max().item()
+                err = (outs[f].float() - outs["bf16"].float()).abs().max().item() if f.startswith("fp8") else ""
                 rows.append(dict(part="kernel", batch=batch, context=ctx, format=f, us=secs[f] * 1e6,
-                                 **{"KV MB": kv_bytes[f] / 1e6, "GB/s": kv_bytes[f] / secs[f] / 1e9,
-                                    "vs bf16": secs["bf16"] / secs[f], "max |diff|": err if f != "bf16" else ""}))
-            del kv, codes, scales, q, outs
+                                 **{"KV MB": nbytes(f) / 1e6, "GB/s": nbytes(f) / secs[f] / 1e9,
+                                    "vs bf16": secs["bf16"] / secs[f], "max |diff|": err}))
+            del kv, codes, scales, q, outs, caches
             free()
     for name in args.batched_models:
         path, mb, vocab = shape(args, name)
-        for batch in (64, 256):
+        for batch in args.kv_engine_batches:
             res = {}
             for f, kw in (("auto", {}), ("fp8", {}), ("fp8, 256 recent", {"kv_cache_recent_tokens": 256}),
                           ("int8", {}), ("int4", {})):
@@ -552,7 +564,9 @@ def parse_args(argv=None):
     ap.add_argument("--kvfp8-batches", type=ints, default=[1, 16, 64])
     ap.add_argument("--kvfp8-contexts", type=ints, default=[4096, 32768])
     ap.add_argument("--kv-code-bytes", type=ints, default=[1, 8],
-                    help="kvquant: fp8 codes per load in the kernel rows (1, 2, 4, 8)")
+                    help="kvquant: bytes of codes a load in the kernel rows (1, 2, 4, 8)")
+    ap.add_argument("--kv-engine-batches", type=ints, default=[64, 256])
+    ap.add_argument("--kv-kernel-formats", default="fp8,int", help="kvquant kernel rows: fp8 alone, or also int")
     ap.add_argument("--kv-engine-formats", default="auto;fp8;fp8, 256 recent;int8;int4",
                     help="kvquant: the engine rows' cache formats, separated by ';'")
     args = ap.parse_args(argv)

@@ -375,12 +375,13 @@ def test_int_cache_decode_and_prefill_match_the_reference_decode(fmt, salient, d
     assert (out.cpu().double() - reference(q, kv, meta, scale)).abs().max() > 1e-3      # it is lossy
 
 
-@pytest.mark.parametrize("fmt", ["fp8", "int8"])
-@pytest.mark.parametrize("d", [32, 24, 20])
+@pytest.mark.parametrize("fmt", ["fp8", "int8", "int4", "int4 salient"])
+@pytest.mark.parametrize("d", [32, 24, 20] if not CUDA else [32])      # (on a GPU each variant compiles)
 def test_codes_read_several_to_a_load_decode_the_same(fmt, d):
-    """fp8 and int8 codes loaded 2, 4 or 8 to a word and unpacked in the kernel (``code_bytes``) give the very
-    outputs of loading them one by one, decode and prefill, with head dims that fill a word, pad the tile (24 of
-    32) or do not divide into words (20: read one by one); a wrong unpacking order is far off the reference."""
+    """Quantized codes (fp8, int8, int4 with and without salient tokens' low nibbles) loaded 2, 4 or 8 bytes to a
+    word and unpacked in the kernel (``code_bytes``) give the very outputs of loading them byte by byte, decode and
+    prefill, with head dims that fill a word, pad the tile (24 of 32) or do not divide into words (20: fewer bytes
+    a load); a wrong unpacking order is far off the reference."""
     ctx, qlens = [30, 47, 5], [1, 1, 1]
     outs = {}
     for decode in (True, False):
@@ -390,17 +391,17 @@ def test_codes_read_several_to_a_load_decode_the_same(fmt, d):
             codes, scales, deq = fp8_case(kv)
             quant = tk.QuantizedKV("fp8", scales)
         else:
-            layer, quant, deq = int_case(q, kv, "int8", 0)
+            layer, quant, deq = int_case(q, kv, fmt.split()[0], 2 if "salient" in fmt else 0)
             codes = layer.codes
         scale = d ** -0.5
         ref = reference(q, deq, meta, scale)
-        for cb in (1, 2, 4, 8):
+        for cb in (1, 2, 4, 8) if not CUDA else (1, 2, 8):
             tune = dict(code_bytes=cb)
             out = run_decode(q, codes, meta, scale, num_splits=2, quant=quant, tune=tune) if decode else \
                 run_prefill(q, codes, meta, scale, quant=quant, tune=tune)
             check(out, ref, torch.bfloat16)
             outs[decode, cb] = out
-        for cb in (2, 4, 8):
+        for cb in (2, 4, 8) if not CUDA else (2, 8):
             assert torch.equal(outs[decode, cb], outs[decode, 1]), (decode, cb)
     with pytest.raises(ValueError, match="code_bytes"):
         run_decode(q, codes, meta, scale, quant=quant, tune=dict(code_bytes=3))
@@ -546,8 +547,8 @@ def test_windowed_cache_graph_buffers_under_interpreter(tiny_dir, fmt, extra):
 
     path = tiny_dir("llama")
     rng = random.Random(4)
-    prompts = [[rng.randrange(2, 40) for _ in range(rng.randint(3, 30))] for _ in range(5)]
-    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    prompts = [[rng.randrange(2, 40) for _ in range(rng.randint(3, 30))] for _ in range(3)]
+    params = SamplingParams(temperature=0.0, max_tokens=18, ignore_eos=True)
     spec = {"method": "ngram", "num_speculative_tokens": 3, "adaptive": False}
     kw = dict(dtype="float32", device="cpu", max_model_len=96, speculative_config=spec, attention_backend="triton",
               kv_cache_dtype=fmt, **extra)
@@ -559,7 +560,7 @@ def test_windowed_cache_graph_buffers_under_interpreter(tiny_dir, fmt, extra):
                           capture_graphs=False, trash_block=r.trash_block)
     r.graphs.capture()
     assert set(r.graphs.sealing) == set(r.graphs.graphs)
-    for n in (1, 5):
+    for n in (1, 3):
         want = [o.outputs[0].token_ids for o in ref.generate(prompts[:n], params, use_tqdm=False)]
         got = [o.outputs[0].token_ids for o in llm.generate(prompts[:n], params, use_tqdm=False)]
         assert got == want

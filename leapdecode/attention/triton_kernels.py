@@ -109,18 +109,25 @@ def _load_kv(cache, aux, sal, res, win, kv_off, s_off, w_off, page, o, g, in_win
     salient token (``sal``: each block's offsets per head) 16 * nibble + its low nibble (``res``). A windowed cache
     reads open and recent blocks from its full-precision window instead (``in_win``)."""
     pool = rows[:, None] & dmask[None, :]
-    if QUANT == 3:                                       # int4: two channels a byte, even channel low
+    if QUANT == 3 and CODE_BYTES > 1:                    # int4: 2 * CODE_BYTES channels a load
+        w = tl.arange(0, d.shape[0] // (2 * CODE_BYTES))
+        wmask = rows[:, None] & (w[None, :] * (2 * CODE_BYTES) < HEAD_DIM)
+        word = tl.load(cache + kv_off[:, None] + w[None, :], mask=wmask, other=0)
+        nib = tl.reshape(_unpack_codes(word, QUANT, CODE_BYTES), [word.shape[0], d.shape[0]])
+        u = nib * 17
+        if NSAL > 0:
+            is_sal, idx = _salient_row(sal, page, o, g, rows, HKV, NSAL, NSAL_P2)
+            low = tl.load(res + ((page * NSAL + idx) * HKV + g)[:, None] * (HEAD_DIM // (2 * CODE_BYTES))
+                          + w[None, :], mask=wmask & is_sal[:, None], other=0)
+            low = tl.reshape(_unpack_codes(low, QUANT, CODE_BYTES), [word.shape[0], d.shape[0]])
+            u = tl.where(is_sal[:, None], nib * 16 + low, u)
+    elif QUANT == 3:                                     # int4: two channels a byte, even channel low
         byte = tl.load(cache + kv_off[:, None] + (d[None, :] // 2) * stride_cd, mask=pool, other=0).to(tl.int32)
         shift = (d[None, :] % 2) * 4
         nib = (byte >> shift) & 15
         u = nib * 17
         if NSAL > 0:
-            i = tl.arange(0, NSAL_P2)
-            offs = tl.load(sal + (page[:, None] * NSAL + i[None, :]) * HKV + g,
-                           mask=rows[:, None] & (i[None, :] < NSAL), other=255).to(tl.int32)
-            match = (offs == o[:, None]).to(tl.int32)                       # [BLOCK_N, NSAL_P2]
-            is_sal = tl.max(match, axis=1) > 0
-            idx = tl.argmax(match, axis=1).to(tl.int64)
+            is_sal, idx = _salient_row(sal, page, o, g, rows, HKV, NSAL, NSAL_P2)
             low = tl.load(res + ((page * NSAL + idx) * HKV + g)[:, None] * (HEAD_DIM // 2) + d[None, :] // 2,
                           mask=pool & is_sal[:, None], other=0).to(tl.int32)
             u = tl.where(is_sal[:, None], nib * 16 + ((low >> shift) & 15), u)
@@ -158,30 +165,67 @@ def _load_kv(cache, aux, sal, res, win, kv_off, s_off, w_off, page, o, g, in_win
 
 
 @triton.jit
+def _salient_row(sal, page, o, g, rows, HKV: tl.constexpr, NSAL: tl.constexpr, NSAL_P2: tl.constexpr):
+    """int4: (is each key of the tile one of its block's salient tokens, its index among them)."""
+    i = tl.arange(0, NSAL_P2)
+    offs = tl.load(sal + (page[:, None] * NSAL + i[None, :]) * HKV + g,
+                   mask=rows[:, None] & (i[None, :] < NSAL), other=255).to(tl.int32)
+    match = (offs == o[:, None]).to(tl.int32)                       # [BLOCK_N, NSAL_P2]
+    return tl.max(match, axis=1) > 0, tl.argmax(match, axis=1).to(tl.int64)
+
+
+@triton.jit
 def _code(word, k: tl.constexpr, QUANT: tl.constexpr):
-    """Byte k of each word as the value its code stands for before scaling (fp8: the e4m3 number; int8: 0-255)."""
-    b = ((word >> (8 * k)) & 255).to(tl.uint8)
-    if QUANT == 1:
-        b = b.to(tl.float8e4nv, bitcast=True)
-    return b.to(tl.float32)
+    """Code k of each word: fp8 as its e4m3 number and int8 as 0-255 (float32, bytes), int4 as 0-15 (int32,
+    nibbles; a byte's low nibble first)."""
+    if QUANT == 3:
+        x = ((word >> (4 * k)) & 15).to(tl.int32)
+    else:
+        b = ((word >> (8 * k)) & 255).to(tl.uint8)
+        if QUANT == 1:
+            b = b.to(tl.float8e4nv, bitcast=True)
+        x = b.to(tl.float32)
+    return x
+
+
+@triton.jit
+def _codes2(word, s: tl.constexpr, st: tl.constexpr, QUANT: tl.constexpr):
+    return tl.join(_code(word, s, QUANT), _code(word, s + st, QUANT))
+
+
+@triton.jit
+def _codes4(word, s: tl.constexpr, st: tl.constexpr, QUANT: tl.constexpr):
+    return tl.join(_codes2(word, s, 2 * st, QUANT), _codes2(word, s + st, 2 * st, QUANT))
+
+
+@triton.jit
+def _codes8(word, s: tl.constexpr, st: tl.constexpr, QUANT: tl.constexpr):
+    return tl.join(_codes4(word, s, 2 * st, QUANT), _codes4(word, s + st, 2 * st, QUANT))
+
+
+@triton.jit
+def _codes16(word, s: tl.constexpr, st: tl.constexpr, QUANT: tl.constexpr):
+    return tl.join(_codes8(word, s, 2 * st, QUANT), _codes8(word, s + st, 2 * st, QUANT))
 
 
 @triton.jit
 def _unpack_codes(word, QUANT: tl.constexpr, CODE_BYTES: tl.constexpr):
-    """[..., n] words of CODE_BYTES little-endian codes -> [..., n, CODE_BYTES] float32, code k of a word at k.
-    Why words: loaded a byte at a time, the values' tile reached the matrix units through shared memory one byte
-    a load (no transposing ldmatrix reads 8-bit elements), and the fp8 kernel ran at 0.6-0.7x of bf16's speed on
-    an H200 while reading half the bytes. Joins nest inside out: the first join's axis ends up outermost."""
-    if CODE_BYTES == 2:
-        return tl.join(_code(word, 0, QUANT), _code(word, 1, QUANT))
-    elif CODE_BYTES == 4:
-        return tl.join(tl.join(_code(word, 0, QUANT), _code(word, 2, QUANT)),
-                       tl.join(_code(word, 1, QUANT), _code(word, 3, QUANT)))
+    """[..., n] little-endian words of CODE_BYTES bytes -> [..., n, c] codes (c = CODE_BYTES bytes, or twice as
+    many nibbles for int4), code k of a word at k: ``_codesN(word, s, st)`` holds codes s, s + st, s + 2 st, ...,
+    the last join's axis innermost, so code k lands at k once the axes are flattened. Why words: loaded a byte at a
+    time, the values' tile reached the matrix units through shared memory one byte a load (no transposing
+    ldmatrix reads 8-bit elements), and the fp8 kernel ran at 0.6-0.7x of bf16's speed on an H200 while reading
+    half the bytes."""
+    n: tl.constexpr = CODE_BYTES * (2 if QUANT == 3 else 1)
+    if n == 2:
+        x = _codes2(word, 0, 1, QUANT)
+    elif n == 4:
+        x = _codes4(word, 0, 1, QUANT)
+    elif n == 8:
+        x = _codes8(word, 0, 1, QUANT)
     else:
-        return tl.join(tl.join(tl.join(_code(word, 0, QUANT), _code(word, 4, QUANT)),
-                               tl.join(_code(word, 2, QUANT), _code(word, 6, QUANT))),
-                       tl.join(tl.join(_code(word, 1, QUANT), _code(word, 5, QUANT)),
-                               tl.join(_code(word, 3, QUANT), _code(word, 7, QUANT))))
+        x = _codes16(word, 0, 1, QUANT)
+    return x
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -394,23 +438,28 @@ class QuantizedKV:
 _QUANT = {"auto": AUTO, "fp8": FP8, "int8": INT8, "int4": INT4}
 
 
-CODE_BYTES = 8
-"""fp8 and int8 codes per load in the attention kernels (1, 2, 4 or 8; see ``_unpack_codes``)."""
+CODE_BYTES = 1 if INTERPRETED else 8
+"""Bytes of quantized codes a load in the attention kernels (1, 2, 4 or 8; see ``_unpack_codes``). The CPU
+interpreter reads them byte by byte: its joins made engine tests 3-8x slower, and a test reads words explicitly."""
 _WORD = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
-def _code_views(kv_cache: torch.Tensor, quant: "QuantizedKV | None", code_bytes: int
-                ) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """(keys' pool, values' pool, codes per load) as the kernels read them: fp8 and int8 codes as words of
-    ``code_bytes`` codes where the head dimension divides into them, anything else as it is."""
+def _code_views(kv_cache: torch.Tensor, quant: "QuantizedKV | None", code_bytes: int, pointers: tuple
+                ) -> tuple[torch.Tensor, torch.Tensor, int, tuple]:
+    """(keys' pool, values' pool, bytes a load, ``_quant_args``' pointers) as the kernels read them: quantized
+    codes (and int4's salient low nibbles) as words of ``code_bytes`` bytes where a head's bytes divide into
+    them, anything else as it is."""
     k, v = kv_cache[0], kv_cache[1]
-    if quant is None or quant.fmt not in ("fp8", "int8") or code_bytes == 1:
-        return k, v, 1
     if code_bytes not in _WORD:
         raise ValueError(f"code_bytes must be one of {sorted(_WORD)}, got {code_bytes!r}")
-    if k.shape[-1] % code_bytes or k.stride(-1) != 1 or (k.storage_offset() | v.storage_offset()) % code_bytes:
-        return k, v, 1
-    return k.view(_WORD[code_bytes]), v.view(_WORD[code_bytes]), code_bytes
+    if quant is None or quant.fmt == "auto" or code_bytes == 1 or k.shape[-1] % code_bytes or k.stride(-1) != 1:
+        return k, v, 1, pointers
+    word = _WORD[code_bytes]
+    try:                                     # (a view whose strides or offset do not fall on words fails here)
+        res = pointers[3:5] if pointers[3] is kv_cache else (pointers[3].view(word), pointers[4].view(word))
+        return k.view(word), v.view(word), code_bytes, (*pointers[:3], *res, *pointers[5:])
+    except RuntimeError:                     # (int4's salient low nibbles are laid out like the codes)
+        return k, v, 1, pointers
 
 
 def _quant_args(kv_cache: torch.Tensor, quant: QuantizedKV | None, block_tables: torch.Tensor, head_dim: int):
@@ -497,7 +546,8 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
         num_splits = choose_num_splits(n, hkv, max_seq_len, _num_sms(q.device))
     num_splits = max(1, min(num_splits, triton.cdiv(max_seq_len, 16)))
     cfg = {**decode_tuning(q.dtype, D), **(tune or {})}
-    kc, vc, consts["CODE_BYTES"] = _code_views(kv_cache, quant, cfg.get("code_bytes", CODE_BYTES))
+    kc, vc, consts["CODE_BYTES"], pointers = _code_views(kv_cache, quant, cfg.get("code_bytes", CODE_BYTES),
+                                                         pointers)
     block_n = max(16, min(cfg["block_n"], triton.next_power_of_2(triton.cdiv(max_seq_len, num_splits))))
     block_d = max(16, triton.next_power_of_2(D))
     single = num_splits == 1
@@ -668,7 +718,8 @@ def paged_prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table
     has_tree = tree_mask is not None
     if not has_tree:
         tree_mask = tree_offsets = seq_ids          # unused placeholders
-    kc, vc, consts["CODE_BYTES"] = _code_views(kv_cache, quant, cfg.get("code_bytes", CODE_BYTES))
+    kc, vc, consts["CODE_BYTES"], pointers = _code_views(kv_cache, quant, cfg.get("code_bytes", CODE_BYTES),
+                                                         pointers)
     grid = (triton.cdiv(max_query_len, tokens_per_tile), n, hkv)
     _prefill_kernel[grid](
         q, kc, vc, *pointers, block_tables, seq_lens, query_start_loc, positions, seq_ids,
