@@ -438,9 +438,13 @@ class QuantizedKV:
 _QUANT = {"auto": AUTO, "fp8": FP8, "int8": INT8, "int4": INT4}
 
 
-CODE_BYTES = 1 if INTERPRETED else 8
-"""Bytes of quantized codes a load in the attention kernels (1, 2, 4 or 8; see ``_unpack_codes``). The CPU
-interpreter reads them byte by byte: its joins made engine tests 3-8x slower, and a test reads words explicitly."""
+def default_code_bytes(head_dim: int) -> int:
+    """Bytes of quantized codes a load in the attention kernels (1, 2, 4 or 8; see ``_unpack_codes``), measured
+    on an H200 (benchmarks/README.md): at head_dim 128 eight a load made the decode kernel 1.15-1.27x faster for
+    fp8 and int8 and 2.1-2.4x for int4 with salient tokens (batch 1-64, 4k-32k keys); at head_dim 64 (Llama-3.2-1B,
+    batch 64/256, 2k keys) the engine's fp8 decode went from 0.92x to 0.76x of bf16's with them, so smaller heads
+    read bytes. So does the CPU interpreter (its joins made engine tests 3-8x slower; a test reads words)."""
+    return 8 if head_dim >= 128 and not INTERPRETED else 1
 _WORD = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
@@ -546,8 +550,8 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
         num_splits = choose_num_splits(n, hkv, max_seq_len, _num_sms(q.device))
     num_splits = max(1, min(num_splits, triton.cdiv(max_seq_len, 16)))
     cfg = {**decode_tuning(q.dtype, D), **(tune or {})}
-    kc, vc, consts["CODE_BYTES"], pointers = _code_views(kv_cache, quant, cfg.get("code_bytes", CODE_BYTES),
-                                                         pointers)
+    kc, vc, consts["CODE_BYTES"], pointers = _code_views(kv_cache, quant,
+                                                         cfg.get("code_bytes", default_code_bytes(D)), pointers)
     block_n = max(16, min(cfg["block_n"], triton.next_power_of_2(triton.cdiv(max_seq_len, num_splits))))
     block_d = max(16, triton.next_power_of_2(D))
     single = num_splits == 1
@@ -718,8 +722,8 @@ def paged_prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table
     has_tree = tree_mask is not None
     if not has_tree:
         tree_mask = tree_offsets = seq_ids          # unused placeholders
-    kc, vc, consts["CODE_BYTES"], pointers = _code_views(kv_cache, quant, cfg.get("code_bytes", CODE_BYTES),
-                                                         pointers)
+    kc, vc, consts["CODE_BYTES"], pointers = _code_views(kv_cache, quant,
+                                                         cfg.get("code_bytes", default_code_bytes(D)), pointers)
     grid = (triton.cdiv(max_query_len, tokens_per_tile), n, hkv)
     _prefill_kernel[grid](
         q, kc, vc, *pointers, block_tables, seq_lens, query_start_loc, positions, seq_ids,
