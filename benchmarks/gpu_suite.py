@@ -27,11 +27,12 @@ spec     Speculative decoding on the GPU with the embedded real model (leapdecod
          64 (at least --spec-prompts prompts; batch 1 runs them one at a time): tokens/s of each method over plain
          decoding in the same run (the adaptive controller's choice, and always drafting k = 4), with
          accepted/drafted tokens. Warm-up over every prompt first; each timed run starts from empty drafter caches.
-kvquant  Quantized KV caches (dequantized inside the Triton kernels) beside bf16: the fp8 decode kernel alone
-         (Llama-3-8B heads, --kvfp8-batches x --kvfp8-contexts, CUDA graphs) and the engine's batched decode
-         (--batched-models, batch 64 and 256, 2048-token prompts) for fp8, fp8 with 256 recent tokens, int8 and
-         int4 (the windowed ones run eager steps): us / tok/s, K/V bytes, speed-up, the largest difference of the
-         kernel's output from bf16's, bytes per token.
+kvquant  Quantized KV caches (dequantized inside the Triton kernels) beside bf16: the decode kernel alone for fp8,
+         int8 and int4 with 2 salient tokens (--kv-kernel-formats), each reading --kv-code-bytes bytes of codes a
+         load (Llama-3-8B heads, --kvfp8-batches x --kvfp8-contexts, CUDA graphs) and the engine's batched decode
+         (--batched-models, --kv-engine-batches, 2048-token prompts) for --kv-engine-formats (fp8, fp8 with 256
+         recent tokens, int8, int4): us / tok/s, bytes read, speed-up, the largest difference of the fp8 kernel's
+         output from bf16's, bytes per token.
 
 Nothing is asserted here: correctness is the GPU tests' job.
 """
