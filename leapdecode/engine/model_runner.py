@@ -9,6 +9,7 @@ forward, its own KV heads in its own pool; rank 0 gets the logits (the others ge
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Callable
 
@@ -26,6 +27,8 @@ from leapdecode.model.loader import load_model
 from leapdecode.model.int4_linear import quantize_model
 from leapdecode.model.packed_linear import pack_model
 from leapdecode.model.parallel_layers import head_shard
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from leapdecode.attention.sparse import SparseAttention
@@ -92,7 +95,14 @@ class ModelRunner:
         graphs = CudaGraphs(self.model, self.backend, self.device, self.block_size, self.max_model_len,
                             self.model_cfg.sliding_window, min(cfg.max_graph_batch, cfg.max_num_seqs), query_lens,
                             trash_block=self.trash_block)
-        graphs.capture()
+        try:
+            graphs.capture()
+        except Exception:    # noqa: BLE001 - a windowed cache's sealing graphs are newer: eager beats no engine
+            if self.trash_block is None:
+                raise
+            log.exception("capturing the windowed KV cache's CUDA graphs failed; its steps run eagerly")
+            torch.cuda.synchronize(self.device)
+            return None
         return graphs
 
     @property
