@@ -405,6 +405,8 @@ def test_codes_read_several_to_a_load_decode_the_same(fmt, d):
             assert torch.equal(outs[decode, cb], outs[decode, 1]), (decode, cb)
     with pytest.raises(ValueError, match="code_bytes"):
         run_decode(q, codes, meta, scale, quant=quant, tune=dict(code_bytes=3))
+    odd = torch.zeros(2, 3, 16, 2, 33, dtype=torch.uint8)[..., 1:]      # words would straddle 8-byte boundaries:
+    assert tk._code_views(odd, quant, 8, (odd,) * 8)[2] == 1              # read byte by byte, not refused
 
 
 def test_fp8_backend_writes_like_the_reference_and_attends():
