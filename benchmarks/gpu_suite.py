@@ -29,10 +29,10 @@ spec     Speculative decoding on the GPU with the embedded real model (leapdecod
          accepted/drafted tokens. Warm-up over every prompt first; each timed run starts from empty drafter caches.
 kvquant  Quantized KV caches (dequantized inside the Triton kernels) beside bf16: the decode kernel alone for fp8,
          int8 and int4 with 2 salient tokens (--kv-kernel-formats), each reading --kv-code-bytes bytes of codes a
-         load (Llama-3-8B heads, --kvfp8-batches x --kvfp8-contexts, CUDA graphs) and the engine's batched decode
-         (--batched-models, --kv-engine-batches, 2048-token prompts) for --kv-engine-formats (fp8, fp8 with 256
-         recent tokens, int8, int4): us / tok/s, bytes read, speed-up, the largest difference of the fp8 kernel's
-         output from bf16's, bytes per token.
+         load (32 q / 8 kv heads of --kv-head-dims, --kvfp8-batches x --kvfp8-contexts, CUDA graphs) and the
+         engine's batched decode (--batched-models, --kv-engine-batches, 2048-token prompts) for
+         --kv-engine-formats (fp8, fp8 with 256 recent tokens, int8, int4): us / tok/s, bytes read, speed-up, the
+         largest difference of the fp8 kernel's output from bf16's, bytes per token.
 
 Nothing is asserted here: correctness is the GPU tests' job.
 """
@@ -306,52 +306,53 @@ def section_kvquant(args, rep: Report, copy_bw: float) -> None:
 
     from leapdecode.attention import kv_quant as kq
     from leapdecode.attention import triton_kernels as tk
-    H, HKV, D, BS = 32, 8, 128, 16
+    H, HKV, BS = 32, 8, 16      # Llama-3-8B / Llama-3.2-1B heads: head_dim 128 / 64
     rows = []
-    for batch in args.kvfp8_batches:
-        for ctx in args.kvfp8_contexts:
-            nblk = batch * (-(-ctx // BS))
-            kv = torch.randn(2, nblk, BS, HKV, D, dtype=torch.bfloat16, device="cuda")
-            codes, scales = kq.fp8_quantize(kv)
-            tables = torch.randperm(nblk, device="cuda", dtype=torch.int64).to(torch.int32).view(batch, -1)
-            seq_lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
-            qsl = torch.arange(batch + 1, dtype=torch.int32, device="cuda")
-            pos = torch.full((batch,), ctx - 1, dtype=torch.int64, device="cuda")
-            q = torch.randn(batch, H, D, dtype=torch.bfloat16, device="cuda")
-            caches = {"bf16": (kv, None), "fp8": (codes, tk.QuantizedKV("fp8", scales))}
-            if "int" in args.kv_kernel_formats:      # timing only: random codes on random grids (the tests check
-                u8 = lambda *shape: torch.randint(0, 256, shape, dtype=torch.uint8, device="cuda")  # noqa: E731
-                grids = dict(key_grid=0.01 * torch.randn(nblk, 2, HKV, D, device="cuda").half(),   # the values)
-                             value_grid=0.01 * torch.randn(nblk, 2, BS, HKV, device="cuda").half())
-                caches["int8"] = (u8(2, nblk, BS, HKV, D), tk.QuantizedKV("int8", **grids))
-                sal = torch.tensor([3, 9], dtype=torch.uint8, device="cuda")[None, :, None].expand(nblk, 2, HKV)
-                caches["int4+2 salient"] = (u8(2, nblk, BS, HKV, D // 2), tk.QuantizedKV(
-                    "int4", **grids, salient=sal.contiguous(), residual=u8(2, nblk, 2, HKV, D // 2)))
-            # each quantized format with its codes read 1, 2, 4 or 8 bytes to a load (the kernels' ``code_bytes``)
-            fmts = ["bf16"] + [f"{f}, {cb} B/load" for f in caches if f != "bf16" for cb in args.kv_code_bytes]
-            outs = {f: torch.empty_like(q) for f in fmts}
+    for D in args.kv_head_dims:
+        for batch in args.kvfp8_batches:
+            for ctx in args.kvfp8_contexts:
+                nblk = batch * (-(-ctx // BS))
+                kv = torch.randn(2, nblk, BS, HKV, D, dtype=torch.bfloat16, device="cuda")
+                codes, scales = kq.fp8_quantize(kv)
+                tables = torch.randperm(nblk, device="cuda", dtype=torch.int64).to(torch.int32).view(batch, -1)
+                seq_lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
+                qsl = torch.arange(batch + 1, dtype=torch.int32, device="cuda")
+                pos = torch.full((batch,), ctx - 1, dtype=torch.int64, device="cuda")
+                q = torch.randn(batch, H, D, dtype=torch.bfloat16, device="cuda")
+                caches = {"bf16": (kv, None), "fp8": (codes, tk.QuantizedKV("fp8", scales))}
+                if "int" in args.kv_kernel_formats:      # timing only: random codes on random grids (the tests check
+                    u8 = lambda *shape: torch.randint(0, 256, shape, dtype=torch.uint8, device="cuda")  # noqa: E731
+                    grids = dict(key_grid=0.01 * torch.randn(nblk, 2, HKV, D, device="cuda").half(),   # the values)
+                                 value_grid=0.01 * torch.randn(nblk, 2, BS, HKV, device="cuda").half())
+                    caches["int8"] = (u8(2, nblk, BS, HKV, D), tk.QuantizedKV("int8", **grids))
+                    sal = torch.tensor([3, 9], dtype=torch.uint8, device="cuda")[None, :, None].expand(nblk, 2, HKV)
+                    caches["int4+2 salient"] = (u8(2, nblk, BS, HKV, D // 2), tk.QuantizedKV(
+                        "int4", **grids, salient=sal.contiguous(), residual=u8(2, nblk, 2, HKV, D // 2)))
+                # each quantized format with its codes read 1, 2, 4 or 8 bytes to a load (the kernels' ``code_bytes``)
+                fmts = ["bf16"] + [f"{f}, {cb} B/load" for f in caches if f != "bf16" for cb in args.kv_code_bytes]
+                outs = {f: torch.empty_like(q) for f in fmts}
 
-            def call(f):
-                name, _, cb = f.partition(", ")
-                cache, quant = caches[name]
-                tune = dict(code_bytes=int(cb.split()[0])) if cb else None
-                return lambda: tk.paged_decode_attention(q, cache, tables, seq_lens, qsl, pos, D ** -0.5,
-                                                         max_seq_len=ctx, out=outs[f], tune=tune, quant=quant)
+                def call(f):
+                    name, _, cb = f.partition(", ")
+                    cache, quant = caches[name]
+                    tune = dict(code_bytes=int(cb.split()[0])) if cb else None
+                    return lambda: tk.paged_decode_attention(q, cache, tables, seq_lens, qsl, pos, D ** -0.5,
+                                                             max_seq_len=ctx, out=outs[f], tune=tune, quant=quant)
 
-            def nbytes(f):     # what the kernel reads: codes and what decodes them
-                cache, quant = caches[f.partition(", ")[0]]
-                aux = [getattr(quant, a) for a in ("scales", "key_grid", "value_grid", "salient", "residual")] \
-                    if quant is not None else []
-                return sum(t.numel() * t.element_size() for t in [cache, *aux] if t is not None)
-            secs = {f: triton.testing.do_bench(dr.graphed(call(f)), warmup=25, rep=100, return_mode="median")
-                    * 1e-3 for f in fmts}
-            for f in fmts:
-                err = (outs[f].float() - outs["bf16"].float()).abs().max().item() if f.startswith("fp8") else ""
-                rows.append(dict(part="kernel", batch=batch, context=ctx, format=f, us=secs[f] * 1e6,
-                                 **{"KV MB": nbytes(f) / 1e6, "GB/s": nbytes(f) / secs[f] / 1e9,
-                                    "vs bf16": secs["bf16"] / secs[f], "max |diff|": err}))
-            del kv, codes, scales, q, outs, caches
-            free()
+                def nbytes(f):     # what the kernel reads: codes and what decodes them
+                    cache, quant = caches[f.partition(", ")[0]]
+                    aux = [getattr(quant, a) for a in ("scales", "key_grid", "value_grid", "salient", "residual")] \
+                        if quant is not None else []
+                    return sum(t.numel() * t.element_size() for t in [cache, *aux] if t is not None)
+                secs = {f: triton.testing.do_bench(dr.graphed(call(f)), warmup=25, rep=100, return_mode="median")
+                        * 1e-3 for f in fmts}
+                for f in fmts:
+                    err = (outs[f].float() - outs["bf16"].float()).abs().max().item() if f.startswith("fp8") else ""
+                    rows.append(dict(part=f"kernel, head_dim {D}", batch=batch, context=ctx, format=f, us=secs[f] * 1e6,
+                                     **{"KV MB": nbytes(f) / 1e6, "GB/s": nbytes(f) / secs[f] / 1e9,
+                                        "vs bf16": secs["bf16"] / secs[f], "max |diff|": err}))
+                del kv, codes, scales, q, outs, caches
+                free()
     for name in args.batched_models:
         path, mb, vocab = shape(args, name)
         for batch in args.kv_engine_batches:
@@ -373,7 +374,7 @@ def section_kvquant(args, rep: Report, copy_bw: float) -> None:
                 rows.append(dict(part=f"engine {name} ({backend})", batch=batch, context=2048, format=f,
                                  us=s * 1e6, **{"tok/s": batch / s, "bytes/token": bpt,
                                                 "vs bf16": res["auto"][0] / s if "auto" in res else ""}))
-    rep.table("kvquant", "Quantized KV caches vs bf16: fp8 decode kernel (Llama-3-8B heads), batched engine decode",
+    rep.table("kvquant", "Quantized KV caches vs bf16: decode kernel (32 q / 8 kv heads), batched engine decode",
               ["part", "batch", "context", "format", "us", "KV MB", "GB/s", "tok/s", "bytes/token", "vs bf16",
                "max |diff|"], rows)
 
@@ -567,6 +568,7 @@ def parse_args(argv=None):
     ap.add_argument("--kv-code-bytes", type=ints, default=[1, 8],
                     help="kvquant: bytes of codes a load in the kernel rows (1, 2, 4, 8)")
     ap.add_argument("--kv-engine-batches", type=ints, default=[64, 256])
+    ap.add_argument("--kv-head-dims", type=ints, default=[128, 64], help="kvquant kernel rows: head dims")
     ap.add_argument("--kv-kernel-formats", default="fp8,int", help="kvquant kernel rows: fp8 alone, or also int")
     ap.add_argument("--kv-engine-formats", default="auto;fp8;fp8, 256 recent;int8;int4",
                     help="kvquant: the engine rows' cache formats, separated by ';'")
