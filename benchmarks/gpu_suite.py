@@ -330,12 +330,15 @@ def section_kvquant(args, rep: Report, copy_bw: float) -> None:
                         "int4", **grids, salient=sal.contiguous(), residual=u8(2, nblk, 2, HKV, D // 2)))
                 # each quantized format with its codes read 1, 2, 4 or 8 bytes to a load (the kernels' ``code_bytes``)
                 fmts = ["bf16"] + [f"{f}, {cb} B/load" for f in caches if f != "bf16" for cb in args.kv_code_bytes]
+                if args.kv_grid_per_block:          # int keys' grids loaded once per block (tk.GRID_PER_BLOCK)
+                    fmts += [f"{f}, {cb} B/load, grids per block" for f in caches if f.startswith("int")
+                             for cb in args.kv_code_bytes]
                 outs = {f: torch.empty_like(q) for f in fmts}
 
                 def call(f):
                     name, _, cb = f.partition(", ")
                     cache, quant = caches[name]
-                    tune = dict(code_bytes=int(cb.split()[0])) if cb else None
+                    tune = dict(code_bytes=int(cb.split()[0]), grid_per_block="grids" in cb) if cb else None
                     return lambda: tk.paged_decode_attention(q, cache, tables, seq_lens, qsl, pos, D ** -0.5,
                                                              max_seq_len=ctx, out=outs[f], tune=tune, quant=quant)
 
@@ -569,6 +572,8 @@ def parse_args(argv=None):
                     help="kvquant: bytes of codes a load in the kernel rows (1, 2, 4, 8)")
     ap.add_argument("--kv-engine-batches", type=ints, default=[64, 256])
     ap.add_argument("--kv-head-dims", type=ints, default=[128, 64], help="kvquant kernel rows: head dims")
+    ap.add_argument("--kv-grid-per-block", action="store_true",
+                    help="kvquant: also int rows with the keys' grids loaded once per block")
     ap.add_argument("--kv-kernel-formats", default="fp8,int", help="kvquant kernel rows: fp8 alone, or also int")
     ap.add_argument("--kv-engine-formats", default="auto;fp8;fp8, 256 recent;int8;int4",
                     help="kvquant: the engine rows' cache formats, separated by ';'")

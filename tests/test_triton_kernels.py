@@ -409,6 +409,41 @@ def test_codes_read_several_to_a_load_decode_the_same(fmt, d):
     assert tk._code_views(odd, quant, 8, (odd,) * 8)[2] == 1              # read byte by byte, not refused
 
 
+@pytest.mark.parametrize("fmt", ["int8", "int4 salient"])
+def test_key_grids_loaded_per_block_decode_the_same(fmt, monkeypatch):
+    """int8/int4 keys' per-channel grids loaded once per block of a tile and broadcast (``grid_per_block``) give
+    the very outputs of loading them per key: decode (tiles of whole blocks; with a sliding window it keeps the
+    per-key loads) and prefill; a broadcast that crossed blocks would be far off the reference."""
+    launched = []
+
+    class Spy:                       # what each launch was told (the outputs alone cannot show the path taken)
+        def __init__(self, kernel):
+            self.kernel = kernel
+
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                launched.append(kwargs["GRID_BLOCKS"])
+                return self.kernel[grid](*args, **kwargs)
+            return launch
+    for name in ("_decode_partial_kernel", "_prefill_kernel"):
+        monkeypatch.setattr(tk, name, Spy(getattr(tk, name)))
+    for decode, window in ((True, None), (True, 20), (False, None)):
+        launched.clear()
+        q, kv, meta = make_case(51 + decode, [30, 47, 5], [1, 1, 1] if decode else [3, 1, 6], 2, 2, 32, 16,
+                                torch.float32, window, trees=() if decode else (0,))
+        layer, quant, deq = int_case(q, kv, fmt.split()[0], 2 if "salient" in fmt else 0)
+        scale = 32 ** -0.5
+        outs = []
+        for per_block in (False, True):
+            tune = dict(grid_per_block=per_block, block_n=32)      # (tiles of two 16-key blocks)
+            out = run_decode(q, layer.codes, meta, scale, num_splits=2, quant=quant, tune=tune) if decode else \
+                run_prefill(q, layer.codes, meta, scale, quant=quant, tune=tune)
+            check(out, reference(q, deq, meta, scale), torch.float32)
+            outs.append(out)
+        assert torch.equal(outs[0], outs[1]), (decode, window)
+        assert launched == [False, window is None], (decode, window)
+
+
 def test_fp8_backend_writes_like_the_reference_and_attends():
     """TritonAttention on an ``Fp8Layer``: the write stores the reference quantizer's codes and scales at the slots
     (padding slots nowhere), and attention equals the torch backend's on the same cache."""
@@ -673,6 +708,10 @@ int4 = tk.QuantizedKV("int4", **grids, salient=torch.empty(64, 2, 8, dtype=torch
                       residual=torch.empty(2, 64, 2, 8, 64, dtype=torch.uint8))
 tk.paged_decode_attention(q, codes[..., :64], bt, sl, qsl, pos, 0.1, max_seq_len=4000, num_splits=1, quant=int4)
 tk.paged_prefill_attention(q, codes[..., :64], bt, sl, qsl, pos, 0.1, max_query_len=5, quant=int4)
+per_block = dict(grid_per_block=True)                                     # keys' grids once per block
+tk.paged_decode_attention(q, codes, bt, sl, qsl, pos, 0.1, max_seq_len=4000, num_splits=8,
+                          quant=tk.QuantizedKV("int8", **grids), tune=per_block)
+tk.paged_prefill_attention(q, codes[..., :64], bt, sl, qsl, pos, 0.1, max_query_len=5, quant=int4, tune=per_block)
 for kern, args, kw in launches:
     opts = {k: kw.pop(k) for k in ("num_warps", "num_stages") if k in kw}
     sig, const = {}, {}
@@ -701,7 +740,7 @@ def test_kernels_compile_for_sm90_without_a_gpu(tmp_path):
     if r.returncode and ("ImportError" in r.stderr or "TypeError" in r.stderr) and "compiled" not in r.stdout:
         pytest.skip(f"this triton's AOT compile API differs: {r.stderr.strip().splitlines()[-1]}")
     assert r.returncode == 0, r.stderr[-3000:]
-    assert r.stdout.count("compiled") == 18
+    assert r.stdout.count("compiled") == 21
 
 
 # -- on a GPU, compiled, at real sizes -------------------------------------------------------------------------

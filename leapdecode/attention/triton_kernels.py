@@ -72,7 +72,8 @@ def _kv_tile(k_cache, v_cache, k_aux, v_aux, sal, k_res, v_res, k_win, v_win, kv
              d, dmask, stride_cb, stride_cs, stride_ch, stride_cd, stride_sb, stride_ss, stride_sh,
              stride_wb, stride_ws, stride_wh, stride_wd, stride_kw, like,
              BLOCK_SIZE: tl.constexpr, HKV: tl.constexpr, HEAD_DIM: tl.constexpr, QUANT: tl.constexpr,
-             NSAL: tl.constexpr, NSAL_P2: tl.constexpr, WINDOWED: tl.constexpr, CODE_BYTES: tl.constexpr):
+             NSAL: tl.constexpr, NSAL_P2: tl.constexpr, WINDOWED: tl.constexpr, CODE_BYTES: tl.constexpr,
+             GRID_BLOCKS: tl.constexpr):
     """Keys and values [BLOCK_N, BLOCK_D] of kv head g at the sequence's key indices j, through its block table
     row: from the pool (dequantized as the format says), or for a windowed cache, where the step's ``kv_window``
     names a window block (open and recent blocks), from the full-precision window."""
@@ -90,10 +91,10 @@ def _kv_tile(k_cache, v_cache, k_aux, v_aux, sal, k_res, v_res, k_win, v_win, kv
     rows = jmask & ~in_win                              # keys read from the pool
     k = _load_kv(k_cache, k_aux, sal, k_res, k_win, kv_off, s_off, w_off, page, o, g, in_win, rows, d, dmask,
                  stride_cd, stride_wd, like, True, BLOCK_SIZE, HKV, HEAD_DIM, QUANT, NSAL, NSAL_P2, WINDOWED,
-                 CODE_BYTES)
+                 CODE_BYTES, GRID_BLOCKS)
     v = _load_kv(v_cache, v_aux, sal, v_res, v_win, kv_off, s_off, w_off, page, o, g, in_win, rows, d, dmask,
                  stride_cd, stride_wd, like, False, BLOCK_SIZE, HKV, HEAD_DIM, QUANT, NSAL, NSAL_P2, WINDOWED,
-                 CODE_BYTES)
+                 CODE_BYTES, GRID_BLOCKS)
     return k, v
 
 
@@ -101,7 +102,7 @@ def _kv_tile(k_cache, v_cache, k_aux, v_aux, sal, k_res, v_res, k_win, v_win, kv
 def _load_kv(cache, aux, sal, res, win, kv_off, s_off, w_off, page, o, g, in_win, rows, d, dmask, stride_cd,
              stride_wd, like, IS_KEY: tl.constexpr, BLOCK_SIZE: tl.constexpr, HKV: tl.constexpr,
              HEAD_DIM: tl.constexpr, QUANT: tl.constexpr, NSAL: tl.constexpr, NSAL_P2: tl.constexpr,
-             WINDOWED: tl.constexpr, CODE_BYTES: tl.constexpr):
+             WINDOWED: tl.constexpr, CODE_BYTES: tl.constexpr, GRID_BLOCKS: tl.constexpr):
     """A [BLOCK_N, BLOCK_D] tile of keys (``IS_KEY``) or values in the dtype of the pointer ``like`` (the
     queries'), decoded as ``kv_quant`` decodes, in float32 and rounded once to the model's dtype: fp8 = code *
     per-token scale (``aux``: the scales); int8/int4 = zero + step * unit, on the keys' per-channel or the values'
@@ -145,7 +146,16 @@ def _load_kv(cache, aux, sal, res, win, kv_off, s_off, w_off, page, o, g, in_win
         x = u.to(tl.float32) * sc[:, None]
     elif QUANT >= 2:
         u = u.to(tl.float32)
-        if IS_KEY:                                       # [blocks, 2, HKV, HEAD_DIM]: per channel
+        if IS_KEY and GRID_BLOCKS:                       # the tile is whole blocks: each block's grid loaded once
+            nb: tl.constexpr = page.shape[0] // BLOCK_SIZE
+            pb = tl.max(tl.reshape(page, [nb, BLOCK_SIZE]), axis=1)      # (masked keys read page 0: max skips it)
+            at = ((pb * 2) * HKV + g)[:, None] * HEAD_DIM + d[None, :]
+            z = tl.load(aux + at, mask=dmask[None, :], other=0.0).to(tl.float32)
+            st = tl.load(aux + at + HKV * HEAD_DIM, mask=dmask[None, :], other=0.0).to(tl.float32)
+            z = tl.reshape(tl.broadcast_to(z[:, None, :], [nb, BLOCK_SIZE, d.shape[0]]), [page.shape[0], d.shape[0]])
+            st = tl.reshape(tl.broadcast_to(st[:, None, :], [nb, BLOCK_SIZE, d.shape[0]]),
+                            [page.shape[0], d.shape[0]])
+        elif IS_KEY:                                     # [blocks, 2, HKV, HEAD_DIM]: per channel, per key
             at = ((page * 2) * HKV + g)[:, None] * HEAD_DIM + d[None, :]
             z = tl.load(aux + at, mask=pool, other=0.0).to(tl.float32)
             st = tl.load(aux + at + HKV * HEAD_DIM, mask=pool, other=0.0).to(tl.float32)
@@ -290,7 +300,7 @@ def _decode_partial_kernel(
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     HAS_WINDOW: tl.constexpr, SINGLE_SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
     HKV: tl.constexpr, QUANT: tl.constexpr, NSAL: tl.constexpr, NSAL_P2: tl.constexpr, WINDOWED: tl.constexpr,
-    CODE_BYTES: tl.constexpr,
+    CODE_BYTES: tl.constexpr, GRID_BLOCKS: tl.constexpr,
 ):
     """Program (i, kv head g, slice s): the query heads of group g of decode row i against keys of slice s.
 
@@ -330,7 +340,7 @@ def _decode_partial_kernel(
         k, v = _kv_tile(k_cache, v_cache, k_aux, v_aux, sal, k_res, v_res, k_win, v_win, kv_window, bt_row, b, g, j,
                         jmask, d, dmask, stride_cb, stride_cs, stride_ch, stride_cd, stride_sb, stride_ss, stride_sh,
                         stride_wb, stride_ws, stride_wh, stride_wd, stride_kw, q_ptr,
-                        BLOCK_SIZE, HKV, HEAD_DIM, QUANT, NSAL, NSAL_P2, WINDOWED, CODE_BYTES)
+                        BLOCK_SIZE, HKV, HEAD_DIM, QUANT, NSAL, NSAL_P2, WINDOWED, CODE_BYTES, GRID_BLOCKS)
         qk = _mma(q, tl.trans(k), DOT_PRECISION, UPCAST_DOT) * scale_log2       # [BLOCK_H, BLOCK_N]
         visible = jmask & ((j <= p) | (j == ctx))       # (the window is applied by starting at lo)
         qk = tl.where(visible[None, :], qk, float("-inf"))
@@ -450,6 +460,12 @@ def default_code_bytes(head_dim: int) -> int:
 
 _WORD = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
+GRID_PER_BLOCK = False
+"""int8/int4 keys: load each block's per-channel grid once per tile and broadcast it (``tune["grid_per_block"]``)
+where a tile's keys are whole blocks, instead of once per key. The same values bit for bit; off by default until
+timed on a GPU: per key, the grid tiles (4 bytes a key and channel) took ~64 KB of the int8 decode kernel's ~86 KB
+of shared memory in the sm_90 build (2 blocks of 128 threads an SM)."""
+
 
 def _code_views(kv_cache: torch.Tensor, quant: "QuantizedKV | None", code_bytes: int, pointers: tuple
                 ) -> tuple[torch.Tensor, torch.Tensor, int, tuple]:
@@ -556,6 +572,9 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
     kc, vc, consts["CODE_BYTES"], pointers = _code_views(kv_cache, quant,
                                                          cfg.get("code_bytes", default_code_bytes(D)), pointers)
     block_n = max(16, min(cfg["block_n"], triton.next_power_of_2(triton.cdiv(max_seq_len, num_splits))))
+    # (a decode window starts its keys anywhere: tiles are whole blocks only without one)
+    consts["GRID_BLOCKS"] = bool(cfg.get("grid_per_block", GRID_PER_BLOCK) and block_n % block_size == 0
+                                 and not sliding_window)
     block_d = max(16, triton.next_power_of_2(D))
     single = num_splits == 1
     if single:
@@ -600,7 +619,7 @@ def _prefill_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_TREE: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
     HKV: tl.constexpr, QUANT: tl.constexpr, NSAL: tl.constexpr, NSAL_P2: tl.constexpr, WINDOWED: tl.constexpr,
-    CODE_BYTES: tl.constexpr,
+    CODE_BYTES: tl.constexpr, GRID_BLOCKS: tl.constexpr,
 ):
     """Program (tile t, sequence i, kv head g): rows are (query token, head of group g) pairs, token-major, so
     BLOCK_M // GROUP consecutive query tokens share each K/V tile (GQA reads K/V once per kv head).
@@ -652,7 +671,7 @@ def _prefill_kernel(
         k, v = _kv_tile(k_cache, v_cache, k_aux, v_aux, sal, k_res, v_res, k_win, v_win, kv_window, bt_row, b, g, j,
                         jmask, d, dmask, stride_cb, stride_cs, stride_ch, stride_cd, stride_sb, stride_ss, stride_sh,
                         stride_wb, stride_ws, stride_wh, stride_wd, stride_kw, q_ptr,
-                        BLOCK_SIZE, HKV, HEAD_DIM, QUANT, NSAL, NSAL_P2, WINDOWED, CODE_BYTES)
+                        BLOCK_SIZE, HKV, HEAD_DIM, QUANT, NSAL, NSAL_P2, WINDOWED, CODE_BYTES, GRID_BLOCKS)
         qk = _mma(q, tl.trans(k), DOT_PRECISION, UPCAST_DOT) * scale_log2       # [BLOCK_M, BLOCK_N]
 
         is_new = j >= ctx                                # this step's keys carry their token's position
@@ -727,6 +746,7 @@ def paged_prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table
         tree_mask = tree_offsets = seq_ids          # unused placeholders
     kc, vc, consts["CODE_BYTES"], pointers = _code_views(kv_cache, quant,
                                                          cfg.get("code_bytes", default_code_bytes(D)), pointers)
+    consts["GRID_BLOCKS"] = bool(cfg.get("grid_per_block", GRID_PER_BLOCK) and block_n % block_size == 0)
     grid = (triton.cdiv(max_query_len, tokens_per_tile), n, hkv)
     _prefill_kernel[grid](
         q, kc, vc, *pointers, block_tables, seq_lens, query_start_loc, positions, seq_ids,
