@@ -110,37 +110,15 @@ def _load_kv(cache, aux, sal, res, win, kv_off, s_off, w_off, page, o, g, in_win
     salient token (``sal``: each block's offsets per head) 16 * nibble + its low nibble (``res``). A windowed cache
     reads open and recent blocks from its full-precision window instead (``in_win``)."""
     pool = rows[:, None] & dmask[None, :]
-    if QUANT == 3 and CODE_BYTES > 1:                    # int4: 2 * CODE_BYTES channels a load
-        w = tl.arange(0, d.shape[0] // (2 * CODE_BYTES))
-        wmask = rows[:, None] & (w[None, :] * (2 * CODE_BYTES) < HEAD_DIM)
-        word = tl.load(cache + kv_off[:, None] + w[None, :], mask=wmask, other=0)
-        nib = tl.reshape(_unpack_codes(word, QUANT, CODE_BYTES), [word.shape[0], d.shape[0]])
+    u = _code_tile(cache, kv_off, rows, d, dmask, stride_cd, HEAD_DIM, QUANT, CODE_BYTES)
+    if QUANT == 3:
+        nib = u
         u = nib * 17
         if NSAL > 0:
             is_sal, idx = _salient_row(sal, page, o, g, rows, HKV, NSAL, NSAL_P2)
-            low = tl.load(res + ((page * NSAL + idx) * HKV + g)[:, None] * (HEAD_DIM // (2 * CODE_BYTES))
-                          + w[None, :], mask=wmask & is_sal[:, None], other=0)
-            low = tl.reshape(_unpack_codes(low, QUANT, CODE_BYTES), [word.shape[0], d.shape[0]])
+            low = _code_tile(res, ((page * NSAL + idx) * HKV + g) * (HEAD_DIM // (2 * CODE_BYTES)), rows & is_sal, d,
+                             dmask, 1, HEAD_DIM, QUANT, CODE_BYTES)
             u = tl.where(is_sal[:, None], nib * 16 + low, u)
-    elif QUANT == 3:                                     # int4: two channels a byte, even channel low
-        byte = tl.load(cache + kv_off[:, None] + (d[None, :] // 2) * stride_cd, mask=pool, other=0).to(tl.int32)
-        shift = (d[None, :] % 2) * 4
-        nib = (byte >> shift) & 15
-        u = nib * 17
-        if NSAL > 0:
-            is_sal, idx = _salient_row(sal, page, o, g, rows, HKV, NSAL, NSAL_P2)
-            low = tl.load(res + ((page * NSAL + idx) * HKV + g)[:, None] * (HEAD_DIM // 2) + d[None, :] // 2,
-                          mask=pool & is_sal[:, None], other=0).to(tl.int32)
-            u = tl.where(is_sal[:, None], nib * 16 + ((low >> shift) & 15), u)
-    elif CODE_BYTES > 1:                                 # fp8, int8: CODE_BYTES codes a load (``_code_views``)
-        w = tl.arange(0, d.shape[0] // CODE_BYTES)
-        word = tl.load(cache + kv_off[:, None] + w[None, :],
-                       mask=rows[:, None] & (w[None, :] * CODE_BYTES < HEAD_DIM), other=0)
-        u = tl.reshape(_unpack_codes(word, QUANT, CODE_BYTES), [word.shape[0], d.shape[0]])
-    else:
-        u = tl.load(cache + kv_off[:, None] + d[None, :] * stride_cd, mask=pool, other=0)
-        if QUANT == 1:
-            u = u.to(tl.float8e4nv, bitcast=True)
     if QUANT == 1:
         sc = tl.load(aux + s_off, mask=rows, other=0.0).to(tl.float32)
         x = u.to(tl.float32) * sc[:, None]
@@ -172,6 +150,29 @@ def _load_kv(cache, aux, sal, res, win, kv_off, s_off, w_off, page, o, g, in_win
         xw = tl.load(win + w_off[:, None] + d[None, :] * stride_wd, mask=in_win[:, None] & dmask[None, :],
                      other=0.0)
         x = tl.where(in_win[:, None], xw.to(like.dtype.element_ty), x)
+    return x
+
+
+@triton.jit
+def _code_tile(ptr, row_off, rows, d, dmask, stride_cd, HEAD_DIM: tl.constexpr, QUANT: tl.constexpr,
+               CODE_BYTES: tl.constexpr):
+    """The codes of a [rows, BLOCK_D] tile whose rows start at ``row_off`` (in the pointer's elements): fp8 as
+    e4m3 numbers, int8 as 0-255, int4 as nibbles (int32). Read CODE_BYTES bytes a load and unpacked in registers
+    (``_unpack_codes``, ``_code_views``), or a byte at a time (int4: two channels a byte, even channel low)."""
+    if CODE_BYTES > 1:
+        per: tl.constexpr = CODE_BYTES * (2 if QUANT == 3 else 1)          # codes a word
+        w = tl.arange(0, d.shape[0] // per)
+        word = tl.load(ptr + row_off[:, None] + w[None, :], mask=rows[:, None] & (w[None, :] * per < HEAD_DIM),
+                       other=0)
+        x = tl.reshape(_unpack_codes(word, QUANT, CODE_BYTES), [word.shape[0], d.shape[0]])
+    elif QUANT == 3:
+        byte = tl.load(ptr + row_off[:, None] + (d[None, :] // 2) * stride_cd, mask=rows[:, None] & dmask[None, :],
+                       other=0).to(tl.int32)
+        x = (byte >> ((d[None, :] % 2) * 4)) & 15
+    else:
+        x = tl.load(ptr + row_off[:, None] + d[None, :] * stride_cd, mask=rows[:, None] & dmask[None, :], other=0)
+        if QUANT == 1:
+            x = x.to(tl.float8e4nv, bitcast=True)
     return x
 
 
