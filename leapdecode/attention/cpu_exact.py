@@ -7,12 +7,12 @@ with overwhelming probability but copies every gathered key and value to float64
 batch 16). This kernel reads each row's keys straight from the paged cache (no gather copy) in chunks of 64 fixed
 key positions, skipping masked keys, and merges the chunks in ascending order; every sum has one fixed order. A
 row's result therefore depends on nothing but its query and its visible keys: the same alone, padded, batched or
-verifying, by construction. Measured (benchmarks/README.md, "cpu_int4.py"): 0.92-0.97x SDPA's speed at batch 1
-on 600-1,000-token contexts (its scalar ``exp`` per key and head), 1.07x at batch 16.
+verifying, by construction. Measured (benchmarks/README.md, "cpu_int4.py"), reading float32 rows in place: 1.11x
+float32 SDPA's speed at batch 1 on 600-1,000-token contexts and 1.20x at batch 16 (0.97x and 1.16x under int4).
 
 Compiled with ``torch.utils.cpp_extension.load_inline`` (g++ and ninja, ``-march=native``; cached under
 ``TORCH_EXTENSIONS_DIR`` by source and CPU flags, ~20 s the first time); :func:`kernel` returns None where that
-fails, and the backend falls back to float64 SDPA. Float caches only (float32, bfloat16, float16); quantized and
+fails, and the backend falls back to SDPA (float64 under ``exact="always"``, else float32). Float caches only (float32, bfloat16, float16); quantized and
 windowed caches, and long prefill chunks (where SDPA's blocked matrix products win), use the fallback.
 """
 from __future__ import annotations
@@ -185,7 +185,7 @@ def kernel():
             mod = load_inline(name=f"leapdecode_cpu_exact_{_build_key()}", cpp_sources=_SOURCE,
                               functions=["paged_attention"], extra_cflags=["-O3", "-march=native"], verbose=False)
         return mod.paged_attention
-    except Exception:       # no toolchain, or a build error: the float64 fallback serves
+    except Exception:       # no toolchain, or a build error: the SDPA fallback serves
         return None
 
 

@@ -454,10 +454,9 @@ def default_code_bytes(head_dim: int) -> int:
     """Bytes of quantized codes a load in the attention kernels (1, 2, 4 or 8; see ``_unpack_codes``), measured
     on an H200 (benchmarks/README.md): at head_dim 128 eight a load made the decode kernel 1.15-1.27x faster for
     fp8, 1.14-1.30x for int8 and 1.8-2.3x for int4 with salient tokens (batch 1-64, 4k-32k keys; equal at 1 x 4k,
-    where launches dominate; int4 read byte by byte spills registers there, ~1 KB of stack); at head_dim 64
-    (Llama-3.2-1B, batch 64/256, 2k keys) the engine's fp8 decode went from 0.92x to 0.76x of bf16's with them,
-    so smaller heads read bytes. So does the CPU interpreter (its joins made engine tests 3-8x slower; a test
-    reads words)."""
+    where launches dominate); at head_dim 64 (Llama-3.2-1B, batch 64/256, 2k keys) the engine's fp8 decode went
+    from 0.92x to 0.76x of bf16's with them, so smaller heads read bytes. So does the CPU interpreter (its joins
+    made engine tests 3-8x slower; a test reads words)."""
     return 8 if head_dim >= 128 and not INTERPRETED else 1
 
 
