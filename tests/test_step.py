@@ -270,13 +270,13 @@ def test_final_only_requests_give_one_output_with_the_streamed_text(llama_dir):
     assert any(r[2] == "stop" and isinstance(r[3], str) for i in range(len(ps)) for r in finals[(False, str(i))])
 
 
-@pytest.mark.parametrize("path", ["kernel", "float64"])
-def test_exact_torch_attention_gives_a_row_the_same_bits_in_any_step(path, monkeypatch):
+@pytest.mark.parametrize("path,d", [("kernel", 64), ("kernel", 36), ("float64", 64)])
+def test_exact_torch_attention_gives_a_row_the_same_bits_in_any_step(path, d, monkeypatch):
     """``TorchAttention(exact="always")`` (used under ``quantization="int4"``, whose bfloat16 activations turn a
     last-bit difference into a different token): a query row's output is bit for bit the same whether it is a
     plain decode alone, a plain decode padded beside a longer partner, or one row of a 5-token verification
     (float32 SDPA gives each of these different last bits); through the C++ kernel and through its float64
-    fallback."""
+    fallback; the kernel at a head size it specializes (64) and at one with a partial vector of lanes (36)."""
     from leapdecode.attention import cpu_exact
     from leapdecode.attention.torch_ref import TorchAttention
     if path == "kernel" and cpu_exact.kernel() is None:
@@ -284,7 +284,7 @@ def test_exact_torch_attention_gives_a_row_the_same_bits_in_any_step(path, monke
     if path == "float64":
         monkeypatch.setattr(cpu_exact, "kernel", lambda: None)
     from leapdecode.engine.input_batch import InputBuffers
-    bs, hkv, group, d, n = 16, 3, 3, 64, 600
+    bs, hkv, group, n = 16, 3, 3, 600
     nb = -(-(n + 5) // bs)
     own, partner = tuple(range(nb)), tuple(range(nb, nb + 64))
     gen = torch.Generator().manual_seed(0)
@@ -304,16 +304,19 @@ def test_exact_torch_attention_gives_a_row_the_same_bits_in_any_step(path, monke
         assert torch.equal(alone, verify[i:i + 1]) and torch.equal(padded[:1], alone), i
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_exact_kernel_matches_float64_attention(dtype):
+@pytest.mark.parametrize("dtype,d", [(torch.float32, 40), (torch.bfloat16, 40), (torch.float32, 36),
+                                     (torch.float32, 64), (torch.bfloat16, 128)])
+def test_exact_kernel_matches_float64_attention(dtype, d):
     """attention/cpu_exact.py's kernel against SDPA in float64 on the same paged cache: decodes and token-tree
-    verifications in one step, grouped query attention, a head size that is not a multiple of its 16 lanes."""
+    verifications in one step, grouped query attention, the head sizes it specializes (64, 128), others, and one
+    with a partial vector of lanes (36). Cache slots no row sees hold NaN (a pool's unwritten memory): they must
+    not reach the output."""
     from leapdecode.attention import cpu_exact
     from leapdecode.attention.torch_ref import TorchAttention
     from leapdecode.engine.input_batch import InputBuffers
     if cpu_exact.kernel() is None:
         pytest.skip("no C++ toolchain to build attention/cpu_exact.py")
-    bs, hkv, group, d = 16, 2, 3, 40
+    bs, hkv, group = 16, 2, 3
     lens = [37, 70, 5, 129]
     seqs, block = [], 0
     for i, n in enumerate(lens):
@@ -332,3 +335,11 @@ def test_exact_kernel_matches_float64_attention(dtype):
     ref = TorchAttention().attend(q.double(), cache.double(), meta, 0.2)
     assert ours.dtype == torch.float32
     torch.testing.assert_close(ours.double(), ref, rtol=2e-6, atol=2e-6)
+    unseen = cache.clone()
+    block = 0
+    for n in lens:                  # the slots after each sequence's last token, in its last block
+        nb = -(-n // bs)
+        unseen[:, block + nb - 1, n - (nb - 1) * bs:] = float("nan")
+        block += nb
+    meta.plan = None
+    assert torch.equal(TorchAttention(exact="always").attend(q, unseen, meta, 0.2), ours)

@@ -27,6 +27,7 @@ _SOURCE = r"""
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <cmath>
+#include <cstring>
 #include <algorithm>
 #include <type_traits>
 #include <limits>
@@ -35,79 +36,174 @@ _SOURCE = r"""
 // out[s, m, h, :] = softmax over visible keys j (ascending) of scale * q[s, m, h] . k[j, h / group], times v[j]:
 // query row m of sequence s sees key j where mask[s, m, j], and key j of sequence s lives in block table[s, j / bs]
 // at offset j % bs.
-constexpr int LANES = 16;
 constexpr int64_t CHUNK = 64;   // keys per task: chunks start at fixed key positions (multiples of CHUNK)
+constexpr int W = 8;            // lanes of a vector (GCC's vector extension: AVX, AVX-512's halves, NEON pairs)
+constexpr int G = CHUNK / W;    // lane groups of a chunk: key j is always lane j % W of group (j % CHUNK) / W
+typedef float vf __attribute__((vector_size(W * sizeof(float))));
+typedef float vf_u __attribute__((vector_size(W * sizeof(float)), aligned(alignof(float))));
+typedef int vi __attribute__((vector_size(W * sizeof(int))));
 
-// A cache row as float32: in place for a float32 cache, else converted into buf.
-template <typename T>
-inline const float* row_as_float(const T* row, float* buf, int64_t n) {
-  if constexpr (std::is_same<T, float>::value) {
-    return row;
-  } else {
-    for (int64_t i = 0; i < n; ++i) buf[i] = static_cast<float>(row[i]);
-    return buf;
-  }
+inline vf load(const float* p) { return *reinterpret_cast<const vf_u*>(p); }
+inline void store(float* p, vf x) { *reinterpret_cast<vf_u*>(p) = x; }
+inline vf splat(float x) { return vf{} + x; }
+
+#if defined(__clang__)
+#define SHUFFLE(x, y, ...) __builtin_shufflevector(x, y, __VA_ARGS__)
+#else
+#define SHUFFLE(x, y, ...) __builtin_shuffle(x, y, vi{__VA_ARGS__})
+#endif
+
+// Pairwise sums of adjacent lanes of x then y: [x0+x1, x2+x3, x4+x5, x6+x7, y0+y1, y2+y3, y4+y5, y6+y7].
+inline vf pair_add(vf x, vf y) {
+  return SHUFFLE(x, y, 0, 2, 4, 6, 8, 10, 12, 14) + SHUFFLE(x, y, 1, 3, 5, 7, 9, 11, 13, 15);
 }
 
-inline float dot(const float* a, const float* b, int64_t D) {
-  float part[LANES] = {0.f};
-  int64_t d = 0;
-  for (; d + LANES <= D; d += LANES)
-    for (int l = 0; l < LANES; ++l) part[l] += a[d + l] * b[d + l];
-  for (; d < D; ++d) part[0] += a[d] * b[d];
-  for (int w = LANES / 2; w > 0; w /= 2)
-    for (int l = 0; l < w; ++l) part[l] += part[l + w];
-  return part[0];
+// The eight lane sums of a[0..7], lane i = sum of a[i]'s lanes, always in the same tree order.
+inline vf lane_sums(const vf* a) {
+  const vf b0 = pair_add(a[0], a[1]), b1 = pair_add(a[2], a[3]), b2 = pair_add(a[4], a[5]), b3 = pair_add(a[6], a[7]);
+  return pair_add(pair_add(b0, b1), pair_add(b2, b3));
 }
 
-// Two phases. (1) One task per (sequence, chunk of CHUNK keys), all its query rows and heads: each visible key's
-// values for every kv head are read once, contiguously, for all the rows that see it; per (row, head) the chunk's
-// max, sum of exponentials and weighted values. (2) One task per (row, head): the chunks merged in ascending
-// order. Every sum has a fixed order and chunk boundaries are fixed key positions, so a row's result depends only
+// exp(x) for -87.3 < x <= 0, else exp(-87.3) (Cody-Waite reduction, Cephes' degree-5 polynomial, ~1 ulp), lane by lane with the same
+// operations in every lane, so a value's result never depends on its lane or its neighbours.
+inline vf exp_neg(vf x) {
+  x = x < splat(-87.3f) ? splat(-87.3f) : x;
+  const vf n = __builtin_convertvector(__builtin_convertvector(x * splat(1.44269504088896341f) - splat(0.5f), vi), vf);
+  vf r = x - n * splat(0.693359375f);
+  r = r - n * splat(-2.12194440e-4f);
+  vf p = splat(1.9875691500e-4f);
+  p = p * r + splat(1.3981999507e-3f);
+  p = p * r + splat(8.3334519073e-3f);
+  p = p * r + splat(4.1665795894e-2f);
+  p = p * r + splat(1.6666665459e-1f);
+  p = p * r + splat(5.0000001201e-1f);
+  p = p * r * r + r + splat(1.0f);
+  const vi e = (__builtin_convertvector(n, vi) + 127) << 23;
+  vf scale_;
+  std::memcpy(&scale_, &e, sizeof(vf));
+  return p * scale_;
+}
+
+// A head row of D floats as DV vectors (the last one zero-padded when W does not divide D).
+template <int DT>
+struct Head {
+  static constexpr int MAXV = DT ? (DT + W - 1) / W : 64;
+};
+
+// Two phases. (1) One task per (sequence, chunk of CHUNK keys): per kv head, the chunk's key and value rows (read
+// in place from a float32 cache, else converted once); per (query row, head) the scores of the chunk's keys, eight
+// keys at a time (key j in lane j % W, its dot product summed over the head in one fixed order), their max, the
+// exponentials, their sum and the weighted values. (2) One task per (row, head): the chunks merged in ascending
+// order. Every sum has one fixed order and chunk boundaries are fixed key positions, so a row's result depends only
 // on its query and its visible keys: not on padding, on how many rows its sequence verifies, or on other
 // sequences.
-template <typename T>
+template <typename T, int DT>
 void run(const float* q, const T* kc, const T* vc, const int64_t* table, const bool* mask, float* out, int64_t S,
-         int64_t M, int64_t H, int64_t Hkv, int64_t D, int64_t bs, int64_t max_k, int64_t block_stride,
+         int64_t M, int64_t H, int64_t Hkv, int64_t D_, int64_t bs, int64_t max_k, int64_t block_stride,
          int64_t table_stride, float scale) {
+  constexpr int MAXV = Head<DT>::MAXV;
+  const int64_t D = DT ? DT : D_, NB = D / W, DV = (D + W - 1) / W;
+  const bool in_place = std::is_same<T, float>::value && D % W == 0;
   const int64_t group = H / Hkv, nc = (max_k + CHUNK - 1) / CHUNK, R = S * M;
   std::vector<float> pm(R * nc * H), pl(R * nc * H), pacc(R * nc * H * D);
   at::parallel_for(0, S * nc, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> kbuf(Hkv * D), score(M * H * CHUNK);
+    std::vector<float> tile(in_place ? 0 : 2 * CHUNK * DV * W), zero(DV * W, 0.f), qpad(DV * W, 0.f);
+    const float* rows[2][CHUNK];
+    bool seen[CHUNK];
+    alignas(64) float p[CHUNK];
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t s = task / nc, c = task % nc, j0 = c * CHUNK, j1 = std::min(max_k, j0 + CHUNK);
+      const int64_t s = task / nc, c = task % nc, j0 = c * CHUNK, n = std::min(max_k, j0 + CHUNK) - j0;
       const int64_t* tab = table + s * table_stride;
-      for (int64_t m = 0; m < M; ++m) {
-        const int64_t idx = ((s * M + m) * nc + c) * H;
-        for (int64_t h = 0; h < H; ++h) { pm[idx + h] = -std::numeric_limits<float>::infinity(); pl[idx + h] = 0.f; }
-        for (int64_t i = 0; i < H * D; ++i) pacc[idx * D + i] = 0.f;
+      for (int64_t jj = 0; jj < CHUNK; ++jj) {
+        seen[jj] = false;
+        for (int64_t m = 0; jj < n && m < M && !seen[jj]; ++m) seen[jj] = mask[(s * M + m) * max_k + j0 + jj];
       }
-      for (int pass = 0; pass < 2; ++pass) {
-        const T* cache = pass == 0 ? kc : vc;
-        for (int64_t j = j0; j < j1; ++j) {
-          bool seen = false;
-          for (int64_t m = 0; m < M && !seen; ++m) seen = mask[(s * M + m) * max_k + j];
-          if (!seen) continue;
-          const float* row = row_as_float(cache + tab[j / bs] * block_stride + (j % bs) * Hkv * D, kbuf.data(),
-                                          Hkv * D);
-          for (int64_t m = 0; m < M; ++m) {
-            const int64_t r = s * M + m;
-            if (!mask[r * max_k + j]) continue;
-            const int64_t idx = (r * nc + c) * H;
-            float* sc = score.data() + m * H * CHUNK;
-            for (int64_t h = 0; h < H; ++h) {
-              if (pass == 0) {
-                const float x = dot(q + (r * H + h) * D, row + (h / group) * D, D) * scale;
-                sc[h * CHUNK + (j - j0)] = x;
-                if (x > pm[idx + h]) pm[idx + h] = x;
-              } else {
-                const float p = std::exp(sc[h * CHUNK + (j - j0)] - pm[idx + h]);
-                pl[idx + h] += p;
-                const float* v = row + (h / group) * D;
-                float* a = pacc.data() + (idx + h) * D;
-                for (int64_t d = 0; d < D; ++d) a[d] += p * v[d];
-              }
+      for (int64_t g = 0; g < Hkv; ++g) {
+        for (int pass = 0; pass < 2; ++pass) {
+          const T* cache = pass == 0 ? kc : vc;
+          for (int64_t jj = 0; jj < CHUNK; ++jj) {
+            const int64_t j = j0 + jj;
+            if (!seen[jj]) { rows[pass][jj] = zero.data(); continue; }
+            const T* src = cache + tab[j / bs] * block_stride + (j % bs) * Hkv * D + g * D;
+            if constexpr (std::is_same<T, float>::value) {
+              if (in_place) { rows[pass][jj] = src; continue; }
             }
+            float* dst = tile.data() + (pass * CHUNK + jj) * DV * W;
+            for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<float>(src[d]);
+            for (int64_t d = D; d < DV * W; ++d) dst[d] = 0.f;
+            rows[pass][jj] = dst;
+          }
+        }
+        for (int64_t m = 0; m < M; ++m) {
+          const int64_t r = s * M + m, idx = (r * nc + c) * H;
+          const bool* mk = mask + r * max_k + j0;
+          alignas(64) int vis[CHUNK];
+          bool any[G];
+          for (int gi = 0; gi < G; ++gi) any[gi] = false;
+          for (int64_t jj = 0; jj < CHUNK; ++jj) {
+            vis[jj] = jj < n && mk[jj] ? -1 : 0;
+            any[jj / W] = any[jj / W] || vis[jj];
+          }
+          for (int64_t h = g * group; h < (g + 1) * group; ++h) {
+            float* acc_out = pacc.data() + (idx + h) * D;
+            bool none = true;
+            for (int gi = 0; gi < G; ++gi) none = none && !any[gi];
+            if (none) {
+              pm[idx + h] = -std::numeric_limits<float>::infinity();
+              pl[idx + h] = 0.f;
+              for (int64_t d = 0; d < D; ++d) acc_out[d] = 0.f;
+              continue;
+            }
+            const float* qrow = q + (r * H + h) * D;
+            if (D % W) { std::memcpy(qpad.data(), qrow, D * sizeof(float)); qrow = qpad.data(); }
+            vf qv[MAXV];
+            for (int64_t b = 0; b < DV; ++b) qv[b] = load(qrow + b * W);
+            // scores, eight keys at a time; lanes of keys the row does not see become -inf
+            vf sc[G];
+            const vf ninf = splat(-std::numeric_limits<float>::infinity());
+            vf mxv = ninf;
+            for (int gi = 0; gi < G; ++gi) {
+              if (!any[gi]) { sc[gi] = ninf; continue; }
+              vf a[W];
+              for (int w = 0; w < W; ++w) {
+                const float* k = rows[0][gi * W + w];
+                vf t = qv[0] * load(k);
+                for (int64_t b = 1; b < DV; ++b) t += qv[b] * load(k + b * W);
+                a[w] = t;
+              }
+              const vi vm = *reinterpret_cast<const vi*>(vis + gi * W);
+              sc[gi] = vm ? lane_sums(a) * splat(scale) : ninf;
+              mxv = mxv > sc[gi] ? mxv : sc[gi];
+            }
+            float mx = mxv[0];
+            for (int w = 1; w < W; ++w) mx = std::max(mx, mxv[w]);
+            // exponentials (0 where unseen) and their sum, lane by lane in chunk order, then the lanes in one tree
+            vf lsum = splat(0.f);
+            for (int gi = 0; gi < G; ++gi) {
+              vf e = splat(0.f);
+              if (any[gi]) {
+                const vi vm = *reinterpret_cast<const vi*>(vis + gi * W);
+                e = exp_neg(sc[gi] - splat(mx));
+                e = vm ? e : splat(0.f);
+                lsum += e;
+              }
+              store(p + gi * W, e);
+            }
+            const vf l1 = SHUFFLE(lsum, lsum, 0, 2, 4, 6, 0, 2, 4, 6) + SHUFFLE(lsum, lsum, 1, 3, 5, 7, 1, 3, 5, 7);
+            const float l = (l1[0] + l1[1]) + (l1[2] + l1[3]);
+            // weighted values, keys in ascending order
+            vf acc[MAXV];
+            for (int64_t b = 0; b < DV; ++b) acc[b] = splat(0.f);
+            for (int64_t jj = 0; jj < n; ++jj) {
+              if (!vis[jj]) continue;
+              const vf pj = splat(p[jj]);
+              const float* v = rows[1][jj];
+              for (int64_t b = 0; b < DV; ++b) acc[b] += pj * load(v + b * W);
+            }
+            pm[idx + h] = mx;
+            pl[idx + h] = l;
+            for (int64_t b = 0; b < NB; ++b) store(acc_out + b * W, acc[b]);
+            for (int64_t d = NB * W; d < D; ++d) acc_out[d] = acc[NB][d - NB * W];
           }
         }
       }
@@ -146,13 +242,18 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor kv_cache, torch::Te
   const int64_t nb = kv_cache.size(1), bs = kv_cache.size(2), Hkv = kv_cache.size(3);
   const int64_t max_k = mask.size(2);
   TORCH_CHECK(kv_cache.size(4) == D && H % Hkv == 0 && mask.size(0) == S && mask.size(1) == M, "shape mismatch");
+  TORCH_CHECK(D <= Head<0>::MAXV * W, "head size above ", Head<0>::MAXV * W);
   auto out = torch::empty_like(q);
   const int64_t block_stride = bs * Hkv * D;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, kv_cache.scalar_type(), "paged_attention", [&] {
     const scalar_t* base = kv_cache.data_ptr<scalar_t>();
-    run<scalar_t>(q.data_ptr<float>(), base, base + nb * block_stride, table.data_ptr<int64_t>(),
-                  mask.data_ptr<bool>(), out.data_ptr<float>(), S, M, H, Hkv, D, bs, max_k, block_stride,
-                  table.size(1), static_cast<float>(scale));
+    auto go = [&](auto fn) {
+      fn(q.data_ptr<float>(), base, base + nb * block_stride, table.data_ptr<int64_t>(), mask.data_ptr<bool>(),
+         out.data_ptr<float>(), S, M, H, Hkv, D, bs, max_k, block_stride, table.size(1), static_cast<float>(scale));
+    };
+    if (D == 64) go(run<scalar_t, 64>);
+    else if (D == 128) go(run<scalar_t, 128>);
+    else go(run<scalar_t, 0>);
   });
   return out;
 }
