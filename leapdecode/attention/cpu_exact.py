@@ -5,10 +5,15 @@ different last bits as a plain decode, as a row of a verification or beside a pa
 (``quantization="int4"``) turn those bits into different tokens (model/int4_linear.py). SDPA in float64 hides them
 with overwhelming probability but copies every gathered key and value to float64 (0.70-0.73x SDPA's speed at
 batch 16). This kernel reads each row's keys straight from the paged cache (no gather copy) in chunks of 64 fixed
-key positions, skipping masked keys, and merges the chunks in ascending order; every sum has one fixed order. A
-row's result therefore depends on nothing but its query and its visible keys: the same alone, padded, batched or
-verifying, by construction. Measured (benchmarks/README.md, "cpu_int4.py"), reading float32 rows in place: 1.11x
-float32 SDPA's speed at batch 1 on 600-1,000-token contexts and 1.20x at batch 16 (0.97x and 1.16x under int4).
+key positions, skipping keys no row sees, and merges the chunks in ascending order; every sum has one fixed order.
+Within a chunk it works eight keys at a time in vector lanes (GCC's vector extensions, which any x86 or Arm target
+lowers to its own registers): key j is always lane j % 8, its dot product is summed over the head in one order and
+the eight lanes are reduced in one tree, and the exponential is a polynomial computed the same way in every lane.
+A row's result therefore depends on nothing but its query and its visible keys: the same alone, padded, batched or
+verifying, by construction. Measured (benchmarks/README.md, "cpu_int4.py"): the kernel alone is 1.7-4x faster than
+the scalar one it replaced (16 decode rows over 300 keys, SmolLM2's heads: 684 -> 260 us a layer); whole
+``generate`` 1.06x float32 SDPA's speed at batch 1 on 600-1,000-token contexts and 1.29x at batch 16 (1.00x and
+1.29x under int4).
 
 Compiled with ``torch.utils.cpp_extension.load_inline`` (g++ and ninja, ``-march=native``; cached under
 ``TORCH_EXTENSIONS_DIR`` by source and CPU flags, ~20 s the first time); :func:`kernel` returns None where that

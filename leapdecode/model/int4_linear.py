@@ -26,8 +26,8 @@ decode, a verification row or beside a padded partner, and rounding activations 
 into different tokens (on the real model 2 of 12 documents and 21 of 48 batch-1 outputs left plain decoding's
 text with n-gram speculation). So under this mode the engine attends exactly (``TorchAttention(exact="always")``,
 set by ``ModelRunner``: attention/cpu_exact.py's kernel computes each decode and verification row alone, in a
-fixed order), which makes every output identical again at 0.97x SDPA's speed at batch 1 on 600-1,000-token
-contexts and 1.16x at batch 16. ``batch_invariant=False`` opts out (speculation then warns that its greedy output
+fixed order), which makes every output identical again at 1.00x SDPA's speed at batch 1 on 600-1,000-token
+contexts and 1.29x at batch 16. ``batch_invariant=False`` opts out (speculation then warns that its greedy output
 can differ from plain decoding's).
 
 Only on a CPU, without tensor parallelism, and only the target's linears (not a draft model's, not embeddings).
