@@ -382,11 +382,11 @@ class Engine:
         drafts = self.contrastive.drafts(decoding)
         if self.speculator is not None:
             others = [s for s in decoding if s.seq_id not in self.contrastive]
-            prefill = sum(s.num_tokens - s.num_computed_tokens for s in prefilling)
+            prefill, batch = self._prefill_work(len(decoding), prefilling)
             try:
                 if others and not self.speculator.drafter_off(len(others), prefill):
                     drafts.update(self.speculator.propose(others, [self.scheduler.draft_room(s) for s in others],
-                                                          prefill))
+                                                          prefill, batch))
             except Exception:                   # noqa: BLE001 - a drafter fault costs this step its drafts, no more
                 log.exception("drafter failed; this step runs without drafts")
         for seq in decoding:
@@ -400,6 +400,22 @@ class Engine:
                     self._ended_outside_a_step.append(seq.request_id)
                     drafts.pop(seq.seq_id, None)
         return drafts
+
+    def _prefill_work(self, num_decoding: int, prefilling: list[Sequence]) -> tuple[int, int]:
+        """(prompt tokens this step will compute beside the decodes, sequences that will then decode together),
+        for the speculation controller: the scheduler serves decodes and their drafts first, then running prompts,
+        then waiting ones (Scheduler.schedule), so waiting prompts it can admit count too. (Counting only the
+        running ones, a step that waiting prompts fill to the budget looked like a few decodes beside a short
+        chunk.)"""
+        sch = self.scheduler
+        pending = sum(s.num_tokens - s.num_computed_tokens for s in prefilling)
+        admit = sch.max_num_seqs - len(sch.running)
+        for seq in sch.waiting:
+            if admit <= 0 or seq.num_placeholders:
+                break
+            pending += seq.num_tokens - seq.num_computed_tokens
+            admit -= 1
+        return min(pending, max(sch.max_num_batched_tokens - num_decoding, 0)), sch.max_num_seqs - admit
 
     def _outputs_of_ended(self) -> list[RequestOutput]:
         outputs = []

@@ -138,6 +138,10 @@ MIXED = "mixed"
 DECODES = "decodes"
 """The curve of every decode-only step, whatever its batch: what a batch size with no steps of its own falls back to."""
 
+MIXED_MARGIN = 0.25
+"""In a step with prefill chunks, how much more than the time they add a draft's accepted tokens must be worth
+(:meth:`Controller._choose_mixed`): the price of a token there is extrapolated from decode-only steps."""
+
 MARGINAL_CAP = 3.0
 """Beyond the largest step seen on a curve, an extra token costs at most this many times the probe's extra token.
 A real step's excess over the probe is mostly its batch's attention over long contexts, which draft tokens do not
@@ -529,7 +533,7 @@ class Controller:
     # -- the decision ----------------------------------------------------------------------------------------------
     def draft_lengths(self, proposals: list[tuple], other_tokens: int, draft_seconds: float = 0.0,
                       num_seqs: int | None = None, trees: bool = False, record: bool = True,
-                      sunk: bool = False) -> list[int]:
+                      sunk: bool = False, batch: int | None = None) -> list[int]:
         """proposals: (seq_id, draft length on offer, drafter score[, per-token confidence]) per decoding request
         (the confidence, when given, values the draft's tokens: see :meth:`_values`); other_tokens: tokens the
         step computes anyway (one per decode, plus prefill chunks); draft_seconds: what drafting costs per step;
@@ -537,12 +541,15 @@ class Controller:
         trees: the drafts are token trees (their steps run eagerly: priced by tokens, never by a graph bucket);
         record: remember the proposals (:meth:`note`) and the kept tokens' claims (False: a probe); sunk: the
         drafts are already made: where drafting does not pay with their time, keep what pays without it (that
-        time is spent), and say in ``last_choice["pays"]`` whether it paid with it (whether to draft next step).
+        time is spent), and say in ``last_choice["pays"]`` whether it paid with it (whether to draft next step);
+        batch: with prefill chunks (``num_seqs`` None), the sequences that will decode together once the prompts
+        are in, which prices an accepted token (:meth:`_choose_mixed`; None: the decoding requests).
         Returns how many draft tokens to keep for each."""
         self.num_calls += 1
         R = len(proposals)
         if R <= SMALL_BATCH and self.small_fast_path:
-            return self._draft_lengths_small(proposals, other_tokens, draft_seconds, num_seqs, trees, record, sunk)
+            return self._draft_lengths_small(proposals, other_tokens, draft_seconds, num_seqs, trees, record, sunk,
+                                             batch)
         keep = [0] * R
         lengths = np.array([min(p[1], self.max_draft) for p in proposals], dtype=np.int64)
         K = int(lengths.max(initial=0))
@@ -556,7 +563,7 @@ class Controller:
         M = int(lengths.sum())
         order = np.argsort(-flat, kind="stable")[:M]
         expected = float(R) + np.concatenate(([0.0], np.cumsum(flat[order])))
-        chosen = self._choose(expected, order, K, other_tokens, draft_seconds, num_seqs, trees, sunk)
+        chosen = self._choose(expected, order, K, other_tokens, draft_seconds, num_seqs, trees, sunk, batch)
         if chosen:
             counts = np.bincount(order[:chosen] // K, minlength=R)
             keep = counts.tolist()
@@ -575,7 +582,8 @@ class Controller:
     130-450 us on an H200's host, against a 0.4 ms GPU step."""
 
     def _draft_lengths_small(self, proposals: list[tuple], other_tokens: int, draft_seconds: float,
-                             num_seqs: int | None, trees: bool, record: bool, sunk: bool = False) -> list[int]:
+                             num_seqs: int | None, trees: bool, record: bool, sunk: bool = False,
+                             batch: int | None = None) -> list[int]:
         """:meth:`draft_lengths` for a few proposals: :meth:`_row_values` row by row, and the same stable order of
         the (request, depth) values as the numpy path."""
         R = len(proposals)
@@ -597,7 +605,7 @@ class Controller:
             total += flat[i]
             expected.append(R + total)
         chosen = self._choose(np.array(expected), np.array(order, dtype=np.int64), K, other_tokens, draft_seconds,
-                              num_seqs, trees, sunk)
+                              num_seqs, trees, sunk, batch)
         keep = [0] * R
         for i in order[:chosen]:
             keep[i // K] += 1
@@ -606,13 +614,15 @@ class Controller:
         return keep
 
     def _choose(self, expected: np.ndarray, order: np.ndarray, K: int, other_tokens: int, draft_seconds: float,
-                num_seqs: int | None, trees: bool = False, sunk: bool = False) -> int:
+                num_seqs: int | None, trees: bool = False, sunk: bool = False, batch: int | None = None) -> int:
         """How many of the ``order``ed draft tokens to keep: the count m whose step has the best expected tokens
         per second (``expected[m]`` over its predicted cost, drafting included unless ``sunk``), if that beats
-        plain decoding by ``min_gain``."""
+        plain decoding by ``min_gain``; in a step with prefill chunks, see :meth:`_choose_mixed`."""
         cost, graphs = self._costs(other_tokens, order, K, num_seqs, trees)
         charged = cost.copy()
         charged[1:] += draft_seconds
+        if num_seqs is None and other_tokens > expected[0]:
+            return self._choose_mixed(expected, cost, charged, draft_seconds, sunk, batch)
         plain = expected[0] / cost[0]
 
         def passing(c: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -650,6 +660,39 @@ class Controller:
                             else None}
         return chosen
 
+    def _choose_mixed(self, expected: np.ndarray, cost: np.ndarray, charged: np.ndarray, draft_seconds: float,
+                      sunk: bool, batch: int | None = None) -> int:
+        """:meth:`_choose` for a step that holds prefill chunks. Its tokens per second is the wrong yardstick there:
+        the prompt tokens are work that must be done, not a loss, yet beside a long chunk they make any accepted draft
+        token look nearly free (at batch 64 on the CPU drafts were verified in every 2,048-token prefill step,
+        pushing as many prompt tokens to later steps). So in time: an accepted token is worth what its row costs in
+        a decode-only step of the batch that will decode once the prompts are in, T(B) / B (the price the goodput
+        rule itself gives a token there; B = ``batch``, at least the R decoding requests: 8 requests decoding among
+        64 prompts will decode at 64, where a row costs a fraction of what it does at 8), and a draft pays when its
+        expected tokens are worth ``MIXED_MARGIN`` more than the time it adds."""
+        R = float(expected[0])
+        B = max(int(R), batch or 0, 1)
+        worth = self.step_time(B, B) / B
+        saved = (expected - R) * worth
+
+        def passing(c: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+            extra = c - c[0]
+            ok = saved > extra * (1.0 + MIXED_MARGIN)
+            ok[0] = False
+            return saved - extra, ok
+        net, ok = passing(charged)
+        pays = bool(ok.any())
+        if sunk and not pays:
+            net, ok = passing(cost)
+        chosen = int(np.argmax(np.where(ok, net, -np.inf))) if ok.any() else 0
+        # gain and value as time ratios: (the step's time + what its accepted tokens save later) over its time
+        self.last_choice = {"tokens": chosen, "best": int(np.argmax(net)), "explored": False,
+                            "gain": float((cost[0] + saved[chosen]) / charged[chosen]), "realized": self.realized,
+                            "pays": pays if sunk else chosen > 0,
+                            "value": float((cost[0] + saved[chosen]) / (cost[chosen] + draft_seconds)) if sunk
+                            else None}
+        return chosen
+
     def step_seconds(self, tokens: int, num_seqs: int | None = None, per_seq: int = 1) -> float:
         """Predicted seconds of a step of ``tokens`` tokens; of its graph bucket when it holds ``num_seqs``
         decoding sequences of at most ``per_seq`` tokens each and a graph would run it."""
@@ -666,7 +709,9 @@ class Controller:
         """Predicted seconds of the step with the m = 0..M most valuable draft tokens, and m -> the graph bucket
         that step would replay (None: eager), or None for no graphs. The m-th token of the greedy order is at depth
         order % K + 1 of its draft, so the step's longest sequence after m tokens is 1 + the running maximum of
-        those depths: non-decreasing in m, so each bucket prices one contiguous run of m."""
+        those depths: non-decreasing in m, so each bucket prices one contiguous run of m. (In a step that prompts
+        fill, the scheduler gives draft tokens the budget first and pushes as many prompt tokens to a later step:
+        T(other_tokens + m) still prices them, with ``other_tokens`` counting the prompt work the step faces.)"""
         M = len(order)
         cost = self.step_time.predict(other_tokens + np.arange(M + 1), num_seqs)
         if self.graph_bucket is None or not num_seqs or trees:
@@ -717,7 +762,7 @@ class Controller:
         return chosen, False
 
     def worth_drafting(self, offers: list[tuple[int, int]], other_tokens: int, draft_seconds: float = 0.0,
-                       num_seqs: int | None = None) -> bool:
+                       num_seqs: int | None = None, batch: int | None = None) -> bool:
         """Could any draft pay this step? offers: (seq_id, room). Values each request by its drafter's latest draft
         (:meth:`note`: its score, and its calibrated confidences when it had them); a cheap check that lets the
         speculator skip the drafter when speculation is off."""
@@ -727,7 +772,7 @@ class Controller:
         probe = [(sid, room, self._score.get(sid, 0.5)) if sid not in conf else
                  (sid, min(room, len(conf[sid])), self._score.get(sid, 0.5), conf[sid]) for sid, room in offers]
         calls, last = self.num_calls, self.last_choice
-        keep = self.draft_lengths(probe, other_tokens, draft_seconds, num_seqs, record=False)
+        keep = self.draft_lengths(probe, other_tokens, draft_seconds, num_seqs, record=False, batch=batch)
         self.last_probe_gain = self.last_choice.get("gain", 1.0)
         self.num_calls, self.last_choice = calls, last
         return any(keep) or (self.explore_every > 0 and (calls + 1) % self.explore_every == 0)

@@ -78,6 +78,7 @@ class Speculator:
         # this step's sequences when it holds decodes only (a CUDA graph's shape; the steps the guard compares);
         # None otherwise, and between steps
         self._decode_seqs: int | None = None
+        self._batch_size: int | None = None   # sequences that will decode together (:meth:`propose`)
         self._step_draft_seconds = 0.0   # drafting time inside this step (charged apart, so not in its step time)
         self._decided = False            # drafter_off already asked the guard this step
         # seq_id -> (draft, committed tokens when drafted, the tokens its confidences claim or None)
@@ -222,12 +223,15 @@ class Speculator:
             return self._guard_bare
         return self.guard.vetoed(num_decoding)
 
-    def propose(self, decoding: list["Sequence"], rooms: list[int], other_tokens: int) -> dict[int, DraftTree]:
+    def propose(self, decoding: list["Sequence"], rooms: list[int], other_tokens: int,
+                batch: int | None = None) -> dict[int, DraftTree]:
         """One draft per decoding sequence that has room for one (``Scheduler.draft_room``: never a Mirostat
         request); ``other_tokens``: tokens the step computes anyway besides the decodes' own (prefill chunks), for
-        the controller's cost model. (The drafter's time of this step, ``_step_draft_seconds``, started with
-        ``prepare`` and is reset by ``observe_step``.)"""
+        the controller's cost model; ``batch``: the sequences that will decode together once those prompts are in
+        (what an accepted token is worth in a step with prefill chunks). (The drafter's time of this step,
+        ``_step_draft_seconds``, started with ``prepare`` and is reset by ``observe_step``.)"""
         self._probs = {}
+        self._batch_size = batch
         if self._decided:               # the engine asked drafter_off first
             self._decided = False
         elif self._guard_says_off(len(decoding), other_tokens):
@@ -268,7 +272,7 @@ class Speculator:
         # a step with a token tree runs eagerly (engine/cuda_graphs.py step_shape): price it by its tokens
         chains = all(t is None or t.parents is None for t in trees)
         keep = ctl.draft_lengths([(s.seq_id, len(d), d.score, d.confidence) for s, d in zip(seqs, drafts)], base,
-                                 charge, self._decode_seqs, trees=not chains, sunk=True)
+                                 charge, self._decode_seqs, trees=not chains, sunk=True, batch=self._batch_size)
         # drafting goes on while it pays on average over the last few drafting steps, drafting time included (the
         # drafts in hand are kept by what they gain now that their time is spent): a draft's worth varies from
         # position to position (EAGLE's head is sure of one token and not of the next), and switched off by one
@@ -324,7 +328,7 @@ class Speculator:
             return False
         t0 = time.perf_counter()
         worth = self.controller.worth_drafting([(r.seq_id, r.max_draft) for r in reqs], base,
-                                               self.draft_seconds_ema, self._decode_seqs)
+                                               self.draft_seconds_ema, self._decode_seqs, self._batch_size)
         if step > 0:
             self._check_wait = min(math.ceil((time.perf_counter() - t0) / (CHECK_SHARE * step)) - 1, CHECK_WAIT)
         self._news = worth            # worth it: the news stands (asked again next quiet step, if this draft fails)
