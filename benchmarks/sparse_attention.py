@@ -8,7 +8,8 @@ with ``--selection tidal`` the layers below the first selection layer and the se
 other layer only budget + window selected keys and values. Shapes default to SmolLM2-135M's (30 layers, 9 query
 heads, 3 KV heads, head_dim 64). One row per context length; the sparse module's own dense layers (its gather and
 SDPA code over the whole context) are timed beside the ordinary full path, so the gain from reading fewer keys
-shows apart from that of its gather (``index_select``) and grouped-query SDPA. ``time_decode_attention`` returns
+shows apart from that of its gather (``index_select``) and grouped-query SDPA. The full path is the engine's CPU
+default, attention/cpu_exact.py's kernel (``--full sdpa``: float32 SDPA, what earlier tables compared against). ``time_decode_attention`` returns
 the rows for other scripts (benchmarks/kv_compression.py).
 
 ``--quality P J`` measures the quality cost instead, on a real model (default: SmolLM2-135M-Instruct): prefill
@@ -66,12 +67,14 @@ def time_decode_attention(contexts: tuple[int, ...] = (2048, 4096, 8192), budget
                           window: int = 32, selection_layers: tuple[int, ...] | None = None, batch: int = 1,
                           num_layers: int = 30, heads: int = 9, kv_heads: int = 3, head_dim: int = 64,
                           block_size: int = 16, repeats: int = 7, dtype: torch.dtype = torch.float32,
-                          selection: str | None = None, dense_layers: int = 2) -> list[dict]:
-    """Median decode-attention times (ms) full vs sparse per context length, as a list of dict rows."""
+                          selection: str | None = None, dense_layers: int = 2, exact: str = "kernel") -> list[dict]:
+    """Median decode-attention times (ms) full vs sparse per context length, as a list of dict rows. ``exact``: the
+    backend's full path, "kernel" (the engine's CPU default: attention/cpu_exact.py's kernel for decode rows) or
+    "off" (float32 SDPA)."""
     cfg = SparseAttentionConfig(budget=budget, window=window, selection_layers=selection_layers, selection=selection,
                                 dense_layers=dense_layers)
     policy = SparseAttention(cfg, num_layers)
-    full, sparse = TorchAttention(), TorchAttention(policy)
+    full, sparse = TorchAttention(exact=exact), TorchAttention(policy, exact=exact)
     scale = head_dim ** -0.5
     rows = []
     for n in contexts:
@@ -179,6 +182,8 @@ def main() -> None:
     p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--full", choices=("kernel", "sdpa"), default="kernel",
+                   help="full attention's path: the engine's CPU default (the exact kernel) or float32 SDPA")
     p.add_argument("--quality", type=int, nargs=2, default=None, metavar=("P", "J"),
                    help="measure quality on a real model instead: P context tokens, J teacher-forced decodes")
     p.add_argument("--model", default=None, help="for --quality (default: SmolLM2-135M-Instruct)")
@@ -199,12 +204,14 @@ def main() -> None:
         return
     rows = time_decode_attention(tuple(args.contexts), args.budget, args.window, sel, args.batch, args.layers,
                                  args.heads, args.kv_heads, args.head_dim, repeats=args.repeats,
-                                 selection=args.selection, dense_layers=args.dense_layers)
+                                 selection=args.selection, dense_layers=args.dense_layers,
+                                 exact="kernel" if args.full == "kernel" else "off")
     cfg = SparseAttentionConfig(selection_layers=sel, selection=args.selection, dense_layers=args.dense_layers)
     layers = cfg.layers_for(args.layers)
     print(f"# decode attention, torch backend, {platform.processor() or platform.machine()}, "
           f"torch {torch.__version__}, {args.threads} thread(s), load {os.getloadavg()[0]:.1f}; "
           f"{args.layers} layers, {args.heads}/{args.kv_heads} heads, head_dim {args.head_dim}, float32; "
+          f"full attention: {'exact kernel' if args.full == 'kernel' else 'float32 SDPA'}; "
           f"{cfg.selection}: budget {args.budget} + window {args.window}, layers that choose positions {layers}; "
           f"median of {args.repeats}")
     print("| context | batch | keys read (sparse layer) | full ms/layer | dense-layer ms | selection-layer ms "
