@@ -996,3 +996,35 @@ def test_the_engine_counts_waiting_prompts_in_a_steps_prefill_work():
     assert work(decodes, [], [seq(300)] * 3, max_seqs=12) == (600, 12)       # only two more can be admitted
     running_prompt = seq(1000, 400)
     assert work(decodes + [running_prompt], [running_prompt], [seq(2000)]) == (2038, 12)
+
+
+def test_a_step_is_priced_as_what_it_ran_not_as_it_was_expected():
+    """Before scheduling, a step with waiting prompts is expected to hold prompt chunks; if the pool admits none
+    it runs decodes only, and its time belongs on the curve of that batch size (``observe_step(decodes=...)``),
+    not on the prompt steps' curve; the guard, which decided for the step it expected, does not judge it."""
+    cfg = SpeculativeConfig(method="ngram", num_speculative_tokens=4, adaptive=True, drafter=FakeDrafter(0.9))
+    spec = Speculator(cfg, 50_000, StepTimeModel())
+    st = spec.controller.step_time
+    seqs = [Seq(i) for i in range(4)]
+    spec.propose(seqs, [4] * 4, 300)             # expected: prompt chunks beside the decodes
+    spec.observe_step(4, 0.020, decodes=4)       # ran: four decodes
+    assert st._bucket(4, 4) is not None and st._bucket(4, None) is None
+    spec.propose(seqs, [4] * 4, 0)               # expected: decodes only
+    spec.observe_step(304, 0.200, decodes=None)  # ran: with a prompt chunk
+    assert st._bucket(304, None) is not None and st._bucket(304, 4) is None
+    spec.propose(seqs, [4] * 4, 0)
+    spec.observe_step(4, 0.021, decodes=4)       # as expected
+    assert len(st._bucket(4, 4).obs) == 2
+
+
+def test_the_engine_tells_decode_only_plans_from_plans_with_prompt_chunks():
+    """``engine._decodes``: a plan whose sequences each compute one known token (with or without a draft) is
+    decode-only; a prompt chunk makes it a step with prefill chunks (None)."""
+    from leapdecode.engine.engine import _decodes
+    from leapdecode.engine.step import ScheduledSeq, lay_out
+    from leapdecode.spec.tree import DraftTree
+    decode = ScheduledSeq(0, 40, (7,), (0, 1, 2), samples=True)
+    verify = ScheduledSeq(1, 40, (7, 8, 9), (3, 4, 5), DraftTree.of((8, 9)), samples=True)
+    chunk = ScheduledSeq(2, 0, tuple(range(30)), (6, 7), samples=False)
+    assert _decodes(lay_out(0, 16, [decode, verify])) == 2
+    assert _decodes(lay_out(0, 16, [decode, verify, chunk])) is None

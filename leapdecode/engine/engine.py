@@ -59,6 +59,12 @@ def _decode_seqs(plan: StepPlan) -> int | None:
     return len(plan.seqs) if all(s.num_new_tokens == 1 for s in plan.seqs) else None
 
 
+def _decodes(plan: StepPlan) -> int | None:
+    """The plan's sequences if each computes one known token (a decode, with or without a draft), else None: how
+    the speculation controller prices the step."""
+    return len(plan.seqs) if all(s.num_committed == 1 and s.samples for s in plan.seqs) else None
+
+
 def resolve_max_model_len(cfg: EngineConfig, model_cfg) -> int:
     """The context length served: the one configured, else the checkpoint's (capped at 8192)."""
     return cfg.max_model_len or min(model_cfg.max_position_embeddings, 8192)
@@ -515,7 +521,7 @@ class Engine:
         elif self.speculator is not None:
             self.speculator.observe_step(plan.num_tokens, time.perf_counter() - started,
                                          getattr(self.runner, "last_graph", None),
-                                         self.stats["generation_tokens"] - generated)
+                                         self.stats["generation_tokens"] - generated, _decodes(plan))
         outputs = [self._output(req) for req in touched.values()
                    if req.finished or (req.beam is None and req.stream)]
         if self._ended_outside_a_step:          # beam searches that ended in this step

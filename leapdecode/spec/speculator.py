@@ -398,14 +398,22 @@ class Speculator:
             self.drafter.observe(seq.seq_id, seq.token_ids, num_accepted, topk)
 
     def observe_step(self, num_tokens: int, seconds: float, graph: tuple[int, int] | None = None,
-                     emitted: int = 0) -> None:
+                     emitted: int = 0, decodes=...) -> None:
         """A step's wall time from before drafting to its commit; the drafter's own time in it is taken out (the
         controller charges drafting apart), the rest (scheduling drafts, verifying them) is the step's cost.
         ``graph``: the CUDA graph bucket the step replayed, if any; ``emitted``: the tokens it committed (the
-        guard compares whole steps, drafting included, per emitted token)."""
+        guard compares whole steps, drafting included, per emitted token); ``decodes``: the plan's sequences if
+        it held decodes only, else None (omitted: what was expected before scheduling). A step of the kind that
+        was expected is priced as expected (the drafting requests' count); one of the other kind as what it was
+        (waiting prompts the pool could not admit leave a step expected to hold prompt chunks decode-only), and the
+        guard, which decided for the step it expected, does not judge it."""
+        if decodes is ... or (decodes is None) == (self._decode_seqs is None):
+            decodes = self._decode_seqs
+        else:
+            self._decode_seqs = None
         if self.controller is not None:
             self.controller.step_time.observe(num_tokens, max(seconds - self._step_draft_seconds, 1e-9), graph,
-                                              self._decode_seqs)
+                                              decodes)
         if self.guard is not None and self._decode_seqs is not None and not self._warming_up:
             mode = "bare" if self._guard_bare else "spec" if self._step_drafted else "quiet"
             self.guard.record(self._decode_seqs, mode, seconds, emitted)
