@@ -350,7 +350,8 @@ class Engine:
                                   all_rows=all_rows)
         premature = self.dola.premature(plan, self.seqs, fwd, all_rows) if dola else None
         draft_probs = self.speculator.take_probs() if self.speculator is not None else None
-        result, _ = self.verifier.verify(plan, fwd.logits, batch, masks, self.seqs, draft_probs, premature)
+        result, _ = self.verifier.verify(plan, fwd.logits, batch, masks, self.seqs, draft_probs, premature,
+                                         want_topk=self.speculator is not None and self.speculator.learns_topk())
         result = self.contrastive.choose(plan, result, fwd.logits, fwd.hidden_states, self.seqs)
         if self.beams:
             result = self._decide_beams(plan, result)
@@ -466,7 +467,7 @@ class Engine:
         """Worker thread: forward (reading the previous step's samples for placeholders) and sampling."""
         last = prev.result()[1] if prev is not None else None
         logits = self.runner.execute(plan, batch, last_sampled=last).logits
-        return self.verifier.verify(plan, logits, sampling, None, self.seqs)
+        return self.verifier.verify(plan, logits, sampling, None, self.seqs, want_topk=False)   # (drafter off)
 
     def _drain(self) -> list[RequestOutput]:
         """Commit the step in flight, if any (before a synchronous step)."""

@@ -50,8 +50,11 @@ class Verifier:
 
     def verify(self, plan: StepPlan, logits: torch.Tensor, batch: SamplingBatch | None, masks: Any,
                seqs: Mapping[int, "Sequence"], draft_probs: Mapping[int, tuple] | None = None,
-               premature: "Premature | None" = None) -> tuple[StepResult, torch.Tensor | None]:
+               premature: "Premature | None" = None, want_topk: bool = True) -> tuple[StepResult, torch.Tensor | None]:
         """-> (the step's result, the sampled tokens per sample row on the device).
+
+        ``want_topk``: report the target's top-k at each used row this step, if the verifier was built to (False: a
+        step whose drafter learns nothing from it).
 
         ``draft_probs``: seq_id -> (the drafter's chain, its q rows) for drafts drawn from a model's distribution
         (``Speculator.take_probs``); such a chain, when the plan kept a prefix of it, is verified with
@@ -63,15 +66,15 @@ class Verifier:
         If sampling the batch raises, each sequence is sampled alone so the fault stays with the request that
         causes it (``StepResult.errors``); the others get their tokens as usual."""
         try:
-            return self._verify(plan, logits, batch, masks, seqs, draft_probs, premature)
+            return self._verify(plan, logits, batch, masks, seqs, draft_probs, premature, want_topk)
         except Exception:
             if sum(c.samples or c.prompt_logprobs for c in plan.seqs) <= 1:
                 raise
-            return self._isolate(plan, logits, masks, seqs, draft_probs, premature), None
+            return self._isolate(plan, logits, masks, seqs, draft_probs, premature, want_topk), None
 
     def _isolate(self, plan: StepPlan, logits: torch.Tensor, masks: Any, seqs: Mapping[int, "Sequence"],
-                 draft_probs: Mapping[int, tuple] | None = None, premature: "Premature | None" = None
-                 ) -> StepResult:
+                 draft_probs: Mapping[int, tuple] | None = None, premature: "Premature | None" = None,
+                 want_topk: bool = True) -> StepResult:
         out = StepResult(plan.step_id)
         for c in plan.seqs:
             if not (c.samples or c.prompt_logprobs):
@@ -80,7 +83,7 @@ class Verifier:
             try:
                 r, _ = self._verify(alone, logits[c.logits_start:c.logits_start + c.num_logits],
                                     self.batch(alone, seqs), _rows_of(masks, c), seqs, draft_probs,
-                                    premature.of(c) if premature is not None else None)
+                                    premature.of(c) if premature is not None else None, want_topk)
             except Exception as e:          # noqa: BLE001 - the request ends with this error; the others go on
                 out.errors[c.seq_id] = f"{type(e).__name__}: {e}"
                 continue
@@ -90,7 +93,8 @@ class Verifier:
 
     def _verify(self, plan: StepPlan, logits: torch.Tensor, batch: SamplingBatch | None, masks: Any,
                 seqs: Mapping[int, "Sequence"], draft_probs: Mapping[int, tuple] | None = None,
-                premature: "Premature | None" = None) -> tuple[StepResult, torch.Tensor | None]:
+                premature: "Premature | None" = None, want_topk: bool = True
+                ) -> tuple[StepResult, torch.Tensor | None]:
         prompt = self._prompt_logprobs(plan, logits, seqs)
         if batch is None:
             return StepResult(plan.step_id, {}, prompt), None
@@ -121,7 +125,7 @@ class Verifier:
         if batch.max_logprobs is not None:
             chosen, top = compute_logprobs(raw, sampled_t, batch.max_logprobs)
             lps = list(zip(chosen, top))
-        topk = raw.topk(self.topk, dim=-1).indices.tolist() if self.topk else None
+        topk = raw.topk(self.topk, dim=-1).indices.tolist() if self.topk and want_topk else None
         results: dict[int, SeqResult] = {}
         for c in plan.seqs:
             if not c.samples:
