@@ -967,6 +967,14 @@ def test_drafts_in_a_step_that_prompts_fill_are_priced_by_what_they_push_back():
         proposals = [(i, 1, 0.5, [q]) for i in range(16)]
         return sum(ctl.draft_lengths(proposals, 16 + prompt_tokens, num_seqs=None))
 
+    # decode steps that a CUDA graph replays are timed per bucket, not on the token-count curves: the price of a
+    # token there is its bucket's time (2 ms for 16 rows), not the prompt steps' curve at 16 tokens (5.2 ms)
+    graphed = machine(lambda n: 0.005 + 0.00001 * n, lambda n: 0.005 + 0.00002 * n)
+    graphed.graph_bucket = lambda num_seqs, q: (num_seqs, q)
+    graphed.step_time._curves = {k: c for k, c in graphed.step_time._curves.items() if k == "mixed"}
+    for _ in range(3):
+        graphed.step_time.observe(16, 0.002, graph=(16, 1))
+    assert kept(gpu, 0.12) == 16 and kept(graphed, 0.12) == 0
     assert kept(cpu, 0.3) == 0 and kept(cpu, 0.3, prompt_tokens=500) == 0
     assert kept(cpu, 0.95) == 16
     assert kept(gpu, 0.3) == 16

@@ -672,7 +672,7 @@ class Controller:
         expected tokens are worth ``MIXED_MARGIN`` more than the time it adds."""
         R = float(expected[0])
         B = max(int(R), batch or 0, 1)
-        worth = self.step_time(B, B) / B
+        worth = self.step_seconds(B, B) / B           # (a CUDA graph bucket's time where one would run it)
         saved = (expected - R) * worth
 
         def passing(c: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
