@@ -1049,3 +1049,18 @@ def test_a_drafter_the_guard_keeps_off_learns_no_top_k():
     fresh = Speculator(cfg, 50_000, StepTimeModel())
     fresh.drafter.wants_topk = True
     assert not fresh.drafter_off(1, 0) and fresh.learns_topk()
+
+
+def test_claims_that_come_true_more_often_than_claimed_are_scaled_up():
+    """A draft model's confidence (the running product of its own top probabilities) can under-claim: here each
+    token claims 0.5 (cumulative 0.5, 0.25, ...) and nearly every one is accepted. Claims are scaled by accepted
+    over claimed tokens in both directions (up to REALIZED_MAX, each scaled claim at most 1), so the controller
+    keeps the drafts (~2x plain decoding here); with claims taken as at most what they say, it drafted nothing."""
+    from leapdecode.spec.controller import REALIZED_MAX
+    rate, per_step, spec = simulate(cpu_like, 0.97, batch=1, steps=200, claim=0.5)
+    assert 1.5 < spec.controller.realized <= REALIZED_MAX
+    assert np.mean(per_step[50:]) > 2.5
+    assert rate > 1.5 * plain_rate(cpu_like)
+    ctl = spec.controller                      # a scaled claim is a probability: at most 1 (numpy and small paths)
+    assert ctl._values([(0, 2, 0.5, [0.5, 0.25])], 2).tolist()[0] == [1.0, 0.25 * ctl.realized]
+    assert ctl._row_values((0, 2, 0.5, [0.5, 0.25]), ctl._depth_rates(2)) == [1.0, 0.25 * ctl.realized]
