@@ -1064,3 +1064,24 @@ def test_claims_that_come_true_more_often_than_claimed_are_scaled_up():
     ctl = spec.controller                      # a scaled claim is a probability: at most 1 (numpy and small paths)
     assert ctl._values([(0, 2, 0.5, [0.5, 0.25])], 2).tolist()[0] == [1.0, 0.25 * ctl.realized]
     assert ctl._row_values((0, 2, 0.5, [0.5, 0.25]), ctl._depth_rates(2)) == [1.0, 0.25 * ctl.realized]
+
+
+def test_a_draft_in_hand_is_judged_by_what_it_cost():
+    """A draft already made is judged (``last_choice["value"]``, the running average that keeps drafting on) by
+    its own drafting time, not the average: a draft model that stopped after one confident token cost a quarter of
+    a four-token draft, and charged the average it looked like a loss (layer_skip was switched off so)."""
+    cfg = SpeculativeConfig(method="ngram", num_speculative_tokens=4, adaptive=True,
+                            drafter=FakeDrafter(1.0, claim=0.9))
+    spec = fabricated_drafting(Speculator(cfg, 50_000, probed_model()), per_request=0.008, slow={4: 0.0005})
+    spec.guard = None
+    seq = Seq(0)
+    values = []
+    for _ in range(5):
+        drafts = spec.propose([seq], [4], 0)
+        n = len(drafts[seq.seq_id])
+        seq.token_ids += [truth(seq.seq_id, len(seq.token_ids) + j) for j in range(n + 1)]
+        spec.observe(seq, n, n, None)
+        spec.observe_step(1 + n, cpu_like(1 + n), None, n + 1)
+        values.append(spec.controller.last_choice["value"])
+    assert spec.draft_seconds_ema > 0.006                  # the average still remembers the 8 ms drafts
+    assert values[3] > 1.9 > 1.5 > max(values[:3] + values[4:])   # the 0.5 ms draft, judged by its 0.5 ms

@@ -267,7 +267,11 @@ class Speculator:
                 self._probs[s.seq_id] = (DraftTree.of(d.tokens, d.parents), d.probs)
         if ctl is None:
             return {s.seq_id: DraftTree.of(d.tokens, d.parents) for s, d in zip(seqs, drafts) if d.tokens}
-        charge = self.draft_seconds_ema + (self.costly_seconds_ema if costly > 0 else 0.0)
+        # the drafts are made: judge them by what this drafting cost (a draft model that stopped after one
+        # confident token costs a quarter of a four-token draft; charged the average, a short draft looked like a
+        # loss and switched layer_skip off where it gave 1.2x), save the first call's one-off costs
+        charge = self.draft_seconds_ema + (self.costly_seconds_ema if costly > 0 else 0.0) if self._warming_up \
+            else dt + costly
         trees = [DraftTree.of(d.tokens, d.parents) if d.tokens else None for d in drafts]
         # a step with a token tree runs eagerly (engine/cuda_graphs.py step_shape): price it by its tokens
         chains = all(t is None or t.parents is None for t in trees)
