@@ -268,8 +268,8 @@ class Speculator:
         if ctl is None:
             return {s.seq_id: DraftTree.of(d.tokens, d.parents) for s, d in zip(seqs, drafts) if d.tokens}
         # the drafts are made: judge them by what this drafting cost (a draft model that stopped after one
-        # confident token costs a quarter of a four-token draft; charged the average, a short draft looked like a
-        # loss and switched layer_skip off where it gave 1.2x), save the first call's one-off costs
+        # confident token costs a quarter of a four-token draft; charged the average, such a draft looked like a
+        # loss and pulled the running value down), save the first call's one-off costs
         charge = self.draft_seconds_ema + (self.costly_seconds_ema if costly > 0 else 0.0) if self._warming_up \
             else dt + costly
         trees = [DraftTree.of(d.tokens, d.parents) if d.tokens else None for d in drafts]
