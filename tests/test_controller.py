@@ -1026,9 +1026,9 @@ def test_a_step_is_priced_as_what_it_ran_not_as_it_was_expected():
 
 
 def test_the_engine_tells_decode_only_plans_from_plans_with_prompt_chunks():
-    """``engine._decodes``: a plan whose sequences each compute one known token (with or without a draft) is
+    """``engine._decode_seqs``: a plan whose sequences each compute one known token (with or without a draft) is
     decode-only; a prompt chunk makes it a step with prefill chunks (None)."""
-    from leapdecode.engine.engine import _decodes
+    from leapdecode.engine.engine import _decode_seqs as _decodes
     from leapdecode.engine.step import ScheduledSeq, lay_out
     from leapdecode.spec.tree import DraftTree
     decode = ScheduledSeq(0, 40, (7,), (0, 1, 2), samples=True)

@@ -149,10 +149,10 @@ void run(const float* q, const T* kc, const T* vc, const int64_t* table, const b
             vis[jj] = jj < n && mk[jj] ? -1 : 0;
             any[jj / W] = any[jj / W] || vis[jj];
           }
+          bool none = true;
+          for (int gi = 0; gi < G; ++gi) none = none && !any[gi];
           for (int64_t h = g * group; h < (g + 1) * group; ++h) {
             float* acc_out = pacc.data() + (idx + h) * D;
-            bool none = true;
-            for (int gi = 0; gi < G; ++gi) none = none && !any[gi];
             if (none) {
               pm[idx + h] = -std::numeric_limits<float>::infinity();
               pl[idx + h] = 0.f;

@@ -157,8 +157,8 @@ class CudaGraphs:
         if self.capture_graphs:
             torch.cuda.synchronize(self.device)
         self.capture_seconds = time.perf_counter() - t0
-        log.info("captured %d CUDA graphs (batches %s, query lengths %s) in %.1f s", len(self.graphs),
-                 self.batches, self.query_lens, self.capture_seconds)
+        log.info("captured %d CUDA graphs (batches %s, query lengths %s) in %.1f s",
+                 len(self.graphs) + len(self.sealing), self.batches, self.query_lens, self.capture_seconds)
 
     def _idle_inputs(self, q: int) -> None:
         """Static inputs that write no KV and seal only into the trash block (capture, replay-time pricing)."""

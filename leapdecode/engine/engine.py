@@ -54,15 +54,9 @@ TOPK_FOR_DRAFTERS = 8   # Token Recycling learns the target's top-k successors a
 
 
 def _decode_seqs(plan: StepPlan) -> int | None:
-    """The plan's sequences if it holds decodes only (one new token each), else None: the steps the speculation
-    guard compares."""
-    return len(plan.seqs) if all(s.num_new_tokens == 1 for s in plan.seqs) else None
-
-
-def _decodes(plan: StepPlan) -> int | None:
-    """The plan's sequences if each computes one known token (a decode, with or without a draft), else None: how
-    the speculation controller prices the step."""
-    return len(plan.seqs) if all(s.num_committed == 1 and s.samples for s in plan.seqs) else None
+    """The plan's sequences if each computes one known token (a decode, with or without a draft), else None: the
+    steps the speculation guard compares and the controller prices as decode-only."""
+    return len(plan.seqs) if all(s.num_committed == 1 for s in plan.seqs) else None
 
 
 def resolve_max_model_len(cfg: EngineConfig, model_cfg) -> int:
@@ -522,7 +516,7 @@ class Engine:
         elif self.speculator is not None:
             self.speculator.observe_step(plan.num_tokens, time.perf_counter() - started,
                                          getattr(self.runner, "last_graph", None),
-                                         self.stats["generation_tokens"] - generated, _decodes(plan))
+                                         self.stats["generation_tokens"] - generated, _decode_seqs(plan))
         outputs = [self._output(req) for req in touched.values()
                    if req.finished or (req.beam is None and req.stream)]
         if self._ended_outside_a_step:          # beam searches that ended in this step

@@ -354,6 +354,20 @@ class StepTimeModel:
         return float(self.predict(np.array([num_tokens]), num_seqs)[0])
 
 
+def _judge(passing, charged: np.ndarray, cost: np.ndarray, sunk: bool) -> tuple[np.ndarray, np.ndarray, bool, int]:
+    """(scores, which counts pass, whether drafting pays, the best passing count or 0) for ``passing(costs)`` ->
+    (scores, ok), judged on the ``charged`` costs (drafting included). When drafting does not pay but the drafts
+    are in hand (``sunk``), their time is spent: keep what they gain now, judged without it (at batch 1 on the CPU
+    an EAGLE draft is ~12% of a step; charged again, a draft that came out modest was thrown away with its few
+    likely tokens). Where drafting pays, the charged choice stands: spread over more tokens, the drafting time that
+    recurs every step is what makes longer drafts worth verifying."""
+    score, ok = passing(charged)
+    pays = bool(ok.any())
+    if sunk and not pays:
+        score, ok = passing(cost)
+    return score, ok, pays, int(np.argmax(np.where(ok, score, -np.inf))) if ok.any() else 0
+
+
 def _monotone(ys: list[float], ws: list[int]) -> np.ndarray:
     """The non-decreasing sequence closest to ``ys`` in weighted least squares (pool adjacent violators; weights:
     the steps behind each point). A bucket priced by one slow step then pools with the better-known bucket above
@@ -639,16 +653,8 @@ class Controller:
             ok = g > plain * (1.0 + self.min_gain + self.risk * (c / c[0] - 1.0))
             ok[0] = False
             return g, ok
-        goodput, ok = passing(charged)
-        pays = bool(ok.any())
-        if sunk and not pays:
-            # drafting does not pay this step, but this draft's time is spent: keep what it gains now (at batch 1
-            # on the CPU an EAGLE draft is ~12% of a step; charged again, a draft that came out modest was thrown
-            # away with its few likely tokens). Where drafting pays, the charged choice stands: spread over more
-            # tokens, the drafting time that recurs every step is what makes longer drafts worth verifying.
-            goodput, ok = passing(cost)
+        goodput, ok, pays, chosen = _judge(passing, charged, cost, sunk)
         best = int(np.argmax(goodput))
-        chosen = int(np.argmax(np.where(ok, goodput, -np.inf))) if ok.any() else 0
         explored = False
         if chosen and num_seqs and graphs is None \
                 and (goodput[chosen] < plain * STALE_GAIN or num_seqs >= STALE_BATCH) \
@@ -687,11 +693,7 @@ class Controller:
             ok = saved > extra * (1.0 + MIXED_MARGIN)
             ok[0] = False
             return saved - extra, ok
-        net, ok = passing(charged)
-        pays = bool(ok.any())
-        if sunk and not pays:
-            net, ok = passing(cost)
-        chosen = int(np.argmax(np.where(ok, net, -np.inf))) if ok.any() else 0
+        net, ok, pays, chosen = _judge(passing, charged, cost, sunk)
         # gain and value as time ratios: (the step's time + what its accepted tokens save later) over its time
         self.last_choice = {"tokens": chosen, "best": int(np.argmax(net)), "explored": False,
                             "gain": float((cost[0] + saved[chosen]) / charged[chosen]), "realized": self.realized,

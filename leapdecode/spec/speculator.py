@@ -78,7 +78,6 @@ class Speculator:
         # this step's sequences when it holds decodes only (a CUDA graph's shape; the steps the guard compares);
         # None otherwise, and between steps
         self._decode_seqs: int | None = None
-        self._batch_size: int | None = None   # sequences that will decode together (:meth:`propose`)
         self._step_draft_seconds = 0.0   # drafting time inside this step (charged apart, so not in its step time)
         self._decided = False            # drafter_off already asked the guard this step
         # seq_id -> (draft, committed tokens when drafted, the tokens its confidences claim or None)
@@ -231,7 +230,6 @@ class Speculator:
         (what an accepted token is worth in a step with prefill chunks). (The drafter's time of this step,
         ``_step_draft_seconds``, started with ``prepare`` and is reset by ``observe_step``.)"""
         self._probs = {}
-        self._batch_size = batch
         if self._decided:               # the engine asked drafter_off first
             self._decided = False
         elif self._guard_says_off(len(decoding), other_tokens):
@@ -255,7 +253,7 @@ class Speculator:
             if batch != self._batch or self._quiet_steps >= 8:      # (the count restarts: every 8 steps, not
                 self._news, self._batch, self._quiet_steps = True, batch, 0   # every step after the 8th)
             step = ctl.step_seconds(base, self._decode_seqs)     # what this quiet step is predicted to cost
-            if not (self._news and self._worth_drafting(reqs, base, step)):
+            if not (self._news and self._worth_drafting(reqs, base, step, batch)):
                 self._propose_shadows(reqs, step)
                 return {}
             self._quiet_steps = 0
@@ -276,7 +274,7 @@ class Speculator:
         # a step with a token tree runs eagerly (engine/cuda_graphs.py step_shape): price it by its tokens
         chains = all(t is None or t.parents is None for t in trees)
         keep = ctl.draft_lengths([(s.seq_id, len(d), d.score, d.confidence) for s, d in zip(seqs, drafts)], base,
-                                 charge, self._decode_seqs, trees=not chains, sunk=True, batch=self._batch_size)
+                                 charge, self._decode_seqs, trees=not chains, sunk=True, batch=batch)
         # drafting goes on while it pays on average over the last few drafting steps, drafting time included (the
         # drafts in hand are kept by what they gain now that their time is spent): a draft's worth varies from
         # position to position (EAGLE's head is sure of one token and not of the next), and switched off by one
@@ -331,7 +329,7 @@ class Speculator:
         probs, self._probs = self._probs, {}
         return probs
 
-    def _worth_drafting(self, reqs: list[DraftRequest], base: int, step: float) -> bool:
+    def _worth_drafting(self, reqs: list[DraftRequest], base: int, step: float, batch: int | None = None) -> bool:
         """The controller's re-check while speculation is off (there is news), spaced by its own measured cost so
         that it stays near ``CHECK_SHARE`` of the decoding time: the news waits, it is not lost."""
         if self._check_wait > 0:
@@ -339,7 +337,7 @@ class Speculator:
             return False
         t0 = time.perf_counter()
         worth = self.controller.worth_drafting([(r.seq_id, r.max_draft) for r in reqs], base,
-                                               self.draft_seconds_ema, self._decode_seqs, self._batch_size)
+                                               self.draft_seconds_ema, self._decode_seqs, batch)
         if step > 0:
             self._check_wait = min(math.ceil((time.perf_counter() - t0) / (CHECK_SHARE * step)) - 1, CHECK_WAIT)
         self._news = worth            # worth it: the news stands (asked again next quiet step, if this draft fails)
