@@ -10,7 +10,7 @@ import random
 import numpy as np
 import pytest
 
-from leapdecode.spec.calibration import AcceptanceModel, Offer, choose, evidence
+from leapdecode.spec.calibration import AcceptanceModel, ChainCalibration, Offer, choose, evidence
 from leapdecode.spec.controller import Controller, StepTimeModel
 from leapdecode.spec.drafter import DraftRequest
 from leapdecode.spec.registry import make_drafter
@@ -197,3 +197,57 @@ def test_drafters_without_offers_join_with_generic_evidence():
     keys = auto.acceptance.snapshot()
     assert any(isinstance(k, tuple) and k[0] == "ngram" for k in keys), keys
     assert tps > 4.0 and ver < 1.5, (tps, ver)
+
+
+def test_chain_calibration_values_a_model_drafter_by_what_its_tokens_achieved():
+    """A model drafter's own probability of its tokens is not their acceptance: a quantized self-draft unsure at
+    0.3 a token whose tokens are all accepted was valued at 0.3^j, so the controller switched it off. Calibrated,
+    its chains' path probabilities rise toward 1 per token, and a bucket whose tokens fail (0.95 here) falls;
+    each bucket's estimate is exactly its Beta posterior around the drafter's prior."""
+    cal = ChainCalibration()
+    truth = [random.Random(3).randrange(50) for _ in range(400)]
+    n, first = 10, None
+    for _ in range(30):
+        draft = truth[n:n + 4]
+        conf = cal.confidences(7, truth[:n], draft, [0.3] * 4, [False] * 4)
+        first = first or conf
+        cal.observe(7, truth[:n + 5])                 # all four accepted, and the bonus token
+        n += 5
+    assert first == pytest.approx([0.3 ** j for j in range(1, 5)])
+    conf = cal.confidences(7, truth[:n], truth[n:n + 4], [0.3] * 4, [False] * 4)
+    p = (120 + 4 * 0.3) / (120 + 4)
+    assert conf == pytest.approx([p ** j for j in range(1, 5)]) and conf[3] > 0.85
+    # a sure-looking bucket that fails: its first token is rejected every time
+    for _ in range(20):
+        wrong = (truth[n] + 1) % 50
+        cal.confidences(8, truth[:n], [wrong, truth[n + 1]], [0.95, 0.3], [False, False])
+        cal.observe(8, truth[:n + 1])
+        n += 1
+    sure = cal.confidences(8, truth[:n], [truth[n]], [0.95], [False])
+    assert sure == pytest.approx([(0 + 4 * 0.95) / (20 + 4)])
+    # sampled and greedy tokens are separate evidence
+    assert cal.confidences(9, truth[:n], [truth[n]], [0.3], [True]) == pytest.approx([0.3])
+
+
+def test_chain_calibration_judges_a_shadow_draft_as_its_tokens_come():
+    """A draft that plain decoding overtakes one token at a time (a shadow draft) is judged at every depth the
+    committed tokens reach: to its end, at its first mismatch, or when the next draft replaces it (what is known
+    by then); a finished request is judged on its last tokens."""
+    truth = list(range(100, 140))
+    cal = ChainCalibration()
+    cal.confidences(1, truth[:10], truth[10:14], [0.5] * 4, [False] * 4)
+    for n in range(11, 15):
+        cal.observe(1, truth[:n])
+    assert sum(v[1] for v in cal.model.snapshot().values()) == 4      # all four depths, all accepted
+    assert sum(v[0] for v in cal.model.snapshot().values()) == 4
+    cal = ChainCalibration()
+    cal.confidences(1, truth[:10], [truth[10], 0, truth[12]], [0.5] * 3, [False] * 3)
+    for n in range(11, 16):
+        cal.observe(1, truth[:n])
+    assert [tuple(v) for v in cal.model.snapshot().values()] == [(1.0, 2.0)]   # depth 2 failed; 3 never judged
+    cal = ChainCalibration()
+    cal.confidences(1, truth[:10], truth[10:14], [0.5] * 4, [False] * 4)
+    cal.observe(1, truth[:12])
+    cal.confidences(1, truth[:12], truth[12:13], [0.5], [False])          # replaces it: depths 1-2 judged
+    cal.finish(1, truth[:13])                                            # and this one at depth 1
+    assert [tuple(v) for v in cal.model.snapshot().values()] == [(3.0, 3.0)]

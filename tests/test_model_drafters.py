@@ -35,6 +35,13 @@ def assert_drafts_accepted(llm):
     assert stats["draft_tokens"] > 0 and stats["accepted_tokens"] > 0, stats
 
 
+def assert_calibrated(llm):
+    """The drafter's chains were judged against the committed tokens (spec/calibration.py): at least every
+    accepted draft token was counted as accepted (a token past a trimmed draft's end may be counted too)."""
+    judged = llm.engine.speculator.drafter.calibration.model.snapshot().values()
+    assert sum(a for a, _ in judged) >= llm.engine.stats["accepted_tokens"] > 0
+
+
 def assert_all_free(llm):
     assert_pool_free(llm)
     drafter = llm.engine.speculator.drafter
@@ -78,6 +85,7 @@ def test_draft_model_greedy_identical_and_accepted(embedded, int8):
     # batched: far fewer draft forwards than (sequences x draft positions)
     assert drafter.stats["forwards"] < drafter.stats["drafted"] / 2, drafter.stats
     assert llm.engine.stats["accepted_tokens"] < llm.engine.stats["draft_tokens"]    # some rejected, too
+    assert_calibrated(llm)
     assert_all_free(llm)
     # alone, one request at a time, with the adaptive controller: still identical
     llm = make_llm(target, speculative_config=spec("draft_model", k=3, adaptive=True, model=draft))
@@ -223,6 +231,7 @@ def test_layer_skip_greedy_identical_and_accepted(embedded, options):
         assert drafter.skip and len(drafter.skip) < drafter.L      # a real subset of the layers was skipped
     if not options:
         assert drafter.stats["evaluations"] > 0                     # the search ran
+    assert_calibrated(llm)
     runner = llm.engine.runner
     assert runner.num_scratch_blocks > 0 and llm.engine.block_manager.num_blocks == runner.num_blocks
     assert_all_free(llm)

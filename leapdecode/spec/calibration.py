@@ -188,3 +188,73 @@ def choose(offers: Sequence[Offer], model: AcceptanceModel, max_nodes: int,
     first = min(1.0, sum(path[j] for j in order if parents[j] < 0))    # sibling roots are disjoint events
     return Draft([tokens[j] for j in order], None if chain else out_parents, first,
                  confidence=[path[j] for j in order]), merged
+
+
+PROB_EDGES = (0.2, 0.4, 0.6, 0.75, 0.85, 0.92, 0.96, 0.99)
+"""Buckets of a model drafter's own probability of its token (:class:`ChainCalibration`): finer near 1, where a
+draft model's tokens mostly are and where the difference between 0.9 and 0.99 decides how deep a draft pays."""
+
+
+class ChainCalibration:
+    """Calibrated confidences for a model drafter's chains (draft model, layer skipping).
+
+    Such a drafter knows its own probability p_j of each token it drafts, and the running product of those was
+    its claim that tokens 1..j are all accepted. That product is not calibrated: a self-draft that agrees with
+    the target on ~91% of tokens (layer_skip, int8, SmolLM2-135M on code) claimed 0.1-0.5 a token, so the
+    controller valued its drafts below their cost and switched it off. One scale on the whole claim (the
+    controller's ``realized``) cannot fix that: the product's error grows with depth. So each token is valued by
+    P(accepted | parent accepted) for its bucket of p_j, sampled or greedy, and depth (an
+    :class:`AcceptanceModel`, prior p_j), and the draft's ``confidence`` is the running product of those.
+
+    Each draft is judged against the tokens committed after it, which are the target's whatever was verified:
+    the tokens up to the first mismatch were (or would have been) accepted, the first mismatch was not. A draft
+    is resolved once that is known, or when the next draft of its request replaces it (what is known so far),
+    so a draft scored in the shadow of plain decoding teaches the deep levels too."""
+
+    def __init__(self, kind: int = 1, strength: float = 4.0, horizon: float = 4096.0) -> None:
+        self.kind = kind
+        self.model = AcceptanceModel(strength, horizon)
+        self._pending: dict[int, tuple[int, Offer]] = {}        # seq_id -> (committed tokens when drafted, offer)
+
+    def key(self, p: float, depth: int, sampled: bool) -> int:
+        b = 0
+        while b < len(PROB_EDGES) and p >= PROB_EDGES[b]:
+            b += 1
+        return evidence(self.kind, b, int(sampled))
+
+    def confidences(self, seq_id: int, token_ids: Sequence[int], tokens: Sequence[int], probs: Sequence[float],
+                    sampled: Sequence[bool]) -> list[float]:
+        """The calibrated path probabilities of a chain drafted after the committed ``token_ids`` (``probs``: the
+        drafter's probability of each of its tokens); the chain waits to be judged (:meth:`observe`)."""
+        self.finish(seq_id, token_ids)
+        keys = [self.key(p, d, s) for d, (p, s) in enumerate(zip(probs, sampled), 1)]
+        offer = Offer(list(tokens), list(range(-1, len(tokens) - 1)), list(range(1, len(tokens) + 1)), keys,
+                      [float(p) for p in probs])
+        path, out = 1.0, []
+        for key, p in zip(keys, offer.priors):
+            path *= self.model.estimate(key, p)
+            out.append(path)
+        if tokens:
+            self._pending[seq_id] = (len(token_ids), offer)
+        return out
+
+    def observe(self, seq_id: int, token_ids: Sequence[int]) -> None:
+        """Judge the request's pending chain once the committed tokens decide it."""
+        item = self._pending.get(seq_id)
+        if item is None:
+            return
+        start, offer = item
+        truth = token_ids[start:start + len(offer.tokens)]
+        m = 0
+        while m < len(truth) and truth[m] == offer.tokens[m]:
+            m += 1
+        if m < len(truth) or m == len(offer.tokens):
+            del self._pending[seq_id]
+            self.model.learn([offer], list(truth))
+
+    def finish(self, seq_id: int, token_ids: Sequence[int]) -> None:
+        """Judge the request's pending chain on what its committed tokens have shown so far, and drop it."""
+        item = self._pending.pop(seq_id, None)
+        if item is not None:
+            start, offer = item
+            self.model.learn([offer], list(token_ids[start:start + len(offer.tokens)]))

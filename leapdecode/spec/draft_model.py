@@ -58,6 +58,7 @@ from leapdecode.engine.step import ScheduledSeq, lay_out
 from leapdecode.sampling.rejection import DRAFT_SALT
 from leapdecode.sampling.sampler import (Row, SamplingBatch, argmax_rows, inverse_cdf_sample, keyed_uniforms,
                                          seeded_uniform)
+from leapdecode.spec.calibration import ChainCalibration
 from leapdecode.spec.drafter import Draft, DraftRequest
 
 
@@ -113,18 +114,24 @@ class DraftSampler:
 
 
 def draft_chains(sampler: DraftSampler, logits: torch.Tensor, ctxs: list[_Ctx], limits: list[int],
-                 threshold: float, step: Callable[[list[int], int, list[int]], torch.Tensor]) -> list[Draft]:
+                 threshold: float, step: Callable[[list[int], int, list[int]], torch.Tensor],
+                 calibrate: Callable[[int, list[int], list[float], list[bool]], list[float]] | None = None
+                 ) -> list[Draft]:
     """Draft one chain per row, autoregressively and batched: draw from ``logits`` (one row per context), keep
     going for the rows under their length limit whose drawn token had confidence >= ``threshold``, and ask
     ``step(active rows, depth, their last tokens)`` for those rows' next logits. Each draft carries its q rows
     when every token of it was sampled (not greedy), its first token's confidence as its score, and, when every
     token of it was greedy, the running product of its tokens' confidences as its ``confidence`` (the draft's
     probability of its whole path: what the controller prices greedy draft tokens by, as EAGLE's; a sampled
-    token is accepted with probability min(1, p/q), which its q does not say)."""
+    token is accepted with probability min(1, p/q), which its q does not say). With ``calibrate(row, tokens,
+    probs, sampled)`` (:meth:`ChainCalibration.confidences`), every draft's ``confidence`` is what that returns
+    instead: its tokens valued by how often such tokens were accepted."""
     B = len(ctxs)
     tokens: list[list[int]] = [[] for _ in range(B)]
     qs: list[list[torch.Tensor]] = [[] for _ in range(B)]
     paths: list[list[float] | None] = [[] for _ in range(B)]     # cumulative confidences while all greedy
+    probs: list[list[float]] = [[] for _ in range(B)]            # each token's own confidence
+    sampled: list[list[bool]] = [[] for _ in range(B)]
     score = [0.0] * B
     active = list(range(B))
     depth = 0
@@ -134,6 +141,8 @@ def draft_chains(sampler: DraftSampler, logits: torch.Tensor, ctxs: list[_Ctx], 
         nxt = []
         for a, b in enumerate(active):
             tokens[b].append(toks[a])
+            probs[b].append(conf[a])
+            sampled[b].append(not greedy[a])
             if q is not None and not greedy[a]:
                 qs[b].append(q[a])
             if depth == 1:
@@ -147,6 +156,8 @@ def draft_chains(sampler: DraftSampler, logits: torch.Tensor, ctxs: list[_Ctx], 
         active = nxt
         if active:
             logits = step(active, depth, [tokens[b][-1] for b in active])
+    if calibrate is not None:
+        paths = [calibrate(b, tokens[b], probs[b], sampled[b]) for b in range(B)]
     return [Draft(tokens[b], None, score=score[b],
                   probs=torch.stack(qs[b]) if qs[b] and len(qs[b]) == len(tokens[b]) else None,
                   confidence=paths[b] or None) for b in range(B)]
@@ -205,6 +216,7 @@ class DraftModelDrafter:
         self.vocab_size = runner.model_cfg.vocab_size
         self.k = max(1, int(num_speculative_tokens))
         self.threshold = float(threshold)
+        self.calibration = ChainCalibration()     # what the drafts' confidences are worth (spec/calibration.py)
         self.model_cfg = load_model_config(model)
         self.max_len = runner.max_model_len + self.k + 1
         self.backend = get_backend(cfg.attention_backend, self.device)
@@ -352,17 +364,23 @@ class DraftModelDrafter:
                 nxt.append((len(r.token_ids) + depth - 1, (token,), st.blocks))
             return self.forward(nxt)
 
+        def calibrate(b: int, tokens: list[int], probs: list[float], sampled: list[bool]) -> list[float]:
+            r = requests[idx[b]]
+            return self.calibration.confidences(r.seq_id, r.token_ids, tokens, probs, sampled)
+
         limits = [min(requests[i].max_draft, self.k) for i in idx]
         for b, draft in enumerate(draft_chains(self.sampler, self.forward(chunks), ctxs, limits, self.threshold,
-                                               step)):
+                                               step, calibrate)):
             out[idx[b]] = draft
             self.stats["drafted"] += len(draft.tokens)
 
     def observe(self, seq_id: int, token_ids: Sequence[int], num_accepted: int, topk=None) -> None:
-        """Nothing to learn: the KV catches up with the committed tokens in :meth:`propose`."""
+        """Judge the sequence's last draft (its KV catches up with the committed tokens in :meth:`propose`)."""
+        self.calibration.observe(seq_id, token_ids)
 
     def finish(self, seq_id: int, token_ids: Sequence[int], num_prompt_tokens: int) -> None:
         self._drop(seq_id)
+        self.calibration.finish(seq_id, token_ids)
 
     @property
     def num_free_blocks(self) -> int:

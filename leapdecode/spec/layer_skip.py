@@ -45,7 +45,9 @@ whole); after ``window`` resolved drafts the incumbent's value, tokens gained pe
 layers by its parameters: 8 of SmolLM2-135M's 30, so its cost is not forgotten), is compared with a candidate
 that skips one layer more or one fewer (chosen at random) evaluated over the next window; the better one stays.
 Incumbent statistics decay, so the set follows the workload. The goodput controller, fed the drafter's measured
-time, still decides whether drafting pays at all.
+time, still decides whether drafting pays at all, valuing each token by the draft's calibrated confidence
+(:class:`~leapdecode.spec.calibration.ChainCalibration`: how often tokens drafted with such a probability were
+accepted; the raw product of the draft's probabilities claimed 0.1-0.5 a token where 0.91 were accepted).
 """
 from __future__ import annotations
 
@@ -58,6 +60,7 @@ import torch
 
 from leapdecode.engine.input_batch import InputBuffers
 from leapdecode.engine.step import ScheduledSeq, lay_out
+from leapdecode.spec.calibration import ChainCalibration
 from leapdecode.spec.draft_model import DraftSampler, _Ctx, draft_chains, run_layers
 from leapdecode.spec.drafter import Draft, DraftRequest
 
@@ -145,6 +148,7 @@ class LayerSkipDrafter:
         self.cand_score = _Score()
         self.pending: dict[int, tuple[int, tuple[int, ...], frozenset]] = {}   # seq_id -> (start, draft, skip set)
         self.stats = {"forwards": 0, "drafted": 0, "switches": 0, "evaluations": 0, "seconds": 0.0}
+        self.calibration = ChainCalibration()     # what the drafts' confidences are worth (spec/calibration.py)
 
     # -- the skip set ------------------------------------------------------------------------------------------
     @property
@@ -237,7 +241,12 @@ class LayerSkipDrafter:
                                  for b, t in zip(active, last)], layers)
 
         limits = [min(requests[i].max_draft, self.k) for i in idx]
-        drafts = draft_chains(self.sampler, self.forward(chunks, layers), ctxs, limits, self.threshold, step)
+        def calibrate(b: int, tokens: list[int], probs: list[float], sampled: list[bool]) -> list[float]:
+            r = requests[idx[b]]
+            return self.calibration.confidences(r.seq_id, r.token_ids, tokens, probs, sampled)
+
+        drafts = draft_chains(self.sampler, self.forward(chunks, layers), ctxs, limits, self.threshold, step,
+                              calibrate)
         for i, draft in zip(idx, drafts):
             r = requests[i]
             out[i] = draft
@@ -246,6 +255,7 @@ class LayerSkipDrafter:
 
     def observe(self, seq_id: int, token_ids: Sequence[int], num_accepted: int, topk=None) -> None:
         """Score the sequence's last draft against the tokens committed since (see the module docstring)."""
+        self.calibration.observe(seq_id, token_ids)
         pending = self.pending.pop(seq_id, None)
         if pending is None:
             return
@@ -258,3 +268,4 @@ class LayerSkipDrafter:
 
     def finish(self, seq_id: int, token_ids: Sequence[int], num_prompt_tokens: int) -> None:
         self.pending.pop(seq_id, None)
+        self.calibration.finish(seq_id, token_ids)
