@@ -578,3 +578,50 @@ def test_greedy_model_drafts_carry_their_path_confidence():
     drafts = draft_chains(Sampler(), torch.zeros(2, 8), [None, None], [3, 3], 0.0, lambda a, d, t: torch.zeros(2, 8))
     assert drafts[0].tokens == [7, 7, 7] and drafts[0].confidence == pytest.approx([0.9, 0.81, 0.729])
     assert drafts[1].confidence is None and drafts[1].probs is not None and drafts[0].score == pytest.approx(0.9)
+
+
+def test_model_drafts_stop_where_the_next_token_is_not_worth_its_drafting():
+    """SpecDec++'s stopping rule priced on the machine: with calibrated confidences, a row stops drafting once its
+    path probability times what an accepted token saves (``DraftRequest.token_seconds``) is below what a draft
+    position costs a row. Tokens sure at 0.5 a token (path 0.5, 0.25, ...), worth 1 s each, at 0.3 s a
+    position: the second token is drafted (0.5 >= 0.3), the third is not (0.25 < 0.3). Without the rule, or
+    without a price for tokens, the chain runs to its limit; its confidences are the calibrated path either way."""
+    from types import SimpleNamespace as NS
+
+    from leapdecode.spec.calibration import ChainCalibration
+    from leapdecode.spec.draft_model import RowCost, draft_chains
+
+    class Sampler:
+        def draw(self, logits, ctxs, histories):
+            n = len(ctxs)
+            return [7] * n, None, [0.5] * n, [True] * n
+
+    class Fixed(RowCost):        # a draft position costs a row 0.3 s, whatever the clock says
+        def observe(self, rows, seconds):
+            pass
+
+        def per_row(self, rows):
+            return 0.3
+
+    def lengths(token_seconds, cost):
+        ctxs = [NS(seq_id=i, token_ids=[1, 2, 3], token_seconds=s) for i, s in enumerate(token_seconds)]
+        drafts = draft_chains(Sampler(), torch.zeros(len(ctxs), 8), ctxs, [4] * len(ctxs), 0.0,
+                              lambda a, d, t: torch.zeros(len(a), 8), ChainCalibration(), cost)
+        assert all(d.confidence == pytest.approx([0.5 ** j for j in range(1, len(d) + 1)]) for d in drafts)
+        return [len(d) for d in drafts]
+
+    assert lengths([1.0, 0.0, 10.0], Fixed()) == [2, 4, 4]       # 10 s a token: 0.125 * 10 >= 0.3 at depth 3
+    assert lengths([1.0], None) == [4]
+
+
+def test_an_accepted_token_is_worth_its_rows_share_of_a_step_less_its_verification():
+    """``Controller.token_seconds``: T(B) / B of a decode-only step at the batch that decodes, less the time one
+    more token adds to this step (what a model drafter's stopping rule weighs a draft position against)."""
+    from leapdecode.spec.controller import Controller, StepTimeModel
+    st = StepTimeModel()
+    ctl = Controller(4, st)
+    for _ in range(3):
+        for n, t in ((1, 0.010), (2, 0.011), (3, 0.012), (8, 0.020), (9, 0.0205)):
+            st.observe(n, t, num_seqs=1 if n <= 3 else 8)
+    assert ctl.token_seconds(1, 1, 1) == pytest.approx(0.010 - 0.001)
+    assert ctl.token_seconds(8, 8, 8) == pytest.approx(0.020 / 8 - 0.0005)

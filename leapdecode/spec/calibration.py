@@ -222,6 +222,10 @@ class ChainCalibration:
             b += 1
         return evidence(self.kind, b, int(sampled))
 
+    def estimate(self, p: float, depth: int, sampled: bool) -> float:
+        """P(a token drafted with probability ``p`` at ``depth`` is accepted | its parent is)."""
+        return self.model.estimate(self.key(p, depth, sampled), p)
+
     def confidences(self, seq_id: int, token_ids: Sequence[int], tokens: Sequence[int], probs: Sequence[float],
                     sampled: Sequence[bool]) -> list[float]:
         """The calibrated path probabilities of a chain drafted after the committed ``token_ids`` (``probs``: the
@@ -232,7 +236,7 @@ class ChainCalibration:
                       [float(p) for p in probs])
         path, out = 1.0, []
         for key, p in zip(keys, offer.priors):
-            path *= self.model.estimate(key, p)
+            path *= self.model.estimate(key, p)       # (:meth:`estimate`, the key already made)
             out.append(path)
         if tokens:
             self._pending[seq_id] = (len(token_ids), offer)

@@ -702,6 +702,14 @@ class Controller:
                             else None}
         return chosen
 
+    def token_seconds(self, batch: int, other_tokens: int, num_seqs: int | None = None) -> float:
+        """What one accepted draft token saves in this step, in seconds: its row's share of a decode-only step at
+        the batch that decodes, T(B) / B (as :meth:`_choose_mixed` prices it), less what verifying one more token
+        adds to a step of ``other_tokens`` tokens (a model drafter's stopping rule, spec/draft_model.py)."""
+        B = max(int(batch), 1)
+        extra = self.step_time(other_tokens + 1, num_seqs) - self.step_time(other_tokens, num_seqs)
+        return max(self.step_seconds(B, B) / B - extra, 0.0)
+
     def step_seconds(self, tokens: int, num_seqs: int | None = None, per_seq: int = 1) -> float:
         """Predicted seconds of a step of ``tokens`` tokens; of its graph bucket when it holds ``num_seqs``
         decoding sequences of at most ``per_seq`` tokens each and a graph would run it."""

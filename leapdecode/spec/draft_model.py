@@ -67,11 +67,12 @@ CATCH_UP_TOKENS = 2048   # most tokens one catch-up forward of the draft model c
 
 class _Ctx:
     """The committed state of one request as the sampler's ``Row`` reads it (a ``Sequence`` look-alike)."""
-    __slots__ = ("token_ids", "num_prompt_tokens", "params", "index", "num_placeholders")
+    __slots__ = ("token_ids", "num_prompt_tokens", "params", "index", "num_placeholders", "seq_id", "token_seconds")
 
     def __init__(self, req: DraftRequest) -> None:
         self.token_ids, self.num_prompt_tokens = req.token_ids, req.num_prompt_tokens
         self.params, self.index, self.num_placeholders = req.params, req.sample_index, 0
+        self.seq_id, self.token_seconds = req.seq_id, req.token_seconds
 
     @property
     def num_output_tokens(self) -> int:
@@ -113,30 +114,57 @@ class DraftSampler:
         return tokens_t.tolist(), q, conf.tolist(), greedy
 
 
+class RowCost:
+    """Seconds of one draft position for one row: a draft forward's time over its rows, per number of rows (the
+    mean of the last few forwards with as many rows), for the stopping rule of :func:`draft_chains`."""
+
+    def __init__(self) -> None:
+        self._seconds: dict[int, float] = {}
+
+    def observe(self, rows: int, seconds: float) -> None:
+        old = self._seconds.get(rows)
+        self._seconds[rows] = seconds if old is None else 0.7 * old + 0.3 * seconds
+
+    def per_row(self, rows: int) -> float | None:
+        t = self._seconds.get(rows)
+        return None if t is None else t / rows
+
+
 def draft_chains(sampler: DraftSampler, logits: torch.Tensor, ctxs: list[_Ctx], limits: list[int],
                  threshold: float, step: Callable[[list[int], int, list[int]], torch.Tensor],
-                 calibrate: Callable[[int, list[int], list[float], list[bool]], list[float]] | None = None
-                 ) -> list[Draft]:
+                 calibration: ChainCalibration | None = None, cost: RowCost | None = None) -> list[Draft]:
     """Draft one chain per row, autoregressively and batched: draw from ``logits`` (one row per context), keep
     going for the rows under their length limit whose drawn token had confidence >= ``threshold``, and ask
     ``step(active rows, depth, their last tokens)`` for those rows' next logits. Each draft carries its q rows
-    when every token of it was sampled (not greedy), its first token's confidence as its score, and, when every
-    token of it was greedy, the running product of its tokens' confidences as its ``confidence`` (the draft's
-    probability of its whole path: what the controller prices greedy draft tokens by, as EAGLE's; a sampled
-    token is accepted with probability min(1, p/q), which its q does not say). With ``calibrate(row, tokens,
-    probs, sampled)`` (:meth:`ChainCalibration.confidences`), every draft's ``confidence`` is what that returns
-    instead: its tokens valued by how often such tokens were accepted."""
+    when every token of it was sampled (not greedy) and its first token's confidence as its score.
+
+    ``confidence``: with ``calibration`` (:class:`ChainCalibration`), each token valued by how often tokens drafted
+    with such a probability were accepted, multiplied along the chain; without it, while every token is greedy,
+    the running product of the tokens' own confidences (a sampled token is accepted with probability min(1, p/q),
+    which its q does not say).
+
+    **Stopping** (SpecDec++'s rule, priced on this machine): with ``calibration`` and ``cost``, a row whose request
+    says what an accepted token saves (``DraftRequest.token_seconds``, from the controller) stops once its chain's
+    calibrated path probability times that is less than a draft position costs a row (``cost``, timed here): the
+    next token is worth at most the path's probability, and its drafting time is spent whether or not the
+    controller keeps it. An int8 self-draft position costs ~0.6 of a target step at batch 1 on the CPU, so a
+    fourth token that is 45% likely lost time."""
     B = len(ctxs)
     tokens: list[list[int]] = [[] for _ in range(B)]
     qs: list[list[torch.Tensor]] = [[] for _ in range(B)]
     paths: list[list[float] | None] = [[] for _ in range(B)]     # cumulative confidences while all greedy
     probs: list[list[float]] = [[] for _ in range(B)]            # each token's own confidence
     sampled: list[list[bool]] = [[] for _ in range(B)]
+    path = [1.0] * B                                             # calibrated path probability
     score = [0.0] * B
     active = list(range(B))
     depth = 0
+    t_step = None
     while active:
         toks, q, conf, greedy = sampler.draw(logits, [ctxs[b] for b in active], [tokens[b] for b in active])
+        if t_step is not None and cost is not None:   # the forward and the draw (which waits for it on a GPU)
+            cost.observe(len(active), time.perf_counter() - t_step)
+        per_row = cost.per_row(len(active)) if cost is not None and calibration is not None else None
         depth += 1
         nxt = []
         for a, b in enumerate(active):
@@ -151,13 +179,18 @@ def draft_chains(sampler: DraftSampler, logits: torch.Tensor, ctxs: list[_Ctx], 
                 paths[b].append((paths[b][-1] if paths[b] else 1.0) * conf[a])
             elif paths[b] is not None:
                 paths[b] = None
-            if depth < limits[b] and conf[a] >= threshold:
+            if calibration is not None:
+                path[b] *= calibration.estimate(conf[a], depth, not greedy[a])
+            pays = per_row is None or path[b] * ctxs[b].token_seconds >= per_row or not ctxs[b].token_seconds
+            if depth < limits[b] and conf[a] >= threshold and pays:
                 nxt.append(b)
         active = nxt
         if active:
+            t_step = time.perf_counter()
             logits = step(active, depth, [tokens[b][-1] for b in active])
-    if calibrate is not None:
-        paths = [calibrate(b, tokens[b], probs[b], sampled[b]) for b in range(B)]
+    if calibration is not None:
+        paths = [calibration.confidences(ctxs[b].seq_id, ctxs[b].token_ids, tokens[b], probs[b], sampled[b])
+                 for b in range(B)]
     return [Draft(tokens[b], None, score=score[b],
                   probs=torch.stack(qs[b]) if qs[b] and len(qs[b]) == len(tokens[b]) else None,
                   confidence=paths[b] or None) for b in range(B)]
@@ -217,6 +250,7 @@ class DraftModelDrafter:
         self.k = max(1, int(num_speculative_tokens))
         self.threshold = float(threshold)
         self.calibration = ChainCalibration()     # what the drafts' confidences are worth (spec/calibration.py)
+        self.row_cost = RowCost()                 # what a draft position costs a row (the stopping rule)
         self.model_cfg = load_model_config(model)
         self.max_len = runner.max_model_len + self.k + 1
         self.backend = get_backend(cfg.attention_backend, self.device)
@@ -364,13 +398,9 @@ class DraftModelDrafter:
                 nxt.append((len(r.token_ids) + depth - 1, (token,), st.blocks))
             return self.forward(nxt)
 
-        def calibrate(b: int, tokens: list[int], probs: list[float], sampled: list[bool]) -> list[float]:
-            r = requests[idx[b]]
-            return self.calibration.confidences(r.seq_id, r.token_ids, tokens, probs, sampled)
-
         limits = [min(requests[i].max_draft, self.k) for i in idx]
         for b, draft in enumerate(draft_chains(self.sampler, self.forward(chunks), ctxs, limits, self.threshold,
-                                               step, calibrate)):
+                                               step, self.calibration, self.row_cost)):
             out[idx[b]] = draft
             self.stats["drafted"] += len(draft.tokens)
 

@@ -56,6 +56,9 @@ class DraftRequest:
     params: Any = None           # the request's SamplingParams: a drafter with probabilities processes q alike
     sample_index: int = 0        # the sample's index in its request (seeded draws are keyed by it)
     block_table: Sequence[int] = ()   # the target's KV blocks, holding the KV of every committed token but the last
+    # seconds an accepted draft token saves on this machine now, net of verifying it (0: not known); a drafter that
+    # pays for each draft position may stop once the next token is not worth its drafting (spec/draft_model.py)
+    token_seconds: float = 0.0
 
 
 class Drafter(Protocol):

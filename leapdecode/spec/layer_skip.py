@@ -61,7 +61,7 @@ import torch
 from leapdecode.engine.input_batch import InputBuffers
 from leapdecode.engine.step import ScheduledSeq, lay_out
 from leapdecode.spec.calibration import ChainCalibration
-from leapdecode.spec.draft_model import DraftSampler, _Ctx, draft_chains, run_layers
+from leapdecode.spec.draft_model import DraftSampler, RowCost, _Ctx, draft_chains, run_layers
 from leapdecode.spec.drafter import Draft, DraftRequest
 
 MAX_GROUP = 64          # sequences drafting at once (scratch room is sized for this many)
@@ -149,6 +149,7 @@ class LayerSkipDrafter:
         self.pending: dict[int, tuple[int, tuple[int, ...], frozenset]] = {}   # seq_id -> (start, draft, skip set)
         self.stats = {"forwards": 0, "drafted": 0, "switches": 0, "evaluations": 0, "seconds": 0.0}
         self.calibration = ChainCalibration()     # what the drafts' confidences are worth (spec/calibration.py)
+        self.row_cost = RowCost()                 # what a draft position costs a row (the stopping rule)
 
     # -- the skip set ------------------------------------------------------------------------------------------
     @property
@@ -241,12 +242,8 @@ class LayerSkipDrafter:
                                  for b, t in zip(active, last)], layers)
 
         limits = [min(requests[i].max_draft, self.k) for i in idx]
-        def calibrate(b: int, tokens: list[int], probs: list[float], sampled: list[bool]) -> list[float]:
-            r = requests[idx[b]]
-            return self.calibration.confidences(r.seq_id, r.token_ids, tokens, probs, sampled)
-
         drafts = draft_chains(self.sampler, self.forward(chunks, layers), ctxs, limits, self.threshold, step,
-                              calibrate)
+                              self.calibration, self.row_cost)
         for i, draft in zip(idx, drafts):
             r = requests[i]
             out[i] = draft

@@ -247,6 +247,10 @@ class Speculator:
         ctl = self.controller
         base = len(decoding) + other_tokens
         self._step_shape = (len(decoding), base)
+        if ctl is not None and self.cfg.model_methods:      # a model drafter stops where a token stops paying
+            worth = ctl.token_seconds(max(len(decoding), batch or 0), base, self._decode_seqs)
+            for r in reqs:
+                r.token_seconds = worth
         if ctl is not None and not self._speculating:
             batch = tuple(r.seq_id for r in reqs)
             self._quiet_steps += 1
