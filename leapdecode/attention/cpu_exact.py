@@ -15,18 +15,18 @@ the scalar one it replaced (16 decode rows over 300 keys, SmolLM2's heads: 684 -
 ``generate`` 1.06x float32 SDPA's speed at batch 1 on 600-1,000-token contexts and 1.29x at batch 16 (1.00x and
 1.29x under int4).
 
-Compiled with ``torch.utils.cpp_extension.load_inline`` (g++ and ninja, ``-march=native``; cached under
-``TORCH_EXTENSIONS_DIR`` by source and CPU flags, ~20 s the first time); :func:`kernel` returns None where that
-fails, and the backend falls back to SDPA (float64 under ``exact="always"``, else float32). Float caches only (float32, bfloat16, float16); quantized and
+Compiled at first use (leapdecode/native.py: g++ and ninja, ``-march=native``, cached under
+``TORCH_EXTENSIONS_DIR``, ~20 s the first time); :func:`kernel` returns None where that fails, and the backend
+falls back to SDPA (float64 under ``exact="always"``, else float32). Float caches only (float32, bfloat16, float16); quantized and
 windowed caches, and long prefill chunks (where SDPA's blocked matrix products win), use the fallback.
 """
 from __future__ import annotations
 
 import functools
-import os
-import warnings
 
 import torch
+
+from leapdecode import native
 
 _SOURCE = r"""
 #include <torch/extension.h>
@@ -265,34 +265,12 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor kv_cache, torch::Te
 """
 
 
-def _build_key() -> str:
-    """The build's cache name: the source and this CPU's instruction-set flags (``-march=native``), so a cache
-    shared between machines never hands one machine another's instructions."""
-    import hashlib
-    flags = ""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith("flags")), "")
-    except OSError:
-        pass
-    return hashlib.sha1((_SOURCE + flags + torch.__version__).encode()).hexdigest()[:12]
-
-
 @functools.lru_cache(maxsize=1)
 def kernel():
     """The compiled ``paged_attention`` function, or None where it cannot be built (no compiler, no ninja,
-    ``LEAPDECODE_NO_CPU_KERNELS=1``)."""
-    if os.environ.get("LEAPDECODE_NO_CPU_KERNELS"):
-        return None
-    try:
-        from torch.utils.cpp_extension import load_inline
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            mod = load_inline(name=f"leapdecode_cpu_exact_{_build_key()}", cpp_sources=_SOURCE,
-                              functions=["paged_attention"], extra_cflags=["-O3", "-march=native"], verbose=False)
-        return mod.paged_attention
-    except Exception:       # no toolchain, or a build error: the SDPA fallback serves
-        return None
+    ``LEAPDECODE_NO_CPU_KERNELS=1``): see leapdecode/native.py."""
+    mod = native.build("cpu_exact", _SOURCE, ["paged_attention"])
+    return None if mod is None else mod.paged_attention
 
 
 def attend(q: torch.Tensor, kv_cache: torch.Tensor, blocks: torch.Tensor, mask: torch.Tensor,

@@ -1,8 +1,9 @@
 """Building blocks of the Llama family: RMSNorm, rotary embedding (default / linear / llama3), gated MLP.
 
 On CUDA each block runs as one fused Triton kernel (model/triton_ops.py) computing what its PyTorch form below
-computes; the PyTorch forms are the CPU path and the reference. ``FUSED_OPS = False`` (or the environment variable
-LEAPDECODE_FUSED_OPS=0) keeps CUDA on the PyTorch forms too, for measuring what the fusion buys.
+computes; on the CPU, in float32, RMSNorm and the rotary embedding run as C++ ops (model/cpu_ops.py); the PyTorch
+forms are the reference and the path everywhere else. ``FUSED_OPS = False`` (or the environment variable
+LEAPDECODE_FUSED_OPS=0) keeps both devices on the PyTorch forms, for measuring what the fusion buys.
 """
 from __future__ import annotations
 
@@ -21,11 +22,17 @@ FUSED_OPS = os.environ.get("LEAPDECODE_FUSED_OPS", "1") != "0"
 
 
 def _fused(x: torch.Tensor):
-    """The fused kernels module when ``x`` lives on a GPU and fusion is on, else None."""
-    if not (FUSED_OPS and x.is_cuda):
+    """The fused kernels module for ``x`` when fusion is on: Triton on a GPU; C++ on the CPU for float32, where it
+    compiled (model/cpu_ops.py); else None (the PyTorch forms below)."""
+    if not FUSED_OPS:
         return None
-    from leapdecode.model import triton_ops
-    return triton_ops
+    if x.is_cuda:
+        from leapdecode.model import triton_ops
+        return triton_ops
+    if x.dtype == torch.float32 and x.device.type == "cpu":
+        from leapdecode.model import cpu_ops
+        return cpu_ops if cpu_ops.available() else None
+    return None
 
 
 class RMSNorm(nn.Module):

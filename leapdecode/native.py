@@ -1,0 +1,42 @@
+"""C++ kernels for the CPU, compiled at first use (attention/cpu_exact.py, model/cpu_ops.py).
+
+Built with ``torch.utils.cpp_extension.load_inline`` (g++ and ninja, ``-O3 -march=native``) and cached under
+``TORCH_EXTENSIONS_DIR`` by source, flags, this CPU's instruction-set flags and the torch version, so a cache
+shared between machines never hands one machine another's instructions (~20 s the first time). Where that fails
+(no compiler, no ninja) or ``LEAPDECODE_NO_CPU_KERNELS=1`` is set, :func:`build` returns None and callers keep
+their PyTorch path.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import warnings
+from typing import Sequence
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        return ""
+
+
+def build(name: str, source: str, functions: Sequence[str], flags: Sequence[str] = ()):
+    """The compiled module of ``source`` exposing ``functions``, or None where it cannot be built."""
+    if os.environ.get("LEAPDECODE_NO_CPU_KERNELS"):
+        return None
+    import torch
+    cflags = ["-O3", "-march=native", *flags]
+    key = hashlib.sha1((source + " ".join(cflags) + _cpu_flags() + torch.__version__).encode()).hexdigest()[:12]
+    try:
+        from torch.utils.cpp_extension import load_inline
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return load_inline(name=f"leapdecode_{name}_{key}", cpp_sources=source, functions=list(functions),
+                               extra_cflags=cflags, verbose=False)
+    except Exception:       # no toolchain, or a build error: the caller's PyTorch path serves
+        return None
+
+
+__all__ = ["build"]
