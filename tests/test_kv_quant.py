@@ -311,6 +311,32 @@ def test_attention_with_a_quantized_cache(fmt, salient, tol, recent):
     assert len(h.bm.free_window) == h.bm.num_window_blocks
 
 
+@pytest.mark.parametrize("fmt,recent", [("fp8", 0), ("fp8", 6), ("int8", 5)])
+def test_the_cpu_kernel_reads_quantized_caches_in_place(fmt, recent, monkeypatch):
+    """On the CPU, decode and verification rows over fp8 and int8 caches go through the exact kernel, which
+    dequantizes each key and value row as it reads it (attention/cpu_exact.py): every row still equals attention
+    over the reference-dequantized KV (the harness checks each one), and the kernel served them."""
+    from leapdecode.attention import cpu_exact
+    if cpu_exact.kernel() is None:
+        pytest.skip("no C++ toolchain to build attention/cpu_exact.py")
+    served = []
+    real = cpu_exact.attend_quantized
+
+    def spy(q, layer, *args):
+        served.append(q.shape[0] * q.shape[1])
+        return real(q, layer, *args)
+    monkeypatch.setattr(cpu_exact, "attend_quantized", spy)
+    from leapdecode.attention.torch_ref import TorchAttention
+    h = Harness(fmt, 0, window=16 if recent else 6, recent=recent)
+    h.backend = TorchAttention(exact="kernel")          # (the engine's CPU default; the harness's is "off")
+    A, B = h.seq(), h.seq()
+    h.step([(A, 10, 0), (B, 3, 0)])
+    h.step([(A, 1, 0), (B, 2, 0)])
+    h.step([(A, 5, 4), (B, 1, 0)])
+    h.step([(A, 1, 0), (B, 1, 0)])
+    assert len(served) >= 4 and sum(served) >= 8, served
+
+
 def test_recent_tokens_seal_late():
     """With ``recent_tokens`` a block seals only once it lies that far behind its sequence's end (draft tokens
     do not count), keeps its window block until then, and a fork sharing it seals it for both."""

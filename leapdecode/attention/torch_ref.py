@@ -10,9 +10,10 @@ that are earlier context or (for trees) its ancestors. The masks and gather indi
 long decode rows are planned apart as a ``SparseStep`` (attention/sparse.py), which reads only selected keys.
 
 A quantized cache is read by dequantizing the gathered blocks before SDPA (a windowed cache, int8/int4 or fp8 with
-recent tokens: open and recent blocks come from the full-precision window); a layer first quantizes the blocks its step seals, measuring their tokens' saliency with
-the probe queries when the format keeps salient tokens (``kv_quant.normalized_attention``). Not fused: this is the
-portable reference; a fused GPU read is future work.
+recent tokens: open and recent blocks come from the full-precision window); a layer first quantizes the blocks its
+step seals, measuring their tokens' saliency with the probe queries when the format keeps salient tokens
+(``kv_quant.normalized_attention``). That is the portable reference; on the CPU the exact kernel reads fp8 and
+int8 caches in place instead (``exact``, below), and on a GPU the Triton backend does.
 """
 from __future__ import annotations
 
@@ -75,11 +76,13 @@ class TorchAttention(AttentionBackend):
         float32 SDPA blocks its work by query length and padded key length, so a row's last bits differ between
         plain decoding (one query), verification (several) and other batch partners: a near-tie can flip, and
         bfloat16 activations (``quantization="int4"``) turn such bits into different tokens (greedy speculation
-        matched plain decoding on 10 of 12 documents). "kernel": decode and verification rows on a CPU float cache
-        go through the C++ kernel of attention/cpu_exact.py, which computes each row alone (exact by construction,
-        and no slower than gather + SDPA), everything else through float32 SDPA; "always": the same, and what the
-        kernel cannot serve (long prefill chunks, quantized caches, no compiler) runs SDPA in float64, where those
-        differences sit ~29 bits below float32's last bit and rounding almost never shows them; "off": SDPA."""
+        matched plain decoding on 10 of 12 documents). "kernel": decode and verification rows on a CPU float, fp8
+        or int8 cache go through the C++ kernel of attention/cpu_exact.py, which computes each row alone (exact by
+        construction, and no slower than gather + SDPA; a quantized cache is dequantized row by row as the kernel
+        reads it, 2-6x faster than dequantizing the gathered blocks), everything else through float32 SDPA;
+        "always": the same, and what the kernel cannot serve (long prefill chunks, int4 caches, no compiler) runs
+        SDPA in float64, where those differences sit ~29 bits below float32's last bit and rounding almost never
+        shows them; "off": SDPA."""
         if exact not in EXACT_MODES:
             raise ValueError(f"exact must be one of {EXACT_MODES}, got {exact!r}")
         self.sparse = sparse
@@ -131,9 +134,11 @@ class TorchAttention(AttentionBackend):
                 out[g.out_index] = g.attend(q, kv_cache, scale, layer).to(out.dtype)
                 continue
             o = None
-            if (self.exact != "off" and isinstance(kv_cache, torch.Tensor) and kv_cache.device.type == "cpu"
-                    and g.q_index.shape[1] <= BATCH_MAX_QUERY):      # long prefill chunks: SDPA's blocked GEMMs
-                o = cpu_exact.attend(q[g.q_index], kv_cache, g.blocks, g.mask[:, 0], scale)  # [B, max_q, H, D]
+            if self.exact != "off" and g.q_index.shape[1] <= BATCH_MAX_QUERY:   # long prefill chunks: SDPA's GEMMs
+                if isinstance(kv_cache, torch.Tensor) and kv_cache.device.type == "cpu":
+                    o = cpu_exact.attend(q[g.q_index], kv_cache, g.blocks, g.mask[:, 0], scale)  # [B, max_q, H, D]
+                elif cpu_exact.reads(kv_cache):                # fp8 / int8: dequantized as the kernel reads
+                    o = cpu_exact.attend_quantized(q[g.q_index], kv_cache, g.blocks, g.window, g.mask[:, 0], scale)
             if o is None:
                 k, v = _read(kv_cache, g)                                               # [B, max_k, Hkv, D]
                 qg, k, v = q[g.q_index].transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, H, max_q, D]
