@@ -311,9 +311,10 @@ def test_attention_with_a_quantized_cache(fmt, salient, tol, recent):
     assert len(h.bm.free_window) == h.bm.num_window_blocks
 
 
-@pytest.mark.parametrize("fmt,recent", [("fp8", 0), ("fp8", 6), ("int8", 5)])
-def test_the_cpu_kernel_reads_quantized_caches_in_place(fmt, recent, monkeypatch):
-    """On the CPU, decode and verification rows over fp8 and int8 caches go through the exact kernel, which
+@pytest.mark.parametrize("fmt,salient,recent", [("fp8", 0, 0), ("fp8", 0, 6), ("int8", 0, 5), ("int8", 0, 0),
+                                                 ("int4", 0, 0), ("int4", 1, 4)])
+def test_the_cpu_kernel_reads_quantized_caches_in_place(fmt, salient, recent, monkeypatch):
+    """On the CPU, decode and verification rows over quantized caches go through the exact kernel, which
     dequantizes each key and value row as it reads it (attention/cpu_exact.py): every row still equals attention
     over the reference-dequantized KV (the harness checks each one), and the kernel served them."""
     from leapdecode.attention import cpu_exact
@@ -327,7 +328,7 @@ def test_the_cpu_kernel_reads_quantized_caches_in_place(fmt, recent, monkeypatch
         return real(q, layer, *args)
     monkeypatch.setattr(cpu_exact, "attend_quantized", spy)
     from leapdecode.attention.torch_ref import TorchAttention
-    h = Harness(fmt, 0, window=16 if recent else 6, recent=recent)
+    h = Harness(fmt, salient, window=16 if recent else 6, recent=recent)
     h.backend = TorchAttention(exact="kernel")          # (the engine's CPU default; the harness's is "off")
     A, B = h.seq(), h.seq()
     h.step([(A, 10, 0), (B, 3, 0)])

@@ -18,11 +18,11 @@ the scalar one it replaced (16 decode rows over 300 keys, SmolLM2's heads: 684 -
 Compiled at first use (leapdecode/native.py: g++ and ninja, ``-march=native``, cached under
 ``TORCH_EXTENSIONS_DIR``, ~20 s the first time); :func:`kernel` returns None where that fails, and the backend
 falls back to SDPA (float64 under ``exact="always"``, else float32). It reads float caches (float32, bfloat16,
-float16) and, through :func:`attend_quantized`, fp8 and int8 caches (kv_cache.py), dequantizing each key and value
-row as it reads it, with the same arithmetic as ``kv_quant`` (the full-precision window for blocks still open):
-at 4k / 8k tokens on the real model that made fp8 decoding 3.9x / 5.7x and int8 2.1x / 2.7x faster than
-dequantizing the gathered blocks before SDPA (benchmarks/README.md). int4 caches and long prefill chunks (where
-SDPA's blocked matrix products win) use the fallback.
+float16) and, through :func:`attend_quantized`, fp8, int8 and int4 caches (kv_cache.py), dequantizing each key
+and value row as it reads it, with the same arithmetic as ``kv_quant`` (the full-precision window for blocks still
+open): at 4k / 8k tokens on the real model that made fp8 decoding 3.9x / 5.7x and int8 2.1x / 2.7x faster than
+dequantizing the gathered blocks before SDPA (benchmarks/README.md). Long prefill chunks (where SDPA's blocked
+matrix products win) use the fallback.
 """
 from __future__ import annotations
 
@@ -126,18 +126,40 @@ struct Paged {
   }
 };
 
-// A quantized cache (attention/kv_cache.py): one byte per value, codes [2, nb, bs, Hkv, D]; fp8 with a float16 scale
-// per (token, head), scales [2, nb, bs, Hkv], decoded through ``lut`` (the 256 e4m3 values); or int8 on a grid
+// A quantized cache (attention/kv_cache.py), codes [2, nb, bs, Hkv, D * bits / 8]: fp8 with a float16 scale per
+// (token, head), scales [2, nb, bs, Hkv], decoded through ``lut`` (the 256 e4m3 values); or int8 / int4 on a grid
 // z + s * u, keys per (block, head, channel) kgrid [nb, 2, Hkv, D], values per (block, token, head) vgrid
-// [nb, 2, bs, Hkv]. Blocks still open live in a float32 window [2, nw, bs, Hkv, D]: wmap [S, wmap_stride] names a
-// key block's window block, or -1 (read the codes). The products s * u and lut * scale are exact in float32
-// (at most 19 significant bits), so a fused multiply-add gives the same value as kv_quant's decode.
+// [nb, 2, bs, Hkv]; int4 stores u / 17 as nibbles (even channel low), except a block's ``ns`` salient tokens per
+// head (salient [nb, ns, Hkv] offsets), whose nibble is u's high one and residual [2, nb, ns, Hkv, D / 2] its low
+// one. Blocks still open live in a float32 window [2, nw, bs, Hkv, D]: wmap [S, wmap_stride] names a key block's
+// window block, or -1 (read the codes). The products s * u and lut * scale are exact in float32 (at most 19
+// significant bits), so a fused multiply-add gives the same value as kv_quant's decode.
 struct Quant {
-  const uint8_t* codes;
+  const uint8_t *codes, *salient, *residual;
   const at::Half *kgrid, *vgrid, *scales;
   const float *lut, *window;
   const int64_t *table, *wmap;
-  int64_t table_stride, wmap_stride, bs, Hkv, D, nb, nw;
+  int64_t table_stride, wmap_stride, bs, Hkv, D, nb, nw, bits, ns;
+  // the grid units of a row: 8-bit codes as they are, 4-bit ones unpacked (salient tokens with their low nibbles)
+  const uint8_t* units(int pass, int64_t blk, int64_t off, int64_t g, uint8_t* buf) const {
+    if (bits == 8) return codes + (((pass * nb + blk) * bs + off) * Hkv + g) * D;
+    const uint8_t* c = codes + (((pass * nb + blk) * bs + off) * Hkv + g) * (D / 2);
+    int64_t i = 0;
+    while (i < ns && salient[(blk * ns + i) * Hkv + g] != off) ++i;
+    if (i < ns) {
+      const uint8_t* r = residual + (((pass * nb + blk) * ns + i) * Hkv + g) * (D / 2);
+      for (int64_t d = 0; d < D; d += 2) {
+        buf[d] = static_cast<uint8_t>((c[d / 2] & 15) * 16 + (r[d / 2] & 15));
+        buf[d + 1] = static_cast<uint8_t>((c[d / 2] >> 4) * 16 + (r[d / 2] >> 4));
+      }
+    } else {
+      for (int64_t d = 0; d < D; d += 2) {
+        buf[d] = static_cast<uint8_t>((c[d / 2] & 15) * 17);
+        buf[d + 1] = static_cast<uint8_t>((c[d / 2] >> 4) * 17);
+      }
+    }
+    return buf;
+  }
   const float* row(int pass, int64_t s, int64_t j, int64_t g, float* dst) const {
     const int64_t b = j / bs, off = j % bs;
     if (wmap != nullptr) {
@@ -150,11 +172,15 @@ struct Quant {
       }
     }
     const int64_t blk = table[s * table_stride + b];
-    const uint8_t* c = codes + (((pass * nb + blk) * bs + off) * Hkv + g) * D;
     if (scales != nullptr) {
+      const uint8_t* c = codes + (((pass * nb + blk) * bs + off) * Hkv + g) * D;
       const float sc = static_cast<float>(scales[((pass * nb + blk) * bs + off) * Hkv + g]);
       for (int64_t d = 0; d < D; ++d) dst[d] = lut[c[d]] * sc;
-    } else if (pass == 0) {
+      return dst;
+    }
+    uint8_t buf[Head<0>::MAXV * W];
+    const uint8_t* c = units(pass, blk, off, g, buf);
+    if (pass == 0) {
       const at::Half* z = kgrid + (blk * 2 * Hkv + g) * D;
       const at::Half* st = z + Hkv * D;
       for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<float>(z[d]) + static_cast<float>(st[d]) * static_cast<float>(c[d]);
@@ -335,10 +361,16 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor kv_cache, torch::Te
 // The same over a quantized cache (see Quant): kgrid and vgrid (int8) or scales and lut (fp8), window and wmap when
 // the cache keeps open blocks at full precision; absent ones are empty tensors.
 torch::Tensor paged_attention_quantized(torch::Tensor q, torch::Tensor codes, torch::Tensor kgrid, torch::Tensor vgrid,
-                                        torch::Tensor scales, torch::Tensor lut, torch::Tensor window,
-                                        torch::Tensor wmap, torch::Tensor table, torch::Tensor mask, double scale) {
+                                        torch::Tensor scales, torch::Tensor lut, torch::Tensor salient,
+                                        torch::Tensor residual, torch::Tensor window, torch::Tensor wmap,
+                                        torch::Tensor table, torch::Tensor mask, double scale) {
   TORCH_CHECK(codes.scalar_type() == torch::kByte && codes.is_contiguous() && codes.dim() == 5, "codes: uint8 [2, nb, bs, h, d]");
-  const int64_t nb = codes.size(1), bs = codes.size(2), Hkv = codes.size(3), D = codes.size(4);
+  const int64_t nb = codes.size(1), bs = codes.size(2), Hkv = codes.size(3), D = q.size(3);
+  const int64_t bits = codes.size(4) == D ? 8 : 4, ns = salient.numel() ? salient.size(1) : 0;
+  TORCH_CHECK(codes.size(4) * 8 / bits == D && D % 2 == 0, "codes: one byte per value, or two values per byte");
+  TORCH_CHECK(bits == 8 || scales.numel() == 0, "fp8 codes are one byte per value");
+  TORCH_CHECK(ns == 0 || (salient.scalar_type() == torch::kByte && salient.is_contiguous() && residual.is_contiguous()
+                          && residual.scalar_type() == torch::kByte && residual.size(2) == ns), "salient tokens");
   check(q, table, mask, Hkv, D);
   const bool fp8 = scales.numel() > 0, windowed = wmap.numel() > 0;
   TORCH_CHECK(fp8 ? (scales.scalar_type() == torch::kHalf && scales.is_contiguous() && lut.numel() == 256 &&
@@ -348,12 +380,13 @@ torch::Tensor paged_attention_quantized(torch::Tensor q, torch::Tensor codes, to
   TORCH_CHECK(!windowed || (window.scalar_type() == torch::kFloat32 && window.is_contiguous() &&
                             wmap.scalar_type() == torch::kLong && wmap.is_contiguous()), "window: float32, wmap int64");
   auto out = torch::empty_like(q);
-  Quant src{codes.data_ptr<uint8_t>(),
+  Quant src{codes.data_ptr<uint8_t>(), ns ? salient.data_ptr<uint8_t>() : nullptr,
+            ns ? residual.data_ptr<uint8_t>() : nullptr,
             fp8 ? nullptr : kgrid.data_ptr<at::Half>(), fp8 ? nullptr : vgrid.data_ptr<at::Half>(),
             fp8 ? scales.data_ptr<at::Half>() : nullptr, fp8 ? lut.data_ptr<float>() : nullptr,
             windowed ? window.data_ptr<float>() : nullptr, table.data_ptr<int64_t>(),
             windowed ? wmap.data_ptr<int64_t>() : nullptr, table.size(1), windowed ? wmap.size(1) : 0, bs, Hkv, D, nb,
-            windowed ? window.size(1) : 0};
+            windowed ? window.size(1) : 0, bits, ns};
   dispatch(src, q, mask, out, Hkv, scale);
   return out;
 }
@@ -380,17 +413,18 @@ def attend(q: torch.Tensor, kv_cache: torch.Tensor, blocks: torch.Tensor, mask: 
 
 
 def reads(layer) -> bool:
-    """Whether :func:`attend_quantized` reads this quantized cache layer: fp8, or int8, with a float32 window."""
+    """Whether :func:`attend_quantized` reads this quantized cache layer: fp8, or int8 / int4 with a float32
+    window."""
     from leapdecode.attention.kv_cache import Fp8Layer, WindowedLayer
     if isinstance(layer, Fp8Layer):
         return layer.codes.device.type == "cpu"
-    return (isinstance(layer, WindowedLayer) and layer.codes.device.type == "cpu" and layer.layout.bits == 8
+    return (isinstance(layer, WindowedLayer) and layer.codes.device.type == "cpu" and layer.layout.bits in (4, 8)
             and layer.window.dtype == torch.float32)
 
 
 def attend_quantized(q: torch.Tensor, layer, blocks: torch.Tensor, window: torch.Tensor | None, mask: torch.Tensor,
                      scale: float) -> torch.Tensor | None:
-    """:func:`attend` over a quantized cache layer that :func:`reads` (kv_cache.Fp8Layer or an int8 / fp8
+    """:func:`attend` over a quantized cache layer that :func:`reads` (kv_cache.Fp8Layer or an fp8 / int8 / int4
     WindowedLayer), dequantizing each key and value row as the kernel reads it; ``window`` [B, nblocks]: a block's
     window block while it is open, else -1 (None: no window). None when the kernel is unavailable."""
     mod = kernel()
@@ -399,9 +433,12 @@ def attend_quantized(q: torch.Tensor, layer, blocks: torch.Tensor, window: torch
     none = torch.empty(0)
     fp8 = getattr(layer, "scales", None) is not None
     win = getattr(layer, "window", None)
+    salient = getattr(layer, "salient", None)
+    salient = salient if salient is not None and layer.layout.num_salient else None
     return mod.paged_attention_quantized(
         q.float().contiguous(), layer.codes, none if fp8 else layer.key_grid, none if fp8 else layer.value_grid,
         layer.scales if fp8 else none, _fp8_values() if fp8 else none,
+        none if salient is None else salient, none if salient is None else layer.residual,
         win if window is not None else none, window.to(torch.int64).contiguous() if window is not None else none,
         blocks.to(torch.int64).contiguous(), mask.contiguous(), float(scale))
 

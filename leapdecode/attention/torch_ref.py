@@ -12,8 +12,8 @@ long decode rows are planned apart as a ``SparseStep`` (attention/sparse.py), wh
 A quantized cache is read by dequantizing the gathered blocks before SDPA (a windowed cache, int8/int4 or fp8 with
 recent tokens: open and recent blocks come from the full-precision window); a layer first quantizes the blocks its
 step seals, measuring their tokens' saliency with the probe queries when the format keeps salient tokens
-(``kv_quant.normalized_attention``). That is the portable reference; on the CPU the exact kernel reads fp8 and
-int8 caches in place instead (``exact``, below), and on a GPU the Triton backend does.
+(``kv_quant.normalized_attention``). That is the portable reference; on the CPU the exact kernel reads quantized
+caches in place instead (``exact``, below), and on a GPU the Triton backend does.
 """
 from __future__ import annotations
 
@@ -76,11 +76,11 @@ class TorchAttention(AttentionBackend):
         float32 SDPA blocks its work by query length and padded key length, so a row's last bits differ between
         plain decoding (one query), verification (several) and other batch partners: a near-tie can flip, and
         bfloat16 activations (``quantization="int4"``) turn such bits into different tokens (greedy speculation
-        matched plain decoding on 10 of 12 documents). "kernel": decode and verification rows on a CPU float, fp8
-        or int8 cache go through the C++ kernel of attention/cpu_exact.py, which computes each row alone (exact by
+        matched plain decoding on 10 of 12 documents). "kernel": decode and verification rows on a CPU float or
+        quantized cache go through the C++ kernel of attention/cpu_exact.py, which computes each row alone (exact by
         construction, and no slower than gather + SDPA; a quantized cache is dequantized row by row as the kernel
         reads it, 2-6x faster than dequantizing the gathered blocks), everything else through float32 SDPA;
-        "always": the same, and what the kernel cannot serve (long prefill chunks, int4 caches, no compiler) runs
+        "always": the same, and what the kernel cannot serve (long prefill chunks, no compiler) runs
         SDPA in float64, where those differences sit ~29 bits below float32's last bit and rounding almost never
         shows them; "off": SDPA."""
         if exact not in EXACT_MODES:
