@@ -115,8 +115,8 @@ class DraftSampler:
 
 
 class RowCost:
-    """Seconds of one draft position for one row: a draft forward's time over its rows, per number of rows (the
-    mean of the last few forwards with as many rows), for the stopping rule of :func:`draft_chains`."""
+    """Seconds of one draft position for one row: a draft forward's time over its rows, per number of rows (a
+    running mean over the forwards with as many rows), for the stopping rule of :func:`draft_chains`."""
 
     def __init__(self) -> None:
         self._seconds: dict[int, float] = {}
@@ -180,8 +180,9 @@ def draft_chains(sampler: DraftSampler, logits: torch.Tensor, ctxs: list[_Ctx], 
             elif paths[b] is not None:
                 paths[b] = None
             if calibration is not None:
-                path[b] *= calibration.estimate(conf[a], depth, not greedy[a])
-            pays = per_row is None or path[b] * ctxs[b].token_seconds >= per_row or not ctxs[b].token_seconds
+                path[b] *= calibration.estimate(conf[a], not greedy[a])
+            worth = ctxs[b].token_seconds if per_row is not None else 0.0
+            pays = not worth or path[b] * worth >= per_row
             if depth < limits[b] and conf[a] >= threshold and pays:
                 nxt.append(b)
         active = nxt
