@@ -87,11 +87,15 @@ def test_draft_model_greedy_identical_and_accepted(embedded, int8):
     assert llm.engine.stats["accepted_tokens"] < llm.engine.stats["draft_tokens"]    # some rejected, too
     assert_calibrated(llm)
     assert_all_free(llm)
-    # alone, one request at a time, with the adaptive controller: still identical
+    # alone, one request at a time, with the adaptive controller: still identical; the drafter is told what an
+    # accepted token is worth (its stopping rule)
     llm = make_llm(target, speculative_config=spec("draft_model", k=3, adaptive=True, model=draft))
+    drafter, priced = llm.engine.speculator.drafter, []
+    real = drafter.propose
+    drafter.propose = lambda reqs: (priced.extend(r.token_seconds for r in reqs), real(reqs))[1]
     for p, r in zip(prompts[:2], ref[:2]):
         assert llm.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids == r
-    assert llm.engine.speculator.num_proposals > 0
+    assert llm.engine.speculator.num_proposals > 0 and priced and min(priced) > 0, priced
     assert_all_free(llm)
 
 

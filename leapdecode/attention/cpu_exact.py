@@ -183,7 +183,8 @@ struct Quant {
     if (pass == 0) {
       const at::Half* z = kgrid + (blk * 2 * Hkv + g) * D;
       const at::Half* st = z + Hkv * D;
-      for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<float>(z[d]) + static_cast<float>(st[d]) * static_cast<float>(c[d]);
+      for (int64_t d = 0; d < D; ++d)
+        dst[d] = static_cast<float>(z[d]) + static_cast<float>(st[d]) * static_cast<float>(c[d]);
     } else {
       const float z = static_cast<float>(vgrid[((blk * 2) * bs + off) * Hkv + g]);
       const float st = static_cast<float>(vgrid[((blk * 2 + 1) * bs + off) * Hkv + g]);
@@ -364,7 +365,8 @@ torch::Tensor paged_attention_quantized(torch::Tensor q, torch::Tensor codes, to
                                         torch::Tensor scales, torch::Tensor lut, torch::Tensor salient,
                                         torch::Tensor residual, torch::Tensor window, torch::Tensor wmap,
                                         torch::Tensor table, torch::Tensor mask, double scale) {
-  TORCH_CHECK(codes.scalar_type() == torch::kByte && codes.is_contiguous() && codes.dim() == 5, "codes: uint8 [2, nb, bs, h, d]");
+  TORCH_CHECK(codes.scalar_type() == torch::kByte && codes.is_contiguous() && codes.dim() == 5,
+              "codes: uint8 [2, nb, bs, h, d]");
   const int64_t nb = codes.size(1), bs = codes.size(2), Hkv = codes.size(3), D = q.size(3);
   const int64_t bits = codes.size(4) == D ? 8 : 4, ns = salient.numel() ? salient.size(1) : 0;
   TORCH_CHECK(codes.size(4) * 8 / bits == D && D % 2 == 0, "codes: one byte per value, or two values per byte");

@@ -75,6 +75,10 @@ class Speculator:
         self._backlog_seconds = 0.0      # the last propose's backlog (see _draft)
         self._gate_calls = 0
         self._step_shape = (0, 0)        # this step's (decoding requests, tokens computed anyway), for the gate
+        self._token_batch = 1            # ... and the batch that decodes (what an accepted token is worth)
+        # draft_model and layer_skip (alone or in auto) stop drafting by the controller's price of a token
+        self._prices_tokens = self.controller is not None and bool({"draft_model", "layer_skip"}
+                                                                   & set(cfg.model_methods))
         # this step's sequences when it holds decodes only (a CUDA graph's shape; the steps the guard compares);
         # None otherwise, and between steps
         self._decode_seqs: int | None = None
@@ -144,6 +148,10 @@ class Speculator:
         the controller kept a head off where it gave 1.2x. It is kept in ``_backlog_seconds`` for the shadows'
         budget, which spends real time."""
         t0 = time.perf_counter()
+        if self._prices_tokens:          # a chain model drafter stops where a token stops paying (draft_chains)
+            worth = self.controller.token_seconds(self._token_batch, self._step_shape[1], self._decode_seqs)
+            for r in reqs:
+                r.token_seconds = worth
         drafts = self.drafter.propose(reqs)
         return self._account(drafts, time.perf_counter() - t0)
 
@@ -247,10 +255,7 @@ class Speculator:
         ctl = self.controller
         base = len(decoding) + other_tokens
         self._step_shape = (len(decoding), base)
-        if ctl is not None and self.cfg.model_methods:      # a model drafter stops where a token stops paying
-            worth = ctl.token_seconds(max(len(decoding), batch or 0), base, self._decode_seqs)
-            for r in reqs:
-                r.token_seconds = worth
+        self._token_batch = max(len(decoding), batch or 0)
         if ctl is not None and not self._speculating:
             batch = tuple(r.seq_id for r in reqs)
             self._quiet_steps += 1
