@@ -1085,3 +1085,58 @@ def test_a_draft_in_hand_is_judged_by_what_it_cost():
         values.append(spec.controller.last_choice["value"])
     assert spec.draft_seconds_ema > 0.006                  # the average still remembers the 8 ms drafts
     assert values[3] > 1.9 > 1.5 > max(values[:3] + values[4:])   # the 0.5 ms draft, judged by its 0.5 ms
+
+
+def test_a_quiet_step_with_prompt_chunks_is_checked_with_the_decoding_batch(monkeypatch):
+    """While speculation is off, a step that holds prefill chunks asks the controller with the batch that will
+    decode (the engine's count), not with the tuple of request ids the quiet bookkeeping keeps: that tuple reached
+    the mixed-step rule and raised (the engine logged 'drafter failed' and ran such steps without drafts)."""
+    seen = []
+    real = Controller.worth_drafting
+
+    def spy(self, offers, other_tokens, draft_seconds=0.0, num_seqs=None, batch=None):
+        seen.append(batch)
+        return real(self, offers, other_tokens, draft_seconds, num_seqs, batch)
+    monkeypatch.setattr(Controller, "worth_drafting", spy)
+    cfg = SpeculativeConfig(method="ngram", num_speculative_tokens=4, adaptive=True, drafter=FakeDrafter(0.0))
+    spec = Speculator(cfg, 50_000, probed_model(cpu_like))
+    spec._speculating = False
+    seqs = [Seq(i) for i in range(4)]
+    spec.propose(seqs, [4] * 4, 500, 32)          # 500 prompt tokens in the step; 32 sequences will decode
+    assert seen == [32]
+
+
+def test_a_quiet_model_drafter_drafts_for_real_after_a_doubling_wait():
+    """A drafter that runs a model is rarely shadowed, and the quiet re-check values a request by its last draft:
+    while quiet it drafts for real after RETRY_QUIET quiet steps, then after twice as many each time a retry does
+    not switch drafting back on (here never: every draft fails and claims so); not from STALE_BATCH requests on."""
+    from leapdecode.spec.speculator import RETRY_QUIET
+
+    def run(batch, steps, retries=True):
+        cfg = SpeculativeConfig(method="ngram", num_speculative_tokens=4, adaptive=True,
+                                drafter=FakeDrafter(0.0, claim=0.02))
+        spec = fabricated_drafting(Speculator(cfg, 50_000, probed_model(cpu_like)), DRAFT_SECONDS, None)
+        spec.guard = None
+        spec._retries = retries         # what a model drafter gets (registry.MODEL_METHODS); this fake one is not
+        spec._speculating = False
+        seqs, real = [Seq(i) for i in range(batch)], []
+        for step in range(steps):
+            before = spec.num_proposals
+            drafts = spec.propose(seqs, [4] * batch, 0)
+            n = batch + sum(len(d) for d in drafts.values())
+            for s in seqs:
+                d = drafts.get(s.seq_id)
+                pos = len(s.token_ids)
+                acc = d.accepted_length([truth(s.seq_id, pos + j) for j in range(len(d))]) if d else 0
+                s.token_ids += [truth(s.seq_id, pos + j) for j in range(acc + 1)]
+                spec.observe(s, len(d) if d else 0, acc, None)
+            spec.observe_step(n, cpu_like(n), None, n)
+            if spec.num_proposals > before:
+                real.append(step)
+        return real
+
+    real, without = run(1, 130), run(1, 130, retries=False)
+    assert without == [0, 1, 2]             # the controller times each draft size a few times, then stays quiet
+    assert real[:3] == without and list(np.diff(real[2:7])) == [RETRY_QUIET, 2 * RETRY_QUIET, 4 * RETRY_QUIET,
+                                                                8 * RETRY_QUIET], real
+    assert run(8, 60) == run(8, 60, retries=False)
