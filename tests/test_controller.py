@@ -39,6 +39,20 @@ class Seq:
         self.params, self.index, self.block_table = None, 0, []
 
 
+def commit(spec, seqs, drafts) -> int:
+    """Each sequence commits the accepted prefix of its draft (sample-then-match against ``truth``) and the bonus
+    token, and the speculator observes it. Returns the tokens committed."""
+    tokens = 0
+    for s in seqs:
+        d = drafts.get(s.seq_id)
+        pos = len(s.token_ids)
+        acc = d.accepted_length([truth(s.seq_id, pos + j) for j in range(len(d))]) if d else 0
+        s.token_ids += [truth(s.seq_id, pos + j) for j in range(acc + 1)]
+        tokens += acc + 1
+        spec.observe(s, len(d) if d else 0, acc, None)
+    return tokens
+
+
 class FakeDrafter:
     """Drafts the true continuation; each next token is right with probability ``self.q`` (a geometric chain).
     ``claim``: the drafts carry calibrated confidences that say each token is right with this probability."""
@@ -134,13 +148,7 @@ def simulate(step_time, q, batch=1, steps=300, k=8, adaptive=True, noise=0.03, q
         drafting = spec.drafter_seconds - drafted_before        # drafting is on the step's critical path
         seconds += drafting
         n = batch + sum(len(d) for d in drafts.values())
-        for s in seqs:
-            d = drafts.get(s.seq_id)
-            pos = len(s.token_ids)
-            acc = d.accepted_length([truth(s.seq_id, pos + j) for j in range(len(d))]) if d else 0
-            s.token_ids += [truth(s.seq_id, pos + j) for j in range(acc + 1)]
-            tokens += acc + 1
-            spec.observe(s, len(d) if d else 0, acc, None)
+        tokens += commit(spec, seqs, drafts)
         bucket = graphs[0](batch, 1 + max((len(d) for d in drafts.values()), default=0)) if graphs else None
         t = (graphs[1](bucket) if bucket else step_time(n)) * (1 + noise * (2 * rng.random() - 1))
         if spike and n > batch:
@@ -910,13 +918,10 @@ def test_drafting_goes_on_while_it_pays_on_average():
         before = spec.drafter_seconds
         drafts = spec.propose([seq], [4], 0)
         d = drafts.get(0)
-        pos = len(seq.token_ids)
-        acc = d.accepted_length([truth(0, pos + j) for j in range(len(d))]) if d else 0
-        seq.token_ids += [truth(0, pos + j) for j in range(acc + 1)]
-        spec.observe(seq, len(d) if d else 0, acc, None)
+        emitted = commit(spec, [seq], drafts)
         verified += bool(d)
         spec.observe_step(1 + (len(d) if d else 0), spec.drafter_seconds - before + cpu_like(1 + (len(d) if d else 0)),
-                          None, acc + 1)
+                          None, emitted)
     assert drafter.n >= 190 and verified >= 90        # a draft every step; the sure ones (half) verified
 
 
@@ -1124,13 +1129,7 @@ def test_a_quiet_model_drafter_drafts_for_real_after_a_doubling_wait():
             before = spec.num_proposals
             drafts = spec.propose(seqs, [4] * batch, 0)
             n = batch + sum(len(d) for d in drafts.values())
-            for s in seqs:
-                d = drafts.get(s.seq_id)
-                pos = len(s.token_ids)
-                acc = d.accepted_length([truth(s.seq_id, pos + j) for j in range(len(d))]) if d else 0
-                s.token_ids += [truth(s.seq_id, pos + j) for j in range(acc + 1)]
-                spec.observe(s, len(d) if d else 0, acc, None)
-            spec.observe_step(n, cpu_like(n), None, n)
+            spec.observe_step(n, cpu_like(n), None, commit(spec, seqs, drafts))
             if spec.num_proposals > before:
                 real.append(step)
         return real

@@ -31,6 +31,7 @@ import functools
 import torch
 
 from leapdecode import native
+from leapdecode.attention.kv_cache import Fp8Layer, WindowedLayer
 
 _SOURCE = r"""
 #include <torch/extension.h>
@@ -417,7 +418,6 @@ def attend(q: torch.Tensor, kv_cache: torch.Tensor, blocks: torch.Tensor, mask: 
 def reads(layer) -> bool:
     """Whether :func:`attend_quantized` reads this quantized cache layer: fp8, or int8 / int4 with a float32
     window."""
-    from leapdecode.attention.kv_cache import Fp8Layer, WindowedLayer
     if isinstance(layer, Fp8Layer):
         return layer.codes.device.type == "cpu"
     return (isinstance(layer, WindowedLayer) and layer.codes.device.type == "cpu" and layer.layout.bits in (4, 8)

@@ -137,7 +137,7 @@ class TorchAttention(AttentionBackend):
             if self.exact != "off" and g.q_index.shape[1] <= BATCH_MAX_QUERY:   # long prefill chunks: SDPA's GEMMs
                 if isinstance(kv_cache, torch.Tensor) and kv_cache.device.type == "cpu":
                     o = cpu_exact.attend(q[g.q_index], kv_cache, g.blocks, g.mask[:, 0], scale)  # [B, max_q, H, D]
-                elif cpu_exact.reads(kv_cache):                # fp8 / int8: dequantized as the kernel reads
+                elif cpu_exact.reads(kv_cache):                # a quantized cache: dequantized as the kernel reads
                     o = cpu_exact.attend_quantized(q[g.q_index], kv_cache, g.blocks, g.window, g.mask[:, 0], scale)
             if o is None:
                 k, v = _read(kv_cache, g)                                               # [B, max_k, Hkv, D]
