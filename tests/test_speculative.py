@@ -1,4 +1,5 @@
 """Speculative decoding is lossless: identical greedy output, identical sampling distribution, no leaked blocks."""
+import collections
 import itertools
 import random
 
@@ -275,3 +276,44 @@ def test_long_prompt_is_indexed_during_prefill_not_in_the_first_decode_step(llam
     assert got == want
     assert sum(sizes) >= len(prompt) and max(sizes) <= 32, sizes
     assert_pool_free(llm)
+
+
+def test_a_quiet_speculator_learns_the_top_k_of_a_few_rows_a_step(llama_dir):
+    """While the controller keeps speculation off, the drafter learns the target's top-k from at most
+    ``QUIET_TOPK_ROWS`` rows a step, in turn, so every request's rows are learned from now and then (at batch 64 on
+    the CPU, every row's top-k and Token Recycling's updates cost ~1.5% of a quiet run); the rows it gets are the
+    target's own top-k (the plain run's logprobs), and the output is plain decoding's."""
+    from leapdecode.spec.speculator import QUIET_TOPK_ROWS
+    rng = random.Random(5)
+    prompts = [[rng.randrange(2, 384) for _ in range(rng.randint(4, 20))] for _ in range(QUIET_TOPK_ROWS + 5)]
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=8)
+    plain = make_llm(llama_dir).generate(prompts, params, use_tqdm=False)
+    llm = make_llm(llama_dir, speculative_config=spec("recycling", k=4, adaptive=True))
+    sp = llm.engine.speculator
+    sp.guard = None
+    sp.controller.draft_lengths = lambda proposals, *a, **k: [0] * len(proposals)     # drafting never pays
+    sp.controller.worth_drafting = lambda *a, **k: False
+    learned, step = [], [0]
+    real_observe, real_step = sp.drafter.observe, llm.engine.step
+
+    def observe(seq_id, token_ids, num_accepted, topk=None):
+        if topk is not None:
+            which = next(i for i, p in enumerate(prompts) if list(token_ids[:len(p)]) == p)
+            learned.append((step[0], which, len(token_ids), topk[0]))
+        real_observe(seq_id, token_ids, num_accepted, topk)
+
+    def engine_step():
+        step[0] += 1
+        return real_step()
+    sp.drafter.observe, llm.engine.step = observe, engine_step
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in plain]
+    assert llm.engine.stats["draft_tokens"] == 0 and not sp.speculating
+    per_step = collections.Counter(s for s, *_ in learned)
+    quiet = [n for s, n in sorted(per_step.items()) if s > 2]      # (the first decode step still drafts for all)
+    assert quiet and max(quiet) == QUIET_TOPK_ROWS
+    assert {i for _, i, *_ in learned} == set(range(len(prompts)))
+    for _, i, length, row in learned:
+        entry = plain[i].outputs[0].logprobs[length - 1 - len(prompts[i])]   # the distribution row 0 is of
+        top = sorted(entry, key=entry.get, reverse=True)[:8]
+        assert set(row) == set(top)

@@ -13,7 +13,7 @@ Mirostat request's next threshold mu goes back in its ``SeqResult`` for the sche
 from __future__ import annotations
 
 from concurrent.futures import Future
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import TYPE_CHECKING, Any, Collection, Mapping
 
 import torch
 
@@ -54,7 +54,7 @@ class Verifier:
         """-> (the step's result, the sampled tokens per sample row on the device).
 
         ``want_topk``: report the target's top-k at each used row this step, if the verifier was built to (False: a
-        step whose drafter learns nothing from it).
+        step whose drafter learns nothing from it; a set of sequence ids: those sequences' rows only).
 
         ``draft_probs``: seq_id -> (the drafter's chain, its q rows) for drafts drawn from a model's distribution
         (``Speculator.take_probs``); such a chain, when the plan kept a prefix of it, is verified with
@@ -125,7 +125,7 @@ class Verifier:
         if batch.max_logprobs is not None:
             chosen, top = compute_logprobs(raw, sampled_t, batch.max_logprobs)
             lps = list(zip(chosen, top))
-        topk = raw.topk(self.topk, dim=-1).indices.tolist() if self.topk and want_topk else None
+        topk = self._topk(plan, raw, want_topk) if self.topk and want_topk else None
         results: dict[int, SeqResult] = {}
         for c in plan.seqs:
             if not c.samples:
@@ -139,8 +139,19 @@ class Verifier:
             results[c.seq_id] = SeqResult(
                 c.seq_id, tuple(path), tuple(c.draft.tokens[i] for i in path) + (bonus,),
                 logprobs=tuple(lps[r] for r in used) if lps else None,
-                topk=tuple(topk[r] for r in used) if topk else None, mirostat_mu=mu.get(r0))
+                topk=tuple(topk[r] for r in used) if topk and r0 in topk else None, mirostat_mu=mu.get(r0))
         return StepResult(plan.step_id, results, prompt), sampled_t
+
+    def _topk(self, plan: StepPlan, raw: torch.Tensor, want: bool | Collection[int]) -> dict[int, list[int]]:
+        """Sample row -> the target's top-k token ids there: every row, or the rows of the sequences in ``want``."""
+        if want is True:
+            return dict(enumerate(raw.topk(self.topk, dim=-1).indices.tolist()))
+        rows = [r for c in plan.seqs if c.samples and c.seq_id in want
+                for r in range(c.sample_start, c.sample_start + c.num_samples)]
+        if not rows:
+            return {}
+        picked = raw[torch.tensor(rows, device=raw.device)] if len(rows) < raw.shape[0] else raw
+        return dict(zip(rows, picked.topk(self.topk, dim=-1).indices.tolist()))
 
     def _verify_trees(self, probs: torch.Tensor, sampled_t: torch.Tensor, u: torch.Tensor, trees: list,
                       batch: SamplingBatch) -> torch.Tensor:

@@ -52,6 +52,10 @@ last draft, often the short one that switched drafting off: layer_skip stayed qu
 where drafting gave 1.3x. Measured (layer_skip+ctl, batch 1, two runs each): 0.92-1.38x (mean 1.13) without
 retries, 0.94-1.39x (mean 1.23) with."""
 
+QUIET_TOPK_ROWS = 8
+"""While speculation is off, the drafter learns the target's top-k from at most this many rows a step (see
+:meth:`Speculator.learns_topk`)."""
+
 CHECK_SHARE, CHECK_WAIT = 0.05, 8
 """... and the controller's re-checks (0.2 ms at batch 64 there) about this share, waiting at most CHECK_WAIT quiet
 steps: at 2% a batch of 2 on an H200 waited ~30 steps between checks and never turned speculation on in 64 tokens of
@@ -112,6 +116,7 @@ class Speculator:
         # quiet it drafts for real every _retry_after quiet steps, doubling after each retry that does not pay
         self._retries = self.controller is not None and cfg.method in MODEL_METHODS
         self._retry_after, self._retry_wait, self._retrying = RETRY_QUIET, 0, False
+        self._topk_turn = 0              # the first of the rows a quiet step learns top-k from (learns_topk)
 
     def new_drafter(self):
         """A fresh drafter as the config says (benchmarks use it to start each run from empty caches)."""
@@ -325,12 +330,20 @@ class Speculator:
                 self._shadow[s.seq_id] = (tree, len(s.token_ids), _claim(d))
         return out
 
-    def learns_topk(self) -> bool:
-        """Does the drafter learn from the target's top-k in this step? Not while the guard keeps it off (a veto or
-        a bare window): the top-k of every row (~1 ms a step at batch 64 on the CPU) and Token Recycling's table
-        updates would be a quiet speculator's cost with no draft to use them; it learns again when drafting
-        resumes, from every committed token as before."""
-        return self.wants_topk and not self._guard_bare
+    def learns_topk(self) -> bool | frozenset[int]:
+        """Which rows of this step the drafter learns the target's top-k from: True (every row), False (none) or
+        the sequence ids of the rows. None while the guard keeps the drafter off (a veto or a bare window); while
+        the controller keeps speculation off, at most ``QUIET_TOPK_ROWS`` sequences a step, in turn: at batch 64
+        on the CPU the top-k of every row (~1 ms a step) and Token Recycling's table updates (~1 ms more) were a
+        quiet speculator's cost beyond its shadows' budget. While drafting, every row, as before."""
+        if not self.wants_topk or self._guard_bare:
+            return False
+        ids = self._batch
+        if self.controller is None or self._speculating or len(ids) <= QUIET_TOPK_ROWS:
+            return True
+        start = self._topk_turn % len(ids)
+        self._topk_turn = start + QUIET_TOPK_ROWS
+        return frozenset(ids[start:start + QUIET_TOPK_ROWS] + ids[:max(0, start + QUIET_TOPK_ROWS - len(ids))])
 
     def off(self, num_seqs: int) -> bool:
         """The guard has the drafter off for the next step of ``num_seqs`` sequences (``ThroughputGuard.off``): it
