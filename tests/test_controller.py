@@ -925,6 +925,28 @@ def test_drafting_goes_on_while_it_pays_on_average():
     assert drafter.n >= 190 and verified >= 90        # a draft every step; the sure ones (half) verified
 
 
+def test_a_step_of_many_drafts_weighs_as_many_in_the_running_value():
+    """The running value that keeps drafting on weighs a step that drafted for R requests as R drafts
+    (1 - (1 - VALUE_RATE) ** R): its value is an average over them already. After a good step, one step whose
+    drafts are worth nothing switches drafting off at batch 16 (it went on for ~5 such steps, each spending ~5% of
+    its time drafting for 16 requests), while at batch 1 one modest draft does not."""
+    for batch, on_after in ((1, True), (16, False)):
+        spec = fabricated_drafting(Speculator(SpeculativeConfig(method="ngram", num_speculative_tokens=4,
+                                                                drafter=FakeDrafter(0.9)), 50_000, probed_model()))
+        spec.guard = None
+        values = iter([1.5, 0.95])      # what the controller predicts for the drafts in hand, step by step
+
+        def lengths(proposals, *a, **k):
+            spec.controller.last_choice = {"value": next(values), "explored": False}
+            return [0] * len(proposals)
+        spec.controller.draft_lengths = lengths
+        seqs = [Seq(i) for i in range(batch)]
+        for _ in range(2):
+            commit(spec, seqs, spec.propose(seqs, [4] * batch, 0))
+            assert spec.drafter.calls > 0
+        assert spec.speculating == on_after, batch
+
+
 def test_a_stale_bare_rate_is_measured_again_before_it_vetoes():
     """The machine slowed down since the last bare window (drafter and plain steps alike): compared with that old
     bare rate, the drafter's steps look 15% slower. The guard measures bare again first (a window now), and
