@@ -730,6 +730,18 @@ def test_shadow_drafts_of_a_costly_drafter_cost_about_two_percent():
     assert rate >= 0.94 * plain_rate(gpu_like, 64)
 
 
+def test_shadows_are_bought_by_what_drafting_could_gain():
+    """A quiet step's share for shadow drafts is scaled by what drafting could gain there at best (tokens per
+    second with every request's longest draft accepted, over plain decoding's, from the cost curve): where a
+    verified token costs nearly what a decoded one does (compute-bound; batch 64 on the CPU, where perfect drafts
+    would gain ~10%), a costly drafter is hardly shadowed and the run goes at plain decoding's speed (0.98x with
+    the whole share); where a step is flat in its tokens (GPU-like), the requests are watched as before."""
+    rate, _, spec = simulate(cpu_heavy, 0.0, batch=64, steps=400, draft_seconds=2e-3, turnover=2, guard=False)
+    assert spec.num_shadow_proposals < 10 and rate >= 0.995 * plain_rate(cpu_heavy, 64)
+    _, _, gpu = simulate(gpu_like, 0.0, batch=64, steps=400, draft_seconds=2e-3, turnover=2, guard=False)
+    assert gpu.num_shadow_proposals > 20
+
+
 def test_shadow_drafts_price_drafting_after_a_slow_draft():
     """A draft that takes 20 steps' time (a burst of load) turns speculation off; shadow drafts of every request
     are whole drafting steps and price drafting again. Priced only by real drafting steps, the charge stayed at

@@ -39,7 +39,13 @@ OFFER_FLOOR = 0.02
 
 QUIET_SHARE = 0.02
 """While speculation is off, shadow drafts cost at most about this share of the decoding time (at batch 64 on an
-H200 a shadow draft of every request cost 1-45 ms against a 2 ms step)."""
+H200 a shadow draft of every request cost 1-45 ms against a 2 ms step), less where drafting could gain little at
+best (:meth:`Speculator._potential`)."""
+
+SHADOW_BANK = 8
+"""Quiet steps' worth of unspent shadow credit kept (a costlier shadow still runs: the credit then goes negative and
+is earned back). With 64, the credit banked over a run paid for ~2 ms of shadows in each of the first quiet steps
+of the next batch of 64 requests on the CPU."""
 
 VALUE_RATE = 0.3
 """Weight of one request's newest draft in the running value that keeps drafting on (see :meth:`Speculator.propose`):
@@ -406,8 +412,8 @@ class Speculator:
         decoding time however expensive one draft is (at 5%, EAGLE's shadows at batch 16 plus its catch-up cost
         ~9% of a run where it never drafted)."""
         self._steps += 1
-        earned = QUIET_SHARE * step
-        self._shadow_credit = min(self._shadow_credit + earned, 64 * earned)
+        earned = QUIET_SHARE * step * self._potential(reqs, step)
+        self._shadow_credit = min(self._shadow_credit + earned, SHADOW_BANK * earned)
         after = self._shadow_after
         need = [r for r in reqs if r.seq_id not in self._shadow and after.get(r.seq_id, 0) <= self._steps]
         if not need or self._shadow_credit <= 0.0:
@@ -427,6 +433,19 @@ class Speculator:
             self.controller.note(r.seq_id, d.score, d.confidence)   # what the probe of worth_drafting goes by
             if d.tokens:
                 self._shadow[r.seq_id] = (DraftTree.of(d.tokens, d.parents), len(r.token_ids), _claim(d))
+
+    def _potential(self, reqs: list[DraftRequest], step: float) -> float:
+        """What finding good drafts could be worth in this step, in [0, 1], by which the shadows' share is scaled:
+        the gain in tokens per second of this decode-only step if every request's longest draft were accepted,
+        over plain decoding (capped at 1; 1 in a step with prefill chunks, whose drafts are priced in time). A
+        compute-bound step (batch 64 on the CPU: a verified token costs nearly what a decoded one does, so perfect
+        drafts would gain ~10%) buys few shadows; a GPU step, flat in its tokens, the whole share."""
+        base = self._step_shape[1]
+        if self._decode_seqs is None or step <= 0.0 or base <= 0:
+            return 1.0
+        room = [r.max_draft for r in reqs]
+        best = self.controller.step_seconds(base + sum(room), self._decode_seqs, 1 + max(room))
+        return min(1.0, max(0.0, (base + sum(room)) * step / (best * base) - 1.0))
 
     def _score_shadow(self, seq: "Sequence", given_up: bool = False) -> None:
         """Resolve a shadow draft once the committed tokens decide it: a mismatch, or every level matched. One
