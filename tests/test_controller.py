@@ -10,7 +10,7 @@ import torch
 
 from leapdecode.config import SpeculativeConfig
 from leapdecode.spec.controller import MARGINAL_CAP, Controller, StepTimeModel
-from leapdecode.spec.drafter import Draft
+from leapdecode.spec.drafter import Draft, DraftRequest
 from leapdecode.spec.speculator import Speculator
 
 
@@ -740,6 +740,23 @@ def test_shadows_are_bought_by_what_drafting_could_gain():
     assert spec.num_shadow_proposals < 10 and rate >= 0.995 * plain_rate(cpu_heavy, 64)
     _, _, gpu = simulate(gpu_like, 0.0, batch=64, steps=400, draft_seconds=2e-3, turnover=2, guard=False)
     assert gpu.num_shadow_proposals > 20
+
+
+def test_unspent_shadow_credit_is_kept_for_a_few_steps_only():
+    """Credit a quiet stretch did not spend (nothing was due) is kept up to ``SHADOW_BANK`` quiet steps' worth: the
+    first quiet step of a new batch spends at most that on shadows. (With 64 steps' worth, the credit banked over
+    one run of 64 requests paid for ~2 ms of shadows in each of the next batch's first quiet steps on the CPU.)"""
+    from leapdecode.spec.speculator import QUIET_SHARE, SHADOW_BANK
+    cfg = SpeculativeConfig(method="ngram", num_speculative_tokens=4, adaptive=True, drafter=FakeDrafter(0.0))
+    spec = fabricated_drafting(Speculator(cfg, 50_000, probed_model()), per_request=1e-3)
+    step = 0.1
+    reqs = [DraftRequest(i, Seq(i).token_ids, 16, 4, None, 0, []) for i in range(65)]
+    spec._propose_shadows(reqs[64:], step)          # one shadow: its cost is measured
+    for _ in range(200):
+        spec._propose_shadows([], step)             # quiet steps with nothing due
+    spec._propose_shadows(reqs[:64], step)
+    shadowed = len(spec._shadow) - 1
+    assert 1 <= shadowed <= SHADOW_BANK * QUIET_SHARE * step / 1e-3 + 1
 
 
 def test_shadow_drafts_price_drafting_after_a_slow_draft():
