@@ -342,7 +342,7 @@ class Speculator:
 
     def learns_topk(self) -> bool | frozenset[int]:
         """Which rows of this step the drafter learns the target's top-k from: True (every row), False (none) or
-        the sequence ids of the rows. None while the guard keeps the drafter off (a veto or a bare window); while
+        the sequence ids of the rows. None of them while the guard keeps the drafter off (a veto or a bare window); while
         the controller keeps speculation off, at most ``QUIET_TOPK_ROWS`` sequences a step, in turn: at batch 64
         on the CPU the top-k of every row (~1 ms a step) and Token Recycling's table updates (~1 ms more) were a
         quiet speculator's cost beyond its shadows' budget. While drafting, every row, as before."""
@@ -439,9 +439,9 @@ class Speculator:
         the gain in tokens per second of this decode-only step if every request's longest draft were accepted,
         over plain decoding (capped at 1; 1 in a step with prefill chunks, whose drafts are priced in time). A
         compute-bound step (batch 64 on the CPU: a verified token costs nearly what a decoded one does, so perfect
-        drafts would gain ~10%) buys few shadows; a GPU step, flat in its tokens, the whole share."""
+        drafts would gain ~15%) buys few shadows; a GPU step, flat in its tokens, the whole share."""
         base = self._step_shape[1]
-        if self._decode_seqs is None or step <= 0.0 or base <= 0:
+        if self._decode_seqs is None or step <= 0.0 or base <= 0 or not reqs:
             return 1.0
         room = [r.max_draft for r in reqs]
         best = self.controller.step_seconds(base + sum(room), self._decode_seqs, 1 + max(room))
