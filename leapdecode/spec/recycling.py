@@ -88,7 +88,7 @@ class RecyclingDrafter(PerRequestDrafter):
         self.k = num_successors
         self.tree = bool(tree)
         self.rank_probs = probs if self.tree else probs[:1]
-        self.adjacency = np.full((vocab_size, num_successors), -1, dtype=np.int32)
+        self._adj = array("i", [-1]) * (vocab_size * num_successors)    # row t: successors of token t
         self.use_trigrams = bool(use_trigrams)
         self.trigram_min_count = int(trigram_min_count)
         # flat arrays (slot s holds ways s * width .. s * width + width - 1): read and written one element at a
@@ -133,8 +133,7 @@ class RecyclingDrafter(PerRequestDrafter):
     def memory_bytes(self) -> int:
         """Bytes held by the global tables; constant after construction unless a token id beyond ``vocab_size``
         arrives and the matrix grows to cover it."""
-        return self.adjacency.nbytes + sum(len(t) * t.itemsize for t in (self._tri_key, self._tri_next,
-                                                                          self._tri_count))
+        return sum(len(t) * t.itemsize for t in (self._adj, self._tri_key, self._tri_next, self._tri_count))
 
     def _learn(self, seq_id: int, token_ids: Sequence[int]) -> None:
         """Learn from the committed tokens not seen before (the prompt on first sight, then each step's output).
@@ -145,35 +144,42 @@ class RecyclingDrafter(PerRequestDrafter):
         offset = max(0, start - 2)
         tokens = as_int_list(token_ids[offset:])
         if not self._topk_seen:
-            for i in range(max(start, 1) - offset, len(tokens)):
-                self._move_to_front(tokens[i - 1], tokens[i])
+            self._move_to_front(tokens, max(start, 1) - offset)
         if self.use_trigrams:
             self._count_trigrams(tokens, max(start - offset, 2))
         self._learned[seq_id] = len(token_ids)
 
+    @property
+    def adjacency(self) -> np.ndarray:
+        """The matrix as a [vocab, num_successors] int32 array (a view: valid until the vocabulary grows)."""
+        return np.frombuffer(self._adj, dtype=np.int32).reshape(-1, self.k)
+
     def _ensure_vocab(self, token: int) -> None:
-        if token >= len(self.adjacency):
-            grown = np.full((max(token + 1, 2 * len(self.adjacency)), self.k), -1, dtype=np.int32)
-            grown[:len(self.adjacency)] = self.adjacency
-            self.adjacency = grown
+        rows = len(self._adj) // self.k
+        if token >= rows:
+            self._adj.extend(array("i", [-1]) * ((max(token + 1, 2 * rows) - rows) * self.k))
 
     def _set_row(self, token: int, successors: list[int]) -> None:
         self._ensure_vocab(token)
-        row = self.adjacency[token]
-        n = min(self.k, len(successors))
-        row[:n] = successors[:n]
-        row[n:] = -1
+        k, n = self.k, min(self.k, len(successors))
+        self._adj[token * k:token * k + k] = array("i", successors[:n] + [-1] * (k - n))
 
-    def _move_to_front(self, token: int, successor: int) -> None:
-        self._ensure_vocab(token)
-        row = self.adjacency[token].tolist()          # Python lists: far cheaper than numpy calls per token
-        if row[0] == successor:
+    def _move_to_front(self, tokens: list[int], lo: int) -> None:
+        """Each token of ``tokens[lo:]`` moves to the front of its predecessor's row (the least recent successor
+        drops out of a full row)."""
+        lo = max(lo, 1)
+        if lo >= len(tokens):
             return
-        if successor in row:
-            row.remove(successor)
-        else:
-            row.pop()                                   # forget the least recent successor
-        self.adjacency[token] = [successor] + row
+        self._ensure_vocab(max(tokens[lo - 1:-1]))          # the predecessors' rows
+        adj, k = self._adj, self.k
+        for i in range(lo, len(tokens)):
+            successor, base = tokens[i], tokens[i - 1] * k
+            if adj[base] == successor:
+                continue
+            row = adj[base:base + k]
+            j = row.index(successor) if successor in row else k - 1
+            adj[base + 1:base + j + 1] = row[:j]
+            adj[base] = successor
 
     def _slot(self, a: int, b: int) -> tuple[int, int]:
         key = (a << 32) | b
@@ -231,7 +237,8 @@ class RecyclingDrafter(PerRequestDrafter):
 
     def ranked(self, a: int, b: int) -> list[tuple[int, int]]:
         """:meth:`successors` with each one's tri-gram count after (a, b) (0: from the matrix alone)."""
-        row = self.adjacency[b].tolist() if b < len(self.adjacency) else []
+        k = self.k
+        row = self._adj[b * k:b * k + k].tolist() if (b + 1) * k <= len(self._adj) else []
         if not self.use_trigrams:
             return [(t, 0) for t in row if t >= 0]
         tri = self.trigram_successors(a, b)
