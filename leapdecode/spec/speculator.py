@@ -47,11 +47,15 @@ SHADOW_BANK = 8
 is earned back). With 64, the credit banked over a run paid for ~2 ms of shadows in each of the first quiet steps
 of the next batch of 64 requests on the CPU."""
 
-VALUE_RATE = 0.3
+VALUE_RATE = 0.15
 """Weight of one request's newest draft in the running value that keeps drafting on (see :meth:`Speculator.propose`):
 a step that drafted for R requests weighs 1 - (1 - VALUE_RATE) ** R, as R drafts would, its value being already an
 average over them. (Weighed as one draft, at batch 16 on the CPU a good step kept drafting on for ~5 steps that kept
-no draft at all, each spending ~5% of its time drafting for 16 requests; at batch 64, 3 steps of ~8 ms each.)"""
+no draft at all, each spending ~5% of its time drafting for 16 requests; at batch 64, 3 steps of ~8 ms each.) At
+batch 1 a model drafter's drafts vary from position to position, and 0.15 keeps drafting on through a few short
+ones: four runs each on the CPU (benchmarks README, session 19), layer_skip+ctl and eagle+ctl on GSM8K and HumanEval
+1.14-1.40x (means per cell) with 0.15 against 1.06-1.27x with 0.3, MT-Bench 0.94-1.11x against 0.96-1.09x; with 0.3
+two of the eight runs had a drafter that never drafted again after the chat prompts."""
 
 RETRY_QUIET, RETRY_MAX = 8, 256
 """A model drafter's retries while quiet: a real draft after this many quiet steps, the wait doubling after each
