@@ -54,7 +54,7 @@ average over them. (Weighed as one draft, at batch 16 on the CPU a good step kep
 no draft at all, each spending ~5% of its time drafting for 16 requests; at batch 64, 3 steps of ~8 ms each.) At
 batch 1 a model drafter's drafts vary from position to position, and 0.15 keeps drafting on through a few short
 ones: four runs each on the CPU (benchmarks README, session 19), layer_skip+ctl and eagle+ctl on GSM8K and HumanEval
-1.14-1.40x (means per cell) with 0.15 against 1.06-1.27x with 0.3, MT-Bench 0.94-1.11x against 0.96-1.09x; with 0.3
+1.24-1.40x (means per cell) with 0.15 against 1.06-1.27x with 0.3, MT-Bench 0.94-1.11x against 0.96-1.09x; with 0.3
 two of the eight runs had a drafter that never drafted again after the chat prompts."""
 
 RETRY_QUIET, RETRY_MAX = 8, 256
