@@ -287,10 +287,10 @@ def spec_batches(path: str, tasks: dict[str, list[list[int]]], batches: list[int
     """Issue 19's end-to-end check: plain decoding and each drafter (adaptive controller on) at each batch size,
     in one process, every configuration's LLM alive, repeats interleaved in a rotating order. Batch 1 runs each
     task's prompts one at a time (a row per task); batch B > 1 submits B prompts drawn round-robin from the tasks
-    at once, after one untimed run of a batch per configuration. Per repeat the ratio to plain is taken against plain's run in the same repeat; the table gives the
-    median over repeats and the pooled ratio, by wall time and by the process's CPU time (with one torch thread,
-    CPU time is the work done: on a machine shared with other jobs it is far less noisy than wall time, which
-    also counts the time spent waiting for a core)."""
+    at once, after one untimed run of a batch per configuration. Per repeat the ratio to plain is taken against
+    plain's run in the same repeat; the table gives the median over repeats and the pooled ratio, by wall time and
+    by the process's CPU time (with one torch thread, CPU time is the work done: on a machine shared with other
+    jobs it is far less noisy than wall time, which also counts the time spent waiting for a core)."""
     from leapdecode import LLM, SamplingParams
     configs = ("plain", *methods)
     llms = {}

@@ -189,10 +189,10 @@ class RecyclingDrafter(PerRequestDrafter):
         """Count the tri-grams ending at ``tokens[lo:]`` (``lo >= 2``). A token new to its pair's bucket takes the
         least counted way (space-saving); a count at the maximum halves the bucket's counts first."""
         keys, nxt, counts, width = self._tri_key, self._tri_next, self._tri_count, self._tri_width
-        mask, (no_next, no_count) = self._tri_mask, self._tri_empty
+        slot_of, (no_next, no_count) = self._slot, self._tri_empty
         for i in range(lo, len(tokens)):
-            a, b, c = tokens[i - 2], tokens[i - 1], tokens[i]
-            key, slot = (a << 32) | b, (a * 1_000_003 + b * 7919) & mask
+            c = tokens[i]
+            slot, key = slot_of(tokens[i - 2], tokens[i - 1])
             base = slot * width
             if keys[slot] != key:           # a colliding pair (or none yet): the bucket starts over
                 keys[slot] = key
