@@ -118,24 +118,34 @@ class GraphTimes:
     def last_seen(self, bucket: tuple[int, int]) -> int | None:
         return self._seen.get(bucket)
 
-    def __call__(self, bucket: tuple[int, int]) -> float | None:
+    def __call__(self, bucket: tuple[int, int], since: int | None = None) -> float | None:
+        """The bucket's predicted seconds; ``since``: from the steps seen since that step only (buckets last seen
+        before it count as never seen)."""
+        if since is not None:
+            return self._predict(bucket, since)
         if bucket in self._memo:
             return self._memo[bucket]
         self._memo[bucket] = t = self._predict(bucket)
         return t
 
-    def _predict(self, bucket: tuple[int, int]) -> float | None:
+    def _predict(self, bucket: tuple[int, int], since: int = -1) -> float | None:
         d = self._obs.get(bucket)
-        if d:
+        if d and self._seen[bucket] >= since:
             return sorted(d)[len(d) // 2]
         prior = self._prior.get(bucket)
         if prior is None:
             return None
-        seen = [b for b in self._obs if b in self._prior]
+        seen = [b for b in self._obs if b in self._prior and self._seen[b] >= since]
         if not seen:
             return prior
         near = min(seen, key=lambda b: (abs(b[0] - bucket[0]), abs(b[1] - bucket[1])))
-        return prior + max(self(near) - self._prior[near], 0.0)
+        return prior + max(self._predict(near, since) - self._prior[near], 0.0)
+
+    def forget(self, batch: int, before: int) -> None:
+        """Drop the times of the buckets of ``batch`` sequences last seen before step ``before``."""
+        for b in [b for b in self._obs if b[0] == batch and self._seen[b] < before]:
+            del self._obs[b]
+        self._memo.clear()
 
 
 MIXED = "mixed"
@@ -321,11 +331,26 @@ class StepTimeModel:
             c.points = (xs, ys, slope, ys / np.maximum(px, 1e-12) if px is not None else None, px)
         return c.points
 
-    def predict(self, ns: np.ndarray, num_seqs: int | None = None) -> np.ndarray:
+    def forget(self, num_seqs: int | None, before: int) -> None:
+        """Drop the buckets last seen before step ``before`` from the curve that prices steps of ``num_seqs``
+        sequences: sizes priced by old steps (a burst of load, other requests' contexts) are priced again by the
+        newer ones and the probe's shape, and the next step of such a size is its only time."""
+        c = self._curve(num_seqs)
+        if c is not None:
+            c.buckets = {k: b for k, b in c.buckets.items() if b.last_seen >= before}
+            c.points = c.fresh = None
+
+    def predict(self, ns: np.ndarray, num_seqs: int | None = None, since: int | None = None) -> np.ndarray:
         """T at each token count of ``ns``, an increasing numpy array, for a step of ``num_seqs`` decoding
-        sequences (None: a step with prefill chunks); the result is non-decreasing."""
+        sequences (None: a step with prefill chunks); the result is non-decreasing. ``since``: as if the steps
+        seen before that step had been forgotten (:meth:`forget`)."""
         ns = np.asarray(ns, dtype=np.float64)
         c = self._fresh(self._curve(num_seqs), num_seqs)
+        if since is not None and c is not None:
+            keep = {k: b for k, b in c.buckets.items() if b.last_seen >= since}
+            if len(keep) < len(c.buckets):
+                c = _Curve(c.window)
+                c.buckets = keep
         xs, ys, slope, ratios, px = self._points(c) if c is not None else \
             (np.empty(0), np.empty(0), self.c1, None, None)
         if self._prior is not None:
@@ -415,6 +440,9 @@ class Controller:
         self.decay, self.first_decay, self.prior_strength, self.min_gain = decay, first_decay, prior_strength, min_gain
         self.global_decay = global_decay
         self.explore_every, self.explore_tolerance, self.stale_after = explore_every, explore_tolerance, stale_after
+        self._retime_at = stale_after     # the step from which old prices may be checked again (:meth:`_retime`)
+        self._retime_wait = stale_after   # ... after a re-timing: doubles each time, until drafting keeps paying
+        self._paying_since: int | None = None   # the step since which drafts have been chosen on their merit
         self._acc: dict[int, _Acceptance] = {}
         self._score: dict[int, float] = {}
         self._confidence: dict[int, Any] = {}   # the latest draft's calibrated confidences (:meth:`note`)
@@ -584,7 +612,8 @@ class Controller:
         M = int(lengths.sum())
         order = np.argsort(-flat, kind="stable")[:M]
         expected = float(R) + np.concatenate(([0.0], np.cumsum(flat[order])))
-        chosen = self._choose(expected, order, K, other_tokens, draft_seconds, num_seqs, trees, sunk, batch)
+        chosen = self._choose(expected, order, K, other_tokens, draft_seconds, num_seqs, trees, sunk, batch,
+                              probe=not record)
         if chosen:
             counts = np.bincount(order[:chosen] // K, minlength=R)
             keep = counts.tolist()
@@ -626,7 +655,7 @@ class Controller:
             total += flat[i]
             expected.append(R + total)
         chosen = self._choose(np.array(expected), np.array(order, dtype=np.int64), K, other_tokens, draft_seconds,
-                              num_seqs, trees, sunk, batch)
+                              num_seqs, trees, sunk, batch, probe=not record)
         keep = [0] * R
         for i in order[:chosen]:
             keep[i // K] += 1
@@ -635,7 +664,8 @@ class Controller:
         return keep
 
     def _choose(self, expected: np.ndarray, order: np.ndarray, K: int, other_tokens: int, draft_seconds: float,
-                num_seqs: int | None, trees: bool = False, sunk: bool = False, batch: int | None = None) -> int:
+                num_seqs: int | None, trees: bool = False, sunk: bool = False, batch: int | None = None,
+                probe: bool = False) -> int:
         """How many of the ``order``ed draft tokens to keep: the count m whose step has the best expected tokens
         per second (``expected[m]`` over its predicted cost, drafting included unless ``sunk``), if that beats
         plain decoding by ``min_gain``; in a step with prefill chunks, see :meth:`_choose_mixed`."""
@@ -665,6 +695,14 @@ class Controller:
             explored = chosen > 0
         if not explored and self.explore_every and self.num_calls % self.explore_every == 0:
             chosen, explored = self._explore(chosen, best, goodput, other_tokens, graphs, num_seqs)
+        if not explored and num_seqs and self.step_time.num_observed >= self._retime_at:
+            retimed = self._retime(expected, order, K, other_tokens, draft_seconds, num_seqs, trees, chosen, cost,
+                                   plain, probe)
+            if retimed is not None:
+                chosen, cost, goodput = retimed
+                explored = True
+        if not probe:
+            self._note_merit(chosen > 0 and not explored, explored)
         self.last_choice = {"tokens": chosen, "best": best, "gain": float(goodput[chosen] / plain),
                             "explored": explored, "realized": self.realized, "pays": pays if sunk else chosen > 0,
                             # drafts in hand: what this step is predicted to deliver against plain decoding, its
@@ -716,21 +754,25 @@ class Controller:
         t = self._graph_seconds(num_seqs, per_seq)[1] if self.graph_bucket is not None and num_seqs else None
         return t if t is not None else self.step_time(tokens, num_seqs)
 
-    def _graph_seconds(self, num_seqs: int, per_seq: int) -> tuple[tuple[int, int] | None, float | None]:
+    def _graph_seconds(self, num_seqs: int, per_seq: int,
+                       since: int | None = None) -> tuple[tuple[int, int] | None, float | None]:
         """(the graph bucket a step of ``num_seqs`` sequences of at most ``per_seq`` tokens replays, its predicted
-        seconds); (None, None) when it runs eagerly, a time of None when the bucket has neither prior nor steps."""
+        seconds); (None, None) when it runs eagerly, a time of None when the bucket has neither prior nor steps.
+        ``since``: priced by the steps seen since that step only."""
         bucket = self.graph_bucket(num_seqs, per_seq)
-        return bucket, (self.step_time.graphs(bucket) if bucket is not None else None)
+        return bucket, (self.step_time.graphs(bucket, since) if bucket is not None else None)
 
-    def _costs(self, other_tokens: int, order: np.ndarray, K: int, num_seqs: int | None, trees: bool = False):
+    def _costs(self, other_tokens: int, order: np.ndarray, K: int, num_seqs: int | None, trees: bool = False,
+               since: int | None = None):
         """Predicted seconds of the step with the m = 0..M most valuable draft tokens, and m -> the graph bucket
         that step would replay (None: eager), or None for no graphs. The m-th token of the greedy order is at depth
         order % K + 1 of its draft, so the step's longest sequence after m tokens is 1 + the running maximum of
         those depths: non-decreasing in m, so each bucket prices one contiguous run of m. (In a step that prompts
         fill, the scheduler gives draft tokens the budget first and pushes as many prompt tokens to a later step:
-        T(other_tokens + m) still prices them, with ``other_tokens`` counting the prompt work the step faces.)"""
+        T(other_tokens + m) still prices them, with ``other_tokens`` counting the prompt work the step faces.)
+        ``since``: priced by the steps seen since that step only."""
         M = len(order)
-        cost = self.step_time.predict(other_tokens + np.arange(M + 1), num_seqs)
+        cost = self.step_time.predict(other_tokens + np.arange(M + 1), num_seqs, since)
         if self.graph_bucket is None or not num_seqs or trees:
             return cost, None
         q = np.empty(M + 1, dtype=np.int64)
@@ -741,7 +783,7 @@ class Controller:
         while lo <= M:
             depth = int(q[lo])
             hi = int(np.searchsorted(q, depth, side="right"))
-            buckets[depth], t = self._graph_seconds(num_seqs, depth)
+            buckets[depth], t = self._graph_seconds(num_seqs, depth, since)
             if t is not None:
                 cost[lo:hi] = t
             lo = hi
@@ -777,6 +819,50 @@ class Controller:
                 and st.steps_since_seen(base + best, graph(best), num_seqs) > self.explore_every:
             return best, True
         return chosen, False
+
+    RETIME_MAX = 2048
+    """Most steps between two re-timings of old prices (:meth:`_retime`)."""
+
+    def _retime(self, expected: np.ndarray, order: np.ndarray, K: int, other_tokens: int, draft_seconds: float,
+                num_seqs: int, trees: bool, chosen: int, cost: np.ndarray, plain: float, probe: bool):
+        """Re-time a draft size priced by old steps: (its count, the costs, the goodputs) if one is due, else None.
+        A size that is not chosen is not timed again, so a price set during a burst of load (six times the real
+        cost on the first 40 verification steps) kept every draft off for good. Once every ``stale_after`` steps
+        (the wait doubling after each re-timing, back to ``stale_after`` once drafts have paid on their merit for
+        that long), the sizes are priced as if the steps older than ``stale_after`` were forgotten; if plain
+        decoding's price rests on newer steps and another size is then best and within ``explore_tolerance`` of
+        plain decoding, the old steps are forgotten and that size is verified: one step, that times it afresh."""
+        st = self.step_time
+        now = st.num_observed
+        since = now - self.stale_after
+        fresh, _ = self._costs(other_tokens, order, K, num_seqs, trees, since)
+        if fresh[0] == cost[0] and not np.array_equal(fresh, cost):
+            charged = fresh.copy()
+            charged[1:] += draft_seconds
+            goodput = expected / charged
+            m = 1 + int(np.argmax(goodput[1:]))
+            if m != chosen and goodput[m] >= plain * (1.0 - self.explore_tolerance):
+                if not probe:
+                    st.forget(num_seqs, since)
+                    bucket = self.graph_bucket(num_seqs, 1) if self.graph_bucket is not None else None
+                    if bucket is not None:
+                        st.graphs.forget(bucket[0], since)
+                    self._retime_at = now + self._retime_wait
+                    self._retime_wait = min(2 * self._retime_wait, self.RETIME_MAX)
+                return m, fresh, goodput
+        self._retime_at = now + self.stale_after      # nothing old worth a step: look again later
+        return None
+
+    def _note_merit(self, paid: bool, explored: bool) -> None:
+        """Drafts chosen on their merit for ``stale_after`` steps running: re-timings wait ``stale_after`` again."""
+        now = self.step_time.num_observed
+        if paid:
+            if self._paying_since is None:
+                self._paying_since = now
+            elif now - self._paying_since >= self.stale_after:
+                self._retime_wait = self.stale_after
+        elif not explored:
+            self._paying_since = None
 
     def worth_drafting(self, offers: list[tuple[int, int]], other_tokens: int, draft_seconds: float = 0.0,
                        num_seqs: int | None = None, batch: int | None = None) -> bool:

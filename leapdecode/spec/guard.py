@@ -142,8 +142,13 @@ class ThroughputGuard:
         b = self._batch(num_seqs)
         for key in (mode,) if mode == "bare" else (mode, DRAFTER):
             r = b.rates[key]
-            r.seconds = self.decay * r.seconds + seconds
-            r.tokens = self.decay * r.tokens + emitted
+            # bare steps are sampled in windows: their rate decays per sample. The drafter's decays per step
+            # since its last sample, so a veto's cool-down ages the evidence that earned it (by 0.97 ** 64 = 0.14
+            # after the first): a burst of load on a few verification steps (six times their cost) otherwise
+            # outweighed every later good step, and each cool-down ended in a veto on the next two steps
+            kept = self.decay if key == "bare" or r.count == 0 else self.decay ** max(self.steps - r.at, 1)
+            r.seconds = kept * r.seconds + seconds
+            r.tokens = kept * r.tokens + emitted
             r.count += 1
             r.fresh += 1
             r.at = self.steps
