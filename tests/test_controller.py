@@ -1207,3 +1207,18 @@ def test_a_quiet_model_drafter_drafts_for_real_after_a_doubling_wait():
     assert real[:n] == without and list(np.diff(real[n - 1:n + 4])) == [RETRY_QUIET, 2 * RETRY_QUIET,
                                                                        4 * RETRY_QUIET, 8 * RETRY_QUIET], real
     assert run(8, 60) == run(8, 60, retries=False)
+
+
+def test_speculation_comes_back_after_a_load_spike_on_graph_replays():
+    """The same burst of load on CUDA-graph steps: replays of the verification bucket in the first 40 steps cost 6x. Its
+    bucket is timed apart from the token-count curve (:class:`GraphTimes`), and its spiked times are forgotten and
+    it is replayed again once they are old (``Controller._retime``), as an eager size is."""
+    calls = [0]
+    bucket_of, seconds_of, replay = H200_GRAPHS
+
+    def bucket_seconds(b):
+        calls[0] += 1
+        return seconds_of(b) * (6.0 if b[1] > 1 and calls[0] <= 40 else 1.0)
+    rate, per_step, spec = simulate(h200_eager, 0.95, k=4, steps=600, graphs=(bucket_of, bucket_seconds, replay))
+    assert np.mean(per_step[-100:]) > 3.5
+    assert spec.controller.step_time.graphs((1, 5)) == pytest.approx(0.00075, rel=0.05)

@@ -44,7 +44,8 @@ where B is one bonus token per decoding request and ``base`` the tokens the step
 - **Never slower than plain**: m > 0 only when its predicted goodput beats plain decoding's by ``min_gain`` plus
   ``risk`` times the relative extra step time it predicts;
   occasional exploration steps measure the cost of a draft size (or of plain decoding) that has not been observed
-  recently, when the model says it is close; per-request estimates decay fast (``decay``), so a request whose
+  recently, when the model says it is close, and a draft size priced only by old steps is verified once when,
+  priced as if they were forgotten, it would be best (:meth:`Controller._retime`); per-request estimates decay fast (``decay``), so a request whose
   drafts stop being accepted loses its drafts within a few steps.
 """
 from __future__ import annotations

@@ -14,7 +14,8 @@ Once the drafter's modes have a few samples at a batch size, and every ``refresh
 window of bare steps there, so the bare rate is current; when the measured rate of the drafter's steps (spec and
 quiet together: the quiet ones pay for drafts the speculating ones verify) is worse than bare by more than
 ``margin``, the drafter is switched off at that batch size for a cool-down that doubles each time this repeats
-there (up to ``max_cooldown``) and resets when speculation wins again there: a server whose load swings keeps
+there (up to ``max_cooldown``; the drafter's evidence decays per step, so the cool-down ages it) and resets when
+speculation wins again there: a server whose load swings keeps
 speculating at batch 1 after losing at batch 64. Below ``STALE_BATCH`` a veto ends with the request it was earned
 on (:meth:`ThroughputGuard.request_ended`), and a bare rate measured more than ``stale`` steps ago is measured again
 before it vetoes anything.
