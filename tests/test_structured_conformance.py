@@ -12,6 +12,7 @@ Everything that does not conform is listed in UNSUPPORTED with its reason; a sta
 
 from __future__ import annotations
 
+import copy
 import json
 import re
 import pathlib
@@ -853,6 +854,42 @@ def test_free_key_order_in_unions_of_objects(backend: GrammarBackend, tokenizer:
         assert not _produce(backend, compiled, tokenizer, text), text
 
 
+def test_free_key_order_in_map_values(backend: GrammarBackend, tokenizer: Any) -> None:
+    """Objects that are a map's values (`additionalProperties`, `patternProperties`: the services of a compose
+    file, the jobs of a workflow) take their keys in any order, with repeats and missing required keys refused by
+    the guard at the keys that lead there. They kept the schema's order before (a valid document in another
+    order was refused)."""
+    for index, good, bad in (
+            (4, ['{"k":{"z":"a","x":1}}', '{"name":"n","k":{"w":true,"x":1,"z":"a"}}'],
+             ['{"k":{"x":1}}', '{"k":{"z":"a","x":1,"x":2}}', '{"k":{"z":"a","x":1,"v":2}}', '{"name":{"x":1,"z":"a"}}']),
+            (5, ['{"s_1":{"b":"x","a":1}}', '{"n_1":2,"s_":{"c":null,"a":0}}'],
+             ['{"s_1":{"b":"x"}}', '{"s_1":{"a":1,"a":1}}', '{"n_1":{"a":1}}', '{"t":{"a":1}}'])):
+        compiled = backend.compile(_schema_spec(_GUARDED_SCHEMAS[index]))
+        assert compiled.guard.objects
+        for text in good:
+            assert _produce(backend, compiled, tokenizer, text), text
+        for text in bad:
+            assert not _produce(backend, compiled, tokenizer, text), text
+
+
+def test_free_key_order_below_a_key_only_one_union_branch_takes(backend: GrammarBackend, tokenizer: Any) -> None:
+    """In a union tagged by key (each branch a closed object with its own property), the object below a branch's
+    key is that branch's: its keys come in any order, checked as at a fixed path. Where another branch would take
+    the key too (an open object), it is not (a document valid through that branch stays accepted)."""
+    compiled = backend.compile(_schema_spec(_GUARDED_SCHEMAS[6]))
+    assert compiled.guard.objects
+    for text in ('{"svc":{"git":{"token":"t","url":"u"}}}', '{"svc":{"pager":{"on":false,"level":2,"key":"k"}}}'):
+        assert _produce(backend, compiled, tokenizer, text), text
+    for text in ('{"svc":{"git":{"token":"t"}}}', '{"svc":{"pager":{"team":"a"}}}',
+                 '{"svc":{"git":{"url":"u","token":"t","url":"v"}}}', '{"svc":{"git":{"url":"u","token":"t"},"pager":{"key":"k"}}}'):
+        assert not _produce(backend, compiled, tokenizer, text), text
+    schema = copy.deepcopy(_GUARDED_SCHEMAS[6])
+    schema["properties"]["svc"]["oneOf"].append({"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]})
+    compiled = backend.compile(_schema_spec(schema))
+    assert _produce(backend, compiled, tokenizer, '{"svc":{"x":1,"git":{"token":"t"}}}')     # the open branch's
+    assert not _produce(backend, compiled, tokenizer, '{"svc":{"git":{"token":"t"}}}')
+
+
 def test_unicode_property_escapes(backend: GrammarBackend, tokenizer: Any) -> None:
     """`\\p{...}` (common in real schemas, e.g. CloudFormation tag keys) was refused because Python's `re` cannot
     compile it; the grammar (Rust regex) and the guard (the `regex` module where `re` fails) both handle it."""
@@ -908,6 +945,23 @@ _GUARDED_SCHEMAS = [
         "value": {"type": "string", "format": "AWS::IAM::Role.Arn"}}, "required": ["items"], "additionalProperties": False},
     # unions of a free-order object with branches that take every string / number (their scalars need no check)
     _UNION_WITH_ANY,
+    # maps: free-order objects as additionalProperties and patternProperties values
+    {"type": "object", "properties": {"name": {"type": "string"}},
+     "additionalProperties": {"type": "object", "properties": {"x": {"type": "integer"}, "y": {"type": "integer"},
+                                                               "z": {"type": "string"}, "w": {"type": "boolean"}},
+                              "required": ["x", "z"], "additionalProperties": False}},
+    {"type": "object", "patternProperties": {"^s_": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "string"}},
+                                                     "required": ["a"]},
+                                             "^n_": {"type": "integer"}}, "additionalProperties": False},
+    # a union tagged by key: what lies below a key only one branch takes is at a fixed path
+    {"type": "object", "properties": {"svc": {"oneOf": [
+        {"type": "object", "properties": {"git": {"$ref": "#/$defs/git"}}, "required": ["git"], "additionalProperties": False},
+        {"type": "object", "properties": {"pager": {"type": "object", "properties": {
+            "key": {"type": "string"}, "team": {"type": "string"}, "level": {"type": "integer"}, "on": {"type": "boolean"}},
+            "required": ["key"]}}, "required": ["pager"], "additionalProperties": False}]}},
+     "$defs": {"git": {"type": "object", "properties": {"url": {"type": "string"}, "token": {"type": "string"},
+                                                        "branch": {"type": "string"}, "depth": {"type": "integer"}},
+                       "required": ["url", "token"], "additionalProperties": False}}},
 ]
 _GUARDED_INSTANCES = [
     [{"id": {"b": "x", "a": 1}, "name": "foo", "tags": ["a", "b"]}, {"age": 3, "name": "a\"b", "id": {"a": -2}}],
@@ -916,6 +970,9 @@ _GUARDED_INSTANCES = [
     [{"value": "arn", "items": [{"alpha": 1, "type": "a"}, {"beta": "x", "type": "b"}]}, {"items": []}],
     [{"kind": "or", "filters": ["a b", 2.5, {"value": 1, "op": "eq", "key": "k"}, [1, {"x": None}]], "pick": "abc"},
      {"filters": [], "pick": {"op": "ne", "value": "v", "key": "q"}, "kind": "and"}, {"pick": -3e-2, "filters": [True], "kind": "or"}],
+    [{"k1": {"z": "q", "x": 1}, "name": "n", "k2": {"w": True, "y": 2, "z": "", "x": -1}}, {}],
+    [{"s_1": {"b": "x", "a": 1}, "n_2": 3, "s_x": {"a": 2, "extra": [1]}}],
+    [{"svc": {"git": {"token": "t", "url": "u"}}}, {"svc": {"pager": {"team": "a", "key": "k", "on": True}}}],
 ]
 
 

@@ -343,6 +343,37 @@ class Cursor:
         return tuple(f.signature() for f in self.frames), self.in_string, self.escape, self.string_is_key, typed
 
 
+@dataclass(frozen=True)
+class _KeyStep:
+    """A step of an instance-path pattern that matches object keys by rule, not by name: a map's values. With
+    ``regex``, the keys it finds (a `patternProperties` entry); without, the keys not in ``declared`` (an
+    `additionalProperties` subschema beside no pattern properties)."""
+
+    regex: str | None = None
+    declared: frozenset[str] = frozenset()
+
+    def admits(self, key: str) -> bool:
+        return _search(self.regex, key) if self.regex is not None else key not in self.declared
+
+
+def _step_matches(p: Any, s: Any) -> bool:
+    """Does the pattern step ``p`` ("*": any array index; a `_KeyStep`: keys by rule) match the path step ``s``?"""
+    if p == s:
+        return True
+    if isinstance(s, int):
+        return p == "*"
+    return isinstance(p, _KeyStep) and s is not None and p.admits(s)    # (None: no key yet, as for a name)
+
+
+def _matches(pattern: tuple[Any, ...], path: tuple[Any, ...]) -> bool:
+    return len(path) == len(pattern) and all(_step_matches(p, s) for p, s in zip(pattern, path))
+
+
+def _compatible(pattern: tuple[Any, ...], path: tuple[Any, ...]) -> bool:
+    """Is one of the two a prefix of a path the other matches?"""
+    return all(_step_matches(p, s) for p, s in zip(pattern, path))
+
+
 @dataclass
 class _Anchor:
     """A subschema that applies at a fixed instance path ("*" matches any array index)."""
@@ -356,12 +387,10 @@ class _Anchor:
     universal: frozenset[str] = frozenset()
 
     def matches(self, path: tuple[Any, ...]) -> bool:
-        return len(path) == len(self.pattern) and all(
-            p == s or (p == "*" and isinstance(s, int)) for p, s in zip(self.pattern, path)
-        )
+        return _matches(self.pattern, path)
 
     def compatible(self, path: tuple[Any, ...]) -> bool:
-        return all(p == s or (p == "*" and isinstance(s, int)) for p, s in zip(self.pattern, path))
+        return _compatible(self.pattern, path)
 
 
 @dataclass(frozen=True)
@@ -377,12 +406,10 @@ class _ObjectRule:
     closed: tuple[tuple[bytes, str], ...] | None = None
 
     def matches(self, path: tuple[Any, ...]) -> bool:
-        return len(path) == len(self.pattern) and all(
-            p == s or (p == "*" and isinstance(s, int)) for p, s in zip(self.pattern, path)
-        )
+        return _matches(self.pattern, path)
 
     def compatible(self, path: tuple[Any, ...]) -> bool:
-        return all(p == s or (p == "*" and isinstance(s, int)) for p, s in zip(self.pattern, path))
+        return _compatible(self.pattern, path)
 
 
 class SchemaGuard:
@@ -786,6 +813,14 @@ def _search(patrn: str, text: str) -> bool:
     return _compiled(patrn).search(text) is not None
 
 
+def _regex_ok(patrn: str) -> bool:
+    try:
+        _compiled(patrn)
+        return True
+    except Exception:  # noqa: BLE001 - neither re nor regex compiles it
+        return False
+
+
 @functools.lru_cache(maxsize=None)
 def _format_checker(cls: Any) -> jsonschema.FormatChecker:
     """The draft's format checker (formats are asserted), without the slow ones."""
@@ -1049,6 +1084,7 @@ def free_order_sites(schema: Any) -> FreeOrder:
 
     nodes: dict[int, Any] = {}
     mode: dict[int, int] = {}  # 0: fixed paths only; 1: also as a branch of a union of objects; 2: elsewhere too
+    exclusive = _exclusive_keys(schema)
     stack: list[tuple[Any, int]] = [(schema, 0)]
     while stack:  # every subschema reached from the root, and the worst kind of route to it
         node, how = stack.pop()
@@ -1065,8 +1101,10 @@ def free_order_sites(schema: Any) -> FreeOrder:
                 stack.append((child, 2))
             elif steps is _UNION:
                 stack.append((child, 1 if how == 0 else 2))
-            else:  # same location ($ref, allOf) keeps the mode; a property or item of a union branch: elsewhere
-                stack.append((child, how if not steps or how == 0 else 2))
+            else:  # same location ($ref, allOf) keeps the mode; a property or item of a union branch: elsewhere,
+                # unless no other branch takes that property (then an object there is the branch's: a fixed path)
+                fixed = how == 1 and len(steps) == 1 and steps[0] in exclusive.get(id(node), ())
+                stack.append((child, how if not steps or how == 0 or fixed else 2))
     tainted = {i for i, how in mode.items() if how == 2}
     patterns: dict[int, list[tuple[Any, ...]]] = {}
     unions: dict[int, tuple[dict[str, Any], list[tuple[Any, ...]]]] = {}
@@ -1141,6 +1179,44 @@ def free_order_sites(schema: Any) -> FreeOrder:
         )
     ]
     return FreeOrder(sites, relaxed_unions, expanded) if sites else FreeOrder({}, [], expanded)
+
+
+def _exclusive_keys(root: dict[str, Any]) -> dict[int, set[str]]:
+    """For the branches of unions of objects: id(the branch, its $refs followed) -> the property names no other
+    object branch of any union it is in can take (each other branch a plain closed object without them): an
+    object with such a key is that branch's, so what lies below the key sits at a fixed path (a union tagged by
+    key, e.g. CloudFormation's `{"oneOf": [{"properties": {"GitLab": ...}}, {"properties": {"PagerDuty": ...}}]}`)."""
+    out: dict[int, set[str]] = {}
+    for node in iter_subschemas(root):
+        for key in ("anyOf", "oneOf"):
+            branches = node.get(key) if isinstance(node.get(key), list) else []
+            objects = [_resolved(root, b) for b in branches if _may_be_object(root, b)]
+            if len(objects) < 2:
+                continue
+            for i, branch in enumerate(objects):
+                props = branch.get("properties") if isinstance(branch, dict) else None
+                names = {k for k in props if all(j == i or _refuses_key(other, k) for j, other in enumerate(objects))} \
+                    if isinstance(props, dict) else set()
+                mine = out.get(id(branch))
+                out[id(branch)] = names if mine is None else mine & names
+    return out
+
+
+def _resolved(root: dict[str, Any], node: Any) -> Any:
+    """`node` with its local $refs followed (a few hops at most)."""
+    for _ in range(8):
+        ref = node.get("$ref") if isinstance(node, dict) else None
+        if not isinstance(ref, str) or len(node) > 1:
+            return node
+        node = resolve_local_ref(root, ref)
+    return node
+
+
+def _refuses_key(node: Any, key: str) -> bool:
+    """Does every object valid for `node` lack `key`? (Only said of plain closed objects.)"""
+    return isinstance(node, dict) and node.get("additionalProperties") is False and not node.get("patternProperties") \
+        and not _ORDER_BLOCKERS & node.keys() and "allOf" not in node \
+        and key not in (node.get("properties") if isinstance(node.get("properties"), dict) else {})
 
 
 def _joined(root: dict[str, Any], nodes: dict[int, Any]) -> set[int]:
@@ -1258,7 +1334,7 @@ def _may_be_object(root: Any, sub: Any, hops: int = 0) -> bool:
     if isinstance(sub.get("enum"), list) and not any(isinstance(v, dict) for v in sub["enum"]):
         return False
     return True
-_SINGLE_NONFIXED = ("additionalProperties", "propertyNames", "contains", "not", "if", "then", "else",
+_SINGLE_NONFIXED = ("propertyNames", "contains", "not", "if", "then", "else",
                     "unevaluatedItems", "unevaluatedProperties", "additionalItems")
 
 
@@ -1268,7 +1344,15 @@ def _subschema_edges(root: Any, node: dict[str, Any]) -> Iterator[tuple[tuple[An
     props = node.get("properties")
     for name, sub in props.items() if isinstance(props, dict) else ():
         yield (name,), sub
-    for key in ("patternProperties", "dependentSchemas", "dependencies"):
+    patterns = node.get("patternProperties")
+    for regex, sub in patterns.items() if isinstance(patterns, dict) else ():
+        yield ((_KeyStep(regex),) if _regex_ok(regex) else None), sub
+    extra = node.get("additionalProperties")
+    if isinstance(extra, dict):
+        # a map's values; beside pattern properties, whose regexes the grammar may drop, left unrelaxed
+        yield (None if patterns else (_KeyStep(None, frozenset(props) if isinstance(props, dict) else frozenset()),)), \
+            extra
+    for key in ("dependentSchemas", "dependencies"):
         value = node.get(key)
         for sub in value.values() if isinstance(value, dict) else ():
             yield None, sub
