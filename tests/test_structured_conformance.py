@@ -890,6 +890,37 @@ def test_free_key_order_below_a_key_only_one_union_branch_takes(backend: Grammar
     assert not _produce(backend, compiled, tokenizer, '{"svc":{"git":{"token":"t"}}}')
 
 
+def test_dependent_required_in_free_order_objects(backend: GrammarBackend, tokenizer: Any) -> None:
+    """Keys that require other keys (`dependentRequired`, draft 7's `dependencies` of names: CloudFormation's
+    certificate settings) no longer keep an object in the schema's order: the object rule closes it only with
+    the keys its keys require."""
+    compiled = backend.compile(_schema_spec(_GUARDED_SCHEMAS[7]))
+    assert {o.pattern for o in compiled.guard.objects} == {(), ("cert",), ("opts",)}
+    for text in ('{"cert":{"method":"vip","arn":"x"}}', '{"cert":{"version":"v1","iam":"i","method":"vip"}}',
+                 '{"cert":{"default":true}}', '{"opts":{"b":1,"a":2}}', '{"opts":{"d":1,"c":2}}'):
+        assert _produce(backend, compiled, tokenizer, text), text
+    for text in ('{"cert":{"arn":"x"}}', '{"cert":{"iam":"x","version":"v1"}}', '{"opts":{"a":2}}', '{"opts":{"c":1,"a":2}}'):
+        assert not _produce(backend, compiled, tokenizer, text), text
+    # in a map's values no jsonschema anchor looks at the object: the object rule alone refuses its close (rule A
+    # would refuse only the end of the document: a dead end)
+    schema = {"type": "object", "additionalProperties": _GUARDED_SCHEMAS[7]["properties"]["cert"]}
+    compiled = backend.compile(_schema_spec(schema))
+    for prefix, ok in (('{"x":{"arn":"a"', False), ('{"x":{"arn":"a","method":"vip"', True)):
+        matcher = backend.matcher(compiled)
+        assert matcher.accept_tokens(_encode(tokenizer, prefix)) == len(_encode(tokenizer, prefix))
+        assert matcher.accept(_encode(tokenizer, "}")[0]) == ok, prefix
+    # `dependencies` is draft 7's (2020-12 ignores it, as jsonschema does); `dependentRequired` is not draft 7's
+    opts = _GUARDED_SCHEMAS[7]["properties"]["opts"]
+    for draft, keyword, enforced in (("http://json-schema.org/draft-07/schema#", "dependencies", True),
+                                     ("https://json-schema.org/draft/2020-12/schema", "dependencies", False),
+                                     ("http://json-schema.org/draft-07/schema#", "dependentRequired", False)):
+        schema = {"$schema": draft, "type": "object", "properties": {"opts": {
+            **{k: v for k, v in opts.items() if k != "dependentRequired"}, keyword: {"a": ["b"]}}}}
+        compiled = backend.compile(_schema_spec(schema))
+        assert _produce(backend, compiled, tokenizer, '{"opts":{"c":1,"a":2,"b":3}}')
+        assert _produce(backend, compiled, tokenizer, '{"opts":{"c":1,"a":2}}') == (not enforced), (draft, keyword)
+
+
 def test_unicode_property_escapes(backend: GrammarBackend, tokenizer: Any) -> None:
     """`\\p{...}` (common in real schemas, e.g. CloudFormation tag keys) was refused because Python's `re` cannot
     compile it; the grammar (Rust regex) and the guard (the `regex` module where `re` fails) both handle it."""
@@ -962,6 +993,13 @@ _GUARDED_SCHEMAS = [
      "$defs": {"git": {"type": "object", "properties": {"url": {"type": "string"}, "token": {"type": "string"},
                                                         "branch": {"type": "string"}, "depth": {"type": "integer"}},
                        "required": ["url", "token"], "additionalProperties": False}}},
+    # keys that require other keys (dependentRequired; draft 7's dependencies of names) in free-order objects
+    {"type": "object", "properties": {
+        "cert": {"type": "object", "additionalProperties": False, "dependentRequired": {"arn": ["method"], "iam": ["method"]},
+                 "properties": {"arn": {"type": "string"}, "default": {"type": "boolean"}, "iam": {"type": "string", "maxLength": 8},
+                                "version": {"enum": ["v1", "v2"]}, "method": {"enum": ["sni-only", "vip"]}}},
+        "opts": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}, "c": {"type": "integer"},
+                                                  "d": {"type": "integer"}}, "dependentRequired": {"a": ["b"]}}}},
 ]
 _GUARDED_INSTANCES = [
     [{"id": {"b": "x", "a": 1}, "name": "foo", "tags": ["a", "b"]}, {"age": 3, "name": "a\"b", "id": {"a": -2}}],
@@ -973,6 +1011,7 @@ _GUARDED_INSTANCES = [
     [{"k1": {"z": "q", "x": 1}, "name": "n", "k2": {"w": True, "y": 2, "z": "", "x": -1}}, {}],
     [{"s_1": {"b": "x", "a": 1}, "n_2": 3, "s_x": {"a": 2, "extra": [1]}}],
     [{"svc": {"git": {"token": "t", "url": "u"}}}, {"svc": {"pager": {"team": "a", "key": "k", "on": True}}}],
+    [{"cert": {"method": "vip", "version": "v2", "arn": "x"}, "opts": {"c": 1, "b": 2, "a": 3}}, {"opts": {"d": 4}}],
 ]
 
 

@@ -396,7 +396,8 @@ class _Anchor:
 @dataclass(frozen=True)
 class _ObjectRule:
     """An object (at a fixed instance path) whose properties the grammar takes in any order (see
-    `free_order_sites`): a key may not repeat, and the object closes only with every required key."""
+    `free_order_sites`): a key may not repeat, and the object closes only with every required key, and with the
+    keys each of its keys requires (`dependentRequired`, draft 7's `dependencies` of names)."""
 
     pattern: tuple[Any, ...]
     required: frozenset[str]
@@ -404,6 +405,11 @@ class _ObjectRule:
     # (JSON-escaped bytes, name), so that a key is refused as soon as it can only become a used name, and a
     # comma once every name is used (otherwise those would be dead ends).
     closed: tuple[tuple[bytes, str], ...] | None = None
+    dependent: tuple[tuple[str, frozenset[str]], ...] = ()
+
+    def missing(self, keys: frozenset[str]) -> bool:
+        """Would closing the object with `keys` miss a key it needs?"""
+        return bool(self.required - keys) or any(k in keys and not need <= keys for k, need in self.dependent)
 
     def matches(self, path: tuple[Any, ...]) -> bool:
         return _matches(self.pattern, path)
@@ -430,7 +436,8 @@ class SchemaGuard:
         self.anchors: list[_Anchor] = _find_anchors(schema, self.validator, dropped) if dropped else []
         free_order = free_order or FreeOrder({}, [])
         self.objects: list[_ObjectRule] = [
-            _ObjectRule(pattern, frozenset(r for r in node.get("required", ()) if isinstance(r, str)), _closed(node))
+            _ObjectRule(pattern, frozenset(r for r in node.get("required", ()) if isinstance(r, str)), _closed(node),
+                        _dependent_required(node, cls.VALIDATORS))
             if pattern not in in_union else _ObjectRule(pattern, frozenset())  # the union's anchor checks the rest
             for node, patterns, in_union in free_order.sites.values()
             for pattern in patterns
@@ -629,7 +636,7 @@ class SchemaGuard:
             frame = cursor.frames[level]
             if frame.kind != ord("{"):
                 continue
-            if o.required - frame.keys:  # closing it now would miss a required key
+            if o.missing(frame.keys):  # closing it now would miss a required key
                 closes = marks.closes(depth - level + 1)
                 interesting = _union(interesting, closes & exits if cursor.in_string else closes)
             in_key = in_key_string and level == depth
@@ -727,7 +734,7 @@ class SchemaGuard:
 
     def object_ok(self, path: tuple[Any, ...], keys: frozenset[str]) -> bool:
         """May the object at `path` close with `keys`? (required keys of the free-order objects)"""
-        return all(o.required <= keys for o in self._at(path)[1])
+        return not any(o.missing(keys) for o in self._at(path)[1])
 
     def _at(self, path: tuple[Any, ...]) -> tuple[list[_Anchor], list[_ObjectRule]]:
         """The anchors and object rules that apply exactly at `path` (cached: the scans ask per event)."""
@@ -1039,8 +1046,28 @@ def _find_anchors(schema: Any, validator: Any, dropped: tuple[str, ...]) -> list
 # `properties` make llguidance intersect or branch schemas, and `unevaluatedProperties` depends on them.
 _ORDER_BLOCKERS = frozenset({
     "anyOf", "oneOf", "$ref", "$dynamicRef", "$recursiveRef", "if", "then", "else", "not",
-    "dependentSchemas", "dependencies", "unevaluatedProperties", "dependentRequired", "propertyNames",
-})
+    "dependentSchemas", "dependencies", "unevaluatedProperties", "propertyNames",
+})   # (`dependentRequired`, and `dependencies` of names only, are the object rule's: `_dependent_required`)
+
+
+def _blockers(node: dict[str, Any]) -> set[str]:
+    found = _ORDER_BLOCKERS & node.keys()
+    deps = node.get("dependencies")
+    if "dependencies" in found and isinstance(deps, dict) and all(isinstance(v, list) for v in deps.values()):
+        found.discard("dependencies")
+    return found
+
+
+def _dependent_required(node: dict[str, Any], known: Any = None) -> tuple[tuple[str, frozenset[str]], ...]:
+    """The keys each key of the object requires, from `dependentRequired` and draft 7's `dependencies` of names,
+    those of the two the schema's draft knows (``known``: its keywords; None: both)."""
+    out = []
+    for key in ("dependentRequired", "dependencies"):
+        value = node.get(key) if known is None or key in known else None
+        for name, need in value.items() if isinstance(value, dict) else ():
+            if isinstance(need, list):
+                out.append((name, frozenset(n for n in need if isinstance(n, str))))
+    return tuple(out)
 _MAX_PATTERNS_PER_OBJECT = 32
 MAX_EXPANDED = 3  # properties of a closed object written into the grammar in every order (3! = 6 branches)
 
@@ -1167,7 +1194,7 @@ def free_order_sites(schema: Any) -> FreeOrder:
     joined = _joined(schema, nodes)
     expanded = frozenset(i for i, (node, _, branch_at) in sites.items()
                          if not branch_at and i not in joined and _closed(node) is not None
-                         and len(node["properties"]) <= MAX_EXPANDED)
+                         and len(node["properties"]) <= MAX_EXPANDED and not _dependent_required(node))
     sites = {i: site for i, site in sites.items() if i not in expanded}
     # A relaxed union branch leaves `required` (of whichever branch applies) to a check of the whole union at
     # the close of its value: one jsonschema anchor per union with a relaxed branch.
@@ -1215,7 +1242,7 @@ def _resolved(root: dict[str, Any], node: Any) -> Any:
 def _refuses_key(node: Any, key: str) -> bool:
     """Does every object valid for `node` lack `key`? (Only said of plain closed objects.)"""
     return isinstance(node, dict) and node.get("additionalProperties") is False and not node.get("patternProperties") \
-        and not _ORDER_BLOCKERS & node.keys() and "allOf" not in node \
+        and not _blockers(node) and "allOf" not in node \
         and key not in (node.get("properties") if isinstance(node.get("properties"), dict) else {})
 
 
@@ -1265,7 +1292,7 @@ def _mixed_intersections(root: dict[str, Any], nodes: dict[int, Any]) -> set[int
                 parent[find(id(child))] = find(i)
     blocked = {
         find(i) for i, node in nodes.items()
-        if (_ORDER_BLOCKERS - {"$ref"}) & node.keys() or ("properties" in node and not _free_order_ok(node, True))
+        if _blockers(node) - {"$ref"} or ("properties" in node and not _free_order_ok(node, True))
     }
     return {i for i in nodes if find(i) in blocked}
 
@@ -1293,8 +1320,8 @@ def _pointed_through_properties(root: dict[str, Any]) -> set[int]:
 
 def _free_order_ok(node: dict[str, Any], ignore_ref: bool = False) -> bool:
     props = node.get("properties")
-    blockers = _ORDER_BLOCKERS - {"$ref"} if ignore_ref else _ORDER_BLOCKERS
-    if not isinstance(props, dict) or not props or blockers & node.keys():
+    blockers = _blockers(node) - {"$ref"} if ignore_ref else _blockers(node)
+    if not isinstance(props, dict) or not props or blockers:
         return False
     if not isinstance(node.get("required", []), list):
         return False
