@@ -921,6 +921,33 @@ def test_dependent_required_in_free_order_objects(backend: GrammarBackend, token
         assert _produce(backend, compiled, tokenizer, '{"opts":{"c":1,"a":2}}') == (not enforced), (draft, keyword)
 
 
+def test_free_key_order_in_versioned_documents(backend: GrammarBackend, tokenizer: Any) -> None:
+    """CMake's presets and Ray's cluster config, in small: the union's own `required` no longer makes its keys
+    come first (llguidance writes them before the branch's: the guard checks them with the union), the object
+    every branch takes below one key (one definition) is at a fixed path, and a closed object whose conditionals
+    sit in an allOf takes its keys in any order (the conditionals are the guard's). Each refused a valid document
+    in another order before."""
+    compiled = backend.compile(_schema_spec(_GUARDED_SCHEMAS[8]))
+    for text in ('{"min":{"major":1},"version":1}', '{"min":{"patch":2,"major":1},"version":2}',
+                 '{"auth":{"key":"k","user":"u"},"version":2}', '{"version":2,"auth":{"proxy":"p","use_id":true}}'):
+        assert _produce(backend, compiled, tokenizer, text), text
+    for text in ('{"min":{"major":1}}', '{"version":1,"min":{"patch":2}}', '{"auth":{"use_id":true},"version":2}',
+                 '{"auth":{"user":"u"},"version":1}', '{"version":2,"auth":{"user":"u","user":"v"}}'):
+        assert not _produce(backend, compiled, tokenizer, text), text
+
+
+def test_closed_objects_joined_by_allof_keep_their_order_and_compile(backend: GrammarBackend, tokenizer: Any) -> None:
+    """A closed object (additionalProperties false) joined by allOf to another subschema: relaxed, llguidance's
+    intersection refused every key, or the schema ("unsatisfiable" beside `{"required": [...]}`). Such an
+    object keeps the schema's order (exact in the grammar)."""
+    props = {"a": {"type": "string"}, "b": {"type": "integer"}, "c": {"type": "integer"}, "d": {"type": "integer"}}
+    for member in ({"required": ["a"]}, {"type": "object"}, {"minProperties": 1}):
+        compiled = backend.compile(_schema_spec({"type": "object", "properties": props, "additionalProperties": False,
+                                                 "allOf": [member]}))
+        assert _produce(backend, compiled, tokenizer, '{"a":"x","c":2}'), member
+        assert not _produce(backend, compiled, tokenizer, '{"a":"x","e":2}'), member
+
+
 def test_unicode_property_escapes(backend: GrammarBackend, tokenizer: Any) -> None:
     """`\\p{...}` (common in real schemas, e.g. CloudFormation tag keys) was refused because Python's `re` cannot
     compile it; the grammar (Rust regex) and the guard (the `regex` module where `re` fails) both handle it."""
@@ -1000,6 +1027,17 @@ _GUARDED_SCHEMAS = [
                                 "version": {"enum": ["v1", "v2"]}, "method": {"enum": ["sni-only", "vip"]}}},
         "opts": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}, "c": {"type": "integer"},
                                                   "d": {"type": "integer"}}, "dependentRequired": {"a": ["b"]}}}},
+    # versions of a document: a union with its own `required`, the branches sharing a definition below one key;
+    # a closed object with conditionals in an allOf (Ray's cluster config `auth`)
+    {"type": "object", "required": ["version"], "$defs": {
+        "min": {"type": "object", "properties": {"major": {"type": "integer"}, "minor": {"type": "integer"},
+                                                 "patch": {"type": "integer"}, "tag": {"type": "string"}}, "required": ["major"]},
+        "auth": {"type": "object", "additionalProperties": False,
+                 "properties": {"user": {"type": "string"}, "key": {"type": "string"}, "proxy": {"type": "string"}, "use_id": {"type": "boolean"}},
+                 "allOf": [{"if": {"properties": {"use_id": {"const": True}}, "required": ["use_id"]}, "then": {"required": ["proxy"]}}]}},
+     "oneOf": [{"properties": {"version": {"const": 1}, "min": {"$ref": "#/$defs/min"}}, "additionalProperties": False},
+               {"properties": {"version": {"const": 2}, "min": {"$ref": "#/$defs/min", "description": "as in 1"},
+                               "auth": {"$ref": "#/$defs/auth"}}, "additionalProperties": False}]},
 ]
 _GUARDED_INSTANCES = [
     [{"id": {"b": "x", "a": 1}, "name": "foo", "tags": ["a", "b"]}, {"age": 3, "name": "a\"b", "id": {"a": -2}}],
@@ -1012,6 +1050,8 @@ _GUARDED_INSTANCES = [
     [{"s_1": {"b": "x", "a": 1}, "n_2": 3, "s_x": {"a": 2, "extra": [1]}}],
     [{"svc": {"git": {"token": "t", "url": "u"}}}, {"svc": {"pager": {"team": "a", "key": "k", "on": True}}}],
     [{"cert": {"method": "vip", "version": "v2", "arn": "x"}, "opts": {"c": 1, "b": 2, "a": 3}}, {"opts": {"d": 4}}],
+    [{"min": {"patch": 1, "major": 3}, "version": 1}, {"auth": {"use_id": True, "user": "u", "proxy": "p"}, "version": 2,
+                                                       "min": {"tag": "x", "major": 0}}],
 ]
 
 

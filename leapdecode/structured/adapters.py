@@ -50,7 +50,7 @@ class Library(Protocol):
     vocab_size: int
 
     def compile(self, spec: StructuredSpec, schema: Any = None, relax: Any = (),
-                expand: Any = ()) -> tuple[Any, tuple[str, ...]]: ...
+                expand: Any = (), unions: Any = ()) -> tuple[Any, tuple[str, ...]]: ...
     def new_state(self, handle: Any) -> LibState: ...
     def token_bytes(self) -> list[bytes]: ...
 
@@ -146,19 +146,20 @@ class _LLGuidance:
         return M.grammar_from_lark(lark)
 
     def compile(self, spec: StructuredSpec, schema: Any = None, relax: Any = (),
-                expand: Any = ()) -> tuple[Any, tuple[str, ...]]:
+                expand: Any = (), unions: Any = ()) -> tuple[Any, tuple[str, ...]]:
         """One pass: the matcher is built once (it compiles the grammar and reports lenient-mode warnings); only
         a refusal with a safe fallback (see `_DROPPABLE_ON_ERROR`) compiles again without that keyword.
 
         schema: the spec's parsed schema (parsed here when None); expand: ids of its small closed objects to write
         in every property order (`lowering.lower`); relax: ids of its object subschemas whose
-        properties may come in any order (`lowering.lower`; the guard checks required and duplicate keys)."""
+        properties may come in any order (`lowering.lower`; the guard checks required and duplicate keys); unions:
+        ids of the unions of such objects, whose own `required` the guard checks (`lowering.lower`)."""
         dropped: list[str] = []
         if spec.kind in ("json_object", "json_schema"):
             schema = spec.schema if schema is None else schema
             if schema is False:
                 raise ValueError("the schema is `false`: no instance is valid")
-            schema = lower(schema, self._regex_ok, dropped, relax=relax, expand=expand)
+            schema = lower(schema, self._regex_ok, dropped, relax=relax, expand=expand, unions=unions)
             if contains_key(schema, "oneOf"):
                 dropped.append("oneOf (compiled as anyOf)")
         options = {**_LLG_JSON_OPTIONS, "whitespace_flexible": spec.whitespace == "flexible"}
@@ -276,7 +277,7 @@ class _XGrammar:
         return [bytes(vocab[t]) if t < len(vocab) else b"" for t in range(self.vocab_size)]
 
     def compile(self, spec: StructuredSpec, schema: Any = None, relax: Any = (),
-                expand: Any = ()) -> tuple[Any, tuple[str, ...]]:
+                expand: Any = (), unions: Any = ()) -> tuple[Any, tuple[str, ...]]:
         try:
             if spec.kind in ("json_object", "json_schema"):
                 schema = spec.schema if schema is None else schema

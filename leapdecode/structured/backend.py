@@ -215,7 +215,8 @@ class GrammarBackend:
         if self.guard and spec.kind == "json_schema" and spec.key_order == "any":
             free_order = free_order_sites(schema)  # the guard checks what the relaxed grammar lets through
         try:
-            handle, dropped = self._lib.compile(spec, schema, relax=free_order.keys(), expand=free_order.expanded)
+            handle, dropped = self._lib.compile(spec, schema, relax=free_order.keys(), expand=free_order.expanded,
+                                                unions=[id(node) for node, _ in free_order.unions])
         except CompileTimeout:
             raise
         except ValueError as e:

@@ -23,7 +23,7 @@ import jsonschema
 import jsonschema.validators
 import numpy as np
 
-from leapdecode.structured.lowering import check_deadline, iter_subschemas
+from leapdecode.structured.lowering import ANNOTATIONS, check_deadline, iter_subschemas
 
 if TYPE_CHECKING:
     from leapdecode.structured.backend import GrammarBackend
@@ -1045,7 +1045,7 @@ def _find_anchors(schema: Any, validator: Any, dropped: tuple[str, ...]) -> list
 # Keywords that keep an object's declared properties in schema order: combinators and conditionals beside
 # `properties` make llguidance intersect or branch schemas, and `unevaluatedProperties` depends on them.
 _ORDER_BLOCKERS = frozenset({
-    "anyOf", "oneOf", "$ref", "$dynamicRef", "$recursiveRef", "if", "then", "else", "not",
+    "anyOf", "oneOf", "$ref", "$dynamicRef", "$recursiveRef", "not",
     "dependentSchemas", "dependencies", "unevaluatedProperties", "propertyNames",
 })   # (`dependentRequired`, and `dependencies` of names only, are the object rule's: `_dependent_required`)
 
@@ -1140,8 +1140,12 @@ def free_order_sites(schema: Any) -> FreeOrder:
     walk: list[tuple[Any, tuple[Any, ...], tuple[int, ...], bool]] = [(schema, (), (), False)]
     in_union: dict[int, set[tuple[Any, ...]]] = {}   # the patterns at which a subschema is a union's branch
     visits = 0
+    walked: set[tuple[int, tuple[Any, ...], bool]] = set()
     while walk:  # the fixed instance paths of each subschema (acyclic walk, bounded)
         node, pattern, chain, branch = walk.pop()
+        if (id(node), pattern, branch) in walked:    # (reached again through another branch of a union)
+            continue
+        walked.add((id(node), pattern, branch))
         visits += 1
         if visits > 16 * MAX_ANCHOR_VISITS:
             return FreeOrder({}, [])
@@ -1209,10 +1213,12 @@ def free_order_sites(schema: Any) -> FreeOrder:
 
 
 def _exclusive_keys(root: dict[str, Any]) -> dict[int, set[str]]:
-    """For the branches of unions of objects: id(the branch, its $refs followed) -> the property names no other
-    object branch of any union it is in can take (each other branch a plain closed object without them): an
-    object with such a key is that branch's, so what lies below the key sits at a fixed path (a union tagged by
-    key, e.g. CloudFormation's `{"oneOf": [{"properties": {"GitLab": ...}}, {"properties": {"PagerDuty": ...}}]}`)."""
+    """For the branches of unions of objects: id(the branch, its $refs followed) -> the property names below which
+    the same subschema applies whichever object branch of any union it is in does (each other branch a plain
+    closed object without the name, or one whose property of that name is the same subschema): what lies below
+    such a key sits at a fixed path. A union tagged by key (CloudFormation's `{"oneOf": [{"properties":
+    {"GitLab": ...}}, {"properties": {"PagerDuty": ...}}]}`), or versions of a document sharing definitions (CMake
+    presets: every version's `cmakeMinimumRequired` is one `$ref`)."""
     out: dict[int, set[str]] = {}
     for node in iter_subschemas(root):
         for key in ("anyOf", "oneOf"):
@@ -1222,18 +1228,27 @@ def _exclusive_keys(root: dict[str, Any]) -> dict[int, set[str]]:
                 continue
             for i, branch in enumerate(objects):
                 props = branch.get("properties") if isinstance(branch, dict) else None
-                names = {k for k in props if all(j == i or _refuses_key(other, k) for j, other in enumerate(objects))} \
+                names = {k for k, sub in props.items()
+                         if all(j == i or _same_below(root, other, k, sub) for j, other in enumerate(objects))} \
                     if isinstance(props, dict) else set()
                 mine = out.get(id(branch))
                 out[id(branch)] = names if mine is None else mine & names
     return out
 
 
+def _same_below(root: dict[str, Any], other: Any, key: str, sub: Any) -> bool:
+    """Does `other` (a union's branch) refuse `key`, or take it with the subschema `sub`?"""
+    props = other.get("properties") if isinstance(other, dict) else None
+    if isinstance(props, dict) and key in props:
+        return _resolved(root, props[key]) is _resolved(root, sub)
+    return _refuses_key(other, key)
+
+
 def _resolved(root: dict[str, Any], node: Any) -> Any:
-    """`node` with its local $refs followed (a few hops at most)."""
+    """`node` with its local $refs followed (a few hops at most; beside a $ref, annotations only)."""
     for _ in range(8):
         ref = node.get("$ref") if isinstance(node, dict) else None
-        if not isinstance(ref, str) or len(node) > 1:
+        if not isinstance(ref, str) or not node.keys() - ANNOTATIONS <= {"$ref"}:
             return node
         node = resolve_local_ref(root, ref)
     return node
@@ -1284,17 +1299,50 @@ def _mixed_intersections(root: dict[str, Any], nodes: dict[int, Any]) -> set[int
         return i
 
     for i, node in nodes.items():
-        joined = list(node.get("allOf")) if isinstance(node.get("allOf"), list) else []
+        joined = [m for m in node.get("allOf") if not _conditional_only(m)] if isinstance(node.get("allOf"), list) else []
         if isinstance(node.get("$ref"), str):
             joined.append(resolve_local_ref(root, node["$ref"]))
         for child in joined:
             if isinstance(child, dict) and id(child) in parent:
                 parent[find(id(child))] = find(i)
+    # llguidance's intersection of a closed object (additionalProperties false) whose properties were made pattern
+    # properties with any other subschema refuses every key ({"required": [...]} beside it: "unsatisfiable"):
+    # such a group keeps the schema's order
+    intersected = _intersected(root, nodes)
     blocked = {
         find(i) for i, node in nodes.items()
         if _blockers(node) - {"$ref"} or ("properties" in node and not _free_order_ok(node, True))
+        or (i in intersected and node.get("additionalProperties") is False)
     }
     return {i for i in nodes if find(i) in blocked}
+
+
+def _conditional_only(node: Any) -> bool:
+    """An allOf member holding only conditionals (and annotations): lowered away beside a relaxed object
+    (`lowering.lower`), so it joins nothing."""
+    return isinstance(node, dict) and bool(node.keys() & {"if", "then", "else"}) \
+        and node.keys() <= {"if", "then", "else"} | ANNOTATIONS
+
+
+def _intersected(root: dict[str, Any], nodes: dict[int, Any]) -> set[int]:
+    """ids of the subschemas llguidance intersects with another one in the grammar it is given: allOf members
+    (but those `_conditional_only`) and their holder, the two ends of a $ref with keywords beside it other than
+    annotations."""
+    out: set[int] = set()
+    for i, node in nodes.items():
+        all_of = node.get("allOf")
+        members = [m for m in all_of if isinstance(m, dict) and not _conditional_only(m)] \
+            if isinstance(all_of, list) else []
+        if members:
+            out.add(i)
+            out.update(id(m) for m in members)
+        ref = node.get("$ref")
+        if isinstance(ref, str) and node.keys() - ANNOTATIONS - {"$ref"}:
+            target = resolve_local_ref(root, ref)
+            out.add(i)
+            if isinstance(target, dict):
+                out.add(id(target))
+    return out
 
 
 def _pointed_through_properties(root: dict[str, Any]) -> set[int]:

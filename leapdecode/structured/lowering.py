@@ -119,6 +119,9 @@ def exact_name_regex(name: str) -> str:
     return "^" + "".join("\\" + c if c in _REGEX_META else c for c in name) + "$"
 
 
+ANNOTATIONS = frozenset({"title", "description", "default", "examples", "$comment", "deprecated", "readOnly",
+                         "writeOnly", "markdownDescription"})
+"""Keywords that constrain nothing."""
 _REGEX_META = frozenset("\\.+*?()|[]{}^$#&-~")
 # Keywords of an expanded object that stay on it rather than move into its anyOf branches (`lower`'s `expand`).
 _STAY_OUTSIDE = frozenset({"$defs", "definitions", "$schema", "$id", "id", "$anchor", "$dynamicAnchor", "$comment",
@@ -126,7 +129,7 @@ _STAY_OUTSIDE = frozenset({"$defs", "definitions", "$schema", "$id", "id", "$anc
 
 
 def lower(schema: Any, regex_ok: Callable[[str], bool], dropped: list[str], relax: Iterable[int] = (),
-          expand: Iterable[int] = ()) -> Any:
+          expand: Iterable[int] = (), unions: Iterable[int] = ()) -> Any:
     """Rewrite `schema` into a form the library takes, without changing which instances are valid, except where
     noted in `dropped` (then the guard re-checks):
 
@@ -141,7 +144,10 @@ def lower(schema: Any, regex_ok: Callable[[str], bool], dropped: list[str], rela
       the order of `properties`, not of pattern properties) and `required` is removed; the guard refuses a
       repeated key and closes the object only with every required key (over-approximation, checked);
     * the (small, closed) object subschemas whose ids are in `expand` become the anyOf of their properties in
-      every order (llguidance keeps each branch's order): any order, exactly, with no guard.
+      every order (llguidance keeps each branch's order): any order, exactly, with no guard;
+    * the unions of objects whose ids are in `unions` (anyOf/oneOf with relaxed branches) lose their own
+      `required`: llguidance writes such keys first, before the branch's; the guard validates the whole union
+      when its value closes (over-approximation, checked).
     """
     memo: dict[int, Any] = {}
     schema = {} if schema is True else _copy(schema, memo)
@@ -154,6 +160,24 @@ def lower(schema: Any, regex_ok: Callable[[str], bool], dropped: list[str], rela
             names = {exact_name_regex(name): sub for name, sub in props.items()}
             exact.update(names)
             node["patternProperties"] = {**names, **node.get("patternProperties", {})}
+            # conditionals beside (or in an allOf member of) such an object: llguidance does not implement them
+            # and drops them, but with them there it refused every key of the relaxed object (Ray's cluster
+            # config `auth`); removed here, noted as dropped, checked by the guard as before
+            members = node.get("allOf") if isinstance(node.get("allOf"), list) else []
+            for holder in [node, *(m for m in members if isinstance(m, dict))]:
+                for conditional in ("if", "then", "else"):
+                    if holder.pop(conditional, None) is not None:
+                        dropped.append(conditional)
+            if members:     # and the members left holding nothing go (joined to them, the object refused every key)
+                kept = [m for m in members if not isinstance(m, dict) or m.keys() - ANNOTATIONS]
+                if kept:
+                    node["allOf"] = kept
+                else:
+                    del node["allOf"]
+    for key in unions:
+        node = memo.get(key)
+        if isinstance(node, dict):
+            node.pop("required", None)
     for key in expand:
         node = memo.get(key)
         if isinstance(node, dict) and len(node.get("properties", ())) > 1:
