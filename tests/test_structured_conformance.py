@@ -936,6 +936,22 @@ def test_free_key_order_in_versioned_documents(backend: GrammarBackend, tokenize
         assert not _produce(backend, compiled, tokenizer, text), text
 
 
+def test_a_union_of_objects_inside_a_nullable_union_takes_null(backend: GrammarBackend, tokenizer: Any) -> None:
+    """A union of objects (its required keys checked by validating the union when its value closes) reached as
+    the one object branch of a nullable anyOf (Rust's target spec: `"stack-probes": {"anyOf": [{"$ref":
+    "#/$defs/StackProbeType"}, {"type": "null"}]}`): null was refused, validated against the union of objects."""
+    probe = {"oneOf": [{"type": "object", "properties": {"kind": {"const": "none"}}, "required": ["kind"]},
+                       {"type": "object", "properties": {"kind": {"const": "call"}, "depth": {"type": "integer"}},
+                        "required": ["kind", "depth"]}]}
+    schema = {"type": "object", "$defs": {"probe": probe},
+              "properties": {"p": {"anyOf": [{"$ref": "#/$defs/probe"}, {"type": "null"}]}, "n": {"type": "integer"}}}
+    compiled = backend.compile(_schema_spec(schema))
+    for text in ('{"p":null,"n":1}', '{"p":{"depth":2,"kind":"call"}}', '{"n":1,"p":{"kind":"none"}}'):
+        assert _produce(backend, compiled, tokenizer, text), text
+    for text in ('{"p":{"kind":"call"}}', '{"p":1}', '{"p":{"depth":2}}'):
+        assert not _produce(backend, compiled, tokenizer, text), text
+
+
 def test_closed_objects_joined_by_allof_keep_their_order_and_compile(backend: GrammarBackend, tokenizer: Any) -> None:
     """A closed object (additionalProperties false) joined by allOf to another subschema: relaxed, llguidance's
     intersection refused every key, or the schema ("unsatisfiable" beside `{"required": [...]}`). Such an

@@ -442,11 +442,17 @@ class SchemaGuard:
             for node, patterns, in_union in free_order.sites.values()
             for pattern in patterns
         ]
-        self.anchors += [_Anchor(pattern, self.validator.evolve(schema=node)) for node, patterns in free_order.unions
-                         for pattern in patterns if pattern]
+        unions = [_Anchor(pattern, self.validator.evolve(schema=node)) for node, patterns in free_order.unions
+                  for pattern in patterns if pattern]
+        self.anchors += unions
         for anchor in self.anchors:
             sub = schema if anchor.validator is None else anchor.validator.schema
             anchor.universal = universal_types(sub, schema, self.validator)
+        for anchor in unions:
+            # A union of objects checks objects: a value of a type it takes none of came through another branch of
+            # an enclosing union (`{"anyOf": [{"$ref": "#/$defs/Probe"}, {"type": "null"}]}`, Probe a oneOf of
+            # objects: null was refused where it is valid), which the grammar enforces
+            anchor.universal = anchor.universal | _excluded_types(anchor.validator.schema, schema)
         if any(not pattern for _, patterns in free_order.unions for pattern in patterns) and not self.anchors:
             self.anchors.append(_Anchor((), None))  # a union at the root: the document check (rule B) covers it
         self._closed_objects = any(o.closed is not None for o in self.objects)
@@ -697,7 +703,8 @@ class SchemaGuard:
         return ok
 
     def _value_ok(self, path: tuple[Any, ...], raw: bytes) -> bool:
-        return _all_valid([a.validator or self.validator for a in self._at(path)[0]], raw)
+        kind = _KIND_OF_FIRST_BYTE.get(raw[0], "number") if raw else "number"
+        return _all_valid([a.validator or self.validator for a in self._at(path)[0] if kind not in a.universal], raw)
 
     def checks_value(self, path: tuple[Any, ...], raw: bytes) -> bool:
         """Can an anchor at `path` refuse the value `raw` (its JSON type read from its first byte)?"""
@@ -1594,6 +1601,30 @@ def universal_types(node: Any, root: Any, validator: Any) -> frozenset[str]:
         return out
 
     return walk(node, frozenset())
+
+
+def _excluded_types(node: Any, root: Any, hops: int = 0) -> frozenset[str]:
+    """The JSON types ("number" for every numeral) no value of which `node` accepts, found statically and
+    conservatively: by `type`, and through local `$ref`s, every branch of anyOf/oneOf, any member of allOf."""
+    if node is False:
+        return _ALL_TYPES
+    if not isinstance(node, dict) or hops > 16:
+        return frozenset()
+    out: set[str] = set()
+    kind = node.get("type")
+    if isinstance(kind, (str, list)):
+        kinds = {kind} if isinstance(kind, str) else set(kind)
+        out |= _ALL_TYPES - kinds - ({"number"} if "integer" in kinds else set())
+    ref = node.get("$ref")
+    if isinstance(ref, str):
+        out |= _excluded_types(resolve_local_ref(root, ref), root, hops + 1)
+    for key in ("anyOf", "oneOf"):
+        branches = node.get(key)
+        if isinstance(branches, list) and branches:
+            out |= frozenset.intersection(*(_excluded_types(b, root, hops + 1) for b in branches))
+    for member in node.get("allOf") if isinstance(node.get("allOf"), list) else ():
+        out |= _excluded_types(member, root, hops + 1)
+    return frozenset(out)
 
 
 def resolve_local_ref(root: Any, ref: str) -> Any:
