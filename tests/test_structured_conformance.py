@@ -952,6 +952,24 @@ def test_a_union_of_objects_inside_a_nullable_union_takes_null(backend: GrammarB
         assert not _produce(backend, compiled, tokenizer, text), text
 
 
+def test_free_key_order_in_recursive_definitions(backend: GrammarBackend, tokenizer: Any) -> None:
+    """Objects that recursion reaches (a tree, JSON Schema's own meta-schema) take their keys in any order: which
+    free-order objects apply at a path is found by walking the schema's fixed routes along it (`_PathGraph`), at
+    any depth. They kept the schema's order before."""
+    compiled = backend.compile(_schema_spec(_GUARDED_SCHEMAS[9]))
+    assert compiled.guard._graph is not None
+    # a token written at ("kids", 0) may also close an object below it (`[{}]`): the plan looks at such tokens
+    assert any(o.pattern == ("kids", 0, "<below>") and o.required for o in compiled.guard._near(("kids", 0))[1])
+    deep = '{"name":"a","kids":[{"kids":[{"size":1,"kids":[{"name":"d"}],"name":"c"}],"name":"b"}]}'
+    for text in ('{"size":1,"name":"a"}', deep, '{"link":{"size":2,"name":"b"},"name":"a"}',
+                 '{"link":[{"name":"b"},{"kids":[],"name":"c"}],"name":"a"}', '{"name":"a","tag":{"x":3,"k":"a"}}'):
+        assert _produce(backend, compiled, tokenizer, text), text
+    for text in ('{"size":1}', deep.replace('"name":"d"', '"size":2'), '{"name":"a","kids":[{"name":"b","name":"c"}]}',
+                 '{"link":[{"kids":[{}],"name":"b"}],"name":"a"}', '{"name":"a","tag":{"k":"a"}}',
+                 '{"name":"a","kids":[{"name":"b","color":1}]}'):
+        assert not _produce(backend, compiled, tokenizer, text), text
+
+
 def test_closed_objects_joined_by_allof_keep_their_order_and_compile(backend: GrammarBackend, tokenizer: Any) -> None:
     """A closed object (additionalProperties false) joined by allOf to another subschema: relaxed, llguidance's
     intersection refused every key, or the schema ("unsatisfiable" beside `{"required": [...]}`). Such an
@@ -1054,6 +1072,14 @@ _GUARDED_SCHEMAS = [
      "oneOf": [{"properties": {"version": {"const": 1}, "min": {"$ref": "#/$defs/min"}}, "additionalProperties": False},
                {"properties": {"version": {"const": 2}, "min": {"$ref": "#/$defs/min", "description": "as in 1"},
                                "auth": {"$ref": "#/$defs/auth"}}, "additionalProperties": False}]},
+    # recursion: a tree whose nodes need a key, with a union of objects and a list-or-node choice inside it
+    {"$ref": "#/$defs/node", "$defs": {
+        "node": {"type": "object", "required": ["name"], "additionalProperties": False,
+                 "properties": {"name": {"type": "string"}, "size": {"type": "integer"},
+                                "kids": {"type": "array", "items": {"$ref": "#/$defs/node"}},
+                                "link": {"anyOf": [{"$ref": "#/$defs/node"}, {"type": "array", "items": {"$ref": "#/$defs/node"}}]},
+                                "tag": {"oneOf": [{"type": "object", "properties": {"k": {"const": "a"}, "x": {"type": "integer"}}, "required": ["k", "x"]},
+                                                  {"type": "object", "properties": {"k": {"const": "b"}}, "required": ["k"]}]}}}}},
 ]
 _GUARDED_INSTANCES = [
     [{"id": {"b": "x", "a": 1}, "name": "foo", "tags": ["a", "b"]}, {"age": 3, "name": "a\"b", "id": {"a": -2}}],
@@ -1068,6 +1094,8 @@ _GUARDED_INSTANCES = [
     [{"cert": {"method": "vip", "version": "v2", "arn": "x"}, "opts": {"c": 1, "b": 2, "a": 3}}, {"opts": {"d": 4}}],
     [{"min": {"patch": 1, "major": 3}, "version": 1}, {"auth": {"use_id": True, "user": "u", "proxy": "p"}, "version": 2,
                                                        "min": {"tag": "x", "major": 0}}],
+    [{"kids": [{"size": 2, "name": "b", "kids": []}, {"name": "c", "tag": {"x": 1, "k": "a"}}], "name": "a"},
+     {"link": [{"link": {"name": "e", "size": 1}, "name": "d"}], "size": 3, "name": "r"}],
 ]
 
 

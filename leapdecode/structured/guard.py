@@ -456,10 +456,24 @@ class SchemaGuard:
         if any(not pattern for _, patterns in free_order.unions for pattern in patterns) and not self.anchors:
             self.anchors.append(_Anchor((), None))  # a union at the root: the document check (rule B) covers it
         self._closed_objects = any(o.closed is not None for o in self.objects)
+        # free-order objects and unions of them found per path (`_PathGraph`): their rules, made per path
+        self._graph = free_order.graph
+        self._graph_objects: dict[tuple[int, bool], tuple[frozenset[str], Any, Any]] = {}
+        self._graph_unions: dict[int, _Anchor] = {}
+        if self._graph is not None:
+            for i, node in self._graph.sites.items():
+                required = frozenset(r for r in node.get("required", ()) if isinstance(r, str))
+                self._graph_objects[(i, False)] = (required, _closed(node), _dependent_required(node, cls.VALIDATORS))
+                self._graph_objects[(i, True)] = (frozenset(), _closed(node), ())   # the union's anchor checks
+                self._closed_objects = self._closed_objects or _closed(node) is not None
+            for i, node in self._graph.unions.items():
+                anchor = _Anchor((), self.validator.evolve(schema=node))
+                anchor.universal = universal_types(node, schema, self.validator) | _excluded_types(node, schema)
+                self._graph_unions[i] = anchor
         self._at_cache: dict[tuple[Any, ...], tuple[list[_Anchor], list[_ObjectRule]]] = {}
         self._verdicts: dict[tuple[Any, ...], _Verdicts] = {}  # see `restrict`
         self._near_cache: dict[tuple[Any, ...], tuple[list[_Anchor], list[_ObjectRule]]] = {}
-        self.active = bool(self.anchors or self.objects)  # False: only rule A (the document check)
+        self.active = bool(self.anchors or self.objects or self._graph)  # False: only rule A (the document check)
 
     # -- rule A --------------------------------------------------------------------------------------------
     def document_ok(self, text: bytes) -> bool:
@@ -756,10 +770,29 @@ class SchemaGuard:
         if hit is None:
             hit = ([a for a in self.anchors if getattr(a, test)(path)],
                    [o for o in self.objects if getattr(o, test)(path)])
+            if self._graph is not None:
+                for depth in range(len(path) + 1) if test == "compatible" else (len(path),):
+                    self._graph_rules(path[:depth], *hit)
+                if test == "compatible":   # below: stand-ins that no real path matches, for `_plan`
+                    needs, union = self._graph.below(path)
+                    if needs:
+                        hit[1].append(_ObjectRule(path + _BELOW, frozenset(_BELOW)))
+                    if union:
+                        hit[0].append(_Anchor(path + _BELOW, None))
             if len(cache) > 65536:
                 cache.clear()
             cache[path] = hit
         return hit
+
+    def _graph_rules(self, path: tuple[Any, ...], anchors: list[_Anchor], objects: list[_ObjectRule]) -> None:
+        """Add the rules of the free-order objects and unions that `_PathGraph` finds at `path`."""
+        for state in self._graph.states(path):
+            rule = self._graph_objects.get(state)
+            if rule is not None:
+                objects.append(_ObjectRule(path, *rule))
+            union = self._graph_unions.get(state[0])
+            if union is not None and not state[1]:
+                anchors.append(replace(union, pattern=path))
 
 
 def _all_valid(validators: list[Any], raw: bytes) -> bool:
@@ -1088,9 +1121,108 @@ class FreeOrder:
     sites: dict[int, tuple[dict[str, Any], list[tuple[Any, ...]], frozenset[tuple[Any, ...]]]]
     unions: list[tuple[dict[str, Any], list[tuple[Any, ...]]]]
     expanded: frozenset[int] = frozenset()  # small closed objects the grammar takes in any order exactly
+    graph: _PathGraph | None = None  # those reached through recursion (or at too many paths): found per path
 
-    def keys(self) -> Any:
-        return self.sites.keys()
+    def keys(self) -> set[int]:
+        """ids of every object subschema relaxed (its properties in any order)."""
+        return set(self.sites) | (set(self.graph.sites) if self.graph is not None else set())
+
+    def union_ids(self) -> list[int]:
+        """ids of every union of objects with a relaxed branch (its own `required` is the guard's)."""
+        return [id(node) for node, _ in self.unions] + (list(self.graph.unions) if self.graph is not None else [])
+
+
+_BELOW = ("<below>",)
+"""The last step of the pattern of a rule standing for those that apply somewhere below a path (`_PathGraph`):
+it matches no real step."""
+
+
+class _PathGraph:
+    """The schema's fixed routes as an automaton over instance paths, for the free-order objects (and unions of
+    them) that recursion reaches at infinitely many paths, or that are reached at too many to list: the states
+    at a path are the (subschema, reached as a union's branch) pairs that apply there; a site among them is
+    checked there as a listed one is at its patterns. Follows exactly the routes `free_order_sites` calls fixed
+    (what another route reaches is not a site)."""
+
+    def __init__(self, root: dict[str, Any], edges: Any, exclusive: dict[int, set[str]],
+                 sites: dict[int, dict[str, Any]], unions: dict[int, dict[str, Any]]) -> None:
+        self._edges, self._exclusive = edges, exclusive
+        self.sites, self.unions = sites, unions
+        self._states: dict[tuple[Any, ...], frozenset[tuple[int, bool]]] = {}
+        self._nodes: dict[int, dict[str, Any]] = {}
+        self._root = self._closure({(id(root), False)}, root)
+        self._below: dict[frozenset[tuple[int, bool]], tuple[bool, bool]] = {}
+
+    def _closure(self, states: set[tuple[int, bool]], root: Any = None) -> frozenset[tuple[int, bool]]:
+        """Add what applies at the same location: $ref targets, allOf members, the branches of a union."""
+        if root is not None:
+            self._nodes[id(root)] = root
+        todo = list(states)
+        out = set(states)
+        while todo:
+            i, branch = todo.pop()
+            for steps, child in self._edges(self._nodes[i]):
+                if not isinstance(child, dict) or not (steps == () or (steps is _UNION and not branch)):
+                    continue
+                key = (id(child), branch or steps is _UNION)
+                if key not in out:
+                    self._nodes[id(child)] = child
+                    out.add(key)
+                    todo.append(key)
+        return frozenset(out)
+
+    def _step(self, states: frozenset[tuple[int, bool]], step: Any) -> frozenset[tuple[int, bool]]:
+        found = set()
+        for i, branch in states:
+            for steps, child in self._edges(self._nodes[i]):
+                if steps is None or steps is _UNION or len(steps) != 1 or not isinstance(child, dict):
+                    continue
+                if branch and steps[0] not in self._exclusive.get(i, ()):
+                    continue   # below a union's branch only where every branch agrees (`_exclusive_keys`)
+                if step is not None and _step_matches(steps[0], step):
+                    self._nodes[id(child)] = child
+                    found.add((id(child), False))
+        return self._closure(found) if found else frozenset()
+
+    def states(self, path: tuple[Any, ...]) -> frozenset[tuple[int, bool]]:
+        if not path:
+            return self._root
+        hit = self._states.get(path)
+        if hit is None:
+            hit = self._step(self.states(path[:-1]), path[-1])
+            if len(self._states) > 65536:
+                self._states.clear()
+            self._states[path] = hit
+        return hit
+
+    def below(self, path: tuple[Any, ...]) -> tuple[bool, bool]:
+        """(can a site that needs keys be reached strictly below `path`, can a union of them)"""
+        start = self.states(path)
+        hit = self._below.get(start)
+        if hit is None:
+            seen: set[tuple[int, bool]] = set()
+            todo, needs, union = [start], False, False
+            while todo and not (needs and union):
+                states = todo.pop()
+                nxt = set()
+                for i, branch in states:
+                    for steps, child in self._edges(self._nodes[i]):
+                        if steps is None or steps is _UNION or len(steps) != 1 or not isinstance(child, dict):
+                            continue
+                        if branch and steps[0] not in self._exclusive.get(i, ()):
+                            continue
+                        self._nodes[id(child)] = child
+                        nxt.add((id(child), False))
+                reached = self._closure(nxt) - seen
+                seen |= reached
+                for i, branch in reached:
+                    node = self.sites.get(i)
+                    needs = needs or (node is not None and (bool(node.get("required")) or bool(_dependent_required(node))))
+                    union = union or i in self.unions
+                if reached:
+                    todo.append(frozenset(reached))
+            hit = self._below[start] = (needs, union)
+        return hit
 
 
 def free_order_sites(schema: Any) -> FreeOrder:
@@ -1193,6 +1325,8 @@ def free_order_sites(schema: Any) -> FreeOrder:
         for steps, child in edges(nodes[i]):
             if steps is not None and isinstance(child, dict) and id(child) not in spread:
                 todo.append(id(child))
+    graph_sites = {i: nodes[i] for i in spread
+                   if i not in tainted and i not in local and _free_order_ok(nodes[i])}
     bad |= spread
     sites = {
         i: (nodes[i], pats, frozenset(in_union.get(i, ())))
@@ -1209,14 +1343,19 @@ def free_order_sites(schema: Any) -> FreeOrder:
     sites = {i: site for i, site in sites.items() if i not in expanded}
     # A relaxed union branch leaves `required` (of whichever branch applies) to a check of the whole union at
     # the close of its value: one jsonschema anchor per union with a relaxed branch.
-    relaxed_unions = [
-        (node, pats) for i, (node, pats) in unions.items()
-        if i not in tainted and i not in spread and any(
-            id(b) in sites or (isinstance(b.get("$ref"), str) and id(resolve_local_ref(schema, b["$ref"])) in sites)
-            for b in _branches(node)
-        )
-    ]
-    return FreeOrder(sites, relaxed_unions, expanded) if sites else FreeOrder({}, [], expanded)
+    def relaxed(union: dict[str, Any], among: Any) -> bool:
+        return any(id(b) in among or (isinstance(b.get("$ref"), str) and id(resolve_local_ref(schema, b["$ref"])) in among)
+                   for b in _branches(union))
+    relaxed_unions = [(node, pats) for i, (node, pats) in unions.items()
+                      if i not in tainted and i not in spread and relaxed(node, sites.keys() | graph_sites.keys())]
+    graph = None
+    if graph_sites:    # the unions of objects recursion reaches (relaxed when a branch is)
+        graph_unions = {i: node for i, node in nodes.items() if i in spread and i not in tainted and _branches(node)
+                        and relaxed(node, graph_sites.keys() | sites.keys())}
+        graph = _PathGraph(schema, edges, exclusive, graph_sites, graph_unions)
+    if not sites and graph is None:
+        return FreeOrder({}, [], expanded)
+    return FreeOrder(sites, relaxed_unions, expanded, graph)
 
 
 def _exclusive_keys(root: dict[str, Any]) -> dict[int, set[str]]:
@@ -1331,6 +1470,10 @@ def _conditional_only(node: Any) -> bool:
         and node.keys() <= {"if", "then", "else"} | ANNOTATIONS
 
 
+_NOT_JOINING = frozenset({"$defs", "definitions", "$schema", "$id", "id", "$anchor", "$dynamicAnchor"})
+"""Keywords beside a $ref that hold or name schemas without applying anything to the instance."""
+
+
 def _intersected(root: dict[str, Any], nodes: dict[int, Any]) -> set[int]:
     """ids of the subschemas llguidance intersects with another one in the grammar it is given: allOf members
     (but those `_conditional_only`) and their holder, the two ends of a $ref with keywords beside it other than
@@ -1344,7 +1487,7 @@ def _intersected(root: dict[str, Any], nodes: dict[int, Any]) -> set[int]:
             out.add(i)
             out.update(id(m) for m in members)
         ref = node.get("$ref")
-        if isinstance(ref, str) and node.keys() - ANNOTATIONS - {"$ref"}:
+        if isinstance(ref, str) and node.keys() - ANNOTATIONS - _NOT_JOINING - {"$ref"}:
             target = resolve_local_ref(root, ref)
             out.add(i)
             if isinstance(target, dict):
@@ -1400,20 +1543,22 @@ def _branches(node: dict[str, Any]) -> list[Any]:
     return [b for key in ("anyOf", "oneOf") for b in (node.get(key) or []) if isinstance(b, dict)]
 
 
-def _may_be_object(root: Any, sub: Any, hops: int = 0) -> bool:
-    """Can an object instance satisfy `sub`? (False only when its type, const or enum rule objects out.)"""
+def _may_be_object(root: Any, sub: Any, hops: int = 0, kind: str = "object") -> bool:
+    """Can an object (``kind`` "array": an array) instance satisfy `sub`? (False only when its type, const or
+    enum rule that kind out.)"""
     if not isinstance(sub, dict):
         return sub is not False
     if isinstance(sub.get("$ref"), str) and hops < 8:
         target = resolve_local_ref(root, sub["$ref"])
-        if target is None or not _may_be_object(root, target, hops + 1):
+        if target is None or not _may_be_object(root, target, hops + 1, kind):
             return target is None
-    kind = sub.get("type")
-    if isinstance(kind, str) and kind != "object" or isinstance(kind, list) and "object" not in kind:
+    types = sub.get("type")
+    if isinstance(types, str) and types != kind or isinstance(types, list) and kind not in types:
         return False
-    if "const" in sub and not isinstance(sub["const"], dict):
+    value = dict if kind == "object" else list
+    if "const" in sub and not isinstance(sub["const"], value):
         return False
-    if isinstance(sub.get("enum"), list) and not any(isinstance(v, dict) for v in sub["enum"]):
+    if isinstance(sub.get("enum"), list) and not any(isinstance(v, value) for v in sub["enum"]):
         return False
     return True
 _SINGLE_NONFIXED = ("propertyNames", "contains", "not", "if", "then", "else",
@@ -1453,11 +1598,14 @@ def _subschema_edges(root: Any, node: dict[str, Any]) -> Iterator[tuple[tuple[An
     for key in ("anyOf", "oneOf"):
         branches = node.get(key) if isinstance(node.get(key), list) else []
         objects = [i for i, sub in enumerate(branches) if _may_be_object(root, sub)]
+        arrays = [i for i, sub in enumerate(branches) if _may_be_object(root, sub, kind="array")]
         for i, sub in enumerate(branches):
             # The one branch that admits objects (e.g. Optional[Model] = anyOf [object, null]) is where every
             # object at this location is checked, so for objects the location is fixed; several object
-            # branches make a union (checked as a whole).
-            yield ((), sub) if objects == [i] else (_UNION, sub) if i in objects else (None, sub)
+            # branches make a union (checked as a whole). Likewise the one branch that admits arrays, for what
+            # lies in them (JSON Schema's own `"items": {"anyOf": [{"$ref": "#"}, {"$ref": "#/.../schemaArray"}]}`).
+            yield ((), sub) if objects == [i] or (arrays == [i] and i not in objects) else \
+                (_UNION, sub) if i in objects else (None, sub)
     if "$dynamicRef" in node or "$recursiveRef" in node:
         yield (), _UNRESOLVED
     ref = node.get("$ref")
