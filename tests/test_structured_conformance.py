@@ -970,6 +970,23 @@ def test_free_key_order_in_recursive_definitions(backend: GrammarBackend, tokeni
         assert not _produce(backend, compiled, tokenizer, text), text
 
 
+def test_look_around_in_pattern_properties_widens_the_grammar_and_the_guard_checks_keys(
+        backend: GrammarBackend, tokenizer: Any) -> None:
+    """A patternProperties regex the library cannot take (a look-ahead: AWS tags' `^(?!aws:)...`) was removed, so
+    with additionalProperties false no tag could be written. The grammar now takes the regex without its
+    look-around (wider), and the guard refuses a key only the wider regex takes as its closing quote is written."""
+    compiled = backend.compile(_schema_spec(_GUARDED_SCHEMAS[10]))
+    assert any("look-around" in note for note in compiled.dropped)
+    for text in ('{"Tags":{"a":"b"}}', '{"Tags":{"k:1":"v","x":"y"},"Name":"n"}'):
+        assert _produce(backend, compiled, tokenizer, text), text
+    for text in ('{"Tags":{"aws:x":"b"}}', '{"Tags":{"a":1}}', '{"Tags":{"a":"1","b":"2","c":"3","d":"4"}}'):
+        assert not _produce(backend, compiled, tokenizer, text), text
+    prefix = '{"Tags":{"aws:x'
+    matcher = backend.matcher(compiled)
+    assert matcher.accept_tokens(_encode(tokenizer, prefix)) == len(_encode(tokenizer, prefix))
+    assert not matcher.accept(_encode(tokenizer, '"')[0])       # refused at the key's closing quote
+
+
 def test_closed_objects_joined_by_allof_keep_their_order_and_compile(backend: GrammarBackend, tokenizer: Any) -> None:
     """A closed object (additionalProperties false) joined by allOf to another subschema: relaxed, llguidance's
     intersection refused every key, or the schema ("unsatisfiable" beside `{"required": [...]}`). Such an
@@ -1080,6 +1097,10 @@ _GUARDED_SCHEMAS = [
                                 "link": {"anyOf": [{"$ref": "#/$defs/node"}, {"type": "array", "items": {"$ref": "#/$defs/node"}}]},
                                 "tag": {"oneOf": [{"type": "object", "properties": {"k": {"const": "a"}, "x": {"type": "integer"}}, "required": ["k", "x"]},
                                                   {"type": "object", "properties": {"k": {"const": "b"}}, "required": ["k"]}]}}}}},
+    # pattern properties with a look-ahead (AWS tags), beside additionalProperties false
+    {"type": "object", "properties": {"Name": {"type": "string"},
+                                      "Tags": {"type": "object", "additionalProperties": False, "maxProperties": 3,
+                                               "patternProperties": {"^(?!aws:)[a-zA-Z+-=._:/]{1,16}$": {"type": "string"}}}}},
 ]
 _GUARDED_INSTANCES = [
     [{"id": {"b": "x", "a": 1}, "name": "foo", "tags": ["a", "b"]}, {"age": 3, "name": "a\"b", "id": {"a": -2}}],
@@ -1096,6 +1117,7 @@ _GUARDED_INSTANCES = [
                                                        "min": {"tag": "x", "major": 0}}],
     [{"kids": [{"size": 2, "name": "b", "kids": []}, {"name": "c", "tag": {"x": 1, "k": "a"}}], "name": "a"},
      {"link": [{"link": {"name": "e", "size": 1}, "name": "d"}], "size": 3, "name": "r"}],
+    [{"Tags": {"a": "b", "k:2": "v"}, "Name": "x"}, {"Tags": {}}],
 ]
 
 

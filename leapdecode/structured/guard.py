@@ -1072,8 +1072,9 @@ def _find_anchors(schema: Any, validator: Any, dropped: tuple[str, ...]) -> list
             monotone = _monotone_part(node)
             if monotone:
                 anchor.monotone = validator.evolve(schema=monotone)
-            if "propertyNames" in node:
-                anchor.names = validator.evolve(schema=node["propertyNames"])
+            names = _key_names(node, keys)
+            if names is not None:
+                anchor.names = validator.evolve(schema=names)
             if pattern:
                 anchors.append(anchor)
         inner = chain | {id(node)}
@@ -1660,6 +1661,20 @@ def _instance_children(root: Any, node: dict[str, Any]) -> Iterator[tuple[tuple[
     ref = node.get("$ref")
     if isinstance(ref, str) and ref.startswith("#"):
         yield (), resolve_local_ref(root, ref)
+
+
+def _key_names(node: dict[str, Any], guarded: set[str]) -> dict[str, Any] | None:
+    """The schema every key of an object valid for `node` satisfies, checked as each key closes: its
+    `propertyNames`, and, where the grammar's pattern properties are wider than the schema's (look-around removed,
+    `lowering.without_lookaround`) beside additionalProperties false, the declared names or a pattern property's
+    regex: a key only the wider regex takes is refused at its quote, not once its value is written."""
+    parts = [node["propertyNames"]] if "propertyNames" in node else []
+    patterns = node.get("patternProperties")
+    if "patternProperties" in guarded and isinstance(patterns, dict) and patterns \
+            and node.get("additionalProperties") is False:
+        declared = list(node["properties"]) if isinstance(node.get("properties"), dict) else []
+        parts.append({"anyOf": [{"enum": declared}] + [{"pattern": p} for p in patterns]})
+    return None if not parts else parts[0] if len(parts) == 1 else {"allOf": parts}
 
 
 def _monotone_part(node: dict[str, Any]) -> dict[str, Any]:

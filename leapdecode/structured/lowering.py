@@ -207,6 +207,58 @@ def lower(schema: Any, regex_ok: Callable[[str], bool], dropped: list[str], rela
         props = node.get("patternProperties")
         if isinstance(props, dict):
             for key in [k for k in props if k not in exact and not regex_ok(k)]:
-                del props[key]
-                dropped.append("patternProperties (regex not supported by the library)")
+                sub = props.pop(key)
+                wider = without_lookaround(key)
+                if wider != key and wider not in props and regex_ok(wider):
+                    # the keys the regex finds, and some more: AWS tags' "^(?!aws:)[a-zA-Z+-=._:/]{1,128}$" fell to
+                    # additionalProperties false, and no tag could be written (the guard checks the real regex)
+                    props[wider] = sub
+                    dropped.append("patternProperties (look-around removed for the library)")
+                else:
+                    dropped.append("patternProperties (regex not supported by the library)")
     return schema
+
+
+def without_lookaround(regex: str) -> str:
+    """`regex` without its look-around groups ((?=...), (?!...), (?<=...), (?<!...)): a regex matching every string
+    it matches (a look-around only restricts), in the syntax of regex engines that have none (Rust's)."""
+    out: list[str] = []
+    i, n, in_class = 0, len(regex), False
+    while i < n:
+        c = regex[i]
+        if c == "\\":
+            out.append(regex[i:i + 2])
+            i += 2
+            continue
+        if in_class:
+            in_class = c != "]"
+        elif c == "[":
+            in_class = True
+            if regex[i + 1:i + 2] == "]":   # a "]" first in a class is literal
+                out.append("[]")
+                i += 2
+                continue
+        elif c == "(" and (regex.startswith("(?=", i) or regex.startswith("(?!", i) or regex.startswith("(?<=", i)
+                           or regex.startswith("(?<!", i)):
+            depth, j, cls = 0, i, False
+            while j < n:            # to the group's closing parenthesis
+                d = regex[j]
+                if d == "\\":
+                    j += 2
+                    continue
+                if cls:
+                    cls = d != "]"
+                elif d == "[":
+                    cls = True
+                elif d == "(":
+                    depth += 1
+                elif d == ")":
+                    depth -= 1
+                    if depth == 0:
+                        break
+                j += 1
+            i = j + 1
+            continue
+        out.append(c)
+        i += 1
+    return "".join(out)
