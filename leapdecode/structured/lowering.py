@@ -137,8 +137,9 @@ def lower(schema: Any, regex_ok: Callable[[str], bool], dropped: list[str], rela
     * `minProperties`/`maxProperties` beside optional `properties` are removed (llguidance would count only the
       additional properties);
     * `pattern`s the library's regex engine rejects (look-around, back-references) are removed (over-
-      approximation); a rejected patternProperties entry is removed, so its keys fall to additionalProperties
-      (at worst an under-approximation, never an invalid instance);
+      approximation); a rejected patternProperties regex loses its look-around groups (over-approximation), or,
+      if that does not help, is removed, so its keys fall to additionalProperties (at worst an under-
+      approximation, never an invalid instance);
     * the object subschemas whose ids are in `relax` (chosen by `guard.free_order_sites`) take their
       properties in any order: each declared property becomes an exact-name pattern property (llguidance fixes
       the order of `properties`, not of pattern properties) and `required` is removed; the guard refuses a
