@@ -45,8 +45,8 @@ where B is one bonus token per decoding request and ``base`` the tokens the step
   ``risk`` times the relative extra step time it predicts;
   occasional exploration steps measure the cost of a draft size (or of plain decoding) that has not been observed
   recently, when the model says it is close, and a draft size priced only by old steps is verified once when,
-  priced as if they were forgotten, it would be best (:meth:`Controller._retime`); per-request estimates decay fast (``decay``), so a request whose
-  drafts stop being accepted loses its drafts within a few steps.
+  priced as if they were forgotten, it would be best (:meth:`Controller._retime`); per-request estimates decay
+  fast (``decay``), so a request whose drafts stop being accepted loses its drafts within a few steps.
 """
 from __future__ import annotations
 
@@ -191,6 +191,10 @@ class _Curve:
         b.obs.append((num_tokens, seconds))
         b.last_seen = step
         self.points = self.fresh = None
+
+    def seen_since(self, step: int) -> dict[int, _Bucket]:
+        """The buckets last seen at or after ``step``."""
+        return {k: b for k, b in self.buckets.items() if b.last_seen >= step}
 
 
 class StepTimeModel:
@@ -338,7 +342,7 @@ class StepTimeModel:
         newer ones and the probe's shape, and the next step of such a size is its only time."""
         c = self._curve(num_seqs)
         if c is not None:
-            c.buckets = {k: b for k, b in c.buckets.items() if b.last_seen >= before}
+            c.buckets = c.seen_since(before)
             c.points = c.fresh = None
 
     def predict(self, ns: np.ndarray, num_seqs: int | None = None, since: int | None = None) -> np.ndarray:
@@ -348,7 +352,7 @@ class StepTimeModel:
         ns = np.asarray(ns, dtype=np.float64)
         c = self._fresh(self._curve(num_seqs), num_seqs)
         if since is not None and c is not None:
-            keep = {k: b for k, b in c.buckets.items() if b.last_seen >= since}
+            keep = c.seen_since(since)
             if len(keep) < len(c.buckets):
                 c = _Curve(c.window)
                 c.buckets = keep

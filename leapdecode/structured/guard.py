@@ -1218,7 +1218,7 @@ class _PathGraph:
                 seen |= reached
                 for i, branch in reached:
                     node = self.sites.get(i)
-                    needs = needs or (node is not None and (bool(node.get("required")) or bool(_dependent_required(node))))
+                    needs = needs or (node is not None and bool(node.get("required") or _dependent_required(node)))
                     union = union or i in self.unions
                 if reached:
                     todo.append(frozenset(reached))
@@ -1345,8 +1345,8 @@ def free_order_sites(schema: Any) -> FreeOrder:
     # A relaxed union branch leaves `required` (of whichever branch applies) to a check of the whole union at
     # the close of its value: one jsonschema anchor per union with a relaxed branch.
     def relaxed(union: dict[str, Any], among: Any) -> bool:
-        return any(id(b) in among or (isinstance(b.get("$ref"), str) and id(resolve_local_ref(schema, b["$ref"])) in among)
-                   for b in _branches(union))
+        return any(id(b) in among or isinstance(b.get("$ref"), str)
+                   and id(resolve_local_ref(schema, b["$ref"])) in among for b in _branches(union))
     relaxed_unions = [(node, pats) for i, (node, pats) in unions.items()
                       if i not in tainted and i not in spread and relaxed(node, sites.keys() | graph_sites.keys())]
     graph = None
@@ -1446,7 +1446,8 @@ def _mixed_intersections(root: dict[str, Any], nodes: dict[int, Any]) -> set[int
         return i
 
     for i, node in nodes.items():
-        joined = [m for m in node.get("allOf") if not _conditional_only(m)] if isinstance(node.get("allOf"), list) else []
+        members = node.get("allOf") if isinstance(node.get("allOf"), list) else []
+        joined = [m for m in members if not _conditional_only(m)]
         if isinstance(node.get("$ref"), str):
             joined.append(resolve_local_ref(root, node["$ref"]))
         for child in joined:
