@@ -11,6 +11,11 @@ Schema sets
              `openai` package's models). Their instances are generated from the schema by a small seeded
              generator and judged by `jsonschema` (valid ones are kept as valid, mutated ones that `jsonschema`
              refuses as invalid), so "valid" always means valid for `jsonschema`.
+  dense      every schema of `realistic` with every CloudFormation resource (not a sample), plus the real-world
+             schemas this machine holds elsewhere when present (CMake presets, Ray's cluster config, speedscope's
+             file format, Rust's target spec, JSON Schema's own draft-4/7 meta-schemas); instances with most
+             optional properties and one or two entries in each map (additionalProperties / patternProperties
+             values), keys shuffled at every level: the objects where any key order is hard to offer.
 
 Rows
   leapdecode         GrammarBackend defaults (guard on, flexible whitespace, any key order).
@@ -29,7 +34,7 @@ Columns
   paired             mask times over only the valid compact instances that every row compiled and accepted whole
                      (the same schemas and the same tokens for each row: the fair comparison of cost)
 
-Usage: python benchmarks/structured_backends.py [--tokenizer DIR] [--sets suite,realistic] [--limit N]
+Usage: python benchmarks/structured_backends.py [--tokenizer DIR] [--sets suite,realistic,dense] [--limit N]
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ import json
 import os
 import pathlib
 import random
+import re
 import statistics
 import sys
 import time
@@ -80,6 +86,27 @@ def _site_packages() -> list[str]:
     roots = {sysconfig.get_paths()["purelib"], *site.getsitepackages()}
     roots |= set(glob.glob("/root/.pyenv/versions/*/lib/python3*/site-packages"))
     return sorted(r for r in roots if os.path.isdir(r))
+
+
+_ELSEWHERE = ["/usr/share/cmake-*/Help/manual/presets/schema.json", "ray/autoscaler/ray-schema.json",
+              "ray/dashboard/client/build/speedscope-*/file-format-schema.json",
+              "~/.rustup/toolchains/*/etc/target-spec-json-schema.json",
+              "jsonschema_specifications/schemas/draft7/metaschema.json",
+              "jsonschema_specifications/schemas/draft4/metaschema.json"]
+
+
+def dense_schemas() -> list[tuple[str, Any]]:
+    """`realistic` with every CloudFormation resource schema, and the schemas of `_ELSEWHERE` found here."""
+    found = realistic_schemas(1 << 30)
+    for pattern in _ELSEWHERE:
+        roots = [""] if pattern.startswith(("/", "~")) else [r + "/" for r in _site_packages()]
+        for path in sorted({p for r in roots for p in glob.glob(os.path.expanduser(r + pattern))})[:1]:
+            try:
+                found.append(("elsewhere: " + pattern,
+                              json.loads(pathlib.Path(path).read_text())))
+            except (OSError, ValueError):
+                pass
+    return found
 
 
 def realistic_schemas(limit_cfn: int) -> list[tuple[str, Any]]:
@@ -137,8 +164,10 @@ def realistic_schemas(limit_cfn: int) -> list[tuple[str, Any]]:
 class _Gen:
     """A small seeded instance generator: usually valid values, judged afterwards by jsonschema."""
 
-    def __init__(self, root: Any, rng: random.Random) -> None:
-        self.root, self.rng = root, rng
+    def __init__(self, root: Any, rng: random.Random, optional: float = 0.4, maps: bool = False) -> None:
+        """``optional``: how likely each optional property is written; ``maps``: write one or two entries in each
+        map (additionalProperties, and patternProperties with a key one of a few candidates matches)."""
+        self.root, self.rng, self.optional, self.maps = root, rng, optional, maps
 
     def resolve(self, ref: str) -> Any:
         node = self.root
@@ -187,10 +216,12 @@ class _Gen:
             required = [r for r in s.get("required", []) if isinstance(r, str)]
             out = {}
             for name, sub in props.items():
-                if name in required or rng.random() < 0.4:
+                if name in required or rng.random() < self.optional:
                     out[name] = self.value(sub, depth + 1)
             for name in required:
                 out.setdefault(name, "x")
+            if self.maps:
+                self._map_entries(s, props, out, depth)
             keys = list(out)
             rng.shuffle(keys)  # any key order
             return {k: out[k] for k in keys}
@@ -218,6 +249,22 @@ class _Gen:
             return rng.random() < 0.5
         return None
 
+    _KEYS = ("x", "a1", "key", "X", "foo_bar", "s_1", "n_1", "Ab", "AWS", "1", "x-y", "ab.cd")
+
+    def _map_entries(self, s: dict[str, Any], props: dict[str, Any], out: dict[str, Any], depth: int) -> None:
+        patterns = s.get("patternProperties") if isinstance(s.get("patternProperties"), dict) else {}
+        extra = s.get("additionalProperties")
+        if isinstance(extra, dict) and self.rng.random() < self.optional:
+            for i in range(self.rng.randint(1, 2)):
+                key = f"entry{i}"
+                if key not in props and not any(_matches(p, key) for p in patterns):
+                    out[key] = self.value(extra, depth + 1)
+        for regex, sub in patterns.items():
+            key = next((k for k in self._KEYS if k not in props and _matches(regex, k)
+                        and not any(_matches(p, k) for p in patterns if p != regex)), None)
+            if key is not None and self.rng.random() < self.optional:
+                out[key] = self.value(sub, depth + 1)
+
     def mutate(self, value: Any) -> Any:
         rng = self.rng
         if isinstance(value, dict) and value and rng.random() < 0.7:
@@ -237,15 +284,23 @@ class _Gen:
         return rng.choice([{"x": 1}, [1], "str", 12345678, -1, True, None, 1.5])
 
 
-def realistic_cases(limit_cfn: int, per_schema: int, seed: int = 0) -> list[tuple[str, Any, list[tuple[Any, bool]]]]:
+def _matches(regex: str, key: str) -> bool:
+    try:
+        return re.search(regex, key) is not None
+    except re.error:
+        return False
+
+
+def realistic_cases(limit_cfn: int, per_schema: int, seed: int = 0,
+                    dense: bool = False) -> list[tuple[str, Any, list[tuple[Any, bool]]]]:
     cases = []
-    for name, schema in realistic_schemas(limit_cfn):
+    for name, schema in (dense_schemas() if dense else realistic_schemas(limit_cfn)):
         try:
             cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
             validator = cls(schema)
         except Exception:  # noqa: BLE001
             continue
-        gen = _Gen(schema, random.Random(f"{seed}:{name}"))
+        gen = _Gen(schema, random.Random(f"{seed}:{name}"), optional=0.9 if dense else 0.4, maps=dense)
         valid, invalid = [], []
         for _ in range(12 * per_schema):
             try:
@@ -423,14 +478,16 @@ def main() -> None:
           f"{os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}", flush=True)
     out = {}
     for name in args.sets.split(","):
-        cases = suite_cases(pathlib.Path(args.suite)) if name == "suite" else realistic_cases(args.cfn, args.per_schema)
+        cases = suite_cases(pathlib.Path(args.suite)) if name == "suite" else \
+            realistic_cases(args.cfn, args.per_schema, dense=name == "dense")
         if args.limit:
             cases = cases[: args.limit]
         started = time.time()
         result = measure(cases, runners, tokenizer, args.mask_tokens_cap)
         out[name] = result
         title = ("JSON-Schema-Test-Suite draft2020-12 + draft7 (incl. optional/)" if name == "suite"
-                 else "Realistic schemas (configs, API specs, CloudFormation, openai pydantic models)")
+                 else "Realistic schemas (configs, API specs, CloudFormation, openai pydantic models)" if name == "realistic"
+                 else "Dense instances of every realistic schema and the real-world schemas found on this machine")
         print(table(title, result) + f"\n({time.time() - started:.0f} s)\n", flush=True)
     if args.json:
         pathlib.Path(args.json).write_text(json.dumps(
