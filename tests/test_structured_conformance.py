@@ -987,6 +987,24 @@ def test_look_around_in_pattern_properties_widens_the_grammar_and_the_guard_chec
     assert not matcher.accept(_encode(tokenizer, '"')[0])       # refused at the key's closing quote
 
 
+def test_keywords_beside_a_ref_that_change_nothing_do_not_fix_key_order(backend: GrammarBackend, tokenizer: Any) -> None:
+    """CloudFormation writes `{"$ref": "#/definitions/X", "type": "object"}`, and `{"$ref": "#/definitions/Tag",
+    "maxItems": 20}` as array items: keywords the target's own type makes redundant. llguidance intersects a $ref
+    with what is beside it, so the closed object they point to kept the schema's order; they are dropped from the
+    grammar (`lowering.redundant_beside_ref`) and it takes any order."""
+    tag = {"type": "object", "additionalProperties": False, "required": ["Key", "Value"],
+           "properties": {"Key": {"type": "string"}, "Value": {"type": "string"}, "Note": {"type": "string"},
+                          "Owner": {"type": "string"}}}
+    schema = {"type": "object", "definitions": {"Tag": tag},
+              "properties": {"Main": {"$ref": "#/definitions/Tag", "type": "object"},
+                             "Tags": {"type": "array", "items": {"$ref": "#/definitions/Tag", "maxItems": 20}}}}
+    compiled = backend.compile(_schema_spec(schema))
+    for text in ('{"Main":{"Value":"v","Key":"k"}}', '{"Tags":[{"Owner":"o","Value":"v","Key":"k"}]}'):
+        assert _produce(backend, compiled, tokenizer, text), text
+    for text in ('{"Main":{"Value":"v"}}', '{"Tags":[{"Key":"k","Value":"v","Key":"j"}]}', '{"Tags":[{"Key":"k"}]}'):
+        assert not _produce(backend, compiled, tokenizer, text), text
+
+
 def test_closed_objects_joined_by_allof_keep_their_order_and_compile(backend: GrammarBackend, tokenizer: Any) -> None:
     """A closed object (additionalProperties false) joined by allOf to another subschema: relaxed, llguidance's
     intersection refused every key, or the schema ("unsatisfiable" beside `{"required": [...]}`). Such an

@@ -23,7 +23,8 @@ import jsonschema
 import jsonschema.validators
 import numpy as np
 
-from leapdecode.structured.lowering import ANNOTATIONS, check_deadline, iter_subschemas
+from leapdecode.structured.lowering import ANNOTATIONS, check_deadline, iter_subschemas, redundant_beside_ref, \
+    resolve_local_ref
 
 if TYPE_CHECKING:
     from leapdecode.structured.backend import GrammarBackend
@@ -1420,7 +1421,7 @@ def _joined(root: dict[str, Any], nodes: dict[int, Any]) -> set[int]:
             out.add(i)
             out.update(id(m) for m in members)
         ref = node.get("$ref")
-        if isinstance(ref, str) and len(node) > 1:
+        if isinstance(ref, str) and len(node) - len(redundant_beside_ref(node, root)) > 1:
             target = resolve_local_ref(root, ref)
             out.add(i)
             if isinstance(target, dict):
@@ -1489,7 +1490,7 @@ def _intersected(root: dict[str, Any], nodes: dict[int, Any]) -> set[int]:
             out.add(i)
             out.update(id(m) for m in members)
         ref = node.get("$ref")
-        if isinstance(ref, str) and node.keys() - ANNOTATIONS - _NOT_JOINING - {"$ref"}:
+        if isinstance(ref, str) and node.keys() - ANNOTATIONS - _NOT_JOINING - redundant_beside_ref(node, root) - {"$ref"}:
             target = resolve_local_ref(root, ref)
             out.add(i)
             if isinstance(target, dict):
@@ -1789,21 +1790,3 @@ def _excluded_types(node: Any, root: Any, hops: int = 0) -> frozenset[str]:
     for member in node.get("allOf") if isinstance(node.get("allOf"), list) else ():
         out |= _excluded_types(member, root, hops + 1)
     return frozenset(out)
-
-
-def resolve_local_ref(root: Any, ref: str) -> Any:
-    """Resolve "#/a/b" inside `root` (JSON pointer); None when it is not a plain local pointer."""
-    if ref == "#":
-        return root
-    if not ref.startswith("#/"):
-        return None
-    node = root
-    for part in ref[2:].split("/"):
-        part = part.replace("~1", "/").replace("~0", "~")
-        if isinstance(node, dict) and part in node:
-            node = node[part]
-        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
-            node = node[int(part)]
-        else:
-            return None
-    return node

@@ -151,7 +151,13 @@ def lower(schema: Any, regex_ok: Callable[[str], bool], dropped: list[str], rela
       when its value closes (over-approximation, checked).
     """
     memo: dict[int, Any] = {}
+    original = schema
     schema = {} if schema is True else _copy(schema, memo)
+    for node in iter_subschemas(original):         # keywords beside a $ref that change nothing (before a target
+        for key in redundant_beside_ref(node, original):   # is rewritten below)
+            copied = memo.get(id(node))
+            if isinstance(copied, dict):
+                copied.pop(key, None)
     exact: set[str] = set()  # the exact-name regexes written here: every library takes them, no check needed
     for key in relax:
         node = memo.get(key)
@@ -263,3 +269,58 @@ def without_lookaround(regex: str) -> str:
         out.append(c)
         i += 1
     return "".join(out)
+
+
+def resolve_local_ref(root: Any, ref: str) -> Any:
+    """Resolve "#/a/b" inside `root` (JSON pointer); None when it is not a plain local pointer."""
+    if ref == "#":
+        return root
+    if not ref.startswith("#/"):
+        return None
+    node = root
+    for part in ref[2:].split("/"):
+        part = part.replace("~1", "/").replace("~0", "~")
+        if isinstance(node, dict) and part in node:
+            node = node[part]
+        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        else:
+            return None
+    return node
+
+
+_ONLY_REFUSES = {
+    **dict.fromkeys(("minLength", "maxLength", "pattern", "contentEncoding", "contentMediaType"), "string"),
+    **dict.fromkeys(("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf"), "number"),
+    **dict.fromkeys(("properties", "required", "additionalProperties", "patternProperties", "minProperties",
+                     "maxProperties", "propertyNames", "dependentRequired", "dependentSchemas", "dependencies",
+                     "unevaluatedProperties"), "object"),
+    **dict.fromkeys(("items", "prefixItems", "additionalItems", "contains", "minItems", "maxItems", "uniqueItems",
+                     "minContains", "maxContains", "unevaluatedItems"), "array"),
+}
+"""Keywords that constrain values of one type only (a value of another type passes them)."""
+
+
+def redundant_beside_ref(node: dict[str, Any], root: Any) -> set[str]:
+    """The keywords beside a local $ref that change nothing: a `type` the target's already implies, and keywords
+    for a type the target's `type` rules out (CloudFormation writes `{"$ref": "#/definitions/Tag", "maxItems":
+    20}` as array items, `{"$ref": ..., "type": "object"}` everywhere). llguidance intersects a $ref with what is
+    beside it, and the intersection of a closed object whose keys may come in any order with anything refused
+    every key: dropped from the grammar, they leave the $ref alone (`lower`; `guard._intersected` agrees)."""
+    ref = node.get("$ref")
+    target = resolve_local_ref(root, ref) if isinstance(ref, str) else None
+    kinds = target.get("type") if isinstance(target, dict) else None
+    if isinstance(kinds, str):
+        kinds = [kinds]
+    if not isinstance(kinds, list) or not all(isinstance(k, str) for k in kinds):
+        return set()
+    allowed = set(kinds) | ({"number"} if "integer" in kinds else set())
+    out = set()
+    for key, value in node.items():
+        if key == "type":
+            mine = {value} if isinstance(value, str) else set(value) if isinstance(value, list) else None
+            if mine is not None and set(kinds) <= mine | ({"integer"} if "number" in mine else set()):
+                out.add(key)
+        elif _ONLY_REFUSES.get(key) is not None and _ONLY_REFUSES[key] not in allowed:
+            out.add(key)
+    return out
