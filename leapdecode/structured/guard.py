@@ -1173,7 +1173,9 @@ class _PathGraph:
                     todo.append(key)
         return frozenset(out)
 
-    def _step(self, states: frozenset[tuple[int, bool]], step: Any) -> frozenset[tuple[int, bool]]:
+    def _moves(self, states: frozenset[tuple[int, bool]], step: Any = _BELOW) -> set[tuple[int, bool]]:
+        """The states one instance step below `states`, through the edges `step` matches (`_BELOW`: any step),
+        before their closure."""
         found = set()
         for i, branch in states:
             for steps, child in self._edges(self._nodes[i]):
@@ -1181,9 +1183,13 @@ class _PathGraph:
                     continue
                 if branch and steps[0] not in self._exclusive.get(i, ()):
                     continue   # below a union's branch only where every branch agrees (`_exclusive_keys`)
-                if step is not None and _step_matches(steps[0], step):
+                if step is _BELOW or (step is not None and _step_matches(steps[0], step)):
                     self._nodes[id(child)] = child
                     found.add((id(child), False))
+        return found
+
+    def _step(self, states: frozenset[tuple[int, bool]], step: Any) -> frozenset[tuple[int, bool]]:
+        found = self._moves(states, step)
         return self._closure(found) if found else frozenset()
 
     def states(self, path: tuple[Any, ...]) -> frozenset[tuple[int, bool]]:
@@ -1205,17 +1211,7 @@ class _PathGraph:
             seen: set[tuple[int, bool]] = set()
             todo, needs, union = [start], False, False
             while todo and not (needs and union):
-                states = todo.pop()
-                nxt = set()
-                for i, branch in states:
-                    for steps, child in self._edges(self._nodes[i]):
-                        if steps is None or steps is _UNION or len(steps) != 1 or not isinstance(child, dict):
-                            continue
-                        if branch and steps[0] not in self._exclusive.get(i, ()):
-                            continue
-                        self._nodes[id(child)] = child
-                        nxt.add((id(child), False))
-                reached = self._closure(nxt) - seen
+                reached = self._closure(self._moves(todo.pop())) - seen
                 seen |= reached
                 for i, branch in reached:
                     node = self.sites.get(i)
