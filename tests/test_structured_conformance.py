@@ -1005,6 +1005,20 @@ def test_keywords_beside_a_ref_that_change_nothing_do_not_fix_key_order(backend:
         assert not _produce(backend, compiled, tokenizer, text), text
 
 
+def test_property_names_that_are_keywords_stay_properties(backend: GrammarBackend, tokenizer: Any) -> None:
+    """A schema describing schemas (JSON Schema's own meta-schema, OpenAPI's Schema Object) has properties named
+    `properties`, `minProperties`, `pattern`: the lowering took that `properties` map for a schema and dropped the
+    property named `minProperties` from the grammar (as if llguidance could not count it), so it could not be
+    written."""
+    schema = {"type": "object", "properties": {"properties": {"type": "object"}, "minProperties": {"type": "integer"},
+                                               "pattern": {"type": "string"}}}
+    for key_order in ("any", "schema"):     # (in any order the map's names become regexes first)
+        compiled = backend.compile({**_schema_spec(schema), "key_order": key_order})
+        for text in ('{"minProperties":2}', '{"properties":{},"minProperties":1,"pattern":"a"}'):
+            assert _produce(backend, compiled, tokenizer, text), (key_order, text)
+        assert not _produce(backend, compiled, tokenizer, '{"minProperties":"x"}')
+
+
 def test_closed_objects_joined_by_allof_keep_their_order_and_compile(backend: GrammarBackend, tokenizer: Any) -> None:
     """A closed object (additionalProperties false) joined by allOf to another subschema: relaxed, llguidance's
     intersection refused every key, or the schema ("unsatisfiable" beside `{"required": [...]}`). Such an

@@ -119,6 +119,8 @@ def exact_name_regex(name: str) -> str:
     return "^" + "".join("\\" + c if c in _REGEX_META else c for c in name) + "$"
 
 
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas", "dependencies")
+"""Keywords whose value maps names (or regexes) to subschemas."""
 ANNOTATIONS = frozenset({"title", "description", "default", "examples", "$comment", "deprecated", "readOnly",
                          "writeOnly", "markdownDescription"})
 """Keywords that constrain nothing."""
@@ -194,7 +196,13 @@ def lower(schema: Any, regex_ok: Callable[[str], bool], dropped: list[str], rela
                 del node[moved]
             node["anyOf"] = [{**rest, "properties": {name: props[name] for name in order}}
                              for order in itertools.permutations(props)]
+    names_to_schemas: set[int] = set()   # ids of the maps `properties`, `$defs`... (their keys are names)
     for node in iter_subschemas(schema):
+        if id(node) in names_to_schemas:
+            continue     # a property named "minProperties" is not the keyword (JSON Schema's own meta-schema)
+        for key in _SCHEMA_MAPS:
+            if isinstance(node.get(key), dict):
+                names_to_schemas.add(id(node[key]))
         for key in _INTEGER_KEYWORDS:
             value = node.get(key)
             if isinstance(value, float) and value.is_integer():
