@@ -975,7 +975,7 @@ def test_look_around_in_pattern_properties_widens_the_grammar_and_the_guard_chec
     """A patternProperties regex the library cannot take (a look-ahead: AWS tags' `^(?!aws:)...`) was removed, so
     with additionalProperties false no tag could be written. The grammar now takes the regex without its
     look-around (wider), and the guard refuses a key only the wider regex takes as its closing quote is written."""
-    compiled = backend.compile(_schema_spec(_GUARDED_SCHEMAS[10]))
+    compiled = backend.compile(_schema_spec(_GUARDED_SCHEMAS[11]))
     assert any("look-around" in note for note in compiled.dropped)
     for text in ('{"Tags":{"a":"b"}}', '{"Tags":{"k:1":"v","x":"y"},"Name":"n"}'):
         assert _produce(backend, compiled, tokenizer, text), text
@@ -1017,6 +1017,22 @@ def test_property_names_that_are_keywords_stay_properties(backend: GrammarBacken
         for text in ('{"minProperties":2}', '{"properties":{},"minProperties":1,"pattern":"a"}'):
             assert _produce(backend, compiled, tokenizer, text), (key_order, text)
         assert not _produce(backend, compiled, tokenizer, '{"minProperties":"x"}')
+
+
+def test_a_union_with_its_own_required_inside_recursion(backend: GrammarBackend, tokenizer: Any) -> None:
+    """A union of objects that recursion reaches, with a `required` of its own beside its branches: its keys may
+    come after the branch's (the union's `required` is dropped from the grammar for the unions found per path
+    too, and checked when its value closes)."""
+    node = {"type": "object", "required": ["kind"],
+            "oneOf": [{"type": "object", "properties": {"kind": {"const": "leaf"}, "w": {"type": "integer"}},
+                       "additionalProperties": False},
+                      {"type": "object", "properties": {"kind": {"const": "pair"}, "l": {"$ref": "#/$defs/n"},
+                                                        "r": {"$ref": "#/$defs/n"}}, "additionalProperties": False}]}
+    compiled = backend.compile(_schema_spec({"$ref": "#/$defs/n", "$defs": {"n": node}}))
+    for text in ('{"w":1,"kind":"leaf"}', '{"r":{"w":2,"kind":"leaf"},"l":{"kind":"leaf"},"kind":"pair"}'):
+        assert _produce(backend, compiled, tokenizer, text), text
+    for text in ('{"w":1}', '{"kind":"pair","l":{"w":2}}'):
+        assert not _produce(backend, compiled, tokenizer, text), text
 
 
 def test_closed_objects_joined_by_allof_keep_their_order_and_compile(backend: GrammarBackend, tokenizer: Any) -> None:
@@ -1129,6 +1145,11 @@ _GUARDED_SCHEMAS = [
                                 "link": {"anyOf": [{"$ref": "#/$defs/node"}, {"type": "array", "items": {"$ref": "#/$defs/node"}}]},
                                 "tag": {"oneOf": [{"type": "object", "properties": {"k": {"const": "a"}, "x": {"type": "integer"}}, "required": ["k", "x"]},
                                                   {"type": "object", "properties": {"k": {"const": "b"}}, "required": ["k"]}]}}}}},
+    # a union of objects recursion reaches, with a required of its own
+    {"$ref": "#/$defs/n", "$defs": {"n": {"type": "object", "required": ["kind"], "oneOf": [
+        {"type": "object", "properties": {"kind": {"const": "leaf"}, "w": {"type": "integer"}}, "additionalProperties": False},
+        {"type": "object", "properties": {"kind": {"const": "pair"}, "l": {"$ref": "#/$defs/n"}, "r": {"$ref": "#/$defs/n"}},
+         "additionalProperties": False}]}}},
     # pattern properties with a look-ahead (AWS tags), beside additionalProperties false
     {"type": "object", "properties": {"Name": {"type": "string"},
                                       "Tags": {"type": "object", "additionalProperties": False, "maxProperties": 3,
@@ -1149,6 +1170,7 @@ _GUARDED_INSTANCES = [
                                                        "min": {"tag": "x", "major": 0}}],
     [{"kids": [{"size": 2, "name": "b", "kids": []}, {"name": "c", "tag": {"x": 1, "k": "a"}}], "name": "a"},
      {"link": [{"link": {"name": "e", "size": 1}, "name": "d"}], "size": 3, "name": "r"}],
+    [{"w": 1, "kind": "leaf"}, {"r": {"w": 2, "kind": "leaf"}, "kind": "pair", "l": {"kind": "leaf"}}],
     [{"Tags": {"a": "b", "k:2": "v"}, "Name": "x"}, {"Tags": {}}],
 ]
 

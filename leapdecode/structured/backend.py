@@ -216,7 +216,7 @@ class GrammarBackend:
             free_order = free_order_sites(schema)  # the guard checks what the relaxed grammar lets through
         try:
             handle, dropped = self._lib.compile(spec, schema, relax=free_order.keys(), expand=free_order.expanded,
-                                                unions=[id(node) for node, _ in free_order.unions])
+                                                unions=free_order.union_ids())
         except CompileTimeout:
             raise
         except ValueError as e:

@@ -465,7 +465,7 @@ class SchemaGuard:
             for i, node in self._graph.sites.items():
                 required = frozenset(r for r in node.get("required", ()) if isinstance(r, str))
                 self._graph_objects[(i, False)] = (required, _closed(node), _dependent_required(node, cls.VALIDATORS))
-                self._graph_objects[(i, True)] = (frozenset(), _closed(node), ())   # the union's anchor checks
+                self._graph_objects[(i, True)] = (frozenset(), None, ())   # a branch: the union's anchor checks
                 self._closed_objects = self._closed_objects or _closed(node) is not None
             for i, node in self._graph.unions.items():
                 anchor = _Anchor((), self.validator.evolve(schema=node))
@@ -1268,7 +1268,7 @@ def free_order_sites(schema: Any) -> FreeOrder:
             else:  # same location ($ref, allOf) keeps the mode; a property or item of a union branch: elsewhere,
                 # unless no other branch takes that property (then an object there is the branch's: a fixed path)
                 fixed = how == 1 and len(steps) == 1 and steps[0] in exclusive.get(id(node), ())
-                stack.append((child, how if not steps or how == 0 or fixed else 2))
+                stack.append((child, 0 if fixed else how if not steps or how == 0 else 2))
     tainted = {i for i, how in mode.items() if how == 2}
     patterns: dict[int, list[tuple[Any, ...]]] = {}
     unions: dict[int, tuple[dict[str, Any], list[tuple[Any, ...]]]] = {}
