@@ -1019,6 +1019,21 @@ def test_property_names_that_are_keywords_stay_properties(backend: GrammarBacken
         assert not _produce(backend, compiled, tokenizer, '{"minProperties":"x"}')
 
 
+def test_free_key_order_for_a_definition_used_at_many_paths(backend: GrammarBackend, tokenizer: Any) -> None:
+    """A definition used at more paths than are listed (`_MAX_PATTERNS_PER_OBJECT`) is found per path like a
+    recursive one: any key order, its required keys checked wherever it is used. It kept schema order before."""
+    item = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "string"}, "c": {"type": "boolean"},
+                                             "d": {"type": "null"}}, "required": ["a", "b"]}
+    schema = {"type": "object", "$defs": {"item": item},
+              "properties": {f"p{i}": {"$ref": "#/$defs/item"} for i in range(40)}}
+    compiled = backend.compile(_schema_spec(schema))
+    assert compiled.guard._graph is not None and compiled.guard._graph.sites
+    for text in ('{"p0":{"b":"x","a":1}}', '{"p39":{"d":null,"b":"","a":2},"p7":{"a":0,"c":true,"b":"y"}}'):
+        assert _produce(backend, compiled, tokenizer, text), text
+    for text in ('{"p0":{"b":"x"}}', '{"p39":{"a":1,"b":"x","a":2}}', '{"p3":{"a":1,"b":2}}'):
+        assert not _produce(backend, compiled, tokenizer, text), text
+
+
 def test_a_union_with_its_own_required_inside_recursion(backend: GrammarBackend, tokenizer: Any) -> None:
     """A union of objects that recursion reaches, with a `required` of its own beside its branches: its keys may
     come after the branch's (the union's `required` is dropped from the grammar for the unions found per path
