@@ -1034,6 +1034,30 @@ def test_free_key_order_for_a_definition_used_at_many_paths(backend: GrammarBack
         assert not _produce(backend, compiled, tokenizer, text), text
 
 
+def test_a_catch_all_pattern_property_beside_properties_takes_any_key_order(backend: GrammarBackend,
+                                                                           tokenizer: Any) -> None:
+    """`"patternProperties": {".+": S}` beside `properties` (setuptools' distutils table): S applies to the declared
+    names too, and llguidance needs pattern properties disjoint, so the object kept the schema's order. The
+    grammar now gives S every other key (a regex for the complement of the names, `lowering.other_names_regex`)
+    and both schemas to the names."""
+    schema = {"type": "object", "required": ["a"], "properties": {"a": {"type": "integer"}, "ab": {"type": "string"}},
+              "patternProperties": {".+": {"type": ["integer", "string"]}}, "additionalProperties": False}
+    compiled = backend.compile(_schema_spec(schema))
+    for text in ('{"ab":"x","a":1}', '{"z":"q","a":2}', '{"abc":3,"a":1,"b":"w"}'):
+        assert _produce(backend, compiled, tokenizer, text), text
+    for text in ('{"ab":"x"}', '{"a":"s"}', '{"z":[],"a":1}', '{"a":1,"a":2}', '{"":1,"a":1}'):
+        assert not _produce(backend, compiled, tokenizer, text), text
+    import re as _re
+    from leapdecode.structured.lowering import other_names_regex
+    names = ["a", "ab", "b.c", "x]"]
+    for kind, keys in (("", ["", "a", "ab", "abc", "b", "b.c", "bxc", "x", "x]", "x]]", "q\nr"]),
+                       ("+$", ["", "a", "abc", "x]", "y", "q\nr"])):
+        rx = _re.compile(other_names_regex(names, kind))
+        for key in keys:
+            want = key not in names and (key or "+" not in kind) and ("\n" not in key or "$" not in kind)
+            assert bool(rx.fullmatch(key)) == bool(want), (kind, key)
+
+
 def test_a_union_with_its_own_required_inside_recursion(backend: GrammarBackend, tokenizer: Any) -> None:
     """A union of objects that recursion reaches, with a `required` of its own beside its branches: its keys may
     come after the branch's (the union's `required` is dropped from the grammar for the unions found per path

@@ -216,6 +216,8 @@ _PLACES = [
     {"$ref": "#/$defs/m2", "type": "object"},
     {"type": "array", "items": {"$ref": "#/$defs/m1", "maxItems": 3}, "maxItems": 2},
     {"$ref": "#/$defs/expr"},
+    {"type": "object", "properties": {"q": {"$ref": "#/$defs/m2"}, "n": {"type": "integer"}}, "required": ["n"],
+     "patternProperties": {".+": {"type": ["object", "integer"]}}},
 ]
 
 

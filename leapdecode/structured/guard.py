@@ -23,8 +23,8 @@ import jsonschema
 import jsonschema.validators
 import numpy as np
 
-from leapdecode.structured.lowering import ANNOTATIONS, check_deadline, iter_subschemas, redundant_beside_ref, \
-    resolve_local_ref
+from leapdecode.structured.lowering import ANNOTATIONS, catch_all, check_deadline, iter_subschemas, \
+    redundant_beside_ref, resolve_local_ref
 
 if TYPE_CHECKING:
     from leapdecode.structured.backend import GrammarBackend
@@ -1525,6 +1525,8 @@ def _free_order_ok(node: dict[str, Any], ignore_ref: bool = False) -> bool:
     patterns = node.get("patternProperties", {})
     if not isinstance(patterns, dict):
         return False
+    if catch_all(patterns) is not None:
+        return True    # a regex matching every key: `lowering.lower` gives it every other key, and both to names
     for pattern in patterns:
         try:
             if any(re.search(pattern, name) for name in props):

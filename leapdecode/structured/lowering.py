@@ -114,6 +114,48 @@ def drop_keyword(schema: Any, keyword: str) -> Any:
     return schema
 
 
+_CATCH_ALL = {"": "", ".*": "", ".+": "+", "^.*$": "$", "^.+$": "+$"}
+"""Pattern-property regexes that match every key (of at least one character: "+"; without a line break: "$")."""
+
+
+def catch_all(patterns: Any) -> tuple[str, str] | None:
+    """(the regex, its kind in `_CATCH_ALL`) when `patterns` (a patternProperties map) is one regex matching every
+    key, else None."""
+    if isinstance(patterns, dict) and len(patterns) == 1:
+        regex = next(iter(patterns))
+        if regex in _CATCH_ALL:
+            return regex, _CATCH_ALL[regex]
+    return None
+
+
+def other_names_regex(names: list[str], kind: str = "") -> str:
+    """A regex (no look-around: the library's syntax) matching every key but `names`; ``kind`` from `_CATCH_ALL`:
+    "+" at least one character, "$" no line break. Built on the names' trie: at each node, a character that
+    leaves it and anything after, or a child's character and what is not a name below it."""
+    anychar = "[^\\n]" if "$" in kind else "[\\s\\S]"
+    trie: dict[str, Any] = {}
+    for name in names:
+        at = trie
+        for c in name:
+            at = at.setdefault(c, {})
+        at[""] = {}                          # a name ends here
+
+    def esc(c: str) -> str:
+        return "\\" + c if c in _REGEX_META else c
+
+    def other(at: dict[str, Any], empty_ok: bool) -> str:
+        firsts = [c for c in at if c]
+        parts = [""] if empty_ok else []
+        if firsts:
+            leave = "".join("\\" + c if c in "\\]^-[" else c for c in firsts)
+            parts.append(f"[^{leave}{'' if '$' not in kind else chr(92) + 'n'}]{anychar}*")
+        else:
+            parts.append(f"{anychar}+")
+        parts += [esc(c) + other(at[c], "" not in at[c]) for c in firsts]
+        return "(?:" + "|".join(parts) + ")"
+    return "^" + other(trie, "+" not in kind and "" not in trie) + "$"
+
+
 def exact_name_regex(name: str) -> str:
     """A regex matching exactly the string `name` (in the library's regex syntax: every metacharacter escaped)."""
     return "^" + "".join("\\" + c if c in _REGEX_META else c for c in name) + "$"
@@ -166,9 +208,16 @@ def lower(schema: Any, regex_ok: Callable[[str], bool], dropped: list[str], rela
         if isinstance(node, dict):
             props = node.pop("properties")
             node.pop("required", None)
+            patterns = node.get("patternProperties", {})
+            catch = catch_all(patterns)
+            if catch is not None:       # every name is matched by it too: apply both, and it takes the rest
+                regex, every = catch
+                extra = patterns[regex]
+                props = {name: sub if extra in ({}, True) else {"allOf": [sub, extra]} for name, sub in props.items()}
+                patterns = {other_names_regex(list(props), every): extra}
             names = {exact_name_regex(name): sub for name, sub in props.items()}
             exact.update(names)
-            node["patternProperties"] = {**names, **node.get("patternProperties", {})}
+            node["patternProperties"] = {**names, **patterns}
             # conditionals beside (or in an allOf member of) such an object: llguidance does not implement them
             # and drops them, but with them there it refused every key of the relaxed object (Ray's cluster
             # config `auth`); removed here, noted as dropped, checked by the guard as before
