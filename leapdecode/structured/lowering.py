@@ -120,12 +120,17 @@ _CATCH_ALL = {"": "", ".*": "", ".+": "+", "^.*$": "$", "^.+$": "+$"}
 
 def catch_all(patterns: Any) -> tuple[str, str] | None:
     """(the regex, its kind in `_CATCH_ALL`) when `patterns` (a patternProperties map) is one regex matching every
-    key, else None."""
+    key, with a subschema that joins no other (the names get both: llguidance intersects them), else None."""
     if isinstance(patterns, dict) and len(patterns) == 1:
-        regex = next(iter(patterns))
-        if regex in _CATCH_ALL:
+        regex, sub = next(iter(patterns.items()))
+        if regex in _CATCH_ALL and (sub is True or isinstance(sub, dict) and not sub.keys() & _JOINING):
             return regex, _CATCH_ALL[regex]
     return None
+
+
+_JOINING = frozenset({"properties", "patternProperties", "additionalProperties", "required", "$ref", "allOf", "anyOf",
+                      "oneOf", "not", "if", "then", "else", "$dynamicRef", "unevaluatedProperties"})
+"""Keywords of a subschema that make its intersection with another more than a leaf's."""
 
 
 def other_names_regex(names: list[str], kind: str = "") -> str:
