@@ -384,6 +384,13 @@ class StepTimeModel:
         return float(self.predict(np.array([num_tokens]), num_seqs)[0])
 
 
+def _charged(cost: np.ndarray, draft_seconds: float) -> np.ndarray:
+    """Step costs with the drafting time added to every count of draft tokens above none."""
+    charged = cost.copy()
+    charged[1:] += draft_seconds
+    return charged
+
+
 def _judge(passing, charged: np.ndarray, cost: np.ndarray, sunk: bool) -> tuple[np.ndarray, np.ndarray, bool, int]:
     """(scores, which counts pass, whether drafting pays, the best passing count or 0) for ``passing(costs)`` ->
     (scores, ok), judged on the ``charged`` costs (drafting included). When drafting does not pay but the drafts
@@ -675,8 +682,7 @@ class Controller:
         per second (``expected[m]`` over its predicted cost, drafting included unless ``sunk``), if that beats
         plain decoding by ``min_gain``; in a step with prefill chunks, see :meth:`_choose_mixed`."""
         cost, graphs = self._costs(other_tokens, order, K, num_seqs, trees)
-        charged = cost.copy()
-        charged[1:] += draft_seconds
+        charged = _charged(cost, draft_seconds)
         if num_seqs is None and other_tokens > expected[0]:
             return self._choose_mixed(expected, cost, charged, draft_seconds, sunk, batch)
         plain = expected[0] / cost[0]
@@ -842,9 +848,7 @@ class Controller:
         since = now - self.stale_after
         fresh, _ = self._costs(other_tokens, order, K, num_seqs, trees, since)
         if fresh[0] == cost[0] and not np.array_equal(fresh, cost):
-            charged = fresh.copy()
-            charged[1:] += draft_seconds
-            goodput = expected / charged
+            goodput = expected / _charged(fresh, draft_seconds)
             m = 1 + int(np.argmax(goodput[1:]))
             if m != chosen and goodput[m] >= plain * (1.0 - self.explore_tolerance):
                 if not probe:

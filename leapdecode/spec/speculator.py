@@ -348,8 +348,8 @@ class Speculator:
         """Which rows of this step the drafter learns the target's top-k from: True (every row), False (none) or
         the sequence ids of the rows. None of them while the guard keeps the drafter off (a veto or a bare
         window); while the controller keeps speculation off, at most ``QUIET_TOPK_ROWS`` sequences a step, in
-        turn: at batch 64 on the CPU the top-k of every row (~1 ms a step) and Token Recycling's table updates (~1 ms more) were a
-        quiet speculator's cost beyond its shadows' budget. While drafting, every row, as before."""
+        turn: at batch 64 on the CPU the top-k of every row (~1 ms a step) and Token Recycling's table updates
+        (~1 ms more) were a quiet speculator's cost beyond its shadows' budget. While drafting, every row."""
         if not self.wants_topk or self._guard_bare:
             return False
         ids = self._batch

@@ -437,23 +437,15 @@ class SchemaGuard:
         self.anchors: list[_Anchor] = _find_anchors(schema, self.validator, dropped) if dropped else []
         free_order = free_order or FreeOrder({}, [])
         self.objects: list[_ObjectRule] = [
-            _ObjectRule(pattern, frozenset(r for r in node.get("required", ()) if isinstance(r, str)), _closed(node),
-                        _dependent_required(node, cls.VALIDATORS))
-            if pattern not in in_union else _ObjectRule(pattern, frozenset())  # the union's anchor checks the rest
+            _ObjectRule(pattern, *self._object_rule(node, pattern in in_union))
             for node, patterns, in_union in free_order.sites.values()
             for pattern in patterns
         ]
-        unions = [_Anchor(pattern, self.validator.evolve(schema=node)) for node, patterns in free_order.unions
-                  for pattern in patterns if pattern]
-        self.anchors += unions
         for anchor in self.anchors:
             sub = schema if anchor.validator is None else anchor.validator.schema
             anchor.universal = universal_types(sub, schema, self.validator)
-        for anchor in unions:
-            # A union of objects checks objects: a value of a type it takes none of came through another branch of
-            # an enclosing union (`{"anyOf": [{"$ref": "#/$defs/Probe"}, {"type": "null"}]}`, Probe a oneOf of
-            # objects: null was refused where it is valid), which the grammar enforces
-            anchor.universal = anchor.universal | _excluded_types(anchor.validator.schema, schema)
+        self.anchors += [self._union_anchor(pattern, node) for node, patterns in free_order.unions
+                         for pattern in patterns if pattern]
         if any(not pattern for _, patterns in free_order.unions for pattern in patterns) and not self.anchors:
             self.anchors.append(_Anchor((), None))  # a union at the root: the document check (rule B) covers it
         self._closed_objects = any(o.closed is not None for o in self.objects)
@@ -463,18 +455,32 @@ class SchemaGuard:
         self._graph_unions: dict[int, _Anchor] = {}
         if self._graph is not None:
             for i, node in self._graph.sites.items():
-                required = frozenset(r for r in node.get("required", ()) if isinstance(r, str))
-                self._graph_objects[(i, False)] = (required, _closed(node), _dependent_required(node, cls.VALIDATORS))
-                self._graph_objects[(i, True)] = (frozenset(), None, ())   # a branch: the union's anchor checks
+                for branch in (False, True):
+                    self._graph_objects[(i, branch)] = self._object_rule(node, branch)
                 self._closed_objects = self._closed_objects or _closed(node) is not None
-            for i, node in self._graph.unions.items():
-                anchor = _Anchor((), self.validator.evolve(schema=node))
-                anchor.universal = universal_types(node, schema, self.validator) | _excluded_types(node, schema)
-                self._graph_unions[i] = anchor
+            self._graph_unions = {i: self._union_anchor((), node) for i, node in self._graph.unions.items()}
         self._at_cache: dict[tuple[Any, ...], tuple[list[_Anchor], list[_ObjectRule]]] = {}
         self._verdicts: dict[tuple[Any, ...], _Verdicts] = {}  # see `restrict`
         self._near_cache: dict[tuple[Any, ...], tuple[list[_Anchor], list[_ObjectRule]]] = {}
         self.active = bool(self.anchors or self.objects or self._graph)  # False: only rule A (the document check)
+
+    def _object_rule(self, node: dict[str, Any], branch: bool) -> tuple[frozenset[str], Any, Any]:
+        """A free-order object's rule but its pattern: (required, closed names, dependent keys); as a union's
+        branch none of them (the union's anchor checks the rest)."""
+        if branch:
+            return frozenset(), None, ()
+        required = frozenset(r for r in node.get("required", ()) if isinstance(r, str))
+        return required, _closed(node), _dependent_required(node, type(self.validator).VALIDATORS)
+
+    def _union_anchor(self, pattern: tuple[Any, ...], node: dict[str, Any]) -> _Anchor:
+        """The anchor that validates a union of relaxed objects when its value closes. It checks objects: a value
+        of a type the union takes none of came through another branch of an enclosing union (`{"anyOf":
+        [{"$ref": "#/$defs/Probe"}, {"type": "null"}]}`, Probe a oneOf of objects: null was refused where it is
+        valid), which the grammar enforces."""
+        root = self.validator.schema
+        anchor = _Anchor(pattern, self.validator.evolve(schema=node))
+        anchor.universal = universal_types(node, root, self.validator) | _excluded_types(node, root)
+        return anchor
 
     # -- rule A --------------------------------------------------------------------------------------------
     def document_ok(self, text: bytes) -> bool:
@@ -1405,19 +1411,23 @@ def _refuses_key(node: Any, key: str) -> bool:
         and key not in (node.get("properties") if isinstance(node.get("properties"), dict) else {})
 
 
-def _joined(root: dict[str, Any], nodes: dict[int, Any]) -> set[int]:
+def _joined(root: dict[str, Any], nodes: dict[int, Any], relaxed: bool = False) -> set[int]:
     """ids of the subschemas llguidance intersects with another one: allOf members and their holder, and the two
-    ends of a $ref that has other keywords beside it. (`nodes` holds every subschema reached, $ref targets and
-    allOf members included, so each allOf is seen at its holder.)"""
+    ends of a $ref that has other keywords beside it (but those `redundant_beside_ref`). ``relaxed``: as the
+    grammar is given for relaxed objects, where allOf members holding only conditionals are lowered away
+    (`_conditional_only`) and annotations and `_NOT_JOINING` keywords beside a $ref join nothing. (`nodes` holds
+    every subschema reached, $ref targets and allOf members included, so each allOf is seen at its holder.)"""
+    inert = ANNOTATIONS | _NOT_JOINING if relaxed else frozenset()
     out: set[int] = set()
     for i, node in nodes.items():
         all_of = node.get("allOf")
-        members = [m for m in all_of if isinstance(m, dict)] if isinstance(all_of, list) else []
+        members = [m for m in all_of if isinstance(m, dict) and not (relaxed and _conditional_only(m))] \
+            if isinstance(all_of, list) else []
         if members:
             out.add(i)
             out.update(id(m) for m in members)
         ref = node.get("$ref")
-        if isinstance(ref, str) and len(node) - len(redundant_beside_ref(node, root)) > 1:
+        if isinstance(ref, str) and node.keys() - inert - redundant_beside_ref(node, root) - {"$ref"}:
             target = resolve_local_ref(root, ref)
             out.add(i)
             if isinstance(target, dict):
@@ -1453,7 +1463,7 @@ def _mixed_intersections(root: dict[str, Any], nodes: dict[int, Any]) -> set[int
     # llguidance's intersection of a closed object (additionalProperties false) whose properties were made pattern
     # properties with any other subschema refuses every key ({"required": [...]} beside it: "unsatisfiable"):
     # such a group keeps the schema's order
-    intersected = _intersected(root, nodes)
+    intersected = _joined(root, nodes, relaxed=True)
     blocked = {
         find(i) for i, node in nodes.items()
         if _blockers(node) - {"$ref"} or ("properties" in node and not _free_order_ok(node, True))
@@ -1471,27 +1481,6 @@ def _conditional_only(node: Any) -> bool:
 
 _NOT_JOINING = frozenset({"$defs", "definitions", "$schema", "$id", "id", "$anchor", "$dynamicAnchor"})
 """Keywords beside a $ref that hold or name schemas without applying anything to the instance."""
-
-
-def _intersected(root: dict[str, Any], nodes: dict[int, Any]) -> set[int]:
-    """ids of the subschemas llguidance intersects with another one in the grammar it is given: allOf members
-    (but those `_conditional_only`) and their holder, the two ends of a $ref with keywords beside it other than
-    annotations."""
-    out: set[int] = set()
-    for i, node in nodes.items():
-        all_of = node.get("allOf")
-        members = [m for m in all_of if isinstance(m, dict) and not _conditional_only(m)] \
-            if isinstance(all_of, list) else []
-        if members:
-            out.add(i)
-            out.update(id(m) for m in members)
-        ref = node.get("$ref")
-        if isinstance(ref, str) and node.keys() - ANNOTATIONS - _NOT_JOINING - redundant_beside_ref(node, root) - {"$ref"}:
-            target = resolve_local_ref(root, ref)
-            out.add(i)
-            if isinstance(target, dict):
-                out.add(id(target))
-    return out
 
 
 def _pointed_through_properties(root: dict[str, Any]) -> set[int]:

@@ -137,7 +137,7 @@ def other_names_regex(names: list[str], kind: str = "") -> str:
     """A regex (no look-around: the library's syntax) matching every key but `names`; ``kind`` from `_CATCH_ALL`:
     "+" at least one character, "$" no line break. Built on the names' trie: at each node, a character that
     leaves it and anything after, or a child's character and what is not a name below it."""
-    anychar = "[^\\n]" if "$" in kind else "[\\s\\S]"
+    anychar, no_break = ("[^\\n]", "\\n") if "$" in kind else ("[\\s\\S]", "")
     trie: dict[str, Any] = {}
     for name in names:
         at = trie
@@ -145,25 +145,27 @@ def other_names_regex(names: list[str], kind: str = "") -> str:
             at = at.setdefault(c, {})
         at[""] = {}                          # a name ends here
 
-    def esc(c: str) -> str:
-        return "\\" + c if c in _REGEX_META else c
-
     def other(at: dict[str, Any], empty_ok: bool) -> str:
         firsts = [c for c in at if c]
         parts = [""] if empty_ok else []
         if firsts:
             leave = "".join("\\" + c if c in "\\]^-[" else c for c in firsts)
-            parts.append(f"[^{leave}{'' if '$' not in kind else chr(92) + 'n'}]{anychar}*")
+            parts.append(f"[^{leave}{no_break}]{anychar}*")
         else:
             parts.append(f"{anychar}+")
-        parts += [esc(c) + other(at[c], "" not in at[c]) for c in firsts]
+        parts += [_literal(c) + other(at[c], "" not in at[c]) for c in firsts]
         return "(?:" + "|".join(parts) + ")"
     return "^" + other(trie, "+" not in kind and "" not in trie) + "$"
 
 
 def exact_name_regex(name: str) -> str:
     """A regex matching exactly the string `name` (in the library's regex syntax: every metacharacter escaped)."""
-    return "^" + "".join("\\" + c if c in _REGEX_META else c for c in name) + "$"
+    return "^" + _literal(name) + "$"
+
+
+def _literal(text: str) -> str:
+    """`text` as a regex matching it literally (every metacharacter escaped)."""
+    return "".join("\\" + c if c in _REGEX_META else c for c in text)
 
 
 _SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas", "dependencies")
@@ -368,7 +370,7 @@ def redundant_beside_ref(node: dict[str, Any], root: Any) -> set[str]:
     for a type the target's `type` rules out (CloudFormation writes `{"$ref": "#/definitions/Tag", "maxItems":
     20}` as array items, `{"$ref": ..., "type": "object"}` everywhere). llguidance intersects a $ref with what is
     beside it, and the intersection of a closed object whose keys may come in any order with anything refused
-    every key: dropped from the grammar, they leave the $ref alone (`lower`; `guard._intersected` agrees)."""
+    every key: dropped from the grammar, they leave the $ref alone (`lower`; `guard._joined` agrees)."""
     ref = node.get("$ref")
     target = resolve_local_ref(root, ref) if isinstance(ref, str) else None
     kinds = target.get("type") if isinstance(target, dict) else None
