@@ -190,6 +190,7 @@ class TokenStructure:
 
 
 _NO_TOKENS = np.zeros(0, dtype=np.int64)
+_UNPLANNED = object()
 
 
 @dataclass(frozen=True, eq=False)
@@ -461,6 +462,7 @@ class SchemaGuard:
             self._graph_unions = {i: self._union_anchor((), node) for i, node in self._graph.unions.items()}
         self._at_cache: dict[tuple[Any, ...], tuple[list[_Anchor], list[_ObjectRule]]] = {}
         self._verdicts: dict[tuple[Any, ...], _Verdicts] = {}  # see `restrict`
+        self._plans: dict[tuple[Any, ...], _Plan | None] = {}  # the plans of rows with no `_Verdicts` (keys)
         self._near_cache: dict[tuple[Any, ...], tuple[list[_Anchor], list[_ObjectRule]]] = {}
         self.active = bool(self.anchors or self.objects or self._graph)  # False: only rule A (the document check)
 
@@ -540,8 +542,13 @@ class SchemaGuard:
                 words &= memo.kept
                 cleared = True
             plan = memo.plan
-        else:
-            plan = self._plan(text, cursor, backend)
+        else:  # a key's verdicts are not shared by structure class, but its plan is a function of the signature
+            signature = cursor.signature(text)
+            plan = self._plans.get(signature, _UNPLANNED)
+            if plan is _UNPLANNED:
+                if len(self._plans) > 4096:
+                    self._plans.clear()
+                plan = self._plans[signature] = self._plan(text, cursor, backend)
         if plan is None:
             return cleared
         interesting, extra, closed_key = plan.interesting, plan.extra, plan.closed_key
@@ -551,7 +558,7 @@ class SchemaGuard:
         if interesting is not None:
             hit = words & (interesting[: words.shape[0]] if memo is None else memo.pending)
             hit = hit.view(np.uint64) if hit.shape[0] % 2 == 0 else hit
-            nonzero = np.flatnonzero(hit)
+            nonzero = np.flatnonzero(hit) if hit.any() else _NO_TOKENS   # (most rows have no candidate)
             if nonzero.size:
                 width = hit.dtype.itemsize * 8
                 at = np.flatnonzero(np.unpackbits(hit[nonzero].view(np.uint8), bitorder="little"))
