@@ -1,25 +1,28 @@
-"""What packing the float32 linears for oneDNN buys on the CPU (model/packed_linear.py), on the default model
-(SmolLM2-135M-Instruct, Q4_1 GGUF dequantized to float32), beside PyTorch's F.linear and transformers.
+"""What packing the float32 linears buys on the CPU (model/packed_linear.py: the row kernel, and oneDNN where that
+does not run), on the default model (SmolLM2-135M-Instruct, Q4_1 GGUF dequantized to float32), beside PyTorch's
+F.linear and transformers.
 
     python benchmarks/cpu_linears.py [--threads 2] [--tokens 48]
 
 Two tables:
 
 linears   Every linear of the model (30 layers' q/k/v, o, gate/up, down, and the LM head) run once in order, as
-          one forward reads them (weights streamed from memory, not cached), for 1, 2, 5, 17 and 64 rows: F.linear
-          vs the packed layers; median of 5. Rows 5 and 17 are what a verification of 4 chained or 16 tree draft
-          tokens computes at batch 1.
+          one forward reads them (weights streamed from memory, not cached), for 1, 2, 5, 9, 17, 64 and 512 rows:
+          F.linear, oneDNN-packed layers and the row kernel's; median of 5. Rows 5 and 17 are what a verification
+          of 4 chained or 16 tree draft tokens computes at batch 1; 512, a prefill chunk.
 decode    ``LLM.generate`` greedy, EOS ignored, --tokens new tokens per request, chat-templated MT-Bench turn-1
           questions: batch 1 (--prompts requests one at a time) and batch 16 (16 requests together), tokens/s
-          with ``cpu_packed_linears`` False and True, and transformers ``generate`` on the same GGUF file (its own
-          loader) at batch 1 as the peer; the three alternate per repeat. Also whether the greedy tokens of the
-          packed engine equal the unpacked engine's.
+          with ``cpu_packed_linears=False`` (F.linear), packed through oneDNN (the row kernel held off) and packed
+          through the row kernel (the default where it runs), and transformers ``generate`` on the same GGUF file
+          (its own loader) at batch 1 as the peer; they alternate per repeat. Also whether the greedy tokens of
+          the three engines are equal.
 
 Nothing is asserted; run it on a quiet machine (see this folder's README).
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import platform
 import statistics
@@ -34,23 +37,40 @@ if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
 
+@contextlib.contextmanager
+def onednn_only():
+    """Layers packed inside this block take oneDNN's layout (the row kernel held off)."""
+    from leapdecode.model import packed_linear
+    kept = packed_linear._rows_module
+    packed_linear._rows_module = lambda: None
+    try:
+        yield
+    finally:
+        packed_linear._rows_module = kept
+
+
 def linears_table(model, reps: int = 5) -> None:
     from decode_roofline import timed
     from leapdecode.model.int8_linear import linear_names
     from leapdecode.model.packed_linear import PackedLinear
     dense = [model.layers.get_submodule(n).weight for n in linear_names(model.layers)] + [model.output_head.weight]
     dense = [w.detach().float().contiguous().clone() for w in dense]
-    packed = [PackedLinear(w) for w in dense]
-    print("\n| rows | F.linear ms | packed ms | F.linear / packed |\n|---:|---:|---:|---:|")
-    for rows in (1, 2, 5, 17, 64):
+    with onednn_only():
+        onednn = [PackedLinear(w) for w in dense]
+    rows_layers = [PackedLinear(w) for w in dense]
+    kernels = sorted({p.kernel for p in rows_layers})
+    print(f"\n(row-kernel layers: {kernels})\n| rows | F.linear ms | oneDNN ms | row kernel ms | oneDNN / row kernel |"
+          "\n|---:|---:|---:|---:|---:|")
+    for rows in (1, 2, 5, 9, 17, 64, 512):
         xs = {d: torch.randn(rows, d) for d in {w.shape[1] for w in dense}}
         runs = {"mkl": lambda: [F.linear(xs[w.shape[1]], w) for w in dense],
-                "packed": lambda: [p(xs[p.in_features]) for p in packed]}
+                "onednn": lambda: [p(xs[p.in_features]) for p in onednn],
+                "rows": lambda: [p(xs[p.in_features]) for p in rows_layers]}
         t = {}
         for name, run in runs.items():
             run()                                       # warm-up (oneDNN makes a kernel per new row count)
             t[name] = timed(run, reps) * 1e3
-        print(f"| {rows} | {t['mkl']:.1f} | {t['packed']:.1f} | {t['mkl'] / t['packed']:.2f}x |")
+        print(f"| {rows} | {t['mkl']:.1f} | {t['onednn']:.1f} | {t['rows']:.1f} | {t['onednn'] / t['rows']:.2f}x |")
 
 
 def main() -> None:
@@ -68,11 +88,13 @@ def main() -> None:
     path = default_chat_model_path()
     print(f"model {os.path.basename(path)}; {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
           f"torch {torch.__version__}, {args.threads} threads, load {os.getloadavg()[0]:.1f}")
-    llms = {packed: LLM(path, dtype="float32", cpu_packed_linears=packed, kv_cache_memory="1GiB")
-            for packed in (False, True)}
-    linears_table(llms[True].engine.runner.model)
+    llms = {"F.linear": LLM(path, dtype="float32", cpu_packed_linears=False, kv_cache_memory="1GiB")}
+    with onednn_only():
+        llms["oneDNN"] = LLM(path, dtype="float32", cpu_packed_linears=True, kv_cache_memory="1GiB")
+    llms["row kernel"] = LLM(path, dtype="float32", cpu_packed_linears=True, kv_cache_memory="1GiB")
+    linears_table(llms["row kernel"].engine.runner.model)
 
-    tok = llms[True].engine.tokenizer
+    tok = llms["row kernel"].engine.tokenizer
     prompts = [render_chat(tok, [{"role": "user", "content": turns[0]}]) for turns in mtbench_questions()[:16]]
     params = SamplingParams(temperature=0.0, max_tokens=args.tokens, ignore_eos=True)
     hf = None
@@ -85,7 +107,7 @@ def main() -> None:
     for _ in range(args.repeats):
         for batch, group in ((1, prompts[:args.prompts]), (16, prompts[:16])):
             outs = {}
-            for name, llm in (("F.linear", llms[False]), ("packed", llms[True])):
+            for name, llm in llms.items():
                 t0 = time.perf_counter()
                 if batch == 1:
                     res = [llm.generate([p], params, use_tqdm=False)[0] for p in group]
@@ -94,7 +116,7 @@ def main() -> None:
                 dt = time.perf_counter() - t0
                 outs[name] = [r.outputs[0].token_ids for r in res]
                 rates.setdefault((name, batch), []).append(len(group) * args.tokens / dt)
-            same[batch] &= outs["F.linear"] == outs["packed"]
+            same[batch] &= outs["F.linear"] == outs["oneDNN"] == outs["row kernel"]
             if hf is not None and batch == 1:
                 t0 = time.perf_counter()
                 for p in group:
@@ -102,13 +124,15 @@ def main() -> None:
                     with torch.no_grad():
                         hf.generate(ids, max_new_tokens=args.tokens, min_new_tokens=args.tokens, do_sample=False)
                 rates.setdefault(("transformers", 1), []).append(len(group) * args.tokens / (time.perf_counter() - t0))
-    print("\n| batch | F.linear tok/s | packed tok/s | packed / F.linear | transformers tok/s | packed / transformers "
-          "| same greedy tokens |\n|---:|---:|---:|---:|---:|---:|---|")
+    print("\n| batch | F.linear tok/s | oneDNN tok/s | row kernel tok/s | row kernel / oneDNN | row kernel / F.linear "
+          "| transformers tok/s | row kernel / transformers | same greedy tokens |"
+          "\n|---:|---:|---:|---:|---:|---:|---:|---:|---|")
     for batch in (1, 16):
-        a, b = statistics.median(rates["F.linear", batch]), statistics.median(rates["packed", batch])
+        a, o, r = (statistics.median(rates[name, batch]) for name in ("F.linear", "oneDNN", "row kernel"))
         h = statistics.median(rates["transformers", 1]) if batch == 1 and hf is not None else None
-        print(f"| {batch} | {a:.1f} | {b:.1f} | {b / a:.2f}x | {'' if h is None else f'{h:.1f}'} | "
-              f"{'' if h is None else f'{b / h:.2f}x'} | {'yes' if same[batch] else 'no'} |")
+        print(f"| {batch} | {a:.1f} | {o:.1f} | {r:.1f} | {r / o:.2f}x | {r / a:.2f}x | "
+              f"{'' if h is None else f'{h:.1f}'} | {'' if h is None else f'{r / h:.2f}x'} | "
+              f"{'yes' if same[batch] else 'no'} |")
 
 
 if __name__ == "__main__":

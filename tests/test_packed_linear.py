@@ -1,6 +1,7 @@
-"""oneDNN-packed float32 linears on the CPU (model/packed_linear.py): same results as F.linear to float32
-rounding, the engine packs its target by default and keeps transformers' logits, and greedy output is the same
-with packing on and off, speculation included."""
+"""Packed float32 linears on the CPU (model/packed_linear.py: the row kernel, else oneDNN): same results as
+F.linear to float32 rounding, a row's bits independent of the rows sharing its call, the engine packs its target by
+default and keeps transformers' logits, and greedy output is the same with packing on and off, speculation
+included."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -26,6 +27,35 @@ def test_packed_linear_matches_f_linear(rows):
     assert torch.equal(layer.weight, w)               # packing only reorders: the dense copy is exact
     # a row's result does not depend on the rows sharing the call (verification vs plain decoding)
     assert torch.equal(layer(x[:1]), layer(x)[:1])
+
+
+@pytest.mark.parametrize("flags", [(), ("-mno-avx512f",)], ids=["native", "avx2"])
+def test_row_kernel_is_exact_and_row_independent(flags):
+    """The row kernel (this CPU's widest form, and the AVX2 form built on the same machine): within float32
+    rounding of a float64 reference, bias or not, tails of every tile shape (17 and 23 rows; 5 and 7 blocks of 16
+    outputs; an odd number of inputs), and each row's bits the same whichever rows share its call."""
+    if packed_linear._build_rows() is None:
+        pytest.skip("the row kernel does not build on this machine (no compiler, or no AVX2 with FMA): oneDNN serves")
+    assert packed_linear._rows_module() is not None      # built, so its start-up check must pass
+    mod = packed_linear._build_rows(flags)
+    if mod is None:
+        pytest.skip(f"no {flags} form of the row kernel on this CPU")
+    g = torch.Generator().manual_seed(1)
+    for n, k in ((80, 37), (112, 64)):
+        w, b = torch.randn(n, k, generator=g), torch.randn(n, generator=g)
+        packed = packed_linear._pack_rows(w)
+        x = torch.randn(23, k, generator=g)
+        for bias in (b, torch.empty(0)):
+            full = mod.rows_linear(x, packed, bias)
+            ref = F.linear(x.double(), w.double(), bias.double() if bias.numel() else None).float()
+            torch.testing.assert_close(full, ref, rtol=1e-5, atol=1e-4)
+            for rows in (1, 2, 3, 5, 6, 7, 12, 17):
+                for start in (0, 23 - rows):
+                    assert torch.equal(mod.rows_linear(x[start:start + rows].contiguous(), packed, bias),
+                                       full[start:start + rows]), (n, k, rows, start)
+    # the model's layers take the row kernel wherever it runs and the output features allow it
+    assert PackedLinear(torch.randn(96, 80)).kernel == "rows"
+    assert PackedLinear(torch.randn(100, 80)).kernel == "oneDNN"
 
 
 def test_engine_packs_by_default_and_keeps_transformers_logits(llama_dir):

@@ -1,4 +1,5 @@
-"""Float32 linears on the CPU through oneDNN, with each weight reordered once into oneDNN's blocked layout.
+"""Float32 linears on the CPU with each weight packed once: our own kernel for rows streamed past the weights
+(AVX-512 or AVX2 with FMA), else oneDNN.
 
 Why: on a CPU a decode step reads every weight for a handful of rows, and ``F.linear`` (MKL's sgemm in PyTorch's
 CPU builds) handles few rows badly on some machines. Measured on the 2-core AMD EPYC VM this project tests on
@@ -7,13 +8,25 @@ with weights streamed from memory as in a real step (benchmarks/cpu_linears.py):
 87 ms for 5, 118 ms for 17; oneDNN with prepacked weights 31, 28, 40 and 66 ms. End to end that is 1.33x plain
 decoding at batch 1 and 1.38x at batch 16, and verifying 4 draft tokens costs 1.3x a plain step's matmuls instead
 of 2.0x: it decides whether speculation can pay on a CPU at all. (On tiny matrices, e.g. the embedded test models,
-one row is slower packed: the packing is on wherever available, not decided by timing, see :func:`pack_model`.) The results differ from MKL's in the last bits (different summation order; about 6e-5 on
-outputs of size ~10) and a row's result does not depend on how many rows share the call.
+one row is slower packed: the packing is on wherever available, not decided by timing, see :func:`pack_model`.)
 
-The kernel is ``torch.ops.mkldnn._linear_pointwise`` with a weight from ``torch.ops.mkldnn._reorder_linear_weight``,
-the pair PyTorch's own CPU compiler (inductor) emits for frozen linears. Both are internal ops: :func:`available`
-tries them once and callers keep ``F.linear`` where they are missing or disagree with it. Only float32 on the
-CPU, and only without tensor parallelism (a row-parallel layer's all-reduce stays with ``F.linear``).
+**The row kernel** (``_SOURCE``, compiled at first use by leapdecode/native.py) goes further where it builds. The
+weight is packed as blocks of 16 output features, each block's [K, 16] slab contiguous, so a tile of up to 6 rows
+x 4 blocks streams four slabs once (prefetched ahead) while every row in the tile multiplies them: a step reads
+the weights once at the memory's speed for 1 row as for 17. Each output is one FMA chain over the inputs in
+order, the same instructions whichever tile computes it, so a row's result does not depend on how many rows share
+the call (:func:`row_independent` checks it at start-up; a machine where it fails keeps oneDNN). On the 2-core
+Intel Xeon VM of 2026-11-29 (AVX-512; all linears of the default model, benchmarks/cpu_linears.py): oneDNN 23-28
+ms for 1 row, 26-28 for 5, 32-38 for 9, 37-41 for 17, 457-462 for 512; the row kernel 17-18, 22, 24, 32, 452.
+
+Either way the results differ from MKL's in the last bits (different summation order; about 6e-5 on outputs of
+size ~10) and a row's result does not depend on how many rows share the call.
+
+The oneDNN kernel is ``torch.ops.mkldnn._linear_pointwise`` with a weight from
+``torch.ops.mkldnn._reorder_linear_weight``, the pair PyTorch's own CPU compiler (inductor) emits for frozen
+linears. Both are internal ops: :func:`available` tries them once and callers keep ``F.linear`` where they are
+missing or disagree with it. Only float32 on the CPU, and only without tensor parallelism (a row-parallel layer's
+all-reduce stays with ``F.linear``).
 
 Memory: a packed layer keeps only the packed weight; ``weight`` returns a dense copy for code that reads weights
 at set-up (int8 drafts, EAGLE binding). The LM head is packed as an extra copy (the embedding table stays dense
@@ -28,29 +41,187 @@ from torch import nn
 import torch.nn.functional as F
 
 
+_SOURCE = r"""
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+// One vector holds 16 floats: an AVX-512 register, or two AVX2 ones (lanes never mix, so a lane's arithmetic is
+// the same either way). RMAX x VMAX is the largest tile, sized to the registers.
+#if defined(__AVX512F__)
+typedef __m512 vec;
+static inline vec vzero() { return _mm512_setzero_ps(); }
+static inline vec vload(const float* p) { return _mm512_loadu_ps(p); }
+static inline void vstore(float* p, vec v) { _mm512_storeu_ps(p, v); }
+static inline vec vfma(float a, vec b, vec c) { return _mm512_fmadd_ps(_mm512_set1_ps(a), b, c); }
+static inline vec vadd(vec a, vec b) { return _mm512_add_ps(a, b); }
+static constexpr int RMAX = 6, VMAX = 4;
+#define ROWS_SUPPORTED 1
+#elif defined(__AVX2__) && defined(__FMA__)
+struct vec { __m256 lo, hi; };
+static inline vec vzero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+static inline vec vload(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+static inline void vstore(float* p, vec v) { _mm256_storeu_ps(p, v.lo); _mm256_storeu_ps(p + 8, v.hi); }
+static inline vec vfma(float a, vec b, vec c) {
+  const __m256 s = _mm256_set1_ps(a);
+  return {_mm256_fmadd_ps(s, b.lo, c.lo), _mm256_fmadd_ps(s, b.hi, c.hi)};
+}
+static inline vec vadd(vec a, vec b) { return {_mm256_add_ps(a.lo, b.lo), _mm256_add_ps(a.hi, b.hi)}; }
+static constexpr int RMAX = 3, VMAX = 2;
+#define ROWS_SUPPORTED 1
+#endif
+
+bool rows_supported() {
+#ifdef ROWS_SUPPORTED
+  return true;
+#else
+  return false;
+#endif
+}
+
+#ifdef ROWS_SUPPORTED
+static constexpr int L = 16;         // outputs per block
+static constexpr int AHEAD = 64;     // inputs ahead at which each slab is prefetched
+
+// y[r][n0 + v*16 + j] = (((0 + x[r][0] w[0]) + x[r][1] w[1]) + ...) + bias: one FMA chain per output, in order.
+template <int R, int V>
+static inline void tile(const float* __restrict x, int64_t K, const float* __restrict w, float* __restrict y,
+                        int64_t N, int64_t n0, const float* bias) {
+  vec acc[R][V];
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < V; ++v) acc[r][v] = vzero();
+  const int64_t slab = K * L;
+  for (int64_t k = 0; k < K; ++k) {
+    vec wk[V];
+    for (int v = 0; v < V; ++v) {
+      _mm_prefetch(reinterpret_cast<const char*>(w + v * slab + (k + AHEAD) * L), _MM_HINT_T0);
+      wk[v] = vload(w + v * slab + k * L);
+    }
+    for (int r = 0; r < R; ++r) {
+      const float xr = x[r * K + k];
+      for (int v = 0; v < V; ++v) acc[r][v] = vfma(xr, wk[v], acc[r][v]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < V; ++v)
+      vstore(y + r * N + n0 + v * L, bias ? vadd(acc[r][v], vload(bias + n0 + v * L)) : acc[r][v]);
+}
+
+template <int V>
+static void blocks(const float* x, int64_t M, int64_t K, const float* w, float* y, int64_t N, int64_t n0,
+                   const float* bias) {
+  int64_t m = 0;
+  for (; m + RMAX <= M; m += RMAX) tile<RMAX, V>(x + m * K, K, w, y + m * N, N, n0, bias);
+  for (; m < M; ++m) tile<1, V>(x + m * K, K, w, y + m * N, N, n0, bias);
+}
+#endif
+
+// x [M, K] float32 contiguous; w packed [N/16, K, 16]; bias [N] or empty. Returns y [M, N].
+torch::Tensor rows_linear(torch::Tensor x, torch::Tensor w, torch::Tensor bias) {
+#ifdef ROWS_SUPPORTED
+  TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.dim() == 2 && x.is_contiguous(), "rows_linear: x");
+  const int64_t M = x.size(0), K = x.size(1), nb = w.size(0), N = nb * L;
+  TORCH_CHECK(w.dim() == 3 && w.size(1) == K && w.size(2) == L && w.is_contiguous(), "rows_linear: w");
+  TORCH_CHECK(bias.numel() == 0 || (bias.numel() == N && bias.is_contiguous()), "rows_linear: bias");
+  auto y = torch::empty({M, N}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const float* wp = w.data_ptr<float>();
+  const float* bp = bias.numel() ? bias.data_ptr<float>() : nullptr;
+  float* yp = y.data_ptr<float>();
+  const int64_t groups = (nb + VMAX - 1) / VMAX;
+  at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g) {
+      const int64_t b = g * VMAX, v = std::min<int64_t>(VMAX, nb - b);
+      const float* wb = wp + b * K * L;
+      if (v == VMAX) blocks<VMAX>(xp, M, K, wb, yp, N, b * L, bp);
+      else if (v == 3) blocks<3>(xp, M, K, wb, yp, N, b * L, bp);
+      else if (v == 2) blocks<2>(xp, M, K, wb, yp, N, b * L, bp);
+      else blocks<1>(xp, M, K, wb, yp, N, b * L, bp);
+    }
+  });
+  return y;
+#else
+  TORCH_CHECK(false, "rows_linear: this CPU has neither AVX-512 nor AVX2 with FMA");
+  return x;
+#endif
+}
+"""
+
+_BLOCK = 16    # output features per packed block of the row kernel
+
+
+@functools.lru_cache(maxsize=None)
+def _build_rows(flags: tuple[str, ...] = ()):
+    """The compiled row kernel, or None where it does not build or this CPU has no form of it. ``flags``: extra
+    compiler flags (the tests build the AVX2 form on an AVX-512 machine with -mno-avx512f)."""
+    from leapdecode import native
+    mod = native.build("rows_linear", _SOURCE, ["rows_supported", "rows_linear"],
+                       flags=["-ffp-contract=off", *flags])
+    return mod if mod is not None and mod.rows_supported() else None
+
+
+@functools.lru_cache(maxsize=1)
+def _rows_module():
+    """The row kernel where it builds and runs exactly here: agrees with F.linear, rows independent (else None:
+    oneDNN serves)."""
+    from leapdecode.model.int4_linear import row_independent
+    mod = _build_rows()
+    if mod is None:
+        return None
+    g = torch.Generator().manual_seed(0)
+    w, b = torch.randn(80, 72, generator=g), torch.randn(80, generator=g)
+    packed, bias = _pack_rows(w), b.contiguous()
+
+    def run(x: torch.Tensor) -> torch.Tensor:
+        return mod.rows_linear(x.contiguous(), packed, bias)
+
+    x = torch.randn(9, 72, generator=g)
+    exact = F.linear(x.double(), w.double(), b.double()).float()
+    if not torch.allclose(run(x), exact, rtol=1e-5, atol=1e-4) or not row_independent(run, 72, max_rows=40):
+        return None
+    return mod
+
+
+def _pack_rows(weight: torch.Tensor) -> torch.Tensor:
+    """[N, K] -> [N/16, K, 16]: each block of 16 output features as one contiguous [K, 16] slab."""
+    n, k = weight.shape
+    return weight.detach().float().reshape(n // _BLOCK, _BLOCK, k).transpose(1, 2).contiguous()
+
+
 def _pack(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach().float().contiguous(), None)
 
 
 class PackedLinear(nn.Module):
-    """y = x W^T + b through oneDNN with W packed once (see the module docstring)."""
+    """y = x W^T + b with W packed once: the row kernel's blocks where it runs here (and N is a multiple of 16),
+    else oneDNN's layout (see the module docstring)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.shape
-        self.packed = _pack(weight)
+        self.kernel = "rows" if self.out_features % _BLOCK == 0 and _rows_module() is not None else "oneDNN"
+        self.packed = _pack_rows(weight) if self.kernel == "rows" else _pack(weight)
         self.bias = None if bias is None else nn.Parameter(bias.detach().float(), requires_grad=False)
+        self._no_bias = torch.empty(0)
 
     @property
     def weight(self) -> torch.Tensor:
         """A dense copy of the weight (exact: packing only reorders), for set-up code; not used by ``forward``."""
+        if self.kernel == "rows":
+            return self.packed.transpose(1, 2).reshape(self.out_features, self.in_features).clone()
         return self.packed.to_dense()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        if self.kernel != "rows":
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        rows = x.reshape(-1, self.in_features)
+        y = _rows_module().rows_linear(rows if rows.is_contiguous() else rows.contiguous(), self.packed,
+                                   self._no_bias if self.bias is None else self.bias.data)
+        return y.reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, " \
+               f"kernel={self.kernel}"
 
 
 @functools.lru_cache(maxsize=None)
