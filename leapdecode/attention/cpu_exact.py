@@ -325,6 +325,7 @@ template <typename Src>
 void dispatch(const Src& src, const torch::Tensor& q, const torch::Tensor& mask, torch::Tensor& out, int64_t Hkv,
               double scale) {
   const int64_t S = q.size(0), M = q.size(1), H = q.size(2), D = q.size(3), max_k = mask.size(2);
+  pybind11::gil_scoped_release free_python;   // the grammar's mask fill runs in another thread meanwhile
   auto go = [&](auto fn) {
     fn(src, q.data_ptr<float>(), mask.data_ptr<bool>(), out.data_ptr<float>(), S, M, H, Hkv, D, max_k,
        static_cast<float>(scale));

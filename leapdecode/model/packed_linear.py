@@ -128,6 +128,7 @@ torch::Tensor rows_linear(torch::Tensor x, torch::Tensor w, torch::Tensor bias) 
   const float* wp = w.data_ptr<float>();
   const float* bp = bias.numel() ? bias.data_ptr<float>() : nullptr;
   float* yp = y.data_ptr<float>();
+  pybind11::gil_scoped_release free_python;   // the grammar's mask fill runs in another thread meanwhile
   const int64_t groups = (nb + VMAX - 1) / VMAX;
   at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g) {
