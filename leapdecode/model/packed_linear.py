@@ -112,7 +112,16 @@ static void blocks(const float* x, int64_t M, int64_t K, const float* w, float* 
                    const float* bias) {
   int64_t m = 0;
   for (; m + RMAX <= M; m += RMAX) tile<RMAX, V>(x + m * K, K, w, y + m * N, N, n0, bias);
-  for (; m < M; ++m) tile<1, V>(x + m * K, K, w, y + m * N, N, n0, bias);
+  const float* xm = x + m * K;          // the rest in one tile (each pass re-reads the slabs from the cache)
+  float* ym = y + m * N;
+  switch (M - m) {
+    case 5: if constexpr (RMAX > 5) tile<5, V>(xm, K, w, ym, N, n0, bias); break;
+    case 4: if constexpr (RMAX > 4) tile<4, V>(xm, K, w, ym, N, n0, bias); break;
+    case 3: if constexpr (RMAX > 3) tile<3, V>(xm, K, w, ym, N, n0, bias); break;
+    case 2: if constexpr (RMAX > 2) tile<2, V>(xm, K, w, ym, N, n0, bias); break;
+    case 1: tile<1, V>(xm, K, w, ym, N, n0, bias); break;
+    default: break;
+  }
 }
 #endif
 
