@@ -194,8 +194,8 @@ class EngineConfig:
                                                   # quantized cache's window; measured: benchmarks/README.md)
     load_format: str = "auto"                 # auto: the checkpoint's weights; dummy: random weights (benchmarks)
     enforce_eager: bool = False               # True: no CUDA graphs (engine/cuda_graphs.py), every step eager
-    cpu_packed_linears: bool | None = None    # float32 CPU: linears through oneDNN, weights packed once
-                                              # (model/packed_linear.py); None: where available
+    cpu_packed_linears: bool | None = None    # float32 CPU: weights packed once, linears through our row
+                                              # kernel or oneDNN (model/packed_linear.py); None: where available
     quantization: str | None = None           # "int4": LOSSY 4-bit weights on the CPU (model/int4_linear.py)
     batch_invariant: bool | None = None       # exact attention: a request's logits are bit for bit the same
                                               # whatever shares its step (attention/cpu_exact.py); None: where it

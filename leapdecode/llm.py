@@ -57,8 +57,9 @@ class LLM:
         are quantized in the next step and stay prefix-cached).
         ``load_format="dummy"``: random weights at the checkpoint's shapes (benchmarks). On CUDA with the Triton
         backend, decode and verification steps replay CUDA graphs for batches up to ``max_graph_batch`` unless
-        ``enforce_eager``. ``cpu_packed_linears``: a float32 model on a CPU runs its linears through oneDNN with
-        weights packed once (model/packed_linear.py; None = where available, False = PyTorch's F.linear).
+        ``enforce_eager``. ``cpu_packed_linears``: a float32 model on a CPU runs its linears with weights packed once,
+        through our row kernel or else oneDNN (model/packed_linear.py; None = where available, False = PyTorch's
+        F.linear).
         ``quantization="int4"``: LOSSY, CPU only: the layers' weights as 4-bit codes (a 4-bit GGUF keeps its own)
         with bfloat16 activations, a bfloat16 LM head and exact attention (so speculation stays exact): ~2x
         faster decoding at batch 1 on a CPU, about float32's speed from batch 16; its quality cost is measured in
