@@ -1,5 +1,5 @@
 """Float32 linears on the CPU with each weight packed once: our own kernel for rows streamed past the weights
-(AVX-512 or AVX2 with FMA), else oneDNN.
+(AVX-512), else oneDNN.
 
 Why: on a CPU a decode step reads every weight for a handful of rows, and ``F.linear`` (MKL's sgemm in PyTorch's
 CPU builds) handles few rows badly on some machines. Measured on the 2-core AMD EPYC VM this project tests on
@@ -47,8 +47,9 @@ _SOURCE = r"""
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
-// One vector holds 16 floats: an AVX-512 register, or two AVX2 ones (lanes never mix, so a lane's arithmetic is
-// the same either way). RMAX x VMAX is the largest tile, sized to the registers.
+// One vector holds 16 floats (an AVX-512 register); RMAX x VMAX is the largest tile, sized to the 32 registers.
+// Only AVX-512: an AVX2 form (two 8-lane halves, tiles of 3 x 2) ran 1.3x slower than oneDNN at 64 rows on the
+// Intel VM (8 fewer registers, half the width), which would cost batched decoding and prefill on AVX2 machines.
 #if defined(__AVX512F__)
 typedef __m512 vec;
 static inline vec vzero() { return _mm512_setzero_ps(); }
@@ -57,18 +58,6 @@ static inline void vstore(float* p, vec v) { _mm512_storeu_ps(p, v); }
 static inline vec vfma(float a, vec b, vec c) { return _mm512_fmadd_ps(_mm512_set1_ps(a), b, c); }
 static inline vec vadd(vec a, vec b) { return _mm512_add_ps(a, b); }
 static constexpr int RMAX = 6, VMAX = 4;
-#define ROWS_SUPPORTED 1
-#elif defined(__AVX2__) && defined(__FMA__)
-struct vec { __m256 lo, hi; };
-static inline vec vzero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
-static inline vec vload(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
-static inline void vstore(float* p, vec v) { _mm256_storeu_ps(p, v.lo); _mm256_storeu_ps(p + 8, v.hi); }
-static inline vec vfma(float a, vec b, vec c) {
-  const __m256 s = _mm256_set1_ps(a);
-  return {_mm256_fmadd_ps(s, b.lo, c.lo), _mm256_fmadd_ps(s, b.hi, c.hi)};
-}
-static inline vec vadd(vec a, vec b) { return {_mm256_add_ps(a.lo, b.lo), _mm256_add_ps(a.hi, b.hi)}; }
-static constexpr int RMAX = 3, VMAX = 2;
 #define ROWS_SUPPORTED 1
 #endif
 
@@ -116,10 +105,10 @@ static void blocks(const float* x, int64_t M, int64_t K, const float* w, float* 
   const float* xm = x + m * K;          // the rest in one tile (each pass re-reads the slabs from the cache)
   float* ym = y + m * N;
   switch (M - m) {
-    case 5: if constexpr (RMAX > 5) tile<5, V>(xm, K, w, ym, N, n0, bias); break;
-    case 4: if constexpr (RMAX > 4) tile<4, V>(xm, K, w, ym, N, n0, bias); break;
-    case 3: if constexpr (RMAX > 3) tile<3, V>(xm, K, w, ym, N, n0, bias); break;
-    case 2: if constexpr (RMAX > 2) tile<2, V>(xm, K, w, ym, N, n0, bias); break;
+    case 5: tile<5, V>(xm, K, w, ym, N, n0, bias); break;
+    case 4: tile<4, V>(xm, K, w, ym, N, n0, bias); break;
+    case 3: tile<3, V>(xm, K, w, ym, N, n0, bias); break;
+    case 2: tile<2, V>(xm, K, w, ym, N, n0, bias); break;
     case 1: tile<1, V>(xm, K, w, ym, N, n0, bias); break;
     default: break;
   }
@@ -152,7 +141,7 @@ torch::Tensor rows_linear(torch::Tensor x, torch::Tensor w, torch::Tensor bias) 
   });
   return y;
 #else
-  TORCH_CHECK(false, "rows_linear: this CPU has neither AVX-512 nor AVX2 with FMA");
+  TORCH_CHECK(false, "rows_linear: this CPU has no AVX-512");
   return x;
 #endif
 }
@@ -161,13 +150,11 @@ torch::Tensor rows_linear(torch::Tensor x, torch::Tensor w, torch::Tensor bias) 
 _BLOCK = 16    # output features per packed block of the row kernel
 
 
-@functools.lru_cache(maxsize=None)
-def _build_rows(flags: tuple[str, ...] = ()):
-    """The compiled row kernel, or None where it does not build or this CPU has no form of it. ``flags``: extra
-    compiler flags (the tests build the AVX2 form on an AVX-512 machine with -mno-avx512f)."""
+@functools.lru_cache(maxsize=1)
+def _build_rows():
+    """The compiled row kernel, or None where it does not build or this CPU has no AVX-512."""
     from leapdecode import native
-    mod = native.build("rows_linear", _SOURCE, ["rows_supported", "rows_linear"],
-                       flags=["-ffp-contract=off", *flags])
+    mod = native.build("rows_linear", _SOURCE, ["rows_supported", "rows_linear"], flags=["-ffp-contract=off"])
     return mod if mod is not None and mod.rows_supported() else None
 
 
