@@ -148,6 +148,7 @@ torch::Tensor rows_linear(torch::Tensor x, torch::Tensor w, torch::Tensor bias) 
 """
 
 _BLOCK = 16    # output features per packed block of the row kernel
+_NO_BIAS = torch.empty(0)   # the row kernel's "no bias" (read only)
 
 
 @functools.lru_cache(maxsize=1)
@@ -200,7 +201,6 @@ class PackedLinear(nn.Module):
         self.kernel = "rows" if self.out_features % _BLOCK == 0 and _rows_module() is not None else "oneDNN"
         self.packed = _pack_rows(weight) if self.kernel == "rows" else _pack(weight)
         self.bias = None if bias is None else nn.Parameter(bias.detach().float(), requires_grad=False)
-        self._no_bias = torch.empty(0)
 
     @property
     def weight(self) -> torch.Tensor:
@@ -214,7 +214,7 @@ class PackedLinear(nn.Module):
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         rows = x.reshape(-1, self.in_features)
         y = _rows_module().rows_linear(rows if rows.is_contiguous() else rows.contiguous(), self.packed,
-                                   self._no_bias if self.bias is None else self.bias.data)
+                                   _NO_BIAS if self.bias is None else self.bias.data)
         return y.reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:

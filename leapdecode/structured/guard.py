@@ -206,10 +206,9 @@ class _Plan:
 
 @dataclass(eq=False)
 class _Verdicts:
-    """What the guard knows under one cursor signature: its plan, the verdict of each structure class, and
-    (packed, like a mask row) the tokens judged so far and all but those refused."""
+    """What the guard knows under one cursor signature: the verdict of each structure class, and (packed, like a
+    mask row) the tokens judged so far and all but those refused."""
 
-    plan: _Plan | None
     classes: dict[int, bool]
     known: np.ndarray
     kept: np.ndarray  # every bit set but the refused tokens' (a row is ANDed with it)
@@ -462,7 +461,7 @@ class SchemaGuard:
             self._graph_unions = {i: self._union_anchor((), node) for i, node in self._graph.unions.items()}
         self._at_cache: dict[tuple[Any, ...], tuple[list[_Anchor], list[_ObjectRule]]] = {}
         self._verdicts: dict[tuple[Any, ...], _Verdicts] = {}  # see `restrict`
-        self._plans: dict[tuple[Any, ...], _Plan | None] = {}  # the plans of rows with no `_Verdicts` (keys)
+        self._plans: dict[tuple[Any, ...], _Plan | None] = {}  # per cursor signature (see `restrict`)
         self._near_cache: dict[tuple[Any, ...], tuple[list[_Anchor], list[_ObjectRule]]] = {}
         self.active = bool(self.anchors or self.objects or self._graph)  # False: only rule A (the document check)
 
@@ -518,21 +517,25 @@ class SchemaGuard:
         # A verdict that read no text from before the token (no jsonschema anchor looked at it: `_scan`'s trace)
         # depends only on the cursor's signature and the structure the token writes (`TokenMarks.structure`: in a
         # string value, the bytes from its closing quote on; whitespace dropped), so it is computed once per
-        # structure class and kept, per signature, across rows and requests (`_Verdicts`), with what to look at
-        # (`_Plan`), the tokens already judged and those refused: a row seen again under a known signature only
-        # clears the known refusals and looks at the tokens not judged yet. The rest are scanned one by one. (At
-        # depth 0 a literal's text decides whether the root is checked, and a key's text is its name: neither is
-        # shared.)
+        # structure class and kept, per signature, across rows and requests (`_Verdicts`), with the tokens already
+        # judged and those refused: a row seen again under a known signature only clears the known refusals and
+        # looks at the tokens not judged yet. The rest are scanned one by one. (At depth 0 a literal's text
+        # decides whether the root is checked, and a key's text is its name: neither is shared.) What to look at
+        # (`_Plan`) is a function of the signature alone, kept for every row.
+        signature = cursor.signature(text)
+        plan = self._plans.get(signature, _UNPLANNED)
+        if plan is _UNPLANNED:
+            if len(self._plans) > 4096:
+                self._plans.clear()
+            plan = self._plans[signature] = self._plan(text, cursor, backend)
         memo: _Verdicts | None = None
         if depth > 0 and not cursor.escape and not (cursor.in_string and cursor.string_is_key):
-            signature = cursor.signature(text)
             memo = self._verdicts.get(signature)
             if memo is None:
                 if len(self._verdicts) > 1024:
                     self._verdicts.clear()
-                plan = self._plan(text, cursor, backend)
-                memo = self._verdicts[signature] = _Verdicts(plan, {}, np.zeros_like(words),
-                                                             np.full_like(words, 0xFFFFFFFF))
+                memo = _Verdicts({}, np.zeros_like(words), np.full_like(words, 0xFFFFFFFF))
+                self._verdicts[signature] = memo
                 if plan is not None and plan.interesting is not None:
                     memo.pending = plan.interesting[: words.shape[0]].copy()
                 if plan is not None and any(ids.size for ids in plan.refused):
@@ -541,14 +544,6 @@ class SchemaGuard:
             if memo.any_refused:
                 words &= memo.kept
                 cleared = True
-            plan = memo.plan
-        else:  # a key's verdicts are not shared by structure class, but its plan is a function of the signature
-            signature = cursor.signature(text)
-            plan = self._plans.get(signature, _UNPLANNED)
-            if plan is _UNPLANNED:
-                if len(self._plans) > 4096:
-                    self._plans.clear()
-                plan = self._plans[signature] = self._plan(text, cursor, backend)
         if plan is None:
             return cleared
         interesting, extra, closed_key = plan.interesting, plan.extra, plan.closed_key
@@ -1380,7 +1375,7 @@ def _exclusive_keys(root: dict[str, Any]) -> dict[int, set[str]]:
     for node in iter_subschemas(root):
         for key in ("anyOf", "oneOf"):
             branches = node.get(key) if isinstance(node.get(key), list) else []
-            objects = [_resolved(root, b) for b in branches if _may_be_object(root, b)]
+            objects = [_resolved(root, b) for b in branches if _may_be(root, b, "object")]
             if len(objects) < 2:
                 continue
             for i, branch in enumerate(objects):
@@ -1540,14 +1535,14 @@ def _branches(node: dict[str, Any]) -> list[Any]:
     return [b for key in ("anyOf", "oneOf") for b in (node.get(key) or []) if isinstance(b, dict)]
 
 
-def _may_be_object(root: Any, sub: Any, hops: int = 0, kind: str = "object") -> bool:
-    """Can an object (``kind`` "array": an array) instance satisfy `sub`? (False only when its type, const or
-    enum rule that kind out.)"""
+def _may_be(root: Any, sub: Any, kind: str, hops: int = 0) -> bool:
+    """Can an instance of ``kind`` ("object" or "array") satisfy `sub`? (False only when its type, const or enum
+    rule that kind out.)"""
     if not isinstance(sub, dict):
         return sub is not False
     if isinstance(sub.get("$ref"), str) and hops < 8:
         target = resolve_local_ref(root, sub["$ref"])
-        if target is None or not _may_be_object(root, target, hops + 1, kind):
+        if target is None or not _may_be(root, target, kind, hops + 1):
             return target is None
     types = sub.get("type")
     if isinstance(types, str) and types != kind or isinstance(types, list) and kind not in types:
@@ -1594,8 +1589,8 @@ def _subschema_edges(root: Any, node: dict[str, Any]) -> Iterator[tuple[tuple[An
         yield (), sub  # llguidance intersects the branches; each relaxed branch has its own object rule
     for key in ("anyOf", "oneOf"):
         branches = node.get(key) if isinstance(node.get(key), list) else []
-        objects = [i for i, sub in enumerate(branches) if _may_be_object(root, sub)]
-        arrays = [i for i, sub in enumerate(branches) if _may_be_object(root, sub, kind="array")]
+        objects = [i for i, sub in enumerate(branches) if _may_be(root, sub, "object")]
+        arrays = [i for i, sub in enumerate(branches) if _may_be(root, sub, "array")]
         for i, sub in enumerate(branches):
             # The one branch that admits objects (e.g. Optional[Model] = anyOf [object, null]) is where every
             # object at this location is checked, so for objects the location is fixed; several object
