@@ -41,12 +41,12 @@ if REPO not in sys.path:
 def onednn_only():
     """Layers packed inside this block take oneDNN's layout (the row kernel held off)."""
     from leapdecode.model import packed_linear
-    kept = packed_linear._rows_module
-    packed_linear._rows_module = lambda: None
+    kept = packed_linear.rows_kernel
+    packed_linear.rows_kernel = lambda: None
     try:
         yield
     finally:
-        packed_linear._rows_module = kept
+        packed_linear.rows_kernel = kept
 
 
 def linears_table(model, reps: int = 5) -> None:

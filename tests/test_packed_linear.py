@@ -37,11 +37,11 @@ def test_row_kernel_is_exact_and_row_independent():
     mod = packed_linear._build_rows()
     if mod is None:
         pytest.skip("the row kernel does not build on this machine (no compiler, or no AVX-512): oneDNN serves")
-    assert packed_linear._rows_module() is not None      # built, so its start-up check must pass
+    assert packed_linear.rows_kernel() is not None      # built, so its start-up check must pass
     g = torch.Generator().manual_seed(1)
     for n, k in ((80, 37), (112, 64)):
         w, b = torch.randn(n, k, generator=g), torch.randn(n, generator=g)
-        packed = packed_linear._pack_rows(w)
+        packed = packed_linear.pack_rows(w)
         x = torch.randn(23, k, generator=g)
         for bias in (b, torch.empty(0)):
             ref = F.linear(x.double(), w.double(), bias.double() if bias.numel() else None).float()
@@ -51,6 +51,33 @@ def test_row_kernel_is_exact_and_row_independent():
     # the model's layers take the row kernel wherever it runs and the output features allow it
     assert PackedLinear(torch.randn(96, 80)).kernel == "rows"
     assert PackedLinear(torch.randn(100, 80)).kernel == "oneDNN"
+
+
+def test_int8_linear_takes_the_row_kernel_for_few_rows():
+    """Int8Linear (drafters' weights, model/int8_linear.py): up to ROWS_MAX rows through the row kernel's int8 form,
+    which keeps the inputs float, so it computes the float matmul of the dequantized weights to float32 rounding;
+    more rows through fbgemm (inputs quantized: within int8 error only). Fails with the int8 form off (fbgemm's
+    input quantization is ~1e-2 off the dequantized reference) or with a wrong scale, bias or tail of blocks."""
+    if packed_linear._build_rows() is None:
+        pytest.skip("the row kernel does not build on this machine (no compiler, or no AVX-512): fbgemm serves")
+    g = torch.Generator().manual_seed(2)
+    for n, k in ((80, 37), (112, 64)):
+        w, b = torch.randn(n, k, generator=g), torch.randn(n, generator=g)
+        for bias in (b, None):
+            layer = int8_linear.Int8Linear(w, bias)
+            assert layer.kernel == "rows"
+            scale = (w.abs().amax(1) / 127.0).double()
+            dequant = torch.round(w.double() / scale[:, None]).clamp(-127, 127) * scale[:, None]
+            for rows in range(1, layer.ROWS_MAX + 3):
+                x = torch.randn(rows, k, generator=g)
+                ref = F.linear(x.double(), dequant, None if bias is None else bias.double()).float()
+                if rows <= layer.ROWS_MAX:
+                    torch.testing.assert_close(layer(x), ref, rtol=1e-5, atol=1e-4)
+                    torch.testing.assert_close(layer(x.view(1, rows, k)), ref.view(1, rows, n), rtol=1e-5,
+                                               atol=1e-4)
+                elif int8_linear._fbgemm_works():
+                    assert (layer(x) - ref).abs().max() < 0.05 * ref.abs().max()
+    assert int8_linear.Int8Linear(torch.randn(100, 80)).kernel == "fbgemm"   # outputs not a multiple of 16
 
 
 def test_engine_packs_by_default_and_keeps_transformers_logits(llama_dir):

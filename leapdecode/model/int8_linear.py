@@ -7,9 +7,14 @@ against the target decides every token and, under sampling, uses the draft distr
 produced, so quantizing a drafter changes its acceptance, never the output. The target itself is never quantized
 by this module.
 
-The kernel is PyTorch's fbgemm dynamic-quantization linear (``quantized::linear_dynamic``; ``reduce_range`` as the
-x86 backend needs it to avoid saturating its 16-bit accumulation). It is available on x86 CPU builds of PyTorch;
-:func:`available` says whether this build has it, and callers keep their float layers where it does not.
+Two kernels. Where the row kernel runs (model/packed_linear.py: AVX-512, the layer's outputs a multiple of 16), the
+int8 weights are packed in its blocks and widened to float in registers as they stream past the rows: weight-only
+int8, the inputs stay float32, so the result is the float matmul of the dequantized weights (no error from
+quantizing activations). Measured on the 2-core Intel Xeon VM (AVX-512) over every linear of SmolLM2-135M at one
+row (benchmarks/cpu_linears.py): fbgemm 10.5 ms, the row kernel's int8 form see that benchmark's README.
+Elsewhere PyTorch's fbgemm dynamic-quantization linear (``quantized::linear_dynamic``; ``reduce_range`` as the x86
+backend needs it to avoid saturating its 16-bit accumulation), available on x86 CPU builds of PyTorch;
+:func:`available` says whether either runs here, and callers keep their float layers where neither does.
 """
 from __future__ import annotations
 
@@ -21,11 +26,14 @@ import warnings
 import torch
 from torch import nn
 
+from leapdecode.model import packed_linear
+
 
 @functools.lru_cache(maxsize=None)
-def _works() -> bool:
-    """Whether this PyTorch build can pack and run an int8 linear (the quantized-tensor API it relies on is
-    deprecated upstream: when a release drops it, drafters quietly keep their float weights)."""
+def _fbgemm_works() -> bool:
+    """Whether this PyTorch build can pack and run fbgemm's int8 linear (the quantized-tensor API it relies on is
+    deprecated upstream: when a release drops it, drafters quietly keep their float weights unless the row kernel
+    serves)."""
     try:
         return bool(torch.backends.quantized.engine in ("x86", "fbgemm")
                     and Int8Linear(torch.ones(2, 2))(torch.ones(1, 2)).shape == (1, 2))
@@ -34,33 +42,62 @@ def _works() -> bool:
 
 
 def available(device: torch.device | str = "cpu") -> bool:
-    """Whether int8 drafting matmuls can run on ``device`` (CPU with PyTorch's fbgemm/x86 backend)."""
-    return torch.device(device).type == "cpu" and _works()
+    """Whether int8 drafting matmuls can run on ``device`` (a CPU with the row kernel or PyTorch's fbgemm)."""
+    return torch.device(device).type == "cpu" and (packed_linear.rows_kernel() is not None or _fbgemm_works())
 
 
 class Int8Linear(nn.Module):
-    """y = x W^T + b with W stored as int8 per output channel (symmetric scales), packed once for fbgemm."""
+    """y = x W^T + b with W stored as int8 per output channel (symmetric scales). Up to ``ROWS_MAX`` rows a call
+    go through the row kernel where it runs here (``kernel == "rows"``), more through fbgemm, whose weight is then
+    packed from the same int8 values at the first such call (see the module docstring)."""
+
+    ROWS_MAX = 6   # one tile of the row kernel; from 7-8 rows fbgemm's int8 dot products measured faster
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         super().__init__()
         w = weight.detach().float().cpu()
         self.out_features, self.in_features = w.shape
-        scales = (w.abs().amax(dim=1) / 127.0).clamp_min(1e-12).double()
-        with warnings.catch_warnings():     # quantized tensors are deprecated as a user type; the op is what we use
-            warnings.simplefilter("ignore")
-            qw = torch.quantize_per_channel(w, scales, torch.zeros(len(scales), dtype=torch.long), 0, torch.qint8)
-            b = None if bias is None else bias.detach().float().cpu()
-            self._packed = torch.ops.quantized.linear_prepack(qw, b)
-        # the op's overload, called directly: a draft position calls it 121 times on SmolLM2-135M, and the packet's
-        # dispatch plus reshaping a row that needs none cost ~6 of its ~25 us at one row
+        self._scales = (w.abs().amax(dim=1) / 127.0).clamp_min(1e-12).double()
+        self._bias = None if bias is None else bias.detach().float().cpu().contiguous()
+        q = torch.round(w / self._scales[:, None]).clamp(-127, 127).to(torch.int8)
+        self._rows = packed_linear.rows_kernel() if self.out_features % packed_linear.BLOCK == 0 else None
+        self.kernel = "rows" if self._rows is not None else "fbgemm"
+        self._q = None      # the int8 values, kept only until fbgemm's packing needs them
+        self._fbgemm = None
+        if self._rows is not None:
+            self._packed = packed_linear.pack_rows(q)
+            self._scale = self._scales.float()
+            self._row_bias = packed_linear.NO_BIAS if self._bias is None else self._bias
+        else:
+            self._q = q
+        # fbgemm's op overload, called directly: a draft position calls it 121 times on SmolLM2-135M, and the
+        # packet's dispatch plus reshaping a row that needs none cost ~6 of its ~25 us at one row
         self._op = torch.ops.quantized.linear_dynamic.default
 
+    def _fbgemm_weight(self) -> torch.Tensor:
+        if self._fbgemm is None:
+            q = self._q if self._q is not None else \
+                self._packed.transpose(1, 2).reshape(self.out_features, self.in_features)
+            with warnings.catch_warnings():     # quantized tensors are deprecated as a user type; the op is what we use
+                warnings.simplefilter("ignore")
+                qw = torch._make_per_channel_quantized_tensor(
+                    q.contiguous(), self._scales, torch.zeros(self.out_features, dtype=torch.long), 0)
+                self._fbgemm = torch.ops.quantized.linear_prepack(qw, self._bias)
+            self._q = None
+        return self._fbgemm
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dim() == 2 and x.dtype == torch.float32 and x.is_contiguous():
-            return self._op(x, self._packed, True)
-        lead = x.shape[:-1]
-        y = self._op(x.reshape(-1, self.in_features).float().contiguous(), self._packed, True)
-        return y.reshape(*lead, self.out_features)
+        rows = x if x.dim() == 2 else x.reshape(-1, self.in_features)
+        if rows.dtype != torch.float32 or not rows.is_contiguous():
+            rows = rows.float().contiguous()
+        if self._rows is not None and (rows.shape[0] <= self.ROWS_MAX or not _fbgemm_works()):
+            y = self._rows.rows_linear_int8(rows, self._packed, self._scale, self._row_bias)
+        else:
+            y = self._op(rows, self._fbgemm_weight(), True)
+        return y if x.dim() == 2 else y.reshape(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, kernel={self.kernel}"
 
 
 def replace_linears(module: nn.Module, names: list[str], make, prefix: str = "") -> int:

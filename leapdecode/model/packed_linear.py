@@ -71,12 +71,20 @@ bool rows_supported() {
 
 #ifdef ROWS_SUPPORTED
 static constexpr int L = 16;         // outputs per block
-static constexpr int AHEAD = 64;     // inputs ahead at which each slab is prefetched
+static constexpr int64_t AHEAD_BYTES = 4096;  // how far ahead in its slab each tile prefetches
 
-// y[r][n0 + v*16 + j] = (((0 + x[r][0] w[0]) + x[r][1] w[1]) + ...) + bias: one FMA chain per output, in order.
-template <int R, int V>
-static inline void tile(const float* __restrict x, int64_t K, const float* __restrict w, float* __restrict y,
-                        int64_t N, int64_t n0, const float* bias) {
+// The weight as floats, 16 at a time: a float32 slab as it is, an int8 one widened (its scale comes at the end).
+static inline vec wload(const float* p) { return vload(p); }
+static inline vec wload(const int8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+
+// y[r][n0 + v*16 + j] = (((0 + x[r][0] w[0]) + x[r][1] w[1]) + ...) * scale + bias: one FMA chain per output, in
+// order (float32 weights have no scale).
+template <int R, int V, typename W>
+static inline void tile(const float* __restrict x, int64_t K, const W* __restrict w, float* __restrict y,
+                        int64_t N, int64_t n0, const float* scale, const float* bias) {
+  constexpr int64_t AHEAD = AHEAD_BYTES / (L * sizeof(W));   // in inputs: 64 for float32, 256 for int8
   vec acc[R][V];
   for (int r = 0; r < R; ++r)
     for (int v = 0; v < V; ++v) acc[r][v] = vzero();
@@ -85,7 +93,7 @@ static inline void tile(const float* __restrict x, int64_t K, const float* __res
     vec wk[V];
     for (int v = 0; v < V; ++v) {
       _mm_prefetch(reinterpret_cast<const char*>(w + v * slab + (k + AHEAD) * L), _MM_HINT_T0);
-      wk[v] = vload(w + v * slab + k * L);
+      wk[v] = wload(w + v * slab + k * L);
     }
     for (int r = 0; r < R; ++r) {
       const float xr = x[r * K + k];
@@ -93,74 +101,99 @@ static inline void tile(const float* __restrict x, int64_t K, const float* __res
     }
   }
   for (int r = 0; r < R; ++r)
-    for (int v = 0; v < V; ++v)
-      vstore(y + r * N + n0 + v * L, bias ? vadd(acc[r][v], vload(bias + n0 + v * L)) : acc[r][v]);
+    for (int v = 0; v < V; ++v) {
+      vec out = scale ? _mm512_mul_ps(acc[r][v], vload(scale + n0 + v * L)) : acc[r][v];
+      vstore(y + r * N + n0 + v * L, bias ? vadd(out, vload(bias + n0 + v * L)) : out);
+    }
 }
 
-template <int V>
-static void blocks(const float* x, int64_t M, int64_t K, const float* w, float* y, int64_t N, int64_t n0,
-                   const float* bias) {
+template <int V, typename W>
+static void blocks(const float* x, int64_t M, int64_t K, const W* w, float* y, int64_t N, int64_t n0,
+                   const float* scale, const float* bias) {
   int64_t m = 0;
-  for (; m + RMAX <= M; m += RMAX) tile<RMAX, V>(x + m * K, K, w, y + m * N, N, n0, bias);
+  for (; m + RMAX <= M; m += RMAX) tile<RMAX, V>(x + m * K, K, w, y + m * N, N, n0, scale, bias);
   const float* xm = x + m * K;          // the rest in one tile (each pass re-reads the slabs from the cache)
   float* ym = y + m * N;
   switch (M - m) {
-    case 5: tile<5, V>(xm, K, w, ym, N, n0, bias); break;
-    case 4: tile<4, V>(xm, K, w, ym, N, n0, bias); break;
-    case 3: tile<3, V>(xm, K, w, ym, N, n0, bias); break;
-    case 2: tile<2, V>(xm, K, w, ym, N, n0, bias); break;
-    case 1: tile<1, V>(xm, K, w, ym, N, n0, bias); break;
+    case 5: tile<5, V>(xm, K, w, ym, N, n0, scale, bias); break;
+    case 4: tile<4, V>(xm, K, w, ym, N, n0, scale, bias); break;
+    case 3: tile<3, V>(xm, K, w, ym, N, n0, scale, bias); break;
+    case 2: tile<2, V>(xm, K, w, ym, N, n0, scale, bias); break;
+    case 1: tile<1, V>(xm, K, w, ym, N, n0, scale, bias); break;
     default: break;
   }
 }
-#endif
 
-// x [M, K] float32 contiguous; w packed [N/16, K, 16]; bias [N] or empty. Returns y [M, N].
-torch::Tensor rows_linear(torch::Tensor x, torch::Tensor w, torch::Tensor bias) {
-#ifdef ROWS_SUPPORTED
+// x [M, K] float32 contiguous; w packed [N/16, K, 16] of W; scale [N] or null; bias [N] or null. Returns y [M, N].
+template <typename W>
+static torch::Tensor run_rows(const torch::Tensor& x, const torch::Tensor& w, const float* scale,
+                              const float* bias) {
   TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.dim() == 2 && x.is_contiguous(), "rows_linear: x");
   const int64_t M = x.size(0), K = x.size(1), nb = w.size(0), N = nb * L;
   TORCH_CHECK(w.dim() == 3 && w.size(1) == K && w.size(2) == L && w.is_contiguous(), "rows_linear: w");
-  TORCH_CHECK(bias.numel() == 0 || (bias.numel() == N && bias.is_contiguous()), "rows_linear: bias");
   auto y = torch::empty({M, N}, x.options());
   const float* xp = x.data_ptr<float>();
-  const float* wp = w.data_ptr<float>();
-  const float* bp = bias.numel() ? bias.data_ptr<float>() : nullptr;
+  const W* wp = w.data_ptr<W>();
   float* yp = y.data_ptr<float>();
   pybind11::gil_scoped_release free_python;   // the grammar's mask fill runs in another thread meanwhile
   const int64_t groups = (nb + VMAX - 1) / VMAX;
   at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g) {
       const int64_t b = g * VMAX, v = std::min<int64_t>(VMAX, nb - b);
-      const float* wb = wp + b * K * L;
-      if (v == VMAX) blocks<VMAX>(xp, M, K, wb, yp, N, b * L, bp);
-      else if (v == 3) blocks<3>(xp, M, K, wb, yp, N, b * L, bp);
-      else if (v == 2) blocks<2>(xp, M, K, wb, yp, N, b * L, bp);
-      else blocks<1>(xp, M, K, wb, yp, N, b * L, bp);
+      const W* wb = wp + b * K * L;
+      if (v == VMAX) blocks<VMAX>(xp, M, K, wb, yp, N, b * L, scale, bias);
+      else if (v == 3) blocks<3>(xp, M, K, wb, yp, N, b * L, scale, bias);
+      else if (v == 2) blocks<2>(xp, M, K, wb, yp, N, b * L, scale, bias);
+      else blocks<1>(xp, M, K, wb, yp, N, b * L, scale, bias);
     }
   });
   return y;
+}
+
+static const float* optional(const torch::Tensor& t, int64_t n, const char* what) {
+  TORCH_CHECK(t.numel() == 0 || (t.numel() == n && t.is_contiguous() && t.scalar_type() == torch::kFloat32), what);
+  return t.numel() ? t.data_ptr<float>() : nullptr;
+}
+#endif
+
+// x [M, K] float32 contiguous; w float32 packed [N/16, K, 16]; bias [N] or empty. Returns y [M, N].
+torch::Tensor rows_linear(torch::Tensor x, torch::Tensor w, torch::Tensor bias) {
+#ifdef ROWS_SUPPORTED
+  TORCH_CHECK(w.scalar_type() == torch::kFloat32, "rows_linear: w must be float32");
+  return run_rows<float>(x, w, nullptr, optional(bias, w.size(0) * L, "rows_linear: bias"));
 #else
   TORCH_CHECK(false, "rows_linear: this CPU has no AVX-512");
   return x;
 #endif
 }
+
+// The same with w int8 packed [N/16, K, 16] and a float32 scale per output feature (y = (x q^T) * scale + bias).
+torch::Tensor rows_linear_int8(torch::Tensor x, torch::Tensor w, torch::Tensor scale, torch::Tensor bias) {
+#ifdef ROWS_SUPPORTED
+  TORCH_CHECK(w.scalar_type() == torch::kInt8 && scale.numel() == w.size(0) * L, "rows_linear_int8: w, scale");
+  return run_rows<int8_t>(x, w, optional(scale, w.size(0) * L, "rows_linear_int8: scale"),
+                          optional(bias, w.size(0) * L, "rows_linear_int8: bias"));
+#else
+  TORCH_CHECK(false, "rows_linear_int8: this CPU has no AVX-512");
+  return x;
+#endif
+}
 """
 
-_BLOCK = 16    # output features per packed block of the row kernel
-_NO_BIAS = torch.empty(0)   # the row kernel's "no bias" (read only)
+BLOCK = 16    # output features per packed block of the row kernel
+NO_BIAS = torch.empty(0)   # the row kernel's "no bias" (read only)
 
 
 @functools.lru_cache(maxsize=1)
 def _build_rows():
     """The compiled row kernel, or None where it does not build or this CPU has no AVX-512."""
     from leapdecode import native
-    mod = native.build("rows_linear", _SOURCE, ["rows_supported", "rows_linear"], flags=["-ffp-contract=off"])
+    mod = native.build("rows_linear", _SOURCE, ["rows_supported", "rows_linear", "rows_linear_int8"], flags=["-ffp-contract=off"])
     return mod if mod is not None and mod.rows_supported() else None
 
 
 @functools.lru_cache(maxsize=1)
-def _rows_module():
+def rows_kernel():
     """The row kernel where it builds and runs exactly here: agrees with F.linear, rows independent (else None:
     oneDNN serves)."""
     from leapdecode.model.int4_linear import row_independent
@@ -169,7 +202,7 @@ def _rows_module():
         return None
     g = torch.Generator().manual_seed(0)
     w, b = torch.randn(80, 72, generator=g), torch.randn(80, generator=g)
-    packed, bias = _pack_rows(w), b.contiguous()
+    packed, bias = pack_rows(w), b.contiguous()
 
     def run(x: torch.Tensor) -> torch.Tensor:
         return mod.rows_linear(x.contiguous(), packed, bias)
@@ -181,10 +214,10 @@ def _rows_module():
     return mod
 
 
-def _pack_rows(weight: torch.Tensor) -> torch.Tensor:
-    """[N, K] -> [N/16, K, 16]: each block of 16 output features as one contiguous [K, 16] slab."""
+def pack_rows(weight: torch.Tensor) -> torch.Tensor:
+    """[N, K] -> [N/16, K, 16]: each block of 16 output features as one contiguous [K, 16] slab (dtype kept)."""
     n, k = weight.shape
-    return weight.detach().float().reshape(n // _BLOCK, _BLOCK, k).transpose(1, 2).contiguous()
+    return weight.detach().reshape(n // BLOCK, BLOCK, k).transpose(1, 2).contiguous()
 
 
 def _pack(weight: torch.Tensor) -> torch.Tensor:
@@ -198,8 +231,8 @@ class PackedLinear(nn.Module):
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.shape
-        self.kernel = "rows" if self.out_features % _BLOCK == 0 and _rows_module() is not None else "oneDNN"
-        self.packed = _pack_rows(weight) if self.kernel == "rows" else _pack(weight)
+        self.kernel = "rows" if self.out_features % BLOCK == 0 and rows_kernel() is not None else "oneDNN"
+        self.packed = pack_rows(weight.float()) if self.kernel == "rows" else _pack(weight)
         self.bias = None if bias is None else nn.Parameter(bias.detach().float(), requires_grad=False)
 
     @property
@@ -213,8 +246,8 @@ class PackedLinear(nn.Module):
         if self.kernel != "rows":
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         rows = x.reshape(-1, self.in_features)
-        y = _rows_module().rows_linear(rows if rows.is_contiguous() else rows.contiguous(), self.packed,
-                                   _NO_BIAS if self.bias is None else self.bias.data)
+        y = rows_kernel().rows_linear(rows if rows.is_contiguous() else rows.contiguous(), self.packed,
+                                   NO_BIAS if self.bias is None else self.bias.data)
         return y.reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
@@ -264,4 +297,4 @@ def pack_model(model: nn.Module, enable: bool | None = None) -> int:
     return len(names) + 1
 
 
-__all__ = ["PackedLinear", "available", "pack_model"]
+__all__ = ["BLOCK", "NO_BIAS", "PackedLinear", "available", "pack_model", "pack_rows", "rows_kernel"]
