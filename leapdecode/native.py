@@ -1,4 +1,5 @@
-"""C++ kernels for the CPU, compiled at first use (attention/cpu_exact.py, model/cpu_ops.py).
+"""C++ kernels for the CPU, compiled at first use: one module (:func:`kernels`) from the sources of
+attention/cpu_exact.py, model/cpu_ops.py, model/packed_linear.py and model/cpu_layer.py.
 
 Built with ``torch.utils.cpp_extension.load_inline`` (g++ and ninja, ``-O3 -march=native``) and cached under
 ``TORCH_EXTENSIONS_DIR`` by source, flags, this CPU's instruction-set flags and the torch version, so a cache
@@ -8,6 +9,7 @@ their PyTorch path.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import warnings
@@ -44,4 +46,21 @@ def build(name: str, source: str, functions: Sequence[str], flags: Sequence[str]
         return None
 
 
-__all__ = ["build"]
+@functools.lru_cache(maxsize=1)
+def kernels():
+    """The CPU kernels (exact paged attention, RMSNorm and rotary embedding, the row kernel, the one-call decoder
+    layer) compiled together, or None where they cannot be. One module, so the one-call layer runs the very machine
+    code the layer-by-layer path runs and their results are the same bits (model/cpu_layer.py). Products, norms
+    and the rotary embedding compile without contracting a multiply and an add into one rounding
+    (``-ffp-contract=off``: the row kernel's FMA chain is explicit, and the rotary embedding matches PyTorch's
+    bits); the attention kernel, whose results only need to be its own, with it (its exponentials' polynomial)."""
+    from leapdecode.attention import cpu_exact
+    from leapdecode.model import cpu_layer, cpu_ops, packed_linear
+    source = "\n".join([cpu_ops._SOURCE, '#pragma GCC push_options\n#pragma GCC optimize ("fp-contract=fast")',
+                        cpu_exact._SOURCE, "#pragma GCC pop_options", packed_linear._SOURCE, cpu_layer._SOURCE])
+    return build("cpu_kernels", source, ["rms_norm", "rope_", "paged_attention", "paged_attention_quantized",
+                                         "rows_supported", "rows_linear", "rows_linear_int8", "decoder_layer"],
+                 flags=["-ffp-contract=off"])
+
+
+__all__ = ["build", "kernels"]

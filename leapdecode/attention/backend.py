@@ -61,6 +61,9 @@ class AttentionMetadata:
     kv_window: torch.Tensor | None = None      # [B, max_blocks] window block of an open block (-1: read the pool's)
     kv_seal: SealPlan | None = None            # blocks each layer quantizes after its write, before it attends
     plan: Any = None                  # the backend's per-step plan, set by ``AttentionBackend.plan``
+    # set by the plan where one C++ call may run a whole decoder layer (model/cpu_layer.py): positions, slots,
+    # block table, mask
+    cpu_step: Any = None
 
     @property
     def num_seqs(self) -> int:

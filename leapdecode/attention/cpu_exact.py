@@ -397,12 +397,10 @@ torch::Tensor paged_attention_quantized(torch::Tensor q, torch::Tensor codes, to
 """
 
 
-@functools.lru_cache(maxsize=1)
 def kernel():
-    """The compiled ``paged_attention`` function, or None where it cannot be built (no compiler, no ninja,
+    """The compiled module with ``paged_attention``, or None where it cannot be built (no compiler, no ninja,
     ``LEAPDECODE_NO_CPU_KERNELS=1``): see leapdecode/native.py."""
-    mod = native.build("cpu_exact", _SOURCE, ["paged_attention", "paged_attention_quantized"])
-    return None if mod is None else mod
+    return native.kernels()
 
 
 def attend(q: torch.Tensor, kv_cache: torch.Tensor, blocks: torch.Tensor, mask: torch.Tensor,

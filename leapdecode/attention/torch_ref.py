@@ -104,6 +104,24 @@ class TorchAttention(AttentionBackend):
         groups = [_group(meta, g) for g in _by_length(single, lens) + _by_length(multi, lens) if g]
         groups += [_group(meta, [i]) for i, n in enumerate(meta.query_lens) if n > BATCH_MAX_QUERY]
         meta.plan = groups + ([sparse] if sparse is not None else [])
+        meta.cpu_step = self._cpu_step(meta)
+
+    def _cpu_step(self, meta: AttentionMetadata) -> list[torch.Tensor] | None:
+        """What model/cpu_layer.py needs to run a layer in one call, where this step's attention is the exact
+        kernel's over one group whose queries are the step's tokens in order (batch 1 decoding and verification,
+        or equal decodes); else None (the layer-by-layer path)."""
+        if (self.exact == "off" or self.sparse is not None or len(meta.plan) != 1 or meta.kv_seal is not None
+                or meta.positions.is_cuda):     # (sparse attention records each layer's keys as they are written)
+            return None
+        g = meta.plan[0]
+        n = meta.num_actual_tokens
+        if (isinstance(g, SparseStep) or g.window is not None or g.q_index.shape[1] > BATCH_MAX_QUERY
+                or g.q_index.numel() != n or len(meta.positions) != n or cpu_exact.kernel() is None):
+            return None
+        if not torch.equal(g.q_index.flatten(), torch.arange(n)) or g.valid_q is not None and not g.valid_q.all():
+            return None
+        return [meta.positions, meta.slot_mapping[:n], g.blocks.to(torch.int64).contiguous(),
+                g.mask[:, 0].contiguous()]
 
     def write_kv(self, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
                  layer: int | None = None) -> None:

@@ -15,8 +15,6 @@ dtypes keep the PyTorch forms. ``layers.FUSED_OPS = False`` turns them off.
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.nn.functional as F
 
@@ -93,9 +91,8 @@ void rope_(torch::Tensor positions, torch::Tensor q, torch::Tensor k, torch::Ten
 """
 
 
-@functools.lru_cache(maxsize=1)
 def _module():
-    return native.build("cpu_ops", _SOURCE, ["rms_norm", "rope_"], flags=["-ffp-contract=off"])
+    return native.kernels()
 
 
 def available() -> bool:

@@ -12,6 +12,7 @@ from torch import nn
 
 from leapdecode.attention.backend import AttentionBackend, AttentionMetadata
 from leapdecode.distributed.parallel_state import SINGLE, ParallelState
+from leapdecode.model import cpu_layer
 from leapdecode.model.config import ModelConfig
 from leapdecode.model.layers import GatedMLP, RMSNorm, RotaryEmbedding
 from leapdecode.model.parallel_layers import (ColumnParallelLinear, ParallelLMHead, Piece, RowParallelLinear,
@@ -60,6 +61,10 @@ class DecoderLayer(nn.Module):
         self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, tp)
 
     def forward(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        if meta.cpu_step is not None:           # the CPU's small steps: the whole layer in one C++ call
+            out = cpu_layer.run(self, x, meta)
+            if out is not None:
+                return out
         x = x + self.self_attn(self.input_layernorm(x), meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 

@@ -188,7 +188,7 @@ NO_BIAS = torch.empty(0)   # the row kernel's "no bias" (read only)
 def _build_rows():
     """The compiled row kernel, or None where it does not build or this CPU has no AVX-512."""
     from leapdecode import native
-    mod = native.build("rows_linear", _SOURCE, ["rows_supported", "rows_linear", "rows_linear_int8"], flags=["-ffp-contract=off"])
+    mod = native.kernels()
     return mod if mod is not None and mod.rows_supported() else None
 
 

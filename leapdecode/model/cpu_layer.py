@@ -1,0 +1,140 @@
+"""A decoder layer in one C++ call, for the CPU's small steps (batch 1 decoding, its verification and its drafts).
+
+Why: at batch 1 a CPU forward of SmolLM2-135M spends ~3.5 ms of its ~22 ms outside the matrix products and the
+attention kernel, and an int8 draft forward (spec/layer_skip.py) about a third of its ~10 ms: some 35 PyTorch ops
+and a dozen module calls per layer, each a few microseconds of dispatch around a few kilobytes of arithmetic (the
+layer loop with every linear and the attention kernel replaced by no-ops: 3.5 ms a forward, measured on the
+2-core Intel VM). Here the whole layer - RMSNorm, the fused q/k/v product, the rotary embedding, the cache write,
+paged attention, the output product and residual, RMSNorm, gate/up, SiLU-and-multiply, down and residual - is
+one call from Python.
+
+Exactness: the call runs the very kernels the layer-by-layer path runs, from the same compiled module
+(``native.kernels()`` builds cpu_ops, cpu_exact, packed_linear and this file's source together) and PyTorch's own
+ops for the rest (``index_copy_``, ``silu``, the adds), on the same inputs in the same order, so its result is
+bit-identical to ``DecoderLayer.forward``'s; speculation's losslessness, which rests on a row's bits not depending
+on the path that computed it, is kept (tests/test_cpu_layer.py compares the two bit for bit).
+
+When: the attention backend says the step allows it (``AttentionMetadata.cpu_step``: the torch backend's exact
+kernel reads a plain float32 cache, one group whose queries are the step's tokens in order, no sparse attention;
+see ``TorchAttention.plan``), and the layer is a plain Llama layer whose four products run through the row kernel
+(float32 ``PackedLinear`` or, up to its ``ROWS_MAX`` rows, ``Int8Linear``): no q/k norm, float32 RMSNorm weights.
+Everything else keeps the module path.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+_SOURCE = r"""
+// ---- model/cpu_layer.py: one decoder layer in one call -------------------------------------------------------
+#ifdef ROWS_SUPPORTED
+static torch::Tensor layer_linear(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& scale,
+                                  const torch::Tensor& bias) {
+  const int64_t n = w.size(0) * L;
+  if (w.scalar_type() == torch::kInt8)
+    return run_rows<int8_t>(x, w, optional(scale, n, "decoder_layer: scale"), optional(bias, n, "decoder_layer: bias"));
+  return run_rows<float>(x, w, nullptr, optional(bias, n, "decoder_layer: bias"));
+}
+#endif
+
+// x [T, hidden] float32. w: 0 input norm, 1-3 qkv (weight, scale, bias), 4-6 o, 7 post-attention norm, 8-10
+// gate/up, 11-13 down, 14 cos, 15 sin, 16 the layer's cache [2, nb, bs, Hkv, D] (absent scale/bias: empty).
+// step: 0 positions [T], 1 slots [T] int64, 2 block table [B, nblocks] int64, 3 mask [B, M, max_k] bool (B * M =
+// T: the step's tokens in order). p: eps, H, Hkv, D, attention scale. The same operations as DecoderLayer.forward.
+torch::Tensor decoder_layer(torch::Tensor x, std::vector<torch::Tensor> w, std::vector<torch::Tensor> step,
+                            std::vector<double> p) {
+#ifdef ROWS_SUPPORTED
+  const double eps = p[0], scale = p[4];
+  const int64_t H = static_cast<int64_t>(p[1]), Hkv = static_cast<int64_t>(p[2]), D = static_cast<int64_t>(p[3]);
+  const int64_t T = x.size(0), B = step[3].size(0), M = step[3].size(1);
+  TORCH_CHECK(B * M == T, "decoder_layer: the mask's rows must be the step's tokens");
+  auto qkv = layer_linear(rms_norm(x, w[0], eps), w[1], w[2], w[3]);
+  auto q = qkv.narrow(1, 0, H * D).view({T, H, D});
+  auto k = qkv.narrow(1, H * D, Hkv * D).view({T, Hkv, D});
+  auto v = qkv.narrow(1, (H + Hkv) * D, Hkv * D).view({T, Hkv, D});
+  rope_(step[0], q, k, w[14], w[15]);
+  auto flat = w[16].view({2, -1, Hkv, D});
+  flat[0].index_copy_(0, step[1], k);
+  flat[1].index_copy_(0, step[1], v);
+  auto o = paged_attention(q.contiguous().view({B, M, H, D}), w[16], step[2], step[3], scale);
+  x = x + layer_linear(o.view({T, H * D}), w[4], w[5], w[6]);
+  auto gate_up = layer_linear(rms_norm(x, w[7], eps), w[8], w[9], w[10]);
+  const int64_t inter = gate_up.size(1) / 2;
+  auto act = at::silu(gate_up.narrow(1, 0, inter)) * gate_up.narrow(1, inter, inter);
+  return x + layer_linear(act, w[11], w[12], w[13]);
+#else
+  TORCH_CHECK(false, "decoder_layer: needs the row kernel (AVX-512)");
+  return x;
+#endif
+}
+"""
+
+_NONE = torch.empty(0)
+
+
+def _linear_parts(m: Any) -> list[torch.Tensor] | None:
+    """(weight, scale, bias) of a product the row kernel runs, as the C++ layer takes them; None otherwise."""
+    from leapdecode.model.int8_linear import Int8Linear
+    from leapdecode.model.packed_linear import NO_BIAS, PackedLinear
+    if isinstance(m, PackedLinear) and m.kernel == "rows":
+        return [m.packed, _NONE, NO_BIAS if m.bias is None else m.bias.data]
+    if isinstance(m, Int8Linear) and m.kernel == "rows":
+        return [m._packed, m._scale, m._row_bias]
+    return None
+
+
+class FusedLayer:
+    """One decoder layer's weights laid out for ``decoder_layer``; ``None`` from :meth:`of` where the layer does
+    not qualify (see the module docstring). ``rows_max``: the most rows its products take (int8: ``ROWS_MAX``)."""
+
+    def __init__(self, parts: list[torch.Tensor], params: list[float], rows_max: int | None, key: tuple) -> None:
+        self.parts, self.params, self.rows_max, self.key = parts, params, rows_max, key
+
+    @staticmethod
+    def of(layer: Any) -> FusedLayer | None:
+        from leapdecode.model import layers as model_layers
+        from leapdecode.model.int8_linear import Int8Linear
+        attn, mlp = layer.self_attn, layer.mlp
+        mods = (layer.input_layernorm, attn.qkv_proj, attn.o_proj, layer.post_attention_layernorm,
+                mlp.gate_up_proj, mlp.down_proj)
+        key = tuple(id(m) for m in mods)
+        cached = layer.__dict__.get("_fused_layer")
+        if cached is not None and cached.key == key:   # (a draft's int8 copy of a layer copies this attribute)
+            return cached if cached.parts else None
+        fused = FusedLayer([], [], None, key)
+        linears = [_linear_parts(m) for m in mods[1:3] + mods[4:]]
+        norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
+        if (all(p is not None for p in linears) and attn.q_norm is None and model_layers.FUSED_OPS
+                and all(w.dtype == torch.float32 and w.is_contiguous() for w in norms)
+                and layer.input_layernorm.eps == layer.post_attention_layernorm.eps):
+            rope = attn.rope
+            fused.parts = [norms[0], *linears[0], *linears[1], norms[1], *linears[2], *linears[3],
+                           rope.cos, rope.sin]
+            fused.params = [float(layer.input_layernorm.eps), float(attn.num_heads), float(attn.num_kv_heads),
+                            float(attn.head_dim), float(attn.scale)]
+            if any(isinstance(m, Int8Linear) for m in mods):
+                fused.rows_max = Int8Linear.ROWS_MAX
+        layer.__dict__["_fused_layer"] = fused
+        return fused if fused.parts else None
+
+    def __call__(self, x: torch.Tensor, kv_cache: torch.Tensor, step: list[torch.Tensor]) -> torch.Tensor:
+        from leapdecode import native
+        return native.kernels().decoder_layer(x, self.parts + [kv_cache], step, self.params)
+
+
+def run(layer: Any, x: torch.Tensor, meta: Any) -> torch.Tensor | None:
+    """The layer's output through the one-call path, or None where the step or the layer does not allow it."""
+    step = meta.cpu_step
+    if step is None or x.dim() != 2 or x.dtype != torch.float32 or x.shape[0] != step[1].shape[0]:
+        return None
+    fused = FusedLayer.of(layer)
+    if fused is None or (fused.rows_max is not None and x.shape[0] > fused.rows_max):
+        return None
+    kv_cache = layer.self_attn.kv_cache
+    if type(kv_cache) is not torch.Tensor or kv_cache.dtype != torch.float32 or not kv_cache.is_contiguous():
+        return None
+    return fused(x if x.is_contiguous() else x.contiguous(), kv_cache, step)
+
+
+__all__ = ["FusedLayer", "run"]

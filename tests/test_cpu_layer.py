@@ -1,0 +1,95 @@
+"""The one-call decoder layer on the CPU (model/cpu_layer.py): the same bits as the layer-by-layer path, for plain
+decoding, chain and tree verification and int8 drafts, and taken where the step allows it."""
+import pytest
+import torch
+
+from conftest import OracleDrafter, assert_pool_free, make_llm
+from leapdecode import SamplingParams
+from leapdecode.assets import default_model_path
+from leapdecode.model import cpu_layer, int8_linear, packed_linear
+from leapdecode.model.int8_linear import Int8Linear
+
+pytestmark = pytest.mark.skipif(packed_linear.rows_kernel() is None,
+                                reason="no row kernel here (no compiler or no AVX-512): layers run module by module")
+
+
+def _counting(monkeypatch, taken: dict) -> None:
+    real = cpu_layer.run
+
+    def run(layer, x, meta):
+        out = real(layer, x, meta)
+        if out is not None:
+            kind = "int8" if isinstance(layer.self_attn.qkv_proj, Int8Linear) else "float"
+            taken[kind, x.shape[0]] = taken.get((kind, x.shape[0]), 0) + 1
+        return out
+    monkeypatch.setattr(cpu_layer, "run", run)
+
+
+def _generate(llm, prompts, params):
+    outs = [llm.generate([p], params, use_tqdm=False)[0].outputs[0] for p in prompts]   # batch 1
+    assert_pool_free(llm)
+    return [(o.token_ids, o.logprobs) for o in outs]
+
+
+def test_one_call_layer_gives_the_module_paths_bits(llama_dir, monkeypatch):
+    """Greedy tokens and every logprob equal, bit for bit, with the one-call layer and without it, for plain
+    decoding and for chain and tree verification (some drafts rejected); fails if the one-call path is never taken
+    or computes anything differently."""
+    prompts = [[3 + (7 * i + j) % 50 for j in range(20)] for i in range(3)]
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=3)
+    taken: dict = {}
+    _counting(monkeypatch, taken)
+    plain = _generate(make_llm(llama_dir), prompts, params)
+    truth = {tuple(p): [[t for t in r[0]]] for p, r in zip(prompts, plain)}
+    results = {}
+    for tree in (False, True):
+        spec = {"drafter": OracleDrafter(truth, wrong_every=3, tree=tree), "num_speculative_tokens": 4,
+                "adaptive": False}
+        results[tree] = _generate(make_llm(llama_dir, speculative_config=spec), prompts, params)
+    assert taken.get(("float", 1), 0) > 0 and sum(n for (_, rows), n in taken.items() if rows > 1) > 0, taken
+    monkeypatch.setattr(cpu_layer, "run", lambda *a: None)          # the layer-by-layer path
+    assert _generate(make_llm(llama_dir), prompts, params) == plain
+    for tree in (False, True):
+        spec = {"drafter": OracleDrafter(truth, wrong_every=3, tree=tree), "num_speculative_tokens": 4,
+                "adaptive": False}
+        module = _generate(make_llm(llama_dir, speculative_config=spec), prompts, params)
+        assert [t for t, _ in module] == [t for t, _ in plain]
+        assert module == results[tree], tree
+        if not tree:    # (tree verification's logprobs differ from plain decoding's in the last bits either way)
+            assert results[tree] == plain
+
+
+def test_int8_draft_layers_take_one_call_and_draft_the_same(monkeypatch):
+    """layer_skip's int8 copy of the target runs its layers in one call too (up to Int8Linear.ROWS_MAX rows), and
+    proposes exactly what the layer-by-layer draft proposes: same drafts, same acceptance, same output."""
+    if not int8_linear.available():
+        pytest.skip("no int8 kernel here")
+    prompts = ["def fibonacci(n):\n", "import os\n\nclass Config:\n    def __init__(self, "]
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    spec = {"method": "layer_skip", "num_speculative_tokens": 3, "int8": True, "adaptive": False}
+
+    def run():       # the embedded 4-layer model (layer_skip needs 3 layers or more)
+        llm = make_llm(default_model_path(), speculative_config=spec)
+        out = _generate(llm, prompts, params)
+        return out, (llm.engine.stats["draft_tokens"], llm.engine.stats["accepted_tokens"])
+
+    taken: dict = {}
+    _counting(monkeypatch, taken)
+    fused = run()
+    assert taken.get(("int8", 1), 0) > 0 and fused[1][0] > 0, (taken, fused[1])
+    monkeypatch.setattr(cpu_layer, "run", lambda *a: None)
+    assert run() == fused
+
+
+def test_rows_beyond_an_int8_layers_tile_take_the_module_path(llama_dir):
+    """An int8 layer called with more rows than its row-kernel tile (fbgemm's territory) is not run in one call."""
+    llm = make_llm(llama_dir)
+    layer = llm.engine.runner.model.layers[0]
+    copy = int8_linear.int8_copy(layer, ["self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj",
+                                         "mlp.down_proj"])
+    if copy.self_attn.qkv_proj.kernel != "rows":
+        pytest.skip("the int8 layers run through fbgemm here")
+    fused = cpu_layer.FusedLayer.of(copy)
+    assert fused is not None and fused.rows_max == Int8Linear.ROWS_MAX
+    assert cpu_layer.FusedLayer.of(layer).rows_max is None      # the float target's own layer: any rows
+    assert cpu_layer.FusedLayer.of(layer) is not fused          # the copy is not confused with its original
