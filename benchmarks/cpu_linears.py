@@ -8,14 +8,18 @@ Two tables:
 
 linears   Every linear of the model (30 layers' q/k/v, o, gate/up, down, and the LM head) run once in order, as
           one forward reads them (weights streamed from memory, not cached), for 1, 2, 5, 9, 17, 64 and 512 rows:
-          F.linear, oneDNN-packed layers and the row kernel's; median of 5. Rows 5 and 17 are what a verification
+          F.linear, oneDNN-packed layers and the row kernel's; and the same weights in int8 as drafters hold them
+          (model/int8_linear.py): fbgemm alone, and as drafts run them (the row kernel's int8 form up to one
+          6-row tile, fbgemm beyond); median of 5. Rows 5 and 17 are what a verification
           of 4 chained or 16 tree draft tokens computes at batch 1; 512, a prefill chunk.
 decode    ``LLM.generate`` greedy, EOS ignored, --tokens new tokens per request, chat-templated MT-Bench turn-1
           questions: batch 1 (--prompts requests one at a time) and batch 16 (16 requests together), tokens/s
-          with ``cpu_packed_linears=False`` (F.linear), packed through oneDNN (the row kernel held off) and packed
-          through the row kernel (the default where it runs), and transformers ``generate`` on the same GGUF file
+          with ``cpu_packed_linears=False`` (F.linear), packed through oneDNN (the row kernel held off), packed
+          through the row kernel with layers run module by module (model/cpu_layer.py's one-call layer held off)
+          and as the engine runs by default (the row kernel, each layer in one call where the step allows it), and
+          transformers ``generate`` on the same GGUF file
           (its own loader) at batch 1 as the peer; they alternate per repeat. Also whether the greedy tokens of
-          the three engines are equal.
+          the four runs are equal.
 
 Nothing is asserted; run it on a quiet machine (see this folder's README).
 """
@@ -38,6 +42,18 @@ if REPO not in sys.path:
 
 
 @contextlib.contextmanager
+def layer_by_layer():
+    """Layers run inside this block module by module (the one-call layer of model/cpu_layer.py held off)."""
+    from leapdecode.model import cpu_layer
+    kept = cpu_layer.run
+    cpu_layer.run = lambda *args: None
+    try:
+        yield
+    finally:
+        cpu_layer.run = kept
+
+
+@contextlib.contextmanager
 def onednn_only():
     """Layers packed inside this block take oneDNN's layout (the row kernel held off)."""
     from leapdecode.model import packed_linear
@@ -51,26 +67,32 @@ def onednn_only():
 
 def linears_table(model, reps: int = 5) -> None:
     from decode_roofline import timed
-    from leapdecode.model.int8_linear import linear_names
+    from leapdecode.model.int8_linear import Int8Linear, linear_names
     from leapdecode.model.packed_linear import PackedLinear
     dense = [model.layers.get_submodule(n).weight for n in linear_names(model.layers)] + [model.output_head.weight]
     dense = [w.detach().float().contiguous().clone() for w in dense]
     with onednn_only():
         onednn = [PackedLinear(w) for w in dense]
+        fbgemm = [Int8Linear(w) for w in dense]          # the row kernel held off: fbgemm for every row count
     rows_layers = [PackedLinear(w) for w in dense]
-    kernels = sorted({p.kernel for p in rows_layers})
-    print(f"\n(row-kernel layers: {kernels})\n| rows | F.linear ms | oneDNN ms | row kernel ms | oneDNN / row kernel |"
-          "\n|---:|---:|---:|---:|---:|")
+    int8_layers = [Int8Linear(w) for w in dense]        # as drafts run them: the row kernel up to ROWS_MAX rows
+    kernels = sorted({p.kernel for p in rows_layers} | {p.kernel for p in int8_layers})
+    print(f"\n(row-kernel layers: {kernels}; int8 through the row kernel up to {Int8Linear.ROWS_MAX} rows)"
+          "\n| rows | F.linear ms | oneDNN ms | row kernel ms | oneDNN / row kernel | int8 fbgemm ms | int8 as drafts "
+          "run it ms | fbgemm / int8 as run |\n|---:|---:|---:|---:|---:|---:|---:|---:|")
     for rows in (1, 2, 5, 9, 17, 64, 512):
         xs = {d: torch.randn(rows, d) for d in {w.shape[1] for w in dense}}
         runs = {"mkl": lambda: [F.linear(xs[w.shape[1]], w) for w in dense],
                 "onednn": lambda: [p(xs[p.in_features]) for p in onednn],
-                "rows": lambda: [p(xs[p.in_features]) for p in rows_layers]}
+                "rows": lambda: [p(xs[p.in_features]) for p in rows_layers],
+                "fbgemm": lambda: [p(xs[p.in_features]) for p in fbgemm],
+                "int8": lambda: [p(xs[p.in_features]) for p in int8_layers]}
         t = {}
         for name, run in runs.items():
             run()                                       # warm-up (oneDNN makes a kernel per new row count)
             t[name] = timed(run, reps) * 1e3
-        print(f"| {rows} | {t['mkl']:.1f} | {t['onednn']:.1f} | {t['rows']:.1f} | {t['onednn'] / t['rows']:.2f}x |")
+        print(f"| {rows} | {t['mkl']:.1f} | {t['onednn']:.1f} | {t['rows']:.1f} | {t['onednn'] / t['rows']:.2f}x | "
+              f"{t['fbgemm']:.1f} | {t['int8']:.1f} | {t['fbgemm'] / t['int8']:.2f}x |")
 
 
 def main() -> None:
@@ -104,19 +126,22 @@ def main() -> None:
         hf = transformers.AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32)
     rates: dict[tuple[str, int], list[float]] = {}
     same = {1: True, 16: True}
+    runs = [(name, llm, contextlib.nullcontext) for name, llm in llms.items()]
+    runs.insert(2, ("layer by layer", llms["row kernel"], layer_by_layer))
     for _ in range(args.repeats):
         for batch, group in ((1, prompts[:args.prompts]), (16, prompts[:16])):
             outs = {}
-            for name, llm in llms.items():
+            for name, llm, context in runs:
                 t0 = time.perf_counter()
-                if batch == 1:
-                    res = [llm.generate([p], params, use_tqdm=False)[0] for p in group]
-                else:
-                    res = llm.generate(group, params, use_tqdm=False)
+                with context():
+                    if batch == 1:
+                        res = [llm.generate([p], params, use_tqdm=False)[0] for p in group]
+                    else:
+                        res = llm.generate(group, params, use_tqdm=False)
                 dt = time.perf_counter() - t0
                 outs[name] = [r.outputs[0].token_ids for r in res]
                 rates.setdefault((name, batch), []).append(len(group) * args.tokens / dt)
-            same[batch] &= outs["F.linear"] == outs["oneDNN"] == outs["row kernel"]
+            same[batch] &= outs["F.linear"] == outs["oneDNN"] == outs["layer by layer"] == outs["row kernel"]
             if hf is not None and batch == 1:
                 t0 = time.perf_counter()
                 for p in group:
@@ -124,13 +149,15 @@ def main() -> None:
                     with torch.no_grad():
                         hf.generate(ids, max_new_tokens=args.tokens, min_new_tokens=args.tokens, do_sample=False)
                 rates.setdefault(("transformers", 1), []).append(len(group) * args.tokens / (time.perf_counter() - t0))
-    print("\n| batch | F.linear tok/s | oneDNN tok/s | row kernel tok/s | row kernel / oneDNN | row kernel / F.linear "
-          "| transformers tok/s | row kernel / transformers | same greedy tokens |"
-          "\n|---:|---:|---:|---:|---:|---:|---:|---:|---|")
+    print("\n| batch | F.linear tok/s | oneDNN tok/s | row kernel, layer by layer tok/s | row kernel + one-call layer "
+          "tok/s | one-call / layer by layer | row kernel / oneDNN | row kernel / F.linear | transformers tok/s "
+          "| row kernel / transformers | same greedy tokens |"
+          "\n|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
     for batch in (1, 16):
-        a, o, r = (statistics.median(rates[name, batch]) for name in ("F.linear", "oneDNN", "row kernel"))
+        a, o, lbl, r = (statistics.median(rates[name, batch])
+                        for name in ("F.linear", "oneDNN", "layer by layer", "row kernel"))
         h = statistics.median(rates["transformers", 1]) if batch == 1 and hf is not None else None
-        print(f"| {batch} | {a:.1f} | {o:.1f} | {r:.1f} | {r / o:.2f}x | {r / a:.2f}x | "
+        print(f"| {batch} | {a:.1f} | {o:.1f} | {lbl:.1f} | {r:.1f} | {r / lbl:.2f}x | {r / o:.2f}x | {r / a:.2f}x | "
               f"{'' if h is None else f'{h:.1f}'} | {'' if h is None else f'{r / h:.2f}x'} | "
               f"{'yes' if same[batch] else 'no'} |")
 

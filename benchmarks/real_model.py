@@ -47,7 +47,10 @@ import torch  # noqa: E402
 
 BENCH = os.environ.get("LEAPDECODE_BENCH_DATA", os.path.join(os.path.dirname(REPO), "shared", "bench"))
 METHODS = ("ngram", "suffix", "recycling", "auto")
-VARIANTS = {"auto_fill": ("auto", {"calibrate": False})}   # --methods names beyond the drafters': (method, options)
+# --methods names beyond the drafters': (method, options); auto_ls = auto over the suffix drafter and layer skipping
+# (the target's own layers from int8 weights, spec/layer_skip.py), picked per request by measured goodput
+VARIANTS = {"auto_fill": ("auto", {"calibrate": False}),
+            "auto_ls": ("auto", {"methods": ["suffix", "layer_skip"]})}
 
 
 def read_jsonl(*parts: str) -> list[dict]:

@@ -26,6 +26,8 @@ from typing import Any
 
 import torch
 
+from leapdecode import native
+
 _SOURCE = r"""
 // ---- model/cpu_layer.py: one decoder layer in one call -------------------------------------------------------
 #ifdef ROWS_SUPPORTED
@@ -93,33 +95,35 @@ class FusedLayer:
 
     @staticmethod
     def of(layer: Any) -> FusedLayer | None:
+        attn, mlp = layer._modules["self_attn"], layer._modules["mlp"]
+        key = (id(attn._modules["qkv_proj"]), id(attn._modules["o_proj"]), id(mlp._modules["gate_up_proj"]),
+               id(mlp._modules["down_proj"]))
+        cached = layer.__dict__.get("_fused_layer")
+        if cached is None or cached.key != key:      # (a draft's int8 copy of a layer copies this attribute)
+            cached = layer.__dict__["_fused_layer"] = FusedLayer._build(layer, key)
+        return cached if cached.parts else None
+
+    @staticmethod
+    def _build(layer: Any, key: tuple) -> FusedLayer:
         from leapdecode.model import layers as model_layers
         from leapdecode.model.int8_linear import Int8Linear
         attn, mlp = layer.self_attn, layer.mlp
-        mods = (layer.input_layernorm, attn.qkv_proj, attn.o_proj, layer.post_attention_layernorm,
-                mlp.gate_up_proj, mlp.down_proj)
-        key = tuple(id(m) for m in mods)
-        cached = layer.__dict__.get("_fused_layer")
-        if cached is not None and cached.key == key:   # (a draft's int8 copy of a layer copies this attribute)
-            return cached if cached.parts else None
+        mods = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
         fused = FusedLayer([], [], None, key)
-        linears = [_linear_parts(m) for m in mods[1:3] + mods[4:]]
+        linears = [_linear_parts(m) for m in mods]
         norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
         if (all(p is not None for p in linears) and attn.q_norm is None and model_layers.FUSED_OPS
                 and all(w.dtype == torch.float32 and w.is_contiguous() for w in norms)
                 and layer.input_layernorm.eps == layer.post_attention_layernorm.eps):
-            rope = attn.rope
             fused.parts = [norms[0], *linears[0], *linears[1], norms[1], *linears[2], *linears[3],
-                           rope.cos, rope.sin]
+                           attn.rope.cos, attn.rope.sin]
             fused.params = [float(layer.input_layernorm.eps), float(attn.num_heads), float(attn.num_kv_heads),
                             float(attn.head_dim), float(attn.scale)]
             if any(isinstance(m, Int8Linear) for m in mods):
                 fused.rows_max = Int8Linear.ROWS_MAX
-        layer.__dict__["_fused_layer"] = fused
-        return fused if fused.parts else None
+        return fused
 
     def __call__(self, x: torch.Tensor, kv_cache: torch.Tensor, step: list[torch.Tensor]) -> torch.Tensor:
-        from leapdecode import native
         return native.kernels().decoder_layer(x, self.parts + [kv_cache], step, self.params)
 
 

@@ -1,4 +1,5 @@
-"""Int8 linear layers for the CPU, for drafters: weights int8 per output channel, activations quantized per call.
+"""Int8 linear layers for the CPU, for drafters: weights int8 per output channel (inputs float through the row
+kernel, quantized per call through fbgemm).
 
 A drafter's matmuls at batch 1 read every weight for a handful of rows, so on a CPU they are bound by memory
 bandwidth: the EAGLE head's draft-vocabulary LM head (8,192 x 576 float32, 19 MB) took 2.8 ms per call on one core
@@ -10,9 +11,11 @@ by this module.
 Two kernels. Where the row kernel runs (model/packed_linear.py: AVX-512, the layer's outputs a multiple of 16), the
 int8 weights are packed in its blocks and widened to float in registers as they stream past the rows: weight-only
 int8, the inputs stay float32, so the result is the float matmul of the dequantized weights (no error from
-quantizing activations). Measured on the 2-core Intel Xeon VM (AVX-512) over every linear of SmolLM2-135M at one
-row (benchmarks/cpu_linears.py): fbgemm 10.5 ms, the row kernel's int8 form see that benchmark's README.
-Elsewhere PyTorch's fbgemm dynamic-quantization linear (``quantized::linear_dynamic``; ``reduce_range`` as the x86
+quantizing activations). Measured on the 2-core Intel Xeon VM (AVX-512) over every linear of SmolLM2-135M (121
+matrices, weights streamed): 1 row 4.7-5.0 ms against fbgemm's 6.5-6.8 (float32 through the row kernel 19-20),
+5 rows 7.1-7.9 against 9.0-9.9, but 17 rows 20.3 against 13.9: widening costs a multiply-add per weight and row,
+while fbgemm's int8 dot products do four, so past one 6-row tile fbgemm serves.
+For those rows, and where the row kernel does not run, PyTorch's fbgemm dynamic-quantization linear (``quantized::linear_dynamic``; ``reduce_range`` as the x86
 backend needs it to avoid saturating its 16-bit accumulation), available on x86 CPU builds of PyTorch;
 :func:`available` says whether either runs here, and callers keep their float layers where neither does.
 """
