@@ -21,12 +21,17 @@ def _counting(monkeypatch, taken: dict) -> None:
         if out is not None:
             kind = "int8" if isinstance(layer.self_attn.qkv_proj, Int8Linear) else "float"
             taken[kind, x.shape[0]] = taken.get((kind, x.shape[0]), 0) + 1
+            if len(meta.cpu_step) > 7:                  # several attention groups (e.g. decodes and verifications)
+                taken["groups"] = taken.get("groups", 0) + 1
         return out
     monkeypatch.setattr(cpu_layer, "run", run)
 
 
-def _generate(llm, prompts, params):
-    outs = [llm.generate([p], params, use_tqdm=False)[0].outputs[0] for p in prompts]   # batch 1
+def _generate(llm, prompts, params, batch=False):
+    if batch:
+        outs = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+    else:
+        outs = [llm.generate([p], params, use_tqdm=False)[0].outputs[0] for p in prompts]   # batch 1
     assert_pool_free(llm)
     return [(o.token_ids, o.logprobs) for o in outs]
 
@@ -57,6 +62,30 @@ def test_one_call_layer_gives_the_module_paths_bits(llama_dir, monkeypatch):
         assert module == results[tree], tree
         if not tree:    # (tree verification's logprobs differ from plain decoding's in the last bits either way)
             assert results[tree] == plain
+
+
+def test_one_call_layer_with_several_attention_groups(llama_dir, monkeypatch):
+    """Batched steps whose attention plan has several groups (decodes of different context lengths apart from tree
+    verifications, a prompt's short chunks beside decodes): greedy tokens and logprobs the module path's, bit for
+    bit; fails if such steps never take the one-call path."""
+    prompts = [[3 + (7 * i + j) % 50 for j in range(8 + 30 * (i % 3))] for i in range(9)]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=2)
+    plain = _generate(make_llm(llama_dir, max_num_batched_tokens=64), prompts, params, batch=True)
+    truth = {tuple(p): [[t for t in r[0]]] for p, r in zip(prompts, plain)}
+
+    def spec():
+        return {"drafter": OracleDrafter(truth, wrong_every=3, tree=True), "num_speculative_tokens": 4,
+                "adaptive": False}
+    taken: dict = {}
+    _counting(monkeypatch, taken)
+    fused = _generate(make_llm(llama_dir, speculative_config=spec(), max_num_batched_tokens=64), prompts, params,
+                      batch=True)
+    assert taken.get("groups", 0) > 0, taken
+    monkeypatch.setattr(cpu_layer, "run", lambda *a: None)
+    module = _generate(make_llm(llama_dir, speculative_config=spec(), max_num_batched_tokens=64), prompts, params,
+                       batch=True)
+    assert fused == module
+    assert [t for t, _ in fused] == [t for t, _ in plain]
 
 
 def test_int8_draft_layers_take_one_call_and_draft_the_same(monkeypatch):

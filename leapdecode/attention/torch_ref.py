@@ -28,6 +28,7 @@ from leapdecode.attention.kv_cache import Fp8Layer, WindowedLayer
 from leapdecode.attention.sparse import SparseAttention, SparseStep
 
 EXACT_MODES = ("off", "kernel", "always")     # see TorchAttention.__init__
+_EMPTY = torch.empty(0, dtype=torch.int64)
 
 # Sequences with at most this many query tokens (decodes, verification, short prefills) share one padded batch;
 # longer prefill chunks run alone so padding never multiplies their cost.
@@ -107,21 +108,26 @@ class TorchAttention(AttentionBackend):
         meta.cpu_step = self._cpu_step(meta)
 
     def _cpu_step(self, meta: AttentionMetadata) -> list[torch.Tensor] | None:
-        """What model/cpu_layer.py needs to run a layer in one call, where this step's attention is the exact
-        kernel's over one group whose queries are the step's tokens in order (batch 1 decoding and verification,
-        or equal decodes); else None (the layer-by-layer path)."""
-        if (self.exact == "off" or self.sparse is not None or len(meta.plan) != 1 or meta.kv_seal is not None
-                or meta.positions.is_cuda):     # (sparse attention records each layer's keys as they are written)
-            return None
-        g = meta.plan[0]
+        """What model/cpu_layer.py needs to run a layer in one call, where every group of this step is attended by
+        the exact kernel (decodes, verifications, short prefill chunks; no sparse attention, no sealing): the
+        positions, the slots written, then per group its query rows, block table, mask, output rows and valid
+        queries (the first and the last two empty when the group's queries are the step's tokens in order); else
+        None (the layer-by-layer path)."""
         n = meta.num_actual_tokens
-        if (isinstance(g, SparseStep) or g.window is not None or g.q_index.shape[1] > BATCH_MAX_QUERY
-                or g.q_index.numel() != n or len(meta.positions) != n or cpu_exact.kernel() is None):
-            return None
-        if not torch.equal(g.q_index.flatten(), torch.arange(n)) or g.valid_q is not None and not g.valid_q.all():
-            return None
-        return [meta.positions, meta.slot_mapping[:n], g.blocks.to(torch.int64).contiguous(),
-                g.mask[:, 0].contiguous()]
+        if (self.exact == "off" or self.sparse is not None or meta.kv_seal is not None or meta.positions.is_cuda
+                or len(meta.positions) != n or cpu_exact.kernel() is None):
+            return None                 # (sparse attention records each layer's keys as they are written)
+        step = [meta.positions, meta.slot_mapping[:n]]
+        for g in meta.plan:
+            if isinstance(g, SparseStep) or g.window is not None or g.q_index.shape[1] > BATCH_MAX_QUERY:
+                return None
+            blocks, mask = g.blocks.to(torch.int64).contiguous(), g.mask[:, 0].contiguous()
+            if (len(meta.plan) == 1 and g.q_index.numel() == n and torch.equal(g.q_index.flatten(), torch.arange(n))
+                    and (g.valid_q is None or bool(g.valid_q.all()))):
+                step += [_EMPTY, blocks, mask, _EMPTY, _EMPTY]
+            else:
+                step += [g.q_index, blocks, mask, g.out_index, _EMPTY if g.valid_q is None else g.valid_q]
+        return step
 
     def write_kv(self, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
                  layer: int | None = None) -> None:
