@@ -523,11 +523,16 @@ class SchemaGuard:
         # decides whether the root is checked, and a key's text is its name: neither is shared.) What to look at
         # (`_Plan`) is a function of the signature alone, kept for every row.
         signature = cursor.signature(text)
-        plan = self._plans.get(signature, _UNPLANNED)
+        plan_key = signature
+        if signature[-1]:   # inside a key: the plan reads what was typed only against the object's used keys
+            typed, keys = signature[-1], cursor.frames[-1].keys
+            if not any(_escaped(k).startswith(typed) for k in keys):
+                plan_key = signature[:-1] + (None,)
+        plan = self._plans.get(plan_key, _UNPLANNED)
         if plan is _UNPLANNED:
             if len(self._plans) > 4096:
                 self._plans.clear()
-            plan = self._plans[signature] = self._plan(text, cursor, backend)
+            plan = self._plans[plan_key] = self._plan(text, cursor, backend)
         memo: _Verdicts | None = None
         if depth > 0 and not cursor.escape and not (cursor.in_string and cursor.string_is_key):
             memo = self._verdicts.get(signature)
