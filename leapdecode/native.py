@@ -3,7 +3,7 @@ attention/cpu_exact.py, model/cpu_ops.py, model/packed_linear.py and model/cpu_l
 
 Built with ``torch.utils.cpp_extension.load_inline`` (g++ and ninja, ``-O3 -march=native``) and cached under
 ``TORCH_EXTENSIONS_DIR`` by source, flags, this CPU's instruction-set flags and the torch version, so a cache
-shared between machines never hands one machine another's instructions (~20 s the first time). Where that fails
+shared between machines never hands one machine another's instructions (~30 s the first time). Where that fails
 (no compiler, no ninja) or ``LEAPDECODE_NO_CPU_KERNELS=1`` is set, :func:`build` returns None and callers keep
 their PyTorch path.
 """

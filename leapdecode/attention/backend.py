@@ -61,8 +61,8 @@ class AttentionMetadata:
     kv_window: torch.Tensor | None = None      # [B, max_blocks] window block of an open block (-1: read the pool's)
     kv_seal: SealPlan | None = None            # blocks each layer quantizes after its write, before it attends
     plan: Any = None                  # the backend's per-step plan, set by ``AttentionBackend.plan``
-    # set by the plan where one C++ call may run a whole decoder layer (model/cpu_layer.py): positions, slots,
-    # block table, mask
+    # set by the plan where one C++ call may run a whole decoder layer (model/cpu_layer.py): positions, slots and
+    # each attention group's tensors (see ``TorchAttention._cpu_step``)
     cpu_step: Any = None
 
     @property

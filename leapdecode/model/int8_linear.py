@@ -15,9 +15,10 @@ quantizing activations). Measured on the 2-core Intel Xeon VM (AVX-512) over eve
 matrices, weights streamed): 1 row 4.7-5.0 ms against fbgemm's 6.5-6.8 (float32 through the row kernel 19-20),
 5 rows 7.1-7.9 against 9.0-9.9, but 17 rows 20.3 against 13.9: widening costs a multiply-add per weight and row,
 while fbgemm's int8 dot products do four, so past one 6-row tile fbgemm serves.
-For those rows, and where the row kernel does not run, PyTorch's fbgemm dynamic-quantization linear (``quantized::linear_dynamic``; ``reduce_range`` as the x86
-backend needs it to avoid saturating its 16-bit accumulation), available on x86 CPU builds of PyTorch;
-:func:`available` says whether either runs here, and callers keep their float layers where neither does.
+For those rows, and where the row kernel does not run, PyTorch's fbgemm dynamic-quantization linear
+(``quantized::linear_dynamic``; ``reduce_range`` as the x86 backend needs it to avoid saturating its 16-bit
+accumulation), available on x86 CPU builds of PyTorch; :func:`available` says whether either runs here, and callers
+keep their float layers where neither does.
 """
 from __future__ import annotations
 

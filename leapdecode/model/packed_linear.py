@@ -18,7 +18,9 @@ order, the same instructions whichever tile computes it, so a row's result does 
 the call (:func:`row_independent` checks it at start-up; a machine where it fails keeps oneDNN). On the 2-core
 Intel Xeon VM of 2026-11-29 (AVX-512; all linears of the default model, benchmarks/cpu_linears.py, two runs):
 oneDNN 22-24 ms for 1 row, 26-31 for 5, 30-35 for 9, 37-42 for 17, 452-560 for 512; the row kernel 19-22, 20-25,
-25-29, 29-34 and the same as oneDNN for 512. Decoding 1.17x oneDNN's speed at batch 1, 1.30x at batch 16.
+25-29, 29-34 and the same as oneDNN for 512. Decoding 1.17x oneDNN's speed at batch 1, 1.30x at batch 16. The same tiles
+read int8 slabs for drafters (model/int8_linear.py: widened in registers, a scale per output at the end), and
+model/cpu_layer.py runs them inside its one-call decoder layer.
 
 Either way the results differ from MKL's in the last bits (different summation order; about 6e-5 on outputs of
 size ~10) and a row's result does not depend on how many rows share the call.
