@@ -58,9 +58,9 @@ def kernels():
     from leapdecode.model import cpu_layer, cpu_ops, packed_linear
     source = "\n".join([cpu_ops._SOURCE, '#pragma GCC push_options\n#pragma GCC optimize ("fp-contract=fast")',
                         cpu_exact._SOURCE, "#pragma GCC pop_options", packed_linear._SOURCE, cpu_layer._SOURCE])
-    return build("cpu_kernels", source, ["rms_norm", "rope_", "paged_attention", "paged_attention_quantized",
-                                         "rows_supported", "rows_linear", "rows_linear_int8", "decoder_layer"],
-                 flags=["-ffp-contract=off"])
+    return build("cpu_kernels", source, ["rms_norm", "rope_", "paged_attention", "paged_attention_slots",
+                                         "paged_attention_quantized", "rows_supported", "rows_linear",
+                                         "rows_linear_int8", "decoder_layer"], flags=["-ffp-contract=off"])
 
 
 __all__ = ["build", "kernels"]

@@ -111,14 +111,18 @@ struct Head {
 // kv head g) returns a pointer to its D floats, in the cache itself where they are float32 and D % W == 0, else
 // written into ``dst`` (converted, or dequantized).
 
-// A paged cache of the model's dtype: [2, nb, bs, Hkv, D].
+// A paged cache of the model's dtype: [2, nb, bs, Hkv, D]. ``table`` is a block table [S, nblocks], or with
+// ``slots`` each key's own cache slot [S, max_k] (a token tree's row: its context, then its ancestors).
 template <typename T>
 struct Paged {
   const T *kc, *vc;
   const int64_t* table;
   int64_t table_stride, bs, Hkv, D, block_stride;
+  bool slots = false;
   const float* row(int pass, int64_t s, int64_t j, int64_t g, float* dst) const {
-    const T* src = (pass == 0 ? kc : vc) + table[s * table_stride + j / bs] * block_stride + (j % bs) * Hkv * D + g * D;
+    const int64_t at = slots ? table[s * table_stride + j] * Hkv * D
+                             : table[s * table_stride + j / bs] * block_stride + (j % bs) * Hkv * D;
+    const T* src = (pass == 0 ? kc : vc) + at + g * D;
     if constexpr (std::is_same<T, float>::value) {
       if (D % W == 0) return src;
     }
@@ -343,22 +347,36 @@ void check(const torch::Tensor& q, const torch::Tensor& table, const torch::Tens
   TORCH_CHECK(D <= Head<0>::MAXV * W, "head size above ", Head<0>::MAXV * W);
 }
 
-torch::Tensor paged_attention(torch::Tensor q, torch::Tensor kv_cache, torch::Tensor table, torch::Tensor mask,
-                              double scale) {
-  // q [S, M, H, D] float32 (M query rows per sequence); kv_cache [2, nb, bs, Hkv, D]; table [S, nblocks] int64;
-  // mask [S, M, max_k] bool
+static torch::Tensor paged(torch::Tensor q, torch::Tensor kv_cache, torch::Tensor table, torch::Tensor mask,
+                           double scale, bool slots) {
   TORCH_CHECK(kv_cache.is_contiguous(), "the cache must be contiguous");
   const int64_t nb = kv_cache.size(1), bs = kv_cache.size(2), Hkv = kv_cache.size(3), D = kv_cache.size(4);
   check(q, table, mask, Hkv, D);
+  TORCH_CHECK(!slots || table.size(1) >= mask.size(2), "a slot for every key");
   auto out = torch::empty_like(q);
   const int64_t block_stride = bs * Hkv * D;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, kv_cache.scalar_type(), "paged_attention", [&] {
     const scalar_t* base = kv_cache.data_ptr<scalar_t>();
     Paged<scalar_t> src{base, base + nb * block_stride, table.data_ptr<int64_t>(), table.size(1), bs, Hkv, D,
-                        block_stride};
+                        block_stride, slots};
     dispatch(src, q, mask, out, Hkv, scale);
   });
   return out;
+}
+
+torch::Tensor paged_attention(torch::Tensor q, torch::Tensor kv_cache, torch::Tensor table, torch::Tensor mask,
+                              double scale) {
+  // q [S, M, H, D] float32 (M query rows per sequence); kv_cache [2, nb, bs, Hkv, D]; table [S, nblocks] int64;
+  // mask [S, M, max_k] bool
+  return paged(q, kv_cache, table, mask, scale, false);
+}
+
+// The same with each sequence's keys by slot, slots [S, max_k] int64: a token tree's node attended as the row plain
+// decoding would attend after its path (its context, then its ancestors at consecutive key indices), so its sums
+// run in the same lanes and chunks and its bits are plain decoding's.
+torch::Tensor paged_attention_slots(torch::Tensor q, torch::Tensor kv_cache, torch::Tensor slots, torch::Tensor mask,
+                                    double scale) {
+  return paged(q, kv_cache, slots, mask, scale, true);
 }
 
 // The same over a quantized cache (see Quant): kgrid and vgrid (int8) or scales and lut (fp8), window and wmap when
@@ -412,6 +430,17 @@ def attend(q: torch.Tensor, kv_cache: torch.Tensor, blocks: torch.Tensor, mask: 
         return None
     return mod.paged_attention(q.float().contiguous(), kv_cache.contiguous(), blocks.to(torch.int64).contiguous(),
                                mask.contiguous(), float(scale))
+
+
+def attend_slots(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor,
+                 scale: float) -> torch.Tensor | None:
+    """:func:`attend` with each sequence's keys given by cache slot, ``slots`` [B, max_k] int64 (a tree node's
+    context and ancestors, see ``torch_ref._tree_rows``)."""
+    mod = kernel()
+    if mod is None:
+        return None
+    return mod.paged_attention_slots(q.float().contiguous(), kv_cache.contiguous(), slots.contiguous(),
+                                     mask.contiguous(), float(scale))
 
 
 def reads(layer) -> bool:

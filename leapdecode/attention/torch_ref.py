@@ -66,6 +66,10 @@ class _Group:
     out_index: torch.Tensor    # flat rows of the valid queries, in valid_q order
     mask: torch.Tensor         # [B, 1, max_q, max_k]
     window: torch.Tensor | None = None   # [B, nblocks] window block of an open block (-1: sealed), windowed caches
+    # a tree group's rows as the exact kernel reads them on a float cache: each node alone, its keys by slot (see
+    # ``_tree_rows``); None for other groups
+    by_slot: "_Group | None" = None
+    slots: torch.Tensor | None = None   # (in ``by_slot``) [N, max_k] cache slot of each key
 
 
 class TorchAttention(AttentionBackend):
@@ -101,8 +105,16 @@ class TorchAttention(AttentionBackend):
         # longest: 1,334 ms a step on the CPU, grouped 940 ms, plain decoding 842 ms)
         single = [i for i in short if meta.query_lens[i] == 1 and meta.tree(i) is None]
         multi = [i for i in short if meta.query_lens[i] > 1 or meta.tree(i) is not None]
+        # token trees apart where the exact kernel may read them node by node (``_tree_rows``)
+        trees = [i for i in multi if meta.tree(i) is not None] if self.exact != "off" and not meta.positions.is_cuda \
+            else []
+        multi = [i for i in multi if i not in trees] if trees else multi
         lens = meta.seq_lens_host
         groups = [_group(meta, g) for g in _by_length(single, lens) + _by_length(multi, lens) if g]
+        for g in _by_length(trees, lens):
+            group = _group(meta, g)
+            group.by_slot = _tree_rows(meta, g)
+            groups.append(group)
         groups += [_group(meta, [i]) for i, n in enumerate(meta.query_lens) if n > BATCH_MAX_QUERY]
         meta.plan = groups + ([sparse] if sparse is not None else [])
         meta.cpu_step = self._cpu_step(meta)
@@ -110,9 +122,9 @@ class TorchAttention(AttentionBackend):
     def _cpu_step(self, meta: AttentionMetadata) -> list[torch.Tensor] | None:
         """What model/cpu_layer.py needs to run a layer in one call, where every group of this step is attended by
         the exact kernel (decodes, verifications, short prefill chunks; no sparse attention, no sealing): the
-        positions, the slots written, then per group its query rows, block table, mask, output rows and valid
-        queries (the first and the last two empty when the group's queries are the step's tokens in order); else
-        None (the layer-by-layer path)."""
+        positions, the slots written, then per group its query rows, block table, key slots (a tree group's nodes
+        read by slot, ``_tree_rows``; else empty), mask, output rows and valid queries (query and output rows empty
+        when the group's queries are the step's tokens in order); else None (the layer-by-layer path)."""
         n = meta.num_actual_tokens
         if (self.exact == "off" or self.sparse is not None or meta.kv_seal is not None or meta.positions.is_cuda
                 or len(meta.positions) != n or cpu_exact.kernel() is None):
@@ -121,12 +133,16 @@ class TorchAttention(AttentionBackend):
         for g in meta.plan:
             if isinstance(g, SparseStep) or g.window is not None or g.q_index.shape[1] > BATCH_MAX_QUERY:
                 return None
+            if g.by_slot is not None:
+                t = g.by_slot
+                step += [t.q_index, _EMPTY, t.slots, t.mask[:, 0].contiguous(), t.out_index, _EMPTY]
+                continue
             blocks, mask = g.blocks.to(torch.int64).contiguous(), g.mask[:, 0].contiguous()
             if (len(meta.plan) == 1 and g.q_index.numel() == n and torch.equal(g.q_index.flatten(), torch.arange(n))
                     and (g.valid_q is None or bool(g.valid_q.all()))):
-                step += [_EMPTY, blocks, mask, _EMPTY, _EMPTY]
+                step += [_EMPTY, blocks, _EMPTY, mask, _EMPTY, _EMPTY]
             else:
-                step += [g.q_index, blocks, mask, g.out_index, _EMPTY if g.valid_q is None else g.valid_q]
+                step += [g.q_index, blocks, _EMPTY, mask, g.out_index, _EMPTY if g.valid_q is None else g.valid_q]
         return step
 
     def write_kv(self, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
@@ -160,6 +176,12 @@ class TorchAttention(AttentionBackend):
             o = None
             if self.exact != "off" and g.q_index.shape[1] <= BATCH_MAX_QUERY:   # long prefill chunks: SDPA's GEMMs
                 if isinstance(kv_cache, torch.Tensor) and kv_cache.device.type == "cpu":
+                    t = g.by_slot
+                    if t is not None:
+                        o = cpu_exact.attend_slots(q[t.q_index], kv_cache, t.slots, t.mask[:, 0], scale)
+                        if o is not None:
+                            out[t.out_index] = o[:, 0].to(out.dtype)
+                            continue
                     o = cpu_exact.attend(q[g.q_index], kv_cache, g.blocks, g.mask[:, 0], scale)  # [B, max_q, H, D]
                 elif cpu_exact.reads(kv_cache):                # a quantized cache: dequantized as the kernel reads
                     o = cpu_exact.attend_quantized(q[g.q_index], kv_cache, g.blocks, g.window, g.mask[:, 0], scale)
@@ -183,6 +205,39 @@ def _read(kv_cache: torch.Tensor | Fp8Layer | WindowedLayer, g: _Group) -> tuple
     else:
         k, v = kv_cache.read(g.blocks, g.window)
     return k[:, :g.max_k], v[:, :g.max_k]
+
+
+def _tree_rows(meta: AttentionMetadata, seqs: list[int]) -> _Group | None:
+    """The tree sequences' rows for the exact kernel, each node alone over its context then its ancestors at
+    consecutive key indices, by cache slot: the keys plain decoding would hold after that node's path, at the same
+    indices, so the kernel's sums run in the same lanes and chunks and a node's bits are plain decoding's (read in
+    place, a node's ancestors sit at their node numbers, not their depths, and its sums would differ in the last
+    bits). None if a node's position is not its context plus its depth."""
+    bs, starts = meta.block_size, [0]
+    for n in meta.query_lens:
+        starts.append(starts[-1] + n)
+    parts = []      # per sequence: (rows, slots [q, c + q], keys per row, positions)
+    for i in seqs:
+        q, k = meta.query_lens[i], meta.seq_lens_host[i]
+        c, tree = k - q, meta.tree(i).cpu()
+        idx = torch.arange(k)
+        slot = meta.block_tables[i].cpu()[idx // bs] * bs + idx % bs
+        seen = tree.sum(1)                                          # a node's ancestors and itself
+        first = torch.argsort((~tree).to(torch.int8), dim=1, stable=True)   # seen nodes first, ascending
+        pos = meta.positions[starts[i]:starts[i] + q].cpu()
+        if not torch.equal(pos, c + seen - 1):
+            return None
+        parts.append((torch.arange(starts[i], starts[i] + q), torch.cat([slot[:c].expand(q, c), slot[c:][first]], 1),
+                      c + seen, pos))
+    max_k = max(int(n.max()) for _, _, n, _ in parts)
+    slots = torch.cat([torch.nn.functional.pad(x, (0, max_k - x.shape[1])) for _, x, _, _ in parts])
+    lens = torch.cat([n for _, _, n, _ in parts])
+    key = torch.arange(max_k)[None, :]
+    mask = key < lens[:, None]
+    if meta.sliding_window is not None:
+        mask &= key > (torch.cat([p for _, _, _, p in parts])[:, None] - meta.sliding_window)
+    out_index = torch.cat([r for r, _, _, _ in parts]).to(meta.positions.device)
+    return _Group(_EMPTY, max_k, out_index[:, None], None, out_index, mask[:, None, None], slots=slots)
 
 
 def seal_blocks(q: torch.Tensor, layer: WindowedLayer, seal: SealPlan, scale: float) -> None:

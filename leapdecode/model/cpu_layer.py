@@ -44,9 +44,10 @@ static torch::Tensor layer_linear(const torch::Tensor& x, const torch::Tensor& w
 
 // x [T, hidden] float32. w: 0 input norm, 1-3 qkv (weight, scale, bias), 4-6 o, 7 post-attention norm, 8-10
 // gate/up, 11-13 down, 14 cos, 15 sin, 16 the layer's cache [2, nb, bs, Hkv, D] (absent scale/bias: empty).
-// step: 0 positions [T], 1 slots [T] int64, then per attention group (TorchAttention's plan) five tensors: query
-// rows [B, M], block table [B, nblocks] int64, mask [B, M, max_k] bool, output rows, valid queries [B, M] (the
-// query and output rows empty: the step's tokens in order; valid queries empty: all). p: eps, H, Hkv, D, scale.
+// step: 0 positions [T], 1 slots [T] int64, then per attention group (TorchAttention's plan) six tensors: query
+// rows [B, M], block table [B, nblocks] int64 or key slots [B, max_k] int64 (the other empty), mask [B, M, max_k]
+// bool, output rows, valid queries [B, M] (query and output rows empty: the step's tokens in order; valid queries
+// empty: all). p: eps, H, Hkv, D, scale.
 // The same operations as DecoderLayer.forward, TorchAttention.write_kv and TorchAttention.attend.
 torch::Tensor decoder_layer(torch::Tensor x, std::vector<torch::Tensor> w, std::vector<torch::Tensor> step,
                             std::vector<double> p) {
@@ -54,7 +55,7 @@ torch::Tensor decoder_layer(torch::Tensor x, std::vector<torch::Tensor> w, std::
   const double eps = p[0], scale = p[4];
   const int64_t H = static_cast<int64_t>(p[1]), Hkv = static_cast<int64_t>(p[2]), D = static_cast<int64_t>(p[3]);
   const int64_t T = x.size(0);
-  TORCH_CHECK(step.size() >= 7 && (step.size() - 2) % 5 == 0 && step[1].size(0) == T, "decoder_layer: step");
+  TORCH_CHECK(step.size() >= 8 && (step.size() - 2) % 6 == 0 && step[1].size(0) == T, "decoder_layer: step");
   auto qkv = layer_linear(rms_norm(x, w[0], eps), w[1], w[2], w[3]);
   auto q = qkv.narrow(1, 0, H * D).view({T, H, D});
   auto k = qkv.narrow(1, H * D, Hkv * D).view({T, Hkv, D});
@@ -64,14 +65,16 @@ torch::Tensor decoder_layer(torch::Tensor x, std::vector<torch::Tensor> w, std::
   flat[0].index_copy_(0, step[1], k);
   flat[1].index_copy_(0, step[1], v);
   torch::Tensor o;
-  if (step.size() == 7 && step[2].numel() == 0) {
-    o = paged_attention(q.contiguous().view({step[4].size(0), step[4].size(1), H, D}), w[16], step[3], step[4],
+  if (step.size() == 8 && step[2].numel() == 0) {
+    o = paged_attention(q.contiguous().view({step[5].size(0), step[5].size(1), H, D}), w[16], step[3], step[5],
                         scale);
   } else {
     o = torch::empty({T, H, D}, x.options());
-    for (size_t g = 2; g < step.size(); g += 5) {
-      auto og = paged_attention(q.index({step[g]}), w[16], step[g + 1], step[g + 2], scale);
-      o.index_put_({step[g + 3]}, step[g + 4].numel() ? og.index({step[g + 4]}) : og.select(1, 0));
+    for (size_t g = 2; g < step.size(); g += 6) {
+      auto qg = q.index({step[g]});
+      auto og = step[g + 2].numel() ? paged_attention_slots(qg, w[16], step[g + 2], step[g + 3], scale)
+                                    : paged_attention(qg, w[16], step[g + 1], step[g + 3], scale);
+      o.index_put_({step[g + 4]}, step[g + 5].numel() ? og.index({step[g + 5]}) : og.select(1, 0));
     }
   }
   x = x + layer_linear(o.view({T, H * D}), w[4], w[5], w[6]);
