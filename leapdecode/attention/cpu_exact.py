@@ -112,16 +112,21 @@ struct Head {
 // written into ``dst`` (converted, or dequantized).
 
 // A paged cache of the model's dtype: [2, nb, bs, Hkv, D]. ``table`` is a block table [S, nblocks], or with
-// ``slots`` each key's own cache slot [S, max_k] (a token tree's row: its context, then its ancestors).
+// ``ctx`` each query row's own cache slot per key [S * M, max_k] (a token tree's node: its context, then its
+// ancestors), the first ctx[s] keys the same for every row of sequence s.
 template <typename T>
 struct Paged {
   const T *kc, *vc;
   const int64_t* table;
   int64_t table_stride, bs, Hkv, D, block_stride;
-  bool slots = false;
-  const float* row(int pass, int64_t s, int64_t j, int64_t g, float* dst) const {
-    const int64_t at = slots ? table[s * table_stride + j] * Hkv * D
-                             : table[s * table_stride + j / bs] * block_stride + (j % bs) * Hkv * D;
+  const int64_t* ctx = nullptr;
+  int64_t M = 1;
+  // whether the rows of sequence s read different keys in the chunk from key j0 on (then each row loads its own)
+  bool divergent(int64_t s, int64_t j0) const { return ctx != nullptr && j0 + CHUNK > ctx[s]; }
+  const float* row(int pass, int64_t s, int64_t j, int64_t g, float* dst) const { return row_of(pass, s, 0, j, g, dst); }
+  const float* row_of(int pass, int64_t s, int64_t m, int64_t j, int64_t g, float* dst) const {
+    const int64_t at = ctx ? table[(s * M + m) * table_stride + j] * Hkv * D
+                           : table[s * table_stride + j / bs] * block_stride + (j % bs) * Hkv * D;
     const T* src = (pass == 0 ? kc : vc) + at + g * D;
     if constexpr (std::is_same<T, float>::value) {
       if (D % W == 0) return src;
@@ -140,6 +145,10 @@ struct Paged {
 // window block, or -1 (read the codes). The products s * u and lut * scale are exact in float32 (at most 19
 // significant bits), so a fused multiply-add gives the same value as kv_quant's decode.
 struct Quant {
+  bool divergent(int64_t, int64_t) const { return false; }
+  const float* row_of(int pass, int64_t s, int64_t, int64_t j, int64_t g, float* dst) const {
+    return row(pass, s, j, g, dst);
+  }
   const uint8_t *codes, *salient, *residual;
   const at::Half *kgrid, *vgrid, *scales;
   const float *lut, *window;
@@ -217,16 +226,20 @@ void run(const Src& src, const float* q, const bool* mask, float* out, int64_t S
         seen[jj] = false;
         for (int64_t m = 0; jj < n && m < M && !seen[jj]; ++m) seen[jj] = mask[(s * M + m) * max_k + j0 + jj];
       }
-      for (int64_t g = 0; g < Hkv; ++g) {
+      const bool divergent = src.divergent(s, j0);
+      auto load_rows = [&](int64_t m, int64_t g, const bool* want) {
         for (int pass = 0; pass < 2; ++pass) {
           for (int64_t jj = 0; jj < CHUNK; ++jj) {
-            if (!seen[jj]) { rows[pass][jj] = zero.data(); continue; }
+            if (!want[jj]) { rows[pass][jj] = zero.data(); continue; }
             float* dst = tile.data() + (pass * CHUNK + jj) * DV * W;
-            const float* r = src.row(pass, s, j0 + jj, g, dst);
+            const float* r = src.row_of(pass, s, m, j0 + jj, g, dst);
             if (r == dst) for (int64_t d = D; d < DV * W; ++d) dst[d] = 0.f;
             rows[pass][jj] = r;
           }
         }
+      };
+      for (int64_t g = 0; g < Hkv; ++g) {
+        if (!divergent) load_rows(0, g, seen);         // every row of the sequence reads these keys
         for (int64_t m = 0; m < M; ++m) {
           const int64_t r = s * M + m, idx = (r * nc + c) * H;
           const bool* mk = mask + r * max_k + j0;
@@ -236,6 +249,11 @@ void run(const Src& src, const float* q, const bool* mask, float* out, int64_t S
           for (int64_t jj = 0; jj < CHUNK; ++jj) {
             vis[jj] = jj < n && mk[jj] ? -1 : 0;
             any[jj / W] = any[jj / W] || vis[jj];
+          }
+          if (divergent) {                             // this row's own keys (a tree node's ancestors)
+            bool want[CHUNK];
+            for (int64_t jj = 0; jj < CHUNK; ++jj) want[jj] = vis[jj] != 0;
+            load_rows(m, g, want);
           }
           bool none = true;
           for (int gi = 0; gi < G; ++gi) none = none && !any[gi];
@@ -348,17 +366,19 @@ void check(const torch::Tensor& q, const torch::Tensor& table, const torch::Tens
 }
 
 static torch::Tensor paged(torch::Tensor q, torch::Tensor kv_cache, torch::Tensor table, torch::Tensor mask,
-                           double scale, bool slots) {
+                           double scale, const torch::Tensor* ctx) {
   TORCH_CHECK(kv_cache.is_contiguous(), "the cache must be contiguous");
   const int64_t nb = kv_cache.size(1), bs = kv_cache.size(2), Hkv = kv_cache.size(3), D = kv_cache.size(4);
   check(q, table, mask, Hkv, D);
-  TORCH_CHECK(!slots || table.size(1) >= mask.size(2), "a slot for every key");
+  TORCH_CHECK(!ctx || (table.size(0) == q.size(0) * q.size(1) && table.size(1) >= mask.size(2)
+                       && ctx->numel() == q.size(0) && ctx->is_contiguous()), "a slot for every row and key");
   auto out = torch::empty_like(q);
   const int64_t block_stride = bs * Hkv * D;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, kv_cache.scalar_type(), "paged_attention", [&] {
     const scalar_t* base = kv_cache.data_ptr<scalar_t>();
     Paged<scalar_t> src{base, base + nb * block_stride, table.data_ptr<int64_t>(), table.size(1), bs, Hkv, D,
-                        block_stride, slots};
+                        block_stride};
+    if (ctx) { src.ctx = ctx->data_ptr<int64_t>(); src.M = q.size(1); }
     dispatch(src, q, mask, out, Hkv, scale);
   });
   return out;
@@ -368,15 +388,16 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor kv_cache, torch::Te
                               double scale) {
   // q [S, M, H, D] float32 (M query rows per sequence); kv_cache [2, nb, bs, Hkv, D]; table [S, nblocks] int64;
   // mask [S, M, max_k] bool
-  return paged(q, kv_cache, table, mask, scale, false);
+  return paged(q, kv_cache, table, mask, scale, nullptr);
 }
 
-// The same with each sequence's keys by slot, slots [S, max_k] int64: a token tree's node attended as the row plain
-// decoding would attend after its path (its context, then its ancestors at consecutive key indices), so its sums
-// run in the same lanes and chunks and its bits are plain decoding's.
-torch::Tensor paged_attention_slots(torch::Tensor q, torch::Tensor kv_cache, torch::Tensor slots, torch::Tensor mask,
-                                    double scale) {
-  return paged(q, kv_cache, slots, mask, scale, true);
+// The same with each query row's keys by cache slot, slots [S * M, max_k] int64, the first ctx[s] the same for all
+// rows of sequence s (ctx [S] int64): a token tree's node attended as plain decoding would attend it after its path
+// (its context, then its ancestors at consecutive key indices), so its sums run in the same lanes and chunks and
+// its bits are plain decoding's; the context's chunks are still read once for all the tree's nodes.
+torch::Tensor paged_attention_slots(torch::Tensor q, torch::Tensor kv_cache, torch::Tensor slots, torch::Tensor ctx,
+                                    torch::Tensor mask, double scale) {
+  return paged(q, kv_cache, slots, mask, scale, &ctx);
 }
 
 // The same over a quantized cache (see Quant): kgrid and vgrid (int8) or scales and lut (fp8), window and wmap when
@@ -432,15 +453,16 @@ def attend(q: torch.Tensor, kv_cache: torch.Tensor, blocks: torch.Tensor, mask: 
                                mask.contiguous(), float(scale))
 
 
-def attend_slots(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor,
-                 scale: float) -> torch.Tensor | None:
-    """:func:`attend` with each sequence's keys given by cache slot, ``slots`` [B, max_k] int64 (a tree node's
-    context and ancestors, see ``torch_ref._tree_rows``)."""
+def attend_slots(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor, ctx: torch.Tensor,
+                 mask: torch.Tensor, scale: float) -> torch.Tensor | None:
+    """:func:`attend` with each query row's keys given by cache slot, ``slots`` [B * max_q, max_k] int64, the first
+    ``ctx[b]`` keys the same for every row of sequence b (a tree's nodes: their context, then their ancestors; see
+    ``torch_ref._tree_rows``)."""
     mod = kernel()
     if mod is None:
         return None
     return mod.paged_attention_slots(q.float().contiguous(), kv_cache.contiguous(), slots.contiguous(),
-                                     mask.contiguous(), float(scale))
+                                     ctx.contiguous(), mask.contiguous(), float(scale))
 
 
 def reads(layer) -> bool:

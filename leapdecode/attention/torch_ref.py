@@ -66,10 +66,11 @@ class _Group:
     out_index: torch.Tensor    # flat rows of the valid queries, in valid_q order
     mask: torch.Tensor         # [B, 1, max_q, max_k]
     window: torch.Tensor | None = None   # [B, nblocks] window block of an open block (-1: sealed), windowed caches
-    # a tree group's rows as the exact kernel reads them on a float cache: each node alone, its keys by slot (see
+    # a tree group's rows as the exact kernel reads them on a float cache: each node's keys by slot (see
     # ``_tree_rows``); None for other groups
     by_slot: "_Group | None" = None
-    slots: torch.Tensor | None = None   # (in ``by_slot``) [N, max_k] cache slot of each key
+    slots: torch.Tensor | None = None   # (in ``by_slot``) [B * max_q, max_k] cache slot of each row's keys
+    ctx: torch.Tensor | None = None     # (in ``by_slot``) [B] keys every row of the sequence shares (its context)
 
 
 class TorchAttention(AttentionBackend):
@@ -122,9 +123,10 @@ class TorchAttention(AttentionBackend):
     def _cpu_step(self, meta: AttentionMetadata) -> list[torch.Tensor] | None:
         """What model/cpu_layer.py needs to run a layer in one call, where every group of this step is attended by
         the exact kernel (decodes, verifications, short prefill chunks; no sparse attention, no sealing): the
-        positions, the slots written, then per group its query rows, block table, key slots (a tree group's nodes
-        read by slot, ``_tree_rows``; else empty), mask, output rows and valid queries (query and output rows empty
-        when the group's queries are the step's tokens in order); else None (the layer-by-layer path)."""
+        positions, the slots written, then per group its query rows, block table (a tree group read by slot: its
+        sequences' context lengths), key slots (a tree group's, ``_tree_rows``; else empty), mask, output rows and
+        valid queries (query and output rows empty when the group's queries are the step's tokens in order); else
+        None (the layer-by-layer path)."""
         n = meta.num_actual_tokens
         if (self.exact == "off" or self.sparse is not None or meta.kv_seal is not None or meta.positions.is_cuda
                 or len(meta.positions) != n or cpu_exact.kernel() is None):
@@ -135,7 +137,7 @@ class TorchAttention(AttentionBackend):
                 return None
             if g.by_slot is not None:
                 t = g.by_slot
-                step += [t.q_index, _EMPTY, t.slots, t.mask[:, 0].contiguous(), t.out_index, _EMPTY]
+                step += [t.q_index, t.ctx, t.slots, t.mask[:, 0].contiguous(), t.out_index, t.valid_q]
                 continue
             blocks, mask = g.blocks.to(torch.int64).contiguous(), g.mask[:, 0].contiguous()
             if (len(meta.plan) == 1 and g.q_index.numel() == n and torch.equal(g.q_index.flatten(), torch.arange(n))
@@ -178,9 +180,9 @@ class TorchAttention(AttentionBackend):
                 if isinstance(kv_cache, torch.Tensor) and kv_cache.device.type == "cpu":
                     t = g.by_slot
                     if t is not None:
-                        o = cpu_exact.attend_slots(q[t.q_index], kv_cache, t.slots, t.mask[:, 0], scale)
+                        o = cpu_exact.attend_slots(q[t.q_index], kv_cache, t.slots, t.ctx, t.mask[:, 0], scale)
                         if o is not None:
-                            out[t.out_index] = o[:, 0].to(out.dtype)
+                            out[t.out_index] = o[t.valid_q].to(out.dtype)
                             continue
                     o = cpu_exact.attend(q[g.q_index], kv_cache, g.blocks, g.mask[:, 0], scale)  # [B, max_q, H, D]
                 elif cpu_exact.reads(kv_cache):                # a quantized cache: dequantized as the kernel reads
@@ -216,7 +218,8 @@ def _tree_rows(meta: AttentionMetadata, seqs: list[int]) -> _Group | None:
     bs, starts = meta.block_size, [0]
     for n in meta.query_lens:
         starts.append(starts[-1] + n)
-    parts = []      # per sequence: (rows, slots [q, c + q], keys per row, positions)
+    max_q = max(meta.query_lens[i] for i in seqs)
+    parts = []      # per sequence: (its rows' key slots [max_q, c + q], keys per row [max_q], positions [max_q])
     for i in seqs:
         q, k = meta.query_lens[i], meta.seq_lens_host[i]
         c, tree = k - q, meta.tree(i).cpu()
@@ -227,17 +230,24 @@ def _tree_rows(meta: AttentionMetadata, seqs: list[int]) -> _Group | None:
         pos = meta.positions[starts[i]:starts[i] + q].cpu()
         if not torch.equal(pos, c + seen - 1):
             return None
-        parts.append((torch.arange(starts[i], starts[i] + q), torch.cat([slot[:c].expand(q, c), slot[c:][first]], 1),
-                      c + seen, pos))
-    max_k = max(int(n.max()) for _, _, n, _ in parts)
-    slots = torch.cat([torch.nn.functional.pad(x, (0, max_k - x.shape[1])) for _, x, _, _ in parts])
-    lens = torch.cat([n for _, _, n, _ in parts])
-    key = torch.arange(max_k)[None, :]
-    mask = key < lens[:, None]
+        pad = torch.full((max_q - q,), q - 1, dtype=torch.int64)   # padding rows repeat the last node
+        rows = torch.cat([torch.arange(q), pad])
+        parts.append((torch.cat([slot[:c].expand(q, c), slot[c:][first]], 1)[rows], (c + seen)[rows], pos[rows]))
+    max_k = max(int(n.max()) for _, n, _ in parts)
+    slots = torch.cat([torch.nn.functional.pad(x, (0, max_k - x.shape[1])) for x, _, _ in parts])
+    lens = torch.stack([n for _, n, _ in parts])                     # [B, max_q]
+    key = torch.arange(max_k)
+    mask = key[None, None, :] < lens[:, :, None]
     if meta.sliding_window is not None:
-        mask &= key > (torch.cat([p for _, _, _, p in parts])[:, None] - meta.sliding_window)
-    out_index = torch.cat([r for r, _, _, _ in parts]).to(meta.positions.device)
-    return _Group(_EMPTY, max_k, out_index[:, None], None, out_index, mask[:, None, None], slots=slots)
+        mask &= key[None, None, :] > (torch.stack([p for _, _, p in parts])[:, :, None] - meta.sliding_window)
+    dev = meta.positions.device
+    base = torch.tensor([starts[i] for i in seqs], dtype=torch.int64)
+    q_index = base[:, None] + torch.minimum(torch.arange(max_q)[None, :],
+                                            torch.tensor([meta.query_lens[i] - 1 for i in seqs])[:, None])
+    valid_q = torch.arange(max_q)[None, :] < torch.tensor([meta.query_lens[i] for i in seqs])[:, None]
+    ctx = torch.tensor([meta.seq_lens_host[i] - meta.query_lens[i] for i in seqs], dtype=torch.int64)
+    return _Group(_EMPTY, max_k, q_index.to(dev), valid_q.to(dev), q_index[valid_q].to(dev), mask[:, None],
+                  slots=slots, ctx=ctx)
 
 
 def seal_blocks(q: torch.Tensor, layer: WindowedLayer, seal: SealPlan, scale: float) -> None:

@@ -45,9 +45,9 @@ static torch::Tensor layer_linear(const torch::Tensor& x, const torch::Tensor& w
 // x [T, hidden] float32. w: 0 input norm, 1-3 qkv (weight, scale, bias), 4-6 o, 7 post-attention norm, 8-10
 // gate/up, 11-13 down, 14 cos, 15 sin, 16 the layer's cache [2, nb, bs, Hkv, D] (absent scale/bias: empty).
 // step: 0 positions [T], 1 slots [T] int64, then per attention group (TorchAttention's plan) six tensors: query
-// rows [B, M], block table [B, nblocks] int64 or key slots [B, max_k] int64 (the other empty), mask [B, M, max_k]
-// bool, output rows, valid queries [B, M] (query and output rows empty: the step's tokens in order; valid queries
-// empty: all). p: eps, H, Hkv, D, scale.
+// rows [B, M], block table [B, nblocks] int64 (a tree group read by slot: its context lengths [B]), key slots
+// [B * M, max_k] int64 (a tree group's; else empty), mask [B, M, max_k] bool, output rows, valid queries [B, M]
+// (query and output rows empty: the step's tokens in order; valid queries empty: all). p: eps, H, Hkv, D, scale.
 // The same operations as DecoderLayer.forward, TorchAttention.write_kv and TorchAttention.attend.
 torch::Tensor decoder_layer(torch::Tensor x, std::vector<torch::Tensor> w, std::vector<torch::Tensor> step,
                             std::vector<double> p) {
@@ -72,7 +72,7 @@ torch::Tensor decoder_layer(torch::Tensor x, std::vector<torch::Tensor> w, std::
     o = torch::empty({T, H, D}, x.options());
     for (size_t g = 2; g < step.size(); g += 6) {
       auto qg = q.index({step[g]});
-      auto og = step[g + 2].numel() ? paged_attention_slots(qg, w[16], step[g + 2], step[g + 3], scale)
+      auto og = step[g + 2].numel() ? paged_attention_slots(qg, w[16], step[g + 2], step[g + 1], step[g + 3], scale)
                                     : paged_attention(qg, w[16], step[g + 1], step[g + 3], scale);
       o.index_put_({step[g + 4]}, step[g + 5].numel() ? og.index({step[g + 5]}) : og.select(1, 0));
     }
