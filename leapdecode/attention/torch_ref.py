@@ -106,7 +106,7 @@ class TorchAttention(AttentionBackend):
         # longest: 1,334 ms a step on the CPU, grouped 940 ms, plain decoding 842 ms)
         single = [i for i in short if meta.query_lens[i] == 1 and meta.tree(i) is None]
         multi = [i for i in short if meta.query_lens[i] > 1 or meta.tree(i) is not None]
-        # token trees apart where the exact kernel may read them node by node (``_tree_rows``)
+        # token trees apart where the exact kernel may read their nodes' keys by slot (``_tree_rows``)
         trees = [i for i in multi if meta.tree(i) is not None] if self.exact != "off" and not meta.positions.is_cuda \
             else []
         multi = [i for i in multi if i not in trees] if trees else multi
@@ -210,11 +210,12 @@ def _read(kv_cache: torch.Tensor | Fp8Layer | WindowedLayer, g: _Group) -> tuple
 
 
 def _tree_rows(meta: AttentionMetadata, seqs: list[int]) -> _Group | None:
-    """The tree sequences' rows for the exact kernel, each node alone over its context then its ancestors at
-    consecutive key indices, by cache slot: the keys plain decoding would hold after that node's path, at the same
+    """The tree sequences' rows for the exact kernel with their keys by cache slot, each node over its context then
+    its ancestors at consecutive key indices: the keys plain decoding would hold after that node's path, at the same
     indices, so the kernel's sums run in the same lanes and chunks and a node's bits are plain decoding's (read in
     place, a node's ancestors sit at their node numbers, not their depths, and its sums would differ in the last
-    bits). None if a node's position is not its context plus its depth."""
+    bits). A tree stays one sequence of max_q rows (the kernel loads the shared context's chunks once). None if a
+    node's position is not its context plus its depth."""
     bs, starts = meta.block_size, [0]
     for n in meta.query_lens:
         starts.append(starts[-1] + n)
