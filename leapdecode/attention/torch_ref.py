@@ -114,7 +114,7 @@ class TorchAttention(AttentionBackend):
         groups = [_group(meta, g) for g in _by_length(single, lens) + _by_length(multi, lens) if g]
         for g in _by_length(trees, lens):
             group = _group(meta, g)
-            group.by_slot = _tree_rows(meta, g)
+            group.by_slot = _tree_rows(meta, g, group)
             groups.append(group)
         groups += [_group(meta, [i]) for i, n in enumerate(meta.query_lens) if n > BATCH_MAX_QUERY]
         meta.plan = groups + ([sparse] if sparse is not None else [])
@@ -209,31 +209,28 @@ def _read(kv_cache: torch.Tensor | Fp8Layer | WindowedLayer, g: _Group) -> tuple
     return k[:, :g.max_k], v[:, :g.max_k]
 
 
-def _tree_rows(meta: AttentionMetadata, seqs: list[int]) -> _Group | None:
-    """The tree sequences' rows for the exact kernel with their keys by cache slot, each node over its context then
-    its ancestors at consecutive key indices: the keys plain decoding would hold after that node's path, at the same
-    indices, so the kernel's sums run in the same lanes and chunks and a node's bits are plain decoding's (read in
-    place, a node's ancestors sit at their node numbers, not their depths, and its sums would differ in the last
-    bits). A tree stays one sequence of max_q rows (the kernel loads the shared context's chunks once). None if a
-    node's position is not its context plus its depth."""
-    bs, starts = meta.block_size, [0]
-    for n in meta.query_lens:
-        starts.append(starts[-1] + n)
-    max_q = max(meta.query_lens[i] for i in seqs)
+def _tree_rows(meta: AttentionMetadata, seqs: list[int], group: _Group) -> _Group | None:
+    """``group`` (the tree sequences ``seqs`` as read in place) with its rows' keys by cache slot, each node over
+    its context then its ancestors at consecutive key indices: the keys plain decoding would hold after that node's
+    path, at the same indices, so the kernel's sums run in the same lanes and chunks and a node's bits are plain
+    decoding's (read in place, a node's ancestors sit at their node numbers, not their depths, and its sums would
+    differ in the last bits). A tree stays one sequence of max_q rows (the kernel loads the shared context's chunks
+    once); its query rows are the group's. None if a node's position is not its context plus its depth."""
+    bs, max_q = meta.block_size, group.q_index.shape[1]
+    positions = meta.positions[group.q_index].cpu()                 # [B, max_q]
     parts = []      # per sequence: (its rows' key slots [max_q, c + q], keys per row [max_q], positions [max_q])
-    for i in seqs:
+    for b, i in enumerate(seqs):
         q, k = meta.query_lens[i], meta.seq_lens_host[i]
         c, tree = k - q, meta.tree(i).cpu()
         idx = torch.arange(k)
         slot = meta.block_tables[i].cpu()[idx // bs] * bs + idx % bs
         seen = tree.sum(1)                                          # a node's ancestors and itself
         first = torch.argsort((~tree).to(torch.int8), dim=1, stable=True)   # seen nodes first, ascending
-        pos = meta.positions[starts[i]:starts[i] + q].cpu()
-        if not torch.equal(pos, c + seen - 1):
+        if not torch.equal(positions[b, :q], c + seen - 1):
             return None
-        pad = torch.full((max_q - q,), q - 1, dtype=torch.int64)   # padding rows repeat the last node
-        rows = torch.cat([torch.arange(q), pad])
-        parts.append((torch.cat([slot[:c].expand(q, c), slot[c:][first]], 1)[rows], (c + seen)[rows], pos[rows]))
+        rows = torch.cat([torch.arange(q), torch.full((max_q - q,), q - 1)])   # padding rows repeat the last node
+        parts.append((torch.cat([slot[:c].expand(q, c), slot[c:][first]], 1)[rows], (c + seen)[rows],
+                      positions[b, :q][rows]))
     max_k = max(int(n.max()) for _, n, _ in parts)
     slots = torch.cat([torch.nn.functional.pad(x, (0, max_k - x.shape[1])) for x, _, _ in parts])
     lens = torch.stack([n for _, n, _ in parts])                     # [B, max_q]
@@ -241,14 +238,8 @@ def _tree_rows(meta: AttentionMetadata, seqs: list[int]) -> _Group | None:
     mask = key[None, None, :] < lens[:, :, None]
     if meta.sliding_window is not None:
         mask &= key[None, None, :] > (torch.stack([p for _, _, p in parts])[:, :, None] - meta.sliding_window)
-    dev = meta.positions.device
-    base = torch.tensor([starts[i] for i in seqs], dtype=torch.int64)
-    q_index = base[:, None] + torch.minimum(torch.arange(max_q)[None, :],
-                                            torch.tensor([meta.query_lens[i] - 1 for i in seqs])[:, None])
-    valid_q = torch.arange(max_q)[None, :] < torch.tensor([meta.query_lens[i] for i in seqs])[:, None]
     ctx = torch.tensor([meta.seq_lens_host[i] - meta.query_lens[i] for i in seqs], dtype=torch.int64)
-    return _Group(_EMPTY, max_k, q_index.to(dev), valid_q.to(dev), q_index[valid_q].to(dev), mask[:, None],
-                  slots=slots, ctx=ctx)
+    return _Group(_EMPTY, max_k, group.q_index, group.valid_q, group.out_index, mask[:, None], slots=slots, ctx=ctx)
 
 
 def seal_blocks(q: torch.Tensor, layer: WindowedLayer, seal: SealPlan, scale: float) -> None:
