@@ -123,7 +123,9 @@ struct Paged {
   int64_t M = 1;
   // whether the rows of sequence s read different keys in the chunk from key j0 on (then each row loads its own)
   bool divergent(int64_t s, int64_t j0) const { return ctx != nullptr && j0 + CHUNK > ctx[s]; }
-  const float* row(int pass, int64_t s, int64_t j, int64_t g, float* dst) const { return row_of(pass, s, 0, j, g, dst); }
+  const float* row(int pass, int64_t s, int64_t j, int64_t g, float* dst) const {
+    return row_of(pass, s, 0, j, g, dst);
+  }
   const float* row_of(int pass, int64_t s, int64_t m, int64_t j, int64_t g, float* dst) const {
     const int64_t at = ctx ? table[(s * M + m) * table_stride + j] * Hkv * D
                            : table[s * table_stride + j / bs] * block_stride + (j % bs) * Hkv * D;

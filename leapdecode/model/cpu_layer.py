@@ -89,18 +89,12 @@ torch::Tensor decoder_layer(torch::Tensor x, std::vector<torch::Tensor> w, std::
 }
 """
 
-_NONE = torch.empty(0)
-
 
 def _linear_parts(m: Any) -> list[torch.Tensor] | None:
     """(weight, scale, bias) of a product the row kernel runs, as the C++ layer takes them; None otherwise."""
     from leapdecode.model.int8_linear import Int8Linear
-    from leapdecode.model.packed_linear import NO_BIAS, PackedLinear
-    if isinstance(m, PackedLinear) and m.kernel == "rows":
-        return [m.packed, _NONE, NO_BIAS if m.bias is None else m.bias.data]
-    if isinstance(m, Int8Linear) and m.kernel == "rows":
-        return [m._packed, m._scale, m._row_bias]
-    return None
+    from leapdecode.model.packed_linear import PackedLinear
+    return m.row_parts() if isinstance(m, (PackedLinear, Int8Linear)) else None
 
 
 class FusedLayer:

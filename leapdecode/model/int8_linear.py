@@ -71,7 +71,7 @@ class Int8Linear(nn.Module):
         if self._rows is not None:
             self._packed = packed_linear.pack_rows(q)
             self._scale = self._scales.float()
-            self._row_bias = packed_linear.NO_BIAS if self._bias is None else self._bias
+            self._row_bias = packed_linear.ABSENT if self._bias is None else self._bias
         else:
             self._q = q
         # fbgemm's op overload, called directly: a draft position calls it 121 times on SmolLM2-135M, and the
@@ -80,8 +80,7 @@ class Int8Linear(nn.Module):
 
     def _fbgemm_weight(self) -> torch.Tensor:
         if self._fbgemm is None:
-            q = self._q if self._q is not None else \
-                self._packed.transpose(1, 2).reshape(self.out_features, self.in_features)
+            q = self._q if self._q is not None else packed_linear.unpack_rows(self._packed)
             with warnings.catch_warnings():     # quantized tensors are deprecated as a user type; the op is what we use
                 warnings.simplefilter("ignore")
                 qw = torch._make_per_channel_quantized_tensor(
@@ -89,6 +88,10 @@ class Int8Linear(nn.Module):
                 self._fbgemm = torch.ops.quantized.linear_prepack(qw, self._bias)
             self._q = None
         return self._fbgemm
+
+    def row_parts(self) -> list[torch.Tensor] | None:
+        """(weight, scale, bias) as the row kernel takes them, or None where fbgemm serves every call."""
+        return None if self._rows is None else [self._packed, self._scale, self._row_bias]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x if x.dim() == 2 else x.reshape(-1, self.in_features)

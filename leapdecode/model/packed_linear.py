@@ -18,9 +18,9 @@ order, the same instructions whichever tile computes it, so a row's result does 
 the call (:func:`row_independent` checks it at start-up; a machine where it fails keeps oneDNN). On the 2-core
 Intel Xeon VM of 2026-11-29 (AVX-512; all linears of the default model, benchmarks/cpu_linears.py, two runs):
 oneDNN 22-24 ms for 1 row, 26-31 for 5, 30-35 for 9, 37-42 for 17, 452-560 for 512; the row kernel 19-22, 20-25,
-25-29, 29-34 and the same as oneDNN for 512. Decoding 1.17x oneDNN's speed at batch 1, 1.30x at batch 16. The same tiles
-read int8 slabs for drafters (model/int8_linear.py: widened in registers, a scale per output at the end), and
-model/cpu_layer.py runs them inside its one-call decoder layer.
+25-29, 29-34 and the same as oneDNN for 512. Decoding 1.17x oneDNN's speed at batch 1, 1.30x at batch 16. The
+same tiles read int8 slabs for drafters (model/int8_linear.py: widened in registers, a scale per output at the
+end), and model/cpu_layer.py runs them inside its one-call decoder layer.
 
 Either way the results differ from MKL's in the last bits (different summation order; about 6e-5 on outputs of
 size ~10) and a row's result does not depend on how many rows share the call.
@@ -183,7 +183,7 @@ torch::Tensor rows_linear_int8(torch::Tensor x, torch::Tensor w, torch::Tensor s
 """
 
 BLOCK = 16    # output features per packed block of the row kernel
-NO_BIAS = torch.empty(0)   # the row kernel's "no bias" (read only)
+ABSENT = torch.empty(0)   # the row kernel's absent bias or scale (read only)
 
 
 @functools.lru_cache(maxsize=1)
@@ -222,6 +222,12 @@ def pack_rows(weight: torch.Tensor) -> torch.Tensor:
     return weight.detach().reshape(n // BLOCK, BLOCK, k).transpose(1, 2).contiguous()
 
 
+def unpack_rows(packed: torch.Tensor) -> torch.Tensor:
+    """The dense [N, K] weight of :func:`pack_rows`' blocks (a copy)."""
+    nb, k, _ = packed.shape
+    return packed.transpose(1, 2).reshape(nb * BLOCK, k).clone()
+
+
 def _pack(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach().float().contiguous(), None)
 
@@ -240,16 +246,20 @@ class PackedLinear(nn.Module):
     @property
     def weight(self) -> torch.Tensor:
         """A dense copy of the weight (exact: packing only reorders), for set-up code; not used by ``forward``."""
-        if self.kernel == "rows":
-            return self.packed.transpose(1, 2).reshape(self.out_features, self.in_features).clone()
-        return self.packed.to_dense()
+        return unpack_rows(self.packed) if self.kernel == "rows" else self.packed.to_dense()
+
+    def row_parts(self) -> list[torch.Tensor] | None:
+        """(weight, scale, bias) as the row kernel takes them (scale absent: float32), or None under oneDNN."""
+        if self.kernel != "rows":
+            return None
+        return [self.packed, ABSENT, ABSENT if self.bias is None else self.bias.data]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel != "rows":
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         rows = x.reshape(-1, self.in_features)
         y = rows_kernel().rows_linear(rows if rows.is_contiguous() else rows.contiguous(), self.packed,
-                                   NO_BIAS if self.bias is None else self.bias.data)
+                                   ABSENT if self.bias is None else self.bias.data)
         return y.reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
@@ -299,4 +309,4 @@ def pack_model(model: nn.Module, enable: bool | None = None) -> int:
     return len(names) + 1
 
 
-__all__ = ["BLOCK", "NO_BIAS", "PackedLinear", "available", "pack_model", "pack_rows", "rows_kernel"]
+__all__ = ["ABSENT", "BLOCK", "PackedLinear", "available", "pack_model", "pack_rows", "rows_kernel", "unpack_rows"]
