@@ -176,6 +176,35 @@ def test_logprobs_and_greedy_match_transformers_gguf(tiny_dir, tmp_path, arch, q
         assert out.outputs[0].token_ids == gen, prompt
 
 
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q8_0])
+def test_quantized_gguf_runs_from_its_codes_with_the_float_bits(tiny_dir, tmp_path, monkeypatch, qtype):
+    """A 4- or 8-bit GGUF's linears run from their codes (model/packed_linear.py's grid forms), layer by layer and
+    through the one-call layer, plain and speculative: greedy tokens and every logprob equal, bit for bit, to the
+    same file run from float32 copies of its weights. Fails if the grid forms are not taken."""
+    from conftest import OracleDrafter
+    from leapdecode.model import packed_linear
+    if packed_linear.rows_kernel() is None:
+        pytest.skip("no row kernel here (no compiler or no AVX-512)")
+    path = write_gguf(tiny_dir("llama"), str(tmp_path / f"grid-{qtype.name}.gguf"), qtype)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=3)
+    prompts = [[3 + (7 * i + j) % 50 for j in range(12 + 9 * i)] for i in range(3)]
+
+    def run(spec=None):
+        llm = LLM(path, max_model_len=128, num_kv_blocks=64, speculative_config=spec)
+        kinds = {m.kernel for m in llm.engine.runner.model.modules() if isinstance(m, packed_linear.PackedLinear)}
+        outs = [llm.generate([p], params, use_tqdm=False)[0].outputs[0] for p in prompts]
+        return kinds, [(o.token_ids, o.logprobs) for o in outs]
+
+    kinds, plain = run()
+    assert kinds == {"rows_q4" if qtype == Q.Q4_0 else "rows_q8"}, kinds
+    truth = {tuple(p): [list(t)] for p, (t, _) in zip(prompts, plain)}
+    spec = {"drafter": OracleDrafter(truth, wrong_every=3), "num_speculative_tokens": 4, "adaptive": False}
+    assert run(spec)[1] == plain
+    monkeypatch.setattr(packed_linear, "grid_form", lambda w: None)
+    kinds, floats = run()
+    assert kinds == {"rows"} and floats == plain
+
+
 def test_f32_gguf_equals_the_original_checkpoint(tiny_dir, tmp_path):
     """Untied lm_head, q/k row order undone: the F32 file gives the original safetensors model's numbers."""
     hf_dir = tiny_dir("llama", rope_scaling=None)

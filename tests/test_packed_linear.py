@@ -53,6 +53,31 @@ def test_row_kernel_is_exact_and_row_independent():
     assert PackedLinear(torch.randn(100, 80)).kernel == "oneDNN"
 
 
+def test_weights_on_gguf_grids_run_from_their_codes_with_the_float_bits():
+    """Weights that are dequantized 4- and 8-bit GGUF blocks (Q4_0 with scales of both signs, Q4_1, Q8_0) are read
+    from their codes (rows_q4 / rows_q8: ~5 and ~8.5 bits a weight instead of 32) and give the float32 row
+    kernel's results bit for bit, for 1 to 40 rows (tiles rebuilt per 6 rows, and rebuilt once beyond 18 rows),
+    bias or not; the dense copy is the weight itself. A float weight keeps the float form. Fails if the grid forms
+    are never taken or rebuild any weight or sum differently."""
+    gguf = pytest.importorskip("gguf")
+    if packed_linear.rows_kernel() is None:
+        pytest.skip("no row kernel here (no compiler or no AVX-512)")
+    Q = gguf.GGMLQuantizationType
+    g = torch.Generator().manual_seed(3)
+    for qtype, kind in ((Q.Q4_0, "rows_q4"), (Q.Q4_1, "rows_q4"), (Q.Q8_0, "rows_q8")):
+        for n, k in ((80, 64), (112, 96)):
+            x = torch.randn(n, k, generator=g).numpy()
+            w = torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(x, qtype), qtype).reshape(n, k).copy())
+            for bias in (torch.randn(n, generator=g), None):
+                ref, grid = PackedLinear(w, bias, grids=False), PackedLinear(w, bias)
+                assert (ref.kernel, grid.kernel) == ("rows", kind), qtype
+                assert torch.equal(grid.weight, w)
+                rows = torch.randn(40, k, generator=g)
+                for m in (1, 2, 5, 6, 7, 13, 18, 19, 40):
+                    assert torch.equal(grid(rows[:m]), ref(rows[:m])), (qtype.name, n, k, m)
+    assert PackedLinear(torch.randn(96, 64, generator=g)).kernel == "rows"
+
+
 def test_int8_linear_takes_the_row_kernel_for_few_rows():
     """Int8Linear (drafters' weights, model/int8_linear.py): up to ROWS_MAX rows through the row kernel's int8 form,
     which keeps the inputs float, so it computes the float matmul of the dequantized weights to float32 rounding;

@@ -152,6 +152,124 @@ static torch::Tensor run_rows(const torch::Tensor& x, const torch::Tensor& w, co
   return y;
 }
 
+// Weights that sit exactly on a grid per group of GRID inputs and output, rebuilt in registers as the very float32
+// values a dense copy holds, then multiplied by the same FMA chain: the results are the float32 kernel's bits.
+// Q4: a 4-bit code per weight, two inputs a byte (input 2i low nibble, 2i+1 high), codes [N/16, K/2, 16]; a
+// (step, low) pair per group and output in float16, params [N/16, K/GRID, 2, 16]: w = code * step + low (one
+// rounding, as code * step is exact). Q8: an int8 code per weight, codes [N/16, K, 16]; a float16 step per group
+// and output, params [N/16, K/GRID, 16]: w = code * step (exact).
+static constexpr int64_t GRID = 32;
+static inline vec half16(const at::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+struct Q4 {
+  const uint8_t* c;
+  const at::Half* p;
+  int64_t K;
+  static constexpr int64_t AHEAD = AHEAD_BYTES / L;             // input pairs (16 bytes a block each)
+  Q4 at(int64_t block) const { return {c + block * (K / 2) * L, p + block * (K / GRID) * 2 * L, K}; }
+  // the weights of inputs k and k + 1 (k even) of the v-th block from here
+  inline void pair(int v, int64_t k, vec& w0, vec& w1) const {
+    const uint8_t* cv = c + v * (K / 2) * L + (k / 2) * L;
+    _mm_prefetch(reinterpret_cast<const char*>(cv + AHEAD * L), _MM_HINT_T0);
+    const at::Half* pv = p + v * (K / GRID) * 2 * L + (k / GRID) * 2 * L;
+    const vec step = half16(pv), low = half16(pv + L);
+    const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(cv)));
+    w0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(15))), step, low);
+    w1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4)), step, low);
+  }
+};
+
+struct Q8 {
+  const int8_t* c;
+  const at::Half* p;
+  int64_t K;
+  static constexpr int64_t AHEAD = AHEAD_BYTES / (2 * L);       // input pairs (32 bytes a block each)
+  Q8 at(int64_t block) const { return {c + block * K * L, p + block * (K / GRID) * L, K}; }
+  inline void pair(int v, int64_t k, vec& w0, vec& w1) const {
+    const int8_t* cv = c + v * K * L + k * L;
+    _mm_prefetch(reinterpret_cast<const char*>(cv + AHEAD * 2 * L), _MM_HINT_T0);
+    const vec step = half16(p + v * (K / GRID) * L + (k / GRID) * L);
+    w0 = _mm512_mul_ps(wload(cv), step);
+    w1 = _mm512_mul_ps(wload(cv + L), step);
+  }
+};
+
+// Up to GRID_TILED_MAX rows the weights are rebuilt in registers for every tile of up to RMAX rows, then the float32
+// kernel's FMA chain; beyond, once into float32 slabs that the float32 tiles then read (measured on the 2-core
+// Intel VM, all linears of SmolLM2-135M: rebuilding per tile is cheaper up to ~18 rows).
+static constexpr int64_t GRID_TILED_MAX = 18;
+template <int R, int V, typename Grid>
+static inline void grid_tile(const float* __restrict x, int64_t K, const Grid& w, float* __restrict y, int64_t N,
+                             int64_t n0, const float* bias) {
+  vec acc[R][V];
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < V; ++v) acc[r][v] = vzero();
+  for (int64_t k = 0; k < K; k += 2)
+    for (int v = 0; v < V; ++v) {
+      vec w0, w1;
+      w.pair(v, k, w0, w1);
+      for (int r = 0; r < R; ++r) {
+        acc[r][v] = vfma(x[r * K + k], w0, acc[r][v]);
+        acc[r][v] = vfma(x[r * K + k + 1], w1, acc[r][v]);
+      }
+    }
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < V; ++v)
+      vstore(y + r * N + n0 + v * L, bias ? vadd(acc[r][v], vload(bias + n0 + v * L)) : acc[r][v]);
+}
+
+template <int V, typename Grid>
+static void grid_blocks(const float* x, int64_t M, int64_t K, const Grid& w, float* buf, float* y, int64_t N,
+                        int64_t n0, const float* bias) {
+  if (M > GRID_TILED_MAX) {
+    for (int64_t k = 0; k < K; k += 2)
+      for (int v = 0; v < V; ++v) {
+        vec w0, w1;
+        w.pair(v, k, w0, w1);
+        vstore(buf + (v * K + k) * L, w0);
+        vstore(buf + (v * K + k + 1) * L, w1);
+      }
+    blocks<V>(x, M, K, static_cast<const float*>(buf), y, N, n0, nullptr, bias);
+    return;
+  }
+  for (; M > RMAX; M -= RMAX, x += RMAX * K, y += RMAX * N) grid_tile<RMAX, V>(x, K, w, y, N, n0, bias);
+  switch (M) {
+    case 6: grid_tile<6, V>(x, K, w, y, N, n0, bias); break;
+    case 5: grid_tile<5, V>(x, K, w, y, N, n0, bias); break;
+    case 4: grid_tile<4, V>(x, K, w, y, N, n0, bias); break;
+    case 3: grid_tile<3, V>(x, K, w, y, N, n0, bias); break;
+    case 2: grid_tile<2, V>(x, K, w, y, N, n0, bias); break;
+    case 1: grid_tile<1, V>(x, K, w, y, N, n0, bias); break;
+    default: break;
+  }
+}
+
+template <typename Grid>
+static torch::Tensor run_grid(const torch::Tensor& x, const Grid& w, int64_t nb, const float* bias) {
+  TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.dim() == 2 && x.is_contiguous() && x.size(1) == w.K,
+              "rows_linear_grid: x");
+  const int64_t M = x.size(0), K = x.size(1), N = nb * L;
+  auto y = torch::empty({M, N}, x.options());
+  const float* xp = x.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  pybind11::gil_scoped_release free_python;
+  const int64_t groups = (nb + VMAX - 1) / VMAX;
+  at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
+    std::vector<float> buf(M > GRID_TILED_MAX ? VMAX * K * L : 0);
+    for (int64_t g = g0; g < g1; ++g) {
+      const int64_t b = g * VMAX, v = std::min<int64_t>(VMAX, nb - b);
+      const Grid wb = w.at(b);
+      if (v == VMAX) grid_blocks<VMAX>(xp, M, K, wb, buf.data(), yp, N, b * L, bias);
+      else if (v == 3) grid_blocks<3>(xp, M, K, wb, buf.data(), yp, N, b * L, bias);
+      else if (v == 2) grid_blocks<2>(xp, M, K, wb, buf.data(), yp, N, b * L, bias);
+      else grid_blocks<1>(xp, M, K, wb, buf.data(), yp, N, b * L, bias);
+    }
+  });
+  return y;
+}
+
 static const float* optional(const torch::Tensor& t, int64_t n, const char* what) {
   TORCH_CHECK(t.numel() == 0 || (t.numel() == n && t.is_contiguous() && t.scalar_type() == torch::kFloat32), what);
   return t.numel() ? t.data_ptr<float>() : nullptr;
@@ -165,6 +283,26 @@ torch::Tensor rows_linear(torch::Tensor x, torch::Tensor w, torch::Tensor bias) 
   return run_rows<float>(x, w, nullptr, optional(bias, w.size(0) * L, "rows_linear: bias"));
 #else
   TORCH_CHECK(false, "rows_linear: this CPU has no AVX-512");
+  return x;
+#endif
+}
+
+// The same with a weight on exact grids (codes uint8: Q4, int8: Q8; params float16, see Q4 and Q8 above).
+torch::Tensor rows_linear_grid(torch::Tensor x, torch::Tensor codes, torch::Tensor params, torch::Tensor bias) {
+#ifdef ROWS_SUPPORTED
+  const int64_t nb = codes.size(0), K = x.size(1);
+  TORCH_CHECK(codes.dim() == 3 && codes.size(2) == L && codes.is_contiguous() && K % GRID == 0 &&
+              params.scalar_type() == torch::kHalf && params.is_contiguous(), "rows_linear_grid: codes, params");
+  const float* b = optional(bias, nb * L, "rows_linear_grid: bias");
+  if (codes.scalar_type() == torch::kUInt8) {
+    TORCH_CHECK(codes.size(1) * 2 == K && params.numel() == nb * (K / GRID) * 2 * L, "rows_linear_grid: q4 shapes");
+    return run_grid(x, Q4{codes.data_ptr<uint8_t>(), params.data_ptr<at::Half>(), K}, nb, b);
+  }
+  TORCH_CHECK(codes.scalar_type() == torch::kInt8 && codes.size(1) == K && params.numel() == nb * (K / GRID) * L,
+              "rows_linear_grid: q8 shapes");
+  return run_grid(x, Q8{codes.data_ptr<int8_t>(), params.data_ptr<at::Half>(), K}, nb, b);
+#else
+  TORCH_CHECK(false, "rows_linear_grid: this CPU has no AVX-512");
   return x;
 #endif
 }
@@ -228,6 +366,77 @@ def unpack_rows(packed: torch.Tensor) -> torch.Tensor:
     return packed.transpose(1, 2).reshape(nb * BLOCK, k).clone()
 
 
+GROUP = 32    # inputs per group of the row kernel's exact grids (the block size of GGUF's 4- and 8-bit formats)
+
+
+def grid_form(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The row kernel's codes and parameters for a weight [N, K] that sits exactly on grids, else None.
+
+    Q4 where every group of 32 inputs of an output holds values ``low + code * step`` (code 0..15) that the
+    float32 arithmetic ``code * step + low`` gives back bit for bit, with ``step`` and ``low`` exact in float16:
+    what a 4-bit GGUF block (Q4_0, Q4_1) is once dequantized (``low``: the block's minimum, or -8 steps of a step
+    that may be negative; a -0.0 rebuilt as 0.0 adds the same to every sum). Else Q8 where every group is
+    ``code * step`` with an int8 code and a float16 step (Q8_0). Anything else (float checkpoints, K-quants' sub-scales, N or K off the
+    kernel's multiples) has no exact grid form. Checked value by value, so a form is only ever a cheaper way to
+    read the very same weights."""
+    from leapdecode.model.int4_linear import grid_codes
+    n, k = weight.shape
+    if n % BLOCK or k % GROUP or weight.dtype != torch.float32:
+        return None
+    w = weight.detach().reshape(n, k // GROUP, GROUP)
+
+    def exact16(t: torch.Tensor) -> bool:
+        return bool(torch.isfinite(t).all() and (t.half().float() == t).all())
+
+    sample = w.reshape(-1, GROUP)[:256].sort(-1).values      # a float checkpoint fails here, before any full pass
+    if bool(((sample.diff(dim=-1) != 0).sum(-1) < 16).all()):
+        _, span_step, _, _ = grid_codes(weight)
+        # (step, level 0): Q4_1's (scale, block minimum); Q4_0's (scale, -8 scales), its scale maybe negative
+        step, low, codes, ok = None, None, None, None
+        for st, lo in ((span_step, w.amin(-1)), (span_step, -8 * span_step), (-span_step, 8 * span_step)):
+            if ok is not None and bool(ok.all()):
+                break
+            safe = torch.where(st != 0, st, torch.ones_like(st))[..., None]
+            c = ((w - lo[..., None]) / safe).round().clamp(0, 15)
+            good = (lo.half().float() == lo) & (c * st[..., None] + lo[..., None] == w).all(-1)
+            if step is None:
+                step, low, codes, ok = st, lo, c, good
+            else:
+                keep = ok | ~good
+                step, low = torch.where(keep, step, st), torch.where(keep, low, lo)
+                codes, ok = torch.where(keep[..., None], codes, c), ok | good
+        if exact16(step) and bool(ok.all()):
+            c = pack_rows(codes.reshape(n, k).to(torch.uint8))                  # [N/16, K, 16]
+            pairs = (c[:, 0::2] | (c[:, 1::2] << 4)).contiguous()                # [N/16, K/2, 16]
+            params = torch.stack([_per_block(step), _per_block(low)], 2)        # [N/16, K/32, 2, 16]
+            return pairs, params.half().contiguous()
+    step = w.abs().amax(-1) / 127
+    if not exact16(step):
+        return None
+    q = (w / torch.where(step > 0, step, torch.ones_like(step))[..., None]).round().clamp(-127, 127)
+    if not torch.equal(q * step[..., None], w):
+        return None
+    return pack_rows(q.reshape(n, k).to(torch.int8)), _per_block(step).half().contiguous()
+
+
+def _per_block(t: torch.Tensor) -> torch.Tensor:
+    """[N, K/32] -> [N/16, K/32, 16]: a group's values for the 16 outputs of a block together."""
+    n, groups = t.shape
+    return t.reshape(n // BLOCK, BLOCK, groups).transpose(1, 2)
+
+
+def grid_weight(codes: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
+    """The dense float32 weight [N, K] of :func:`grid_form`'s codes and parameters (a copy, exact)."""
+    if codes.dtype == torch.uint8:
+        c = torch.stack([codes & 15, codes >> 4], 2).flatten(1, 2).float()      # [N/16, K, 16]
+        step, low = params[:, :, 0].float(), params[:, :, 1].float()            # [N/16, K/32, 16]
+    else:
+        c, step, low = codes.float(), params.float(), torch.zeros(())
+    nb, k, _ = c.shape
+    w = c.reshape(nb, k // GROUP, GROUP, BLOCK) * step[:, :, None] + (low[:, :, None] if low.dim() else low)
+    return unpack_rows(w.reshape(nb, k, BLOCK))
+
+
 def _pack(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach().float().contiguous(), None)
 
@@ -236,30 +445,43 @@ class PackedLinear(nn.Module):
     """y = x W^T + b with W packed once: the row kernel's blocks where it runs here (and N is a multiple of 16),
     else oneDNN's layout (see the module docstring)."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, grids: bool = True) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.shape
         self.kernel = "rows" if self.out_features % BLOCK == 0 and rows_kernel() is not None else "oneDNN"
-        self.packed = pack_rows(weight.float()) if self.kernel == "rows" else _pack(weight)
+        self.params = ABSENT          # a grid form's steps (and lows), see grid_form
+        form = grid_form(weight.detach().float()) if self.kernel == "rows" and grids else None
+        if form is not None:
+            self.kernel = "rows_q4" if form[0].dtype == torch.uint8 else "rows_q8"
+            self.packed, self.params = form
+        else:
+            self.packed = pack_rows(weight.float()) if self.kernel == "rows" else _pack(weight)
         self.bias = None if bias is None else nn.Parameter(bias.detach().float(), requires_grad=False)
 
     @property
     def weight(self) -> torch.Tensor:
-        """A dense copy of the weight (exact: packing only reorders), for set-up code; not used by ``forward``."""
-        return unpack_rows(self.packed) if self.kernel == "rows" else self.packed.to_dense()
+        """A dense copy of the weight (exact: packing only reorders, grids are exact), for set-up code; not used
+        by ``forward``."""
+        if self.kernel == "oneDNN":
+            return self.packed.to_dense()
+        return unpack_rows(self.packed) if self.kernel == "rows" else grid_weight(self.packed, self.params)
 
     def row_parts(self) -> list[torch.Tensor] | None:
-        """(weight, scale, bias) as the row kernel takes them (scale absent: float32), or None under oneDNN."""
-        if self.kernel != "rows":
+        """(weight or codes, grid parameters or absent, bias) as the row kernel takes them, or None under oneDNN."""
+        if self.kernel == "oneDNN":
             return None
-        return [self.packed, ABSENT, ABSENT if self.bias is None else self.bias.data]
+        return [self.packed, self.params, ABSENT if self.bias is None else self.bias.data]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.kernel != "rows":
+        if self.kernel == "oneDNN":
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         rows = x.reshape(-1, self.in_features)
-        y = rows_kernel().rows_linear(rows if rows.is_contiguous() else rows.contiguous(), self.packed,
-                                   ABSENT if self.bias is None else self.bias.data)
+        rows = rows if rows.is_contiguous() else rows.contiguous()
+        bias = ABSENT if self.bias is None else self.bias.data
+        if self.kernel == "rows":
+            y = rows_kernel().rows_linear(rows, self.packed, bias)
+        else:
+            y = rows_kernel().rows_linear_grid(rows, self.packed, self.params, bias)
         return y.reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
@@ -309,4 +531,5 @@ def pack_model(model: nn.Module, enable: bool | None = None) -> int:
     return len(names) + 1
 
 
-__all__ = ["ABSENT", "BLOCK", "PackedLinear", "available", "pack_model", "pack_rows", "rows_kernel", "unpack_rows"]
+__all__ = ["ABSENT", "BLOCK", "GROUP", "PackedLinear", "available", "grid_form", "grid_weight", "pack_model", "pack_rows",
+           "rows_kernel", "unpack_rows"]
