@@ -8,18 +8,19 @@ Two tables:
 
 linears   Every linear of the model (30 layers' q/k/v, o, gate/up, down, and the LM head) run once in order, as
           one forward reads them (weights streamed from memory, not cached), for 1, 2, 5, 9, 17, 64 and 512 rows:
-          F.linear, oneDNN-packed layers and the row kernel's; and the same weights in int8 as drafters hold them
+          F.linear, oneDNN-packed layers, the row kernel's over float32 weights and over the GGUF file's own codes
+          (model/packed_linear.py's grid forms, as the engine runs them); and the same weights in int8 as drafters hold them
           (model/int8_linear.py): fbgemm alone, and as drafts run them (the row kernel's int8 form up to one
           6-row tile, fbgemm beyond); median of 5. Rows 5 and 17 are what a verification
           of 4 chained or 16 tree draft tokens computes at batch 1; 512, a prefill chunk.
 decode    ``LLM.generate`` greedy, EOS ignored, --tokens new tokens per request, chat-templated MT-Bench turn-1
           questions: batch 1 (--prompts requests one at a time) and batch 16 (16 requests together), tokens/s
-          with ``cpu_packed_linears=False`` (F.linear), packed through oneDNN (the row kernel held off), packed
-          through the row kernel with layers run module by module (model/cpu_layer.py's one-call layer held off)
-          and as the engine runs by default (the row kernel, each layer in one call where the step allows it), and
-          transformers ``generate`` on the same GGUF file
-          (its own loader) at batch 1 as the peer; they alternate per repeat. Also whether the greedy tokens of
-          the four runs are equal.
+          with ``cpu_packed_linears=False`` (F.linear), packed through oneDNN (the row kernel held off), the row
+          kernel over float32 weights (the grid forms held off: the default before they came), the row kernel over
+          the file's codes with layers run module by module (model/cpu_layer.py's one-call layer held off), and as
+          the engine runs by default (the file's codes, each layer in one call where the step allows it), and
+          transformers ``generate`` on the same GGUF file (its own loader) at batch 1 as the peer; they alternate
+          per repeat. Also whether the greedy tokens of all our runs are equal.
 
 Nothing is asserted; run it on a quiet machine (see this folder's README).
 """
@@ -54,6 +55,18 @@ def layer_by_layer():
 
 
 @contextlib.contextmanager
+def float_weights():
+    """Layers packed inside this block keep float32 weights (the GGUF grid forms held off)."""
+    from leapdecode.model import packed_linear
+    kept = packed_linear.grid_form
+    packed_linear.grid_form = lambda weight: None
+    try:
+        yield
+    finally:
+        packed_linear.grid_form = kept
+
+
+@contextlib.contextmanager
 def onednn_only():
     """Layers packed inside this block take oneDNN's layout (the row kernel held off)."""
     from leapdecode.model import packed_linear
@@ -74,17 +87,23 @@ def linears_table(model, reps: int = 5) -> None:
     with onednn_only():
         onednn = [PackedLinear(w) for w in dense]
         fbgemm = [Int8Linear(w) for w in dense]          # the row kernel held off: fbgemm for every row count
-    rows_layers = [PackedLinear(w) for w in dense]
+    rows_layers = [PackedLinear(w, grids=False) for w in dense]
+    grid_layers = [PackedLinear(w) for w in dense]       # as the engine runs them: the file's codes where exact
     int8_layers = [Int8Linear(w) for w in dense]        # as drafts run them: the row kernel up to ROWS_MAX rows
-    kernels = sorted({p.kernel for p in rows_layers} | {p.kernel for p in int8_layers})
-    print(f"\n(row-kernel layers: {kernels}; int8 through the row kernel up to {Int8Linear.ROWS_MAX} rows)"
-          "\n| rows | F.linear ms | oneDNN ms | row kernel ms | oneDNN / row kernel | int8 fbgemm ms | int8 as drafts "
-          "run it ms | fbgemm / int8 as run |\n|---:|---:|---:|---:|---:|---:|---:|---:|")
+    kernels = sorted({p.kernel for p in rows_layers} | {p.kernel for p in int8_layers} | {p.kernel for p in grid_layers})
+    mb = {name: sum(t.numel() * t.element_size() for p in layers for t in (p.packed, p.params)) / 2 ** 20
+          for name, layers in (("float", rows_layers), ("grids", grid_layers))}
+    print(f"\n(kernels: {kernels}; int8 through the row kernel up to {Int8Linear.ROWS_MAX} rows; weights read a "
+          f"forward: float32 {mb['float']:.0f} MiB, as the engine holds them {mb['grids']:.0f} MiB)"
+          "\n| rows | F.linear ms | oneDNN ms | row kernel ms | oneDNN / row kernel | GGUF codes ms | row kernel / "
+          "codes | int8 fbgemm ms | int8 as drafts run it ms | fbgemm / int8 as run |"
+          "\n|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for rows in (1, 2, 5, 9, 17, 64, 512):
         xs = {d: torch.randn(rows, d) for d in {w.shape[1] for w in dense}}
         runs = {"mkl": lambda: [F.linear(xs[w.shape[1]], w) for w in dense],
                 "onednn": lambda: [p(xs[p.in_features]) for p in onednn],
                 "rows": lambda: [p(xs[p.in_features]) for p in rows_layers],
+                "grids": lambda: [p(xs[p.in_features]) for p in grid_layers],
                 "fbgemm": lambda: [p(xs[p.in_features]) for p in fbgemm],
                 "int8": lambda: [p(xs[p.in_features]) for p in int8_layers]}
         t = {}
@@ -92,6 +111,7 @@ def linears_table(model, reps: int = 5) -> None:
             run()                                       # warm-up (oneDNN makes a kernel per new row count)
             t[name] = timed(run, reps) * 1e3
         print(f"| {rows} | {t['mkl']:.1f} | {t['onednn']:.1f} | {t['rows']:.1f} | {t['onednn'] / t['rows']:.2f}x | "
+              f"{t['grids']:.1f} | {t['rows'] / t['grids']:.2f}x | "
               f"{t['fbgemm']:.1f} | {t['int8']:.1f} | {t['fbgemm'] / t['int8']:.2f}x |")
 
 
@@ -113,6 +133,8 @@ def main() -> None:
     llms = {"F.linear": LLM(path, dtype="float32", cpu_packed_linears=False, kv_cache_memory="1GiB")}
     with onednn_only():
         llms["oneDNN"] = LLM(path, dtype="float32", cpu_packed_linears=True, kv_cache_memory="1GiB")
+    with float_weights():
+        llms["float weights"] = LLM(path, dtype="float32", cpu_packed_linears=True, kv_cache_memory="1GiB")
     llms["row kernel"] = LLM(path, dtype="float32", cpu_packed_linears=True, kv_cache_memory="1GiB")
     linears_table(llms["row kernel"].engine.runner.model)
 
@@ -127,7 +149,7 @@ def main() -> None:
     rates: dict[tuple[str, int], list[float]] = {}
     same = {1: True, 16: True}
     runs = [(name, llm, contextlib.nullcontext) for name, llm in llms.items()]
-    runs.insert(2, ("layer by layer", llms["row kernel"], layer_by_layer))
+    runs.insert(3, ("layer by layer", llms["row kernel"], layer_by_layer))
     for _ in range(args.repeats):
         for batch, group in ((1, prompts[:args.prompts]), (16, prompts[:16])):
             outs = {}
@@ -141,7 +163,7 @@ def main() -> None:
                 dt = time.perf_counter() - t0
                 outs[name] = [r.outputs[0].token_ids for r in res]
                 rates.setdefault((name, batch), []).append(len(group) * args.tokens / dt)
-            same[batch] &= outs["F.linear"] == outs["oneDNN"] == outs["layer by layer"] == outs["row kernel"]
+            same[batch] &= all(o == outs["F.linear"] for o in outs.values())
             if hf is not None and batch == 1:
                 t0 = time.perf_counter()
                 for p in group:
@@ -149,16 +171,16 @@ def main() -> None:
                     with torch.no_grad():
                         hf.generate(ids, max_new_tokens=args.tokens, min_new_tokens=args.tokens, do_sample=False)
                 rates.setdefault(("transformers", 1), []).append(len(group) * args.tokens / (time.perf_counter() - t0))
-    print("\n| batch | F.linear tok/s | oneDNN tok/s | row kernel, layer by layer tok/s | row kernel + one-call layer "
-          "tok/s | one-call / layer by layer | row kernel / oneDNN | row kernel / F.linear | transformers tok/s "
-          "| row kernel / transformers | same greedy tokens |"
-          "\n|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
+    print("\n| batch | F.linear tok/s | oneDNN tok/s | row kernel, float weights tok/s | GGUF codes, layer by layer "
+          "tok/s | GGUF codes + one-call layer tok/s (default) | codes / float weights | one-call / layer by layer | "
+          "default / F.linear | transformers tok/s | default / transformers | same greedy tokens |"
+          "\n|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
     for batch in (1, 16):
-        a, o, lbl, r = (statistics.median(rates[name, batch])
-                        for name in ("F.linear", "oneDNN", "layer by layer", "row kernel"))
+        a, o, f, lbl, r = (statistics.median(rates[name, batch])
+                           for name in ("F.linear", "oneDNN", "float weights", "layer by layer", "row kernel"))
         h = statistics.median(rates["transformers", 1]) if batch == 1 and hf is not None else None
-        print(f"| {batch} | {a:.1f} | {o:.1f} | {lbl:.1f} | {r:.1f} | {r / lbl:.2f}x | {r / o:.2f}x | {r / a:.2f}x | "
-              f"{'' if h is None else f'{h:.1f}'} | {'' if h is None else f'{r / h:.2f}x'} | "
+        print(f"| {batch} | {a:.1f} | {o:.1f} | {f:.1f} | {lbl:.1f} | {r:.1f} | {r / f:.2f}x | {r / lbl:.2f}x | "
+              f"{r / a:.2f}x | {'' if h is None else f'{h:.1f}'} | {'' if h is None else f'{r / h:.2f}x'} | "
               f"{'yes' if same[batch] else 'no'} |")
 
 

@@ -22,6 +22,17 @@ oneDNN 22-24 ms for 1 row, 26-31 for 5, 30-35 for 9, 37-42 for 17, 452-560 for 5
 same tiles read int8 slabs for drafters (model/int8_linear.py: widened in registers, a scale per output at the
 end), and model/cpu_layer.py runs them inside its one-call decoder layer.
 
+**Weights on GGUF grids** (:func:`grid_form`): a quantized GGUF file (the default model is Q4_1, its embedding and
+LM head Q8_0) is dequantized to float32 at load, so every group of 32 weights of an output sits on the file's
+grid. Where every group of a layer is exactly ``code * step + low`` in float32 arithmetic (4-bit codes, step and
+level 0 exact in float16: Q4_0, Q4_1) or ``code * step`` (int8 codes: Q8_0), the row kernel keeps the codes
+instead of the floats and rebuilds each weight in registers as that very float32 value before the same FMA chain,
+so the results are the float32 kernel's bits while a forward reads ~5 bits a weight (Q4) or ~8.5 (Q8) instead of
+32: SmolLM2-135M's linears 96 MiB a forward instead of 540. A check value by value decides, not a flag: a float
+checkpoint, or a layer with one group off its grid, keeps float32 weights. Up to 18 rows a tile rebuilds its
+weights (cheaper than reading floats at batch 1, the same cost from ~16 rows where the arithmetic dominates);
+beyond, each group of blocks is rebuilt once into float32 slabs that the float32 tiles read.
+
 Either way the results differ from MKL's in the last bits (different summation order; about 6e-5 on outputs of
 size ~10) and a row's result does not depend on how many rows share the call.
 
