@@ -184,15 +184,19 @@ def choose(int8: bool | None, dtype: torch.dtype, device: torch.device | str, la
            who: str, threshold: float = 0.8) -> float | None:
     """A drafter's ``int8`` option resolved: None = keep float weights, else int8's measured cost over float's for
     one row through ``layer`` (a weight, or the float layer as the model runs it; one measurement, which a cost
-    model may reuse). ``int8=None`` (the default) =
-    int8 where it is available and measurably faster (small models' matrices are not: fbgemm's per-call
-    quantization of the input then costs more than the read it saves); True = int8, a ValueError naming ``who``
-    off a float32 CPU or without the kernel; False = float."""
+    model may reuse). ``int8=None`` (the default) = int8 where it is available and measurably faster (small
+    models' matrices are not: fbgemm's per-call quantization of the input then costs more than the read it saves),
+    and never where the target's layer already reads a GGUF file's 4- or 8-bit codes (model/packed_linear.py: no
+    more bytes than int8; the measurement, one layer's weights in the cache, cannot see what int8's extra bytes
+    cost a draft that streams every layer); True = int8, a ValueError naming ``who`` off a float32 CPU or without
+    the kernel; False = float (the target's own weights)."""
     cpu32 = dtype == torch.float32 and torch.device(device).type == "cpu"
     if int8 and not (cpu32 and available(device)):
         raise ValueError(f"{who}: int8 drafting runs on a float32 CPU target with PyTorch's fbgemm/x86 kernels only")
     if int8 is False or not (cpu32 and available(device)):
         return None
+    if int8 is None and getattr(layer, "kernel", "").startswith("rows_q"):
+        return None        # the target reads a GGUF file's codes (model/packed_linear.py): no more bytes than int8
     ratio = weight_read_ratio(layer)
     return None if int8 is None and ratio >= threshold else ratio
 

@@ -40,7 +40,8 @@ where B is one bonus token per decoding request and ``base`` the tokens the step
   per-depth rate). A verified draft of k with a accepted says: depths 1..a accepted, depth a+1 rejected, deeper
   unknown (censored), so choosing short drafts never teaches the controller that long ones fail. A calibrated
   draft (spec/calibration.py) is valued by its own per-token probabilities instead, scaled by how many of the
-  tokens such claims promised were accepted (:attr:`Controller.realized`, verified and shadow drafts).
+  tokens such claims promised were accepted: the request's own record, shrunk toward all requests'
+  (:meth:`Controller._rho`, :attr:`Controller.realized`; verified and shadow drafts).
 - **Never slower than plain**: m > 0 only when its predicted goodput beats plain decoding's by ``min_gain`` plus
   ``risk`` times the relative extra step time it predicts;
   occasional exploration steps measure the cost of a draft size (or of plain decoding) that has not been observed
@@ -67,6 +68,7 @@ text at batch 1) is trusted at once rather than paying a plain step per new requ
 REALIZED_PRIOR = 8.0             # claimed tokens' worth of trust in a calibrated drafter's confidences
 REALIZED_DECAY = 0.99            # per verified draft: at batch 64 a few steps, at batch 1 ~100 drafts
 REALIZED_MAX = 3.0
+REQUEST_PRIOR = 2.0              # claimed tokens' worth of trust a request's own record starts from (Controller._rho)
 """Most a draft's claims are scaled up by (:attr:`Controller.realized`). A draft model's running product of its
 own top probabilities under-claims where it agrees with the target (layer_skip on HumanEval: claims of 0.1-0.5
 a token, 0.91 accepted); capped at 1, the controller valued those drafts below their worth. (One scale cannot fix
@@ -428,6 +430,9 @@ class _Acceptance:
     fail_run: int = 0            # consecutive drafts whose first token was rejected
     cont_acc: float = 0.0        # decayed count of deeper tokens accepted after an accepted parent
     cont_n: float = 0.0
+    claimed: float = 0.0         # decayed tokens its calibrated drafts claimed ...
+    claims_met: float = 0.0      # ... and accepted (Controller._rho)
+    surprise: float = 1.0        # P(its current run of failed calibrated drafts) under their first claims
 
 
 _ZERO = _Acceptance()             # a request with no history yet (read only)
@@ -496,8 +501,7 @@ class Controller:
             v *= (a.cont_acc + gd) / (a.cont_n + 1.0)
             row.append(v)
         if len(p) > 3 and p[3]:
-            conf, rho = p[3][:len(row)], self.realized
-            row[:len(conf)] = [min(1.0, float(c) * rho) for c in conf]
+            row[:len(p[3][:len(row)])] = self._claimed_values(a, p[3][:len(row)])
         return row
 
     def _values(self, proposals: list[tuple], K: int) -> np.ndarray:
@@ -520,12 +524,21 @@ class Controller:
             g = (self._g_depth_acc[d] + 0.6) / (self._g_depth_n[d] + 1.0)
             values[:, 1:] = (stats[:, 3:4] + g[None, :]) / (stats[:, 4:5] + 1.0)
         values = np.cumprod(values, axis=1)
-        rho = self.realized
         for r, p in enumerate(proposals):
             if len(p) > 3 and p[3]:
-                conf = p[3][:K]
-                values[r, :len(conf)] = [min(1.0, float(c) * rho) for c in conf]
+                values[r, :len(p[3][:K])] = self._claimed_values(own[r], p[3][:K])
         return values
+
+    def _claimed_values(self, a: _Acceptance, conf) -> list[float]:
+        """A calibrated draft's token values: its claims scaled by :meth:`_rho` (each at most 1), and, after a run
+        of verified drafts whose first token failed, by how unlikely their claims made that run (below
+        ``run_alarm``), as for uncalibrated drafts (the ratio's prior alone left a request whose every draft failed
+        a first token worth ~0.3, and it drafted one token a step for good; a run of failures its drafts' own low
+        claims foresaw changes nothing)."""
+        rho = self._rho(a)
+        vals = [min(1.0, float(c) * rho) for c in conf]
+        alarm = min(1.0, a.surprise / self.run_alarm)
+        return [v * alarm for v in vals] if alarm < 1.0 else vals
 
     def observe(self, seq_id: int, num_drafted: int, num_accepted: int, claimed: float | None = None) -> None:
         """A draft of ``num_drafted`` tokens of which ``num_accepted`` were accepted (verified, or scored in the
@@ -536,17 +549,21 @@ class Controller:
             return
         if claims is not None:
             claimed = sum(claims[:num_drafted])
+        a = self._acc.setdefault(seq_id, _Acceptance())
+        d, gd, fd = self.decay, self.global_decay, self.first_decay
         if claimed is not None:
             # shadows count too: a controller that stopped speculating would otherwise never see its claims
             # come true again (at batch 1 speculation then stayed off for good on GSM8K and HumanEval)
-            d = REALIZED_DECAY
-            self._claimed = d * self._claimed + claimed
-            self._realized = d * self._realized + num_accepted
-        a = self._acc.setdefault(seq_id, _Acceptance())
-        d, gd, fd = self.decay, self.global_decay, self.first_decay
+            self._claimed = REALIZED_DECAY * self._claimed + claimed
+            self._realized = REALIZED_DECAY * self._realized + num_accepted
+            a.claimed, a.claims_met = d * a.claimed + claimed, d * a.claims_met + num_accepted
         first = 1.0 if num_accepted > 0 else 0.0
         a.first_acc, a.first_n = fd * a.first_acc + first, fd * a.first_n + 1.0
         a.fail_run = 0 if first else a.fail_run + 1
+        if first:
+            a.surprise = 1.0
+        elif claims:                # how unlikely the run of failures is, by what each draft claimed
+            a.surprise *= 1.0 - min(1.0, claims[0])
         cont_trials = max(0, min(num_accepted + 1, num_drafted) - 1)   # depths 2..min(a+1, k)
         cont_acc = max(0, num_accepted - 1)
         a.cont_acc, a.cont_n = d * a.cont_acc + cont_acc, d * a.cont_n + cont_trials
@@ -585,6 +602,15 @@ class Controller:
         tokens then accepted, where a verified token costs ~40% of a plain token's share of the step: each such
         step lost ~10%. A draft model's confidences can err the other way (REALIZED_MAX)."""
         return min(REALIZED_MAX, max(0.1, (self._realized + REALIZED_PRIOR) / (self._claimed + REALIZED_PRIOR)))
+
+    def _rho(self, a: _Acceptance) -> float:
+        """What a request's calibrated claims are scaled by: its own accepted over claimed tokens (decayed per
+        draft by ``decay``), shrunk toward :attr:`realized` by ``REQUEST_PRIOR`` claimed tokens. The global ratio
+        alone kept valuing a request's drafts after they stopped coming true: at batch 1 on the CPU, one document
+        whose drafts all matched, then a second whose drafts claimed ~2 tokens a step and got ~0.3, drafted 4
+        tokens a step on it at 0.82x of plain decoding (a verification of 5 tokens costs ~1.8 plain steps there)."""
+        return min(REALIZED_MAX, max(0.05, (a.claims_met + REQUEST_PRIOR * self.realized)
+                                      / (a.claimed + REQUEST_PRIOR)))
 
     def _remember_claims(self, proposals: list[tuple], keep: list[int]) -> None:
         for p, k in zip(proposals, keep):

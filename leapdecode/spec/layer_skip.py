@@ -24,8 +24,8 @@ from that q (``DraftSampler``, shared with spec/draft_model.py), so sampled requ
 min(1, p/q) (exact), greedy ones by argmax matching (identical output). A sequence stops drafting early when the
 draft's probability of its own token falls below ``threshold`` (SpecDec++ / Kangaroo's early exit of the draft).
 
-**Int8 weights** (``int8``; by default on a float32 CPU target where int8 matmuls measure faster than float,
-``model/int8_linear.py``): the draft runs the target's layers from an int8 copy of their weights (per output
+**Int8 weights** (``int8``; by default on a float32 CPU target where int8 matmuls measure faster than float, and
+not where the target reads a GGUF file's 4- or 8-bit codes, which are no more bytes: ``model/int8_linear.py``): the draft runs the target's layers from an int8 copy of their weights (per output
 channel; norms, embedding and KV shared with the target, which stays float) and an int8 LM head. At batch 1 a CPU
 step is bound by reading weights, so a draft token through the whole int8 model costs about half a float step
 while agreeing with the target on ~90% of tokens (SmolLM2-135M, greedy: 147 of 161 draft tokens accepted); the
