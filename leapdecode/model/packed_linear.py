@@ -180,12 +180,16 @@ struct Q4 {
   int64_t K;
   static constexpr int64_t AHEAD = AHEAD_BYTES / L;             // input pairs (16 bytes a block each)
   Q4 at(int64_t block) const { return {c + block * (K / 2) * L, p + block * (K / GRID) * 2 * L, K}; }
-  // the weights of inputs k and k + 1 (k even) of the v-th block from here
-  inline void pair(int v, int64_t k, vec& w0, vec& w1) const {
+  // the v-th block's (step, level 0) for the group of input k
+  inline void group(int v, int64_t k, vec& step, vec& low) const {
+    const at::Half* pv = p + v * (K / GRID) * 2 * L + (k / GRID) * 2 * L;
+    step = half16(pv);
+    low = half16(pv + L);
+  }
+  // the weights of inputs k and k + 1 (k even) of the v-th block, from its group's (step, low)
+  inline void pair(int v, int64_t k, const vec& step, const vec& low, vec& w0, vec& w1) const {
     const uint8_t* cv = c + v * (K / 2) * L + (k / 2) * L;
     _mm_prefetch(reinterpret_cast<const char*>(cv + AHEAD * L), _MM_HINT_T0);
-    const at::Half* pv = p + v * (K / GRID) * 2 * L + (k / GRID) * 2 * L;
-    const vec step = half16(pv), low = half16(pv + L);
     const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(cv)));
     w0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(15))), step, low);
     w1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4)), step, low);
@@ -198,10 +202,10 @@ struct Q8 {
   int64_t K;
   static constexpr int64_t AHEAD = AHEAD_BYTES / (2 * L);       // input pairs (32 bytes a block each)
   Q8 at(int64_t block) const { return {c + block * K * L, p + block * (K / GRID) * L, K}; }
-  inline void pair(int v, int64_t k, vec& w0, vec& w1) const {
+  inline void group(int v, int64_t k, vec& step, vec&) const { step = half16(p + v * (K / GRID) * L + (k / GRID) * L); }
+  inline void pair(int v, int64_t k, const vec& step, const vec&, vec& w0, vec& w1) const {
     const int8_t* cv = c + v * K * L + k * L;
     _mm_prefetch(reinterpret_cast<const char*>(cv + AHEAD * 2 * L), _MM_HINT_T0);
-    const vec step = half16(p + v * (K / GRID) * L + (k / GRID) * L);
     w0 = _mm512_mul_ps(wload(cv), step);
     w1 = _mm512_mul_ps(wload(cv + L), step);
   }
@@ -217,15 +221,19 @@ static inline void grid_tile(const float* __restrict x, int64_t K, const Grid& w
   vec acc[R][V];
   for (int r = 0; r < R; ++r)
     for (int v = 0; v < V; ++v) acc[r][v] = vzero();
-  for (int64_t k = 0; k < K; k += 2)
-    for (int v = 0; v < V; ++v) {
-      vec w0, w1;
-      w.pair(v, k, w0, w1);
-      for (int r = 0; r < R; ++r) {
-        acc[r][v] = vfma(x[r * K + k], w0, acc[r][v]);
-        acc[r][v] = vfma(x[r * K + k + 1], w1, acc[r][v]);
+  for (int64_t g = 0; g < K; g += GRID) {
+    vec step[V], low[V];               // a group's parameters, converted once for its 16 pairs of inputs
+    for (int v = 0; v < V; ++v) w.group(v, g, step[v], low[v]);
+    for (int64_t k = g; k < g + GRID; k += 2)
+      for (int v = 0; v < V; ++v) {
+        vec w0, w1;
+        w.pair(v, k, step[v], low[v], w0, w1);
+        for (int r = 0; r < R; ++r) {
+          acc[r][v] = vfma(x[r * K + k], w0, acc[r][v]);
+          acc[r][v] = vfma(x[r * K + k + 1], w1, acc[r][v]);
+        }
       }
-    }
+  }
   for (int r = 0; r < R; ++r)
     for (int v = 0; v < V; ++v)
       vstore(y + r * N + n0 + v * L, bias ? vadd(acc[r][v], vload(bias + n0 + v * L)) : acc[r][v]);
@@ -235,10 +243,11 @@ template <int V, typename Grid>
 static void grid_blocks(const float* x, int64_t M, int64_t K, const Grid& w, float* buf, float* y, int64_t N,
                         int64_t n0, const float* bias) {
   if (M > GRID_TILED_MAX) {
-    for (int64_t k = 0; k < K; k += 2)
-      for (int v = 0; v < V; ++v) {
-        vec w0, w1;
-        w.pair(v, k, w0, w1);
+    for (int v = 0; v < V; ++v)
+      for (int64_t k = 0; k < K; k += 2) {
+        vec step, low, w0, w1;
+        w.group(v, k, step, low);
+        w.pair(v, k, step, low, w0, w1);
         vstore(buf + (v * K + k) * L, w0);
         vstore(buf + (v * K + k + 1) * L, w1);
       }
