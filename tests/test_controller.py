@@ -1209,6 +1209,31 @@ def test_a_quiet_model_drafter_drafts_for_real_after_a_doubling_wait():
     assert run(8, 60) == run(8, 60, retries=False)
 
 
+def test_a_quiet_model_drafters_retry_wait_carries_over_to_new_requests():
+    """Where a model drafter's drafts never pay, its retries keep doubling their wait across new requests (five
+    requests of 40 steps one after another, every draft failing): a few retries in the whole run, not one or two
+    per request, each a draft that costs steps (a layer_skip draft of 4 tokens ~2 plain steps on a CPU target that
+    reads 4-bit codes)."""
+    cfg = SpeculativeConfig(method="ngram", num_speculative_tokens=4, adaptive=True,
+                            drafter=FakeDrafter(0.0, claim=0.02))
+    spec = fabricated_drafting(Speculator(cfg, 50_000, probed_model(cpu_like)), DRAFT_SECONDS, None)
+    spec.guard = None
+    spec._retries = True
+    real = []
+    for step in range(200):
+        seq = Seq(step // 40)
+        if step % 40 == 0 and step:
+            spec.finish(Seq(step // 40 - 1))
+        before = spec.num_proposals
+        drafts = spec.propose([seq], [4], 0)
+        n = 1 + sum(len(d) for d in drafts.values())
+        spec.observe_step(n, cpu_like(n), None, commit(spec, [seq], drafts))
+        if spec.num_proposals > before:
+            real.append(step)
+    later = [s for s in real if s >= 40]                  # after the first request (the controller's timings)
+    assert len(later) <= 3, real
+
+
 def test_speculation_comes_back_after_a_load_spike_on_graph_replays():
     """The same burst of load on CUDA-graph steps: replays of the verification bucket in the first 40 steps cost 6x. Its
     bucket is timed apart from the token-count curve (:class:`GraphTimes`), and its spiked times are forgotten and

@@ -59,11 +59,13 @@ two of the eight runs had a drafter that never drafted again after the chat prom
 
 RETRY_QUIET, RETRY_MAX = 8, 256
 """A model drafter's retries while quiet: a real draft after this many quiet steps, the wait doubling after each
-retry that does not switch drafting back on (up to RETRY_MAX) and starting over with new requests. Its shadows are
-rare (QUIET_SHARE of a step buys one in ~30-100 steps at batch 1) and the quiet re-check values a request by its
-last draft, often the short one that switched drafting off: layer_skip stayed quiet for the rest of an answer
-where drafting gave 1.3x. Measured (layer_skip+ctl, batch 1, two runs each): 0.92-1.38x (mean 1.13) without
-retries, 0.94-1.39x (mean 1.23) with."""
+retry that does not switch drafting back on (up to RETRY_MAX), new requests included, and back to RETRY_QUIET once
+drafting pays. Its shadows are rare (QUIET_SHARE of a step buys one in ~30-100 steps at batch 1) and the quiet
+re-check values a request by its last draft, often the short one that switched drafting off: layer_skip stayed
+quiet for the rest of an answer where drafting gave 1.3x. Measured (layer_skip+ctl, batch 1, two runs each):
+0.92-1.38x (mean 1.13) without retries, 0.94-1.39x (mean 1.23) with. (Started over with each new request, a
+drafter that never paid retried once or twice per 48-token answer: on a CPU target reading 4-bit codes a
+layer_skip draft of 4 tokens costs ~2 plain steps.)"""
 
 QUIET_TOPK_ROWS = 8
 """While speculation is off, the drafter learns the target's top-k from at most this many rows a step (see
@@ -289,8 +291,8 @@ class Speculator:
         if ctl is not None and not self._speculating:
             ids = tuple(r.seq_id for r in reqs)
             self._quiet_steps += 1
-            if ids != self._batch:          # new requests: a model drafter's retries start over
-                self._retry_after, self._retry_wait = RETRY_QUIET, 0
+            if ids != self._batch:          # new requests: a model drafter's retry wait starts over (not its length)
+                self._retry_wait = 0
             if ids != self._batch or self._quiet_steps >= 8:        # (the count restarts: every 8 steps, not
                 self._news, self._batch, self._quiet_steps = True, ids, 0     # every step after the 8th)
             step = ctl.step_seconds(base, self._decode_seqs)     # what this quiet step is predicted to cost
@@ -331,9 +333,11 @@ class Speculator:
         self._speculating = on or bool(ctl.last_choice.get("explored"))
         if not self._speculating:
             self._value = None
-        if self._retrying:              # a retry that did not pay waits twice as long next time
-            self._retrying = False
-            self._retry_after = RETRY_QUIET if self._speculating else min(2 * self._retry_after, RETRY_MAX)
+        if self._speculating:           # drafting pays again: a later quiet spell retries early
+            self._retry_after = RETRY_QUIET
+        elif self._retrying:            # a retry that did not pay waits twice as long next time
+            self._retry_after = min(2 * self._retry_after, RETRY_MAX)
+        self._retrying = False
         out = {}
         for s, d, tree, k in zip(seqs, drafts, trees, keep):
             if k > 0:
