@@ -9,8 +9,8 @@ Two tables:
 linears   Every linear of the model (30 layers' q/k/v, o, gate/up, down, and the LM head) run once in order, as
           one forward reads them (weights streamed from memory, not cached), for 1, 2, 5, 9, 17, 64 and 512 rows:
           F.linear, oneDNN-packed layers, the row kernel's over float32 weights and over the GGUF file's own codes
-          (model/packed_linear.py's grid forms, as the engine runs them); and the same weights in int8 as drafters hold them
-          (model/int8_linear.py): fbgemm alone, and as drafts run them (the row kernel's int8 form up to one
+          (model/packed_linear.py's grid forms, as the engine runs them); and the same weights in int8 as drafters
+          hold them (model/int8_linear.py): fbgemm alone, and as drafts run them (the row kernel's int8 form up to one
           6-row tile, fbgemm beyond); median of 5. Rows 5 and 17 are what a verification
           of 4 chained or 16 tree draft tokens computes at batch 1; 512, a prefill chunk.
 decode    ``LLM.generate`` greedy, EOS ignored, --tokens new tokens per request, chat-templated MT-Bench turn-1
@@ -90,7 +90,7 @@ def linears_table(model, reps: int = 5) -> None:
     rows_layers = [PackedLinear(w, grids=False) for w in dense]
     grid_layers = [PackedLinear(w) for w in dense]       # as the engine runs them: the file's codes where exact
     int8_layers = [Int8Linear(w) for w in dense]        # as drafts run them: the row kernel up to ROWS_MAX rows
-    kernels = sorted({p.kernel for p in rows_layers} | {p.kernel for p in int8_layers} | {p.kernel for p in grid_layers})
+    kernels = sorted({p.kernel for layers in (rows_layers, int8_layers, grid_layers) for p in layers})
     mb = {name: sum(t.numel() * t.element_size() for p in layers for t in (p.packed, p.params)) / 2 ** 20
           for name, layers in (("float", rows_layers), ("grids", grid_layers))}
     print(f"\n(kernels: {kernels}; int8 through the row kernel up to {Int8Linear.ROWS_MAX} rows; weights read a "

@@ -60,7 +60,8 @@ def kernels():
                         cpu_exact._SOURCE, "#pragma GCC pop_options", packed_linear._SOURCE, cpu_layer._SOURCE])
     return build("cpu_kernels", source, ["rms_norm", "rope_", "paged_attention", "paged_attention_slots",
                                          "paged_attention_quantized", "rows_supported", "rows_linear",
-                                         "rows_linear_int8", "rows_linear_grid", "decoder_layer"], flags=["-ffp-contract=off"])
+                                         "rows_linear_int8", "rows_linear_grid", "decoder_layer"],
+                 flags=["-ffp-contract=off"])
 
 
 __all__ = ["build", "kernels"]

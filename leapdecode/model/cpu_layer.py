@@ -14,13 +14,13 @@ ops for the rest (``index_copy_``, ``silu``, the adds), on the same inputs in th
 bit-identical to ``DecoderLayer.forward``'s; speculation's losslessness, which rests on a row's bits not depending
 on the path that computed it, is kept (tests/test_cpu_layer.py compares the two bit for bit).
 
-When: the attention backend says the step allows it (``AttentionMetadata.cpu_step``, set by
-``TorchAttention.plan``: every attention group of the step is read by the exact kernel - decodes, verifications,
-short prefill chunks - with no sparse attention and no sealing; a step of one group whose queries are its tokens in
-order skips the gather and scatter), the layer's cache is a plain float32 tensor, and the layer is a plain Llama
-layer whose four products run through the row kernel (``PackedLinear`` over float32 weights or a GGUF file's codes,
-or, up to its ``ROWS_MAX`` rows, ``Int8Linear``): no q/k norm, float32 RMSNorm weights. Everything else keeps the module path (long prefill chunks,
-quantized caches, GPUs, oneDNN or F.linear products).
+When: the attention backend says the step allows it (``AttentionMetadata.cpu_step``, set by ``TorchAttention.plan``:
+every attention group of the step is read by the exact kernel - decodes, verifications, short prefill chunks - with
+no sparse attention and no sealing; a step of one group whose queries are its tokens in order skips the gather and
+scatter), the layer's cache is a plain float32 tensor, and the layer is a plain Llama layer whose four products run
+through the row kernel (``PackedLinear`` over float32 weights or a GGUF file's codes, or, up to its ``ROWS_MAX``
+rows, ``Int8Linear``): no q/k norm, float32 RMSNorm weights. Everything else keeps the module path (long prefill
+chunks, quantized caches, GPUs, oneDNN or F.linear products).
 """
 from __future__ import annotations
 

@@ -28,7 +28,7 @@ grid. Where every group of a layer is exactly ``code * step + low`` in float32 a
 level 0 exact in float16: Q4_0, Q4_1) or ``code * step`` (int8 codes: Q8_0), the row kernel keeps the codes
 instead of the floats and rebuilds each weight in registers as that very float32 value before the same FMA chain,
 so the results are the float32 kernel's bits while a forward reads ~5 bits a weight (Q4) or ~8.5 (Q8) instead of
-32: SmolLM2-135M's linears 96 MiB a forward instead of 540. A check value by value decides, not a flag: a float
+32: SmolLM2-135M's linears 92 MiB a forward instead of 513. A check value by value decides, not a flag: a float
 checkpoint, or a layer with one group off its grid, keeps float32 weights. Up to 18 rows a tile rebuilds its
 weights (cheaper than reading floats at batch 1, the same cost from ~16 rows where the arithmetic dominates);
 beyond, each group of blocks is rebuilt once into float32 slabs that the float32 tiles read.
@@ -392,12 +392,12 @@ GROUP = 32    # inputs per group of the row kernel's exact grids (the block size
 def grid_form(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
     """The row kernel's codes and parameters for a weight [N, K] that sits exactly on grids, else None.
 
-    Q4 where every group of 32 inputs of an output holds values ``low + code * step`` (code 0..15) that the
-    float32 arithmetic ``code * step + low`` gives back bit for bit, with ``step`` and ``low`` exact in float16:
-    what a 4-bit GGUF block (Q4_0, Q4_1) is once dequantized (``low``: the block's minimum, or -8 steps of a step
-    that may be negative; a -0.0 rebuilt as 0.0 adds the same to every sum). Else Q8 where every group is
-    ``code * step`` with an int8 code and a float16 step (Q8_0). Anything else (float checkpoints, K-quants' sub-scales, N or K off the
-    kernel's multiples) has no exact grid form. Checked value by value, so a form is only ever a cheaper way to
+    Q4 where every group of 32 inputs of an output holds values ``low + code * step`` (code 0..15) that the float32
+    arithmetic ``code * step + low`` gives back bit for bit, with ``step`` and ``low`` exact in float16: what a
+    4-bit GGUF block (Q4_0, Q4_1) is once dequantized (``low``: the block's minimum, or -8 steps of a step that may
+    be negative; a -0.0 rebuilt as 0.0 adds the same to every sum). Else Q8 where every group is ``code * step``
+    with an int8 code and a float16 step (Q8_0). Anything else (float checkpoints, K-quants' sub-scales, N or K off
+    the kernel's multiples) has no exact grid form. Checked value by value, so a form is only ever a cheaper way to
     read the very same weights."""
     from leapdecode.model.int4_linear import grid_codes
     n, k = weight.shape
@@ -551,5 +551,5 @@ def pack_model(model: nn.Module, enable: bool | None = None) -> int:
     return len(names) + 1
 
 
-__all__ = ["ABSENT", "BLOCK", "GROUP", "PackedLinear", "available", "grid_form", "grid_weight", "pack_model", "pack_rows",
-           "rows_kernel", "unpack_rows"]
+__all__ = ["ABSENT", "BLOCK", "GROUP", "PackedLinear", "available", "grid_form", "grid_weight", "pack_model",
+           "pack_rows", "rows_kernel", "unpack_rows"]

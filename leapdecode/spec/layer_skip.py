@@ -24,14 +24,16 @@ from that q (``DraftSampler``, shared with spec/draft_model.py), so sampled requ
 min(1, p/q) (exact), greedy ones by argmax matching (identical output). A sequence stops drafting early when the
 draft's probability of its own token falls below ``threshold`` (SpecDec++ / Kangaroo's early exit of the draft).
 
-**Int8 weights** (``int8``; by default on a float32 CPU target where int8 matmuls measure faster than float, and
-not where the target reads a GGUF file's 4- or 8-bit codes, which are no more bytes: ``model/int8_linear.py``): the draft runs the target's layers from an int8 copy of their weights (per output
-channel; norms, embedding and KV shared with the target, which stays float) and an int8 LM head. At batch 1 a CPU
-step is bound by reading weights, so a draft token through the whole int8 model costs about half a float step
-while agreeing with the target on ~90% of tokens (SmolLM2-135M, greedy: 147 of 161 draft tokens accepted); the
-search then starts from the whole model (no layer skipped) and may still skip layers. This is self-speculation
-with a quantized copy of the target (as in QSpec and similar work), no training needed; verification stays exact.
-Memory: one byte per weight of the layers and the LM head on top of the float model.
+**Int8 weights** (``int8``; by default on a float32 CPU target where int8 matmuls measure faster than float, and not
+where the target reads a GGUF file's 4- or 8-bit codes, which are no more bytes: ``model/int8_linear.py``): the
+draft runs the target's layers from an int8 copy of their weights (per output channel; norms, embedding and KV
+shared with the target, which stays float) and an int8 LM head. At batch 1 a CPU step is bound by reading weights,
+so a draft token through the whole int8 model costs about half a float step while agreeing with the target on ~90%
+of tokens (SmolLM2-135M, greedy: 147 of 161 draft tokens accepted); the search then starts from the whole model (no
+layer skipped) and may still skip layers. This is self-speculation with a quantized copy of the target (as in QSpec
+and similar work), no training needed; verification stays exact. Memory: one byte per weight of the layers and the
+LM head on top of the float model.
+
 
 **The skip set** (unless ``skip`` fixes it) is searched on the fly from the live acceptance of the current
 workload, as SWIFT does, with a simple local search instead of its Bayesian optimisation: the first and last
