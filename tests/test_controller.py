@@ -1213,10 +1213,10 @@ def test_a_quiet_model_drafters_retry_wait_carries_over_to_new_requests():
     """Where a model drafter's drafts never pay, its retries keep doubling their wait across new requests (five
     requests of 40 steps one after another, every draft failing): a few retries in the whole run, not one or two
     per request, each a draft that costs steps (a layer_skip draft of 4 tokens ~2 plain steps on a CPU target that
-    reads 4-bit codes)."""
+    reads 4-bit codes); and its shadow drafts' share of the time shrinks as the retries' wait grows."""
     cfg = SpeculativeConfig(method="ngram", num_speculative_tokens=4, adaptive=True,
                             drafter=FakeDrafter(0.0, claim=0.02))
-    spec = fabricated_drafting(Speculator(cfg, 50_000, probed_model(cpu_like)), DRAFT_SECONDS, None)
+    spec = fabricated_drafting(Speculator(cfg, 50_000, probed_model(cpu_like)), 0.004, None)  # ~0.4 step
     spec.guard = None
     spec._retries = True
     real = []
@@ -1230,8 +1230,11 @@ def test_a_quiet_model_drafters_retry_wait_carries_over_to_new_requests():
         spec.observe_step(n, cpu_like(n), None, commit(spec, [seq], drafts))
         if spec.num_proposals > before:
             real.append(step)
+        if step == 39:
+            shadows = spec.num_shadow_proposals
     later = [s for s in real if s >= 40]                  # after the first request (the controller's timings)
     assert len(later) <= 3, real
+    assert spec.num_shadow_proposals - shadows <= 3, spec.num_shadow_proposals - shadows   # 8 at a fixed share
 
 
 def test_speculation_comes_back_after_a_load_spike_on_graph_replays():

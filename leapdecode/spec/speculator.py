@@ -132,6 +132,10 @@ class Speculator:
         self._retries = self.controller is not None and cfg.method in MODEL_METHODS
         self._retry_after, self._retry_wait, self._retrying = RETRY_QUIET, 0, False
         self._topk_turn = 0              # the first of the rows a quiet step learns top-k from (learns_topk)
+        # (decoding sequences, seconds) of the last decode-only step that verified nothing: what a quiet step costs,
+        # measured (a prediction is ~55 us of numpy a call, ~1% of a batch-1 step of a CPU target reading 4-bit codes)
+        self._plain_step: tuple[int, float] | None = None
+        self._potential_memo: tuple | None = None     # (its step's shape, step count, _potential's value)
 
     def new_drafter(self):
         """A fresh drafter as the config says (benchmarks use it to start each run from empty caches)."""
@@ -295,7 +299,9 @@ class Speculator:
                 self._retry_wait = 0
             if ids != self._batch or self._quiet_steps >= 8:        # (the count restarts: every 8 steps, not
                 self._news, self._batch, self._quiet_steps = True, ids, 0     # every step after the 8th)
-            step = ctl.step_seconds(base, self._decode_seqs)     # what this quiet step is predicted to cost
+            plain = self._plain_step             # what this quiet step costs: its last measure, else predicted
+            step = plain[1] if plain is not None and plain[0] == self._decode_seqs else \
+                ctl.step_seconds(base, self._decode_seqs)
             if not (self._news and self._worth_drafting(reqs, base, step, batch)) and not self._retry_due():
                 self._propose_shadows(reqs, step)
                 return {}
@@ -418,9 +424,12 @@ class Speculator:
         its time; a shadow draft spends what it measured): the longest-waiting requests first, each at most every
         ``shadow_gap`` steps. A drafter that runs a model, or many requests at a large batch, so costs ~2% of the
         decoding time however expensive one draft is (at 5%, EAGLE's shadows at batch 16 plus its catch-up cost
-        ~9% of a run where it never drafted)."""
+        ~9% of a run where it never drafted), and a model drafter whose retries keep failing less: the share is
+        divided as its retries' wait grows (RETRY_QUIET), back to whole once drafting pays."""
         self._steps += 1
-        earned = QUIET_SHARE * step * self._potential(reqs, step)
+        # a model drafter whose retries keep failing spends as much less on shadows as its retries wait longer
+        share = QUIET_SHARE * (RETRY_QUIET / self._retry_after if self._retries else 1.0)
+        earned = share * step * self._potential(reqs, step)
         self._shadow_credit = min(self._shadow_credit + earned, SHADOW_BANK * earned)
         after = self._shadow_after
         need = [r for r in reqs if r.seq_id not in self._shadow and after.get(r.seq_id, 0) <= self._steps]
@@ -452,8 +461,16 @@ class Speculator:
         if self._decode_seqs is None or step <= 0.0 or base <= 0 or not reqs:
             return 1.0
         room = [r.max_draft for r in reqs]
-        best = self.controller.step_seconds(base + sum(room), self._decode_seqs, 1 + max(room))
-        return min(1.0, max(0.0, (base + sum(room)) * step / (best * base) - 1.0))
+        key = (self._decode_seqs, base, sum(room), max(room))
+        memo = self._potential_memo                    # (it changes slowly: priced again every 8 quiet steps)
+        if memo is not None and memo[0] == key and self._steps - memo[1] < 8:
+            return memo[2]
+        ctl = self.controller                          # (both steps predicted: ``step`` may be a measured one)
+        best = ctl.step_seconds(base + sum(room), self._decode_seqs, 1 + max(room))
+        plain = ctl.step_seconds(base, self._decode_seqs)
+        value = min(1.0, max(0.0, (base + sum(room)) * plain / (best * base) - 1.0))
+        self._potential_memo = (key, self._steps, value)
+        return value
 
     def _score_shadow(self, seq: "Sequence", given_up: bool = False) -> None:
         """Resolve a shadow draft once the committed tokens decide it: a mismatch, or every level matched. One
@@ -504,6 +521,8 @@ class Speculator:
         if self.controller is not None:
             self.controller.step_time.observe(num_tokens, max(seconds - self._step_draft_seconds, 1e-9), graph,
                                               decodes)
+            if decodes is not None and not self._step_drafted and graph is None:
+                self._plain_step = (decodes, max(seconds - self._step_draft_seconds, 1e-9))
         if self.guard is not None and self._decode_seqs is not None and not self._warming_up:
             mode = "bare" if self._guard_bare else "spec" if self._step_drafted else "quiet"
             self.guard.record(self._decode_seqs, mode, seconds, emitted)
