@@ -68,12 +68,12 @@ text at batch 1) is trusted at once rather than paying a plain step per new requ
 REALIZED_PRIOR = 8.0             # claimed tokens' worth of trust in a calibrated drafter's confidences
 REALIZED_DECAY = 0.99            # per verified draft: at batch 64 a few steps, at batch 1 ~100 drafts
 REALIZED_MAX = 3.0
-REQUEST_PRIOR = 2.0              # claimed tokens' worth of trust a request's own record starts from (Controller._rho)
 """Most a draft's claims are scaled up by (:attr:`Controller.realized`). A draft model's running product of its
 own top probabilities under-claims where it agrees with the target (layer_skip on HumanEval: claims of 0.1-0.5
 a token, 0.91 accepted); capped at 1, the controller valued those drafts below their worth. (One scale cannot fix
 a claim's shape along the draft: benchmarks README, "Model drafters under the controller after the vector
 kernel".)"""
+REQUEST_PRIOR = 2.0              # claimed tokens' worth of trust a request's own record starts from (Controller._rho)
 _EXACT = 32                      # token counts up to this are buckets of their own
 SMALL_BATCH = 8                  # up to this many requests the controller decides in plain Python (no numpy)
 _RATIO = math.log(1.125)         # then ~12% wide buckets

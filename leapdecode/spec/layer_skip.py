@@ -34,7 +34,6 @@ layer skipped) and may still skip layers. This is self-speculation with a quanti
 and similar work), no training needed; verification stays exact. Memory: one byte per weight of the layers and the
 LM head on top of the float model.
 
-
 **The skip set** (unless ``skip`` fixes it) is searched on the fly from the live acceptance of the current
 workload, as SWIFT does, with a simple local search instead of its Bayesian optimisation: the first and last
 layers are always kept; the start skips every other layer of the middle half; each resolved draft is scored by
