@@ -410,21 +410,20 @@ def grid_form(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
 
     sample = w.reshape(-1, GROUP)[:256].sort(-1).values      # a float checkpoint fails here, before any full pass
     if bool(((sample.diff(dim=-1) != 0).sum(-1) < 16).all()):
-        _, span_step, _, _ = grid_codes(weight)
-        # (step, level 0): Q4_1's (scale, block minimum); Q4_0's (scale, -8 scales), its scale maybe negative
-        step, low, codes, ok = None, None, None, None
-        for st, lo in ((span_step, w.amin(-1)), (span_step, -8 * span_step), (-span_step, 8 * span_step)):
-            if ok is not None and bool(ok.all()):
-                break
-            safe = torch.where(st != 0, st, torch.ones_like(st))[..., None]
-            c = ((w - lo[..., None]) / safe).round().clamp(0, 15)
-            good = (lo.half().float() == lo) & (c * st[..., None] + lo[..., None] == w).all(-1)
-            if step is None:
-                step, low, codes, ok = st, lo, c, good
-            else:
-                keep = ok | ~good
-                step, low = torch.where(keep, step, st), torch.where(keep, low, lo)
-                codes, ok = torch.where(keep[..., None], codes, c), ok | good
+        # (step, level 0): Q4_1's (span / 15, block minimum); else from the grid's own step (Q4_0, sparse levels):
+        # Q4_0's (scale, -8 scales), its scale maybe negative
+        low = w.amin(-1)
+        step = (w.amax(-1) - low) / 15
+        codes, ok = _fit(w, step, low)
+        if not bool(ok.all()):
+            _, grid_step, _, _ = grid_codes(weight)
+            for st, lo in ((grid_step, low), (grid_step, -8 * grid_step), (-grid_step, 8 * grid_step)):
+                c, good = _fit(w, st, lo)
+                take = ~ok & good
+                step, low = torch.where(take, st, step), torch.where(take, lo, low)
+                codes, ok = torch.where(take[..., None], c, codes), ok | good
+                if bool(ok.all()):
+                    break
         if exact16(step) and bool(ok.all()):
             c = pack_rows(codes.reshape(n, k).to(torch.uint8))                  # [N/16, K, 16]
             pairs = (c[:, 0::2] | (c[:, 1::2] << 4)).contiguous()                # [N/16, K/2, 16]
@@ -437,6 +436,15 @@ def grid_form(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
     if not torch.equal(q * step[..., None], w):
         return None
     return pack_rows(q.reshape(n, k).to(torch.int8)), _per_block(step).half().contiguous()
+
+
+def _fit(w: torch.Tensor, step: torch.Tensor, low: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Codes 0..15 of ``w`` [N, K/32, 32] on the grids ``low + code * step`` [N, K/32], and per group whether
+    ``code * step + low`` gives every value back bit for bit with ``low`` exact in float16."""
+    safe = torch.where(step != 0, step, torch.ones_like(step))[..., None]
+    codes = ((w - low[..., None]) / safe).round().clamp(0, 15)
+    good = (low.half().float() == low) & (codes * step[..., None] + low[..., None] == w).all(-1)
+    return codes, good
 
 
 def _per_block(t: torch.Tensor) -> torch.Tensor:
