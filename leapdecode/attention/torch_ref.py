@@ -219,9 +219,11 @@ def _tree_rows(meta: AttentionMetadata, seqs: list[int], group: _Group) -> _Grou
     bs, max_q = meta.block_size, group.q_index.shape[1]
     positions = meta.positions[group.q_index].cpu()                 # [B, max_q]
     parts = []      # per sequence: (its rows' key slots [max_q, c + q], keys per row [max_q], positions [max_q])
+    ctx = []        # per sequence: its context (keys every row reads)
     for b, i in enumerate(seqs):
         q, k = meta.query_lens[i], meta.seq_lens_host[i]
         c, tree = k - q, meta.tree(i).cpu()
+        ctx.append(c)
         idx = torch.arange(k)
         slot = meta.block_tables[i].cpu()[idx // bs] * bs + idx % bs
         seen = tree.sum(1)                                          # a node's ancestors and itself
@@ -238,8 +240,8 @@ def _tree_rows(meta: AttentionMetadata, seqs: list[int], group: _Group) -> _Grou
     mask = key[None, None, :] < lens[:, :, None]
     if meta.sliding_window is not None:
         mask &= key[None, None, :] > (torch.stack([p for _, _, p in parts])[:, :, None] - meta.sliding_window)
-    ctx = torch.tensor([meta.seq_lens_host[i] - meta.query_lens[i] for i in seqs], dtype=torch.int64)
-    return _Group(_EMPTY, max_k, group.q_index, group.valid_q, group.out_index, mask[:, None], slots=slots, ctx=ctx)
+    return _Group(_EMPTY, max_k, group.q_index, group.valid_q, group.out_index, mask[:, None], slots=slots,
+                  ctx=torch.tensor(ctx, dtype=torch.int64))
 
 
 def seal_blocks(q: torch.Tensor, layer: WindowedLayer, seal: SealPlan, scale: float) -> None:

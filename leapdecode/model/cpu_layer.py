@@ -35,11 +35,9 @@ _SOURCE = r"""
 #ifdef ROWS_SUPPORTED
 static torch::Tensor layer_linear(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& scale,
                                   const torch::Tensor& bias) {
-  const int64_t n = w.size(0) * L;
   if (scale.scalar_type() == torch::kHalf) return rows_linear_grid(x, w, scale, bias);   // exact grids
-  if (w.scalar_type() == torch::kInt8)
-    return run_rows<int8_t>(x, w, optional(scale, n, "decoder_layer: scale"), optional(bias, n, "decoder_layer: bias"));
-  return run_rows<float>(x, w, nullptr, optional(bias, n, "decoder_layer: bias"));
+  if (w.scalar_type() == torch::kInt8) return rows_linear_int8(x, w, scale, bias);
+  return rows_linear(x, w, bias);
 }
 #endif
 

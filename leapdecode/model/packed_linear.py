@@ -137,6 +137,21 @@ static void blocks(const float* x, int64_t M, int64_t K, const W* w, float* y, i
   }
 }
 
+// fn.template operator()<V>(b) for every group of V blocks of 16 outputs from block b (V = VMAX, fewer at the end),
+// the groups spread over the threads: how the row kernel walks a weight.
+template <typename F>
+static void over_block_groups(int64_t nb, F&& fn) {
+  at::parallel_for(0, (nb + VMAX - 1) / VMAX, 1, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g) {
+      const int64_t b = g * VMAX, v = std::min<int64_t>(VMAX, nb - b);
+      if (v == VMAX) fn.template operator()<VMAX>(b);
+      else if (v == 3) fn.template operator()<3>(b);
+      else if (v == 2) fn.template operator()<2>(b);
+      else fn.template operator()<1>(b);
+    }
+  });
+}
+
 // x [M, K] float32 contiguous; w packed [N/16, K, 16] of W; scale [N] or null; bias [N] or null. Returns y [M, N].
 template <typename W>
 static torch::Tensor run_rows(const torch::Tensor& x, const torch::Tensor& w, const float* scale,
@@ -149,17 +164,7 @@ static torch::Tensor run_rows(const torch::Tensor& x, const torch::Tensor& w, co
   const W* wp = w.data_ptr<W>();
   float* yp = y.data_ptr<float>();
   pybind11::gil_scoped_release free_python;   // the grammar's mask fill runs in another thread meanwhile
-  const int64_t groups = (nb + VMAX - 1) / VMAX;
-  at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
-    for (int64_t g = g0; g < g1; ++g) {
-      const int64_t b = g * VMAX, v = std::min<int64_t>(VMAX, nb - b);
-      const W* wb = wp + b * K * L;
-      if (v == VMAX) blocks<VMAX>(xp, M, K, wb, yp, N, b * L, scale, bias);
-      else if (v == 3) blocks<3>(xp, M, K, wb, yp, N, b * L, scale, bias);
-      else if (v == 2) blocks<2>(xp, M, K, wb, yp, N, b * L, scale, bias);
-      else blocks<1>(xp, M, K, wb, yp, N, b * L, scale, bias);
-    }
-  });
+  over_block_groups(nb, [&]<int V>(int64_t b) { blocks<V>(xp, M, K, wp + b * K * L, yp, N, b * L, scale, bias); });
   return y;
 }
 
@@ -266,6 +271,13 @@ static void grid_blocks(const float* x, int64_t M, int64_t K, const Grid& w, flo
   }
 }
 
+// A thread's float32 slabs for rebuilt weights (kept for the next call: at most VMAX blocks of the widest layer).
+static float* slabs(int64_t n) {
+  thread_local std::vector<float> buf;
+  if (static_cast<int64_t>(buf.size()) < n) buf.resize(n);
+  return buf.data();
+}
+
 template <typename Grid>
 static torch::Tensor run_grid(const torch::Tensor& x, const Grid& w, int64_t nb, const float* bias) {
   TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.dim() == 2 && x.is_contiguous() && x.size(1) == w.K,
@@ -275,17 +287,9 @@ static torch::Tensor run_grid(const torch::Tensor& x, const Grid& w, int64_t nb,
   const float* xp = x.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   pybind11::gil_scoped_release free_python;
-  const int64_t groups = (nb + VMAX - 1) / VMAX;
-  at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
-    std::vector<float> buf(M > GRID_TILED_MAX ? VMAX * K * L : 0);
-    for (int64_t g = g0; g < g1; ++g) {
-      const int64_t b = g * VMAX, v = std::min<int64_t>(VMAX, nb - b);
-      const Grid wb = w.at(b);
-      if (v == VMAX) grid_blocks<VMAX>(xp, M, K, wb, buf.data(), yp, N, b * L, bias);
-      else if (v == 3) grid_blocks<3>(xp, M, K, wb, buf.data(), yp, N, b * L, bias);
-      else if (v == 2) grid_blocks<2>(xp, M, K, wb, buf.data(), yp, N, b * L, bias);
-      else grid_blocks<1>(xp, M, K, wb, buf.data(), yp, N, b * L, bias);
-    }
+  over_block_groups(nb, [&]<int V>(int64_t b) {
+    float* buf = M > GRID_TILED_MAX ? slabs(VMAX * K * L) : nullptr;
+    grid_blocks<V>(xp, M, K, w.at(b), buf, yp, N, b * L, bias);
   });
   return y;
 }
@@ -375,7 +379,8 @@ def rows_kernel():
 
 
 def pack_rows(weight: torch.Tensor) -> torch.Tensor:
-    """[N, K] -> [N/16, K, 16]: each block of 16 output features as one contiguous [K, 16] slab (dtype kept)."""
+    """[N, K] -> [N/16, K, 16]: each block of 16 output features as one contiguous [K, 16] slab (dtype kept; also a
+    grid form's parameters [N, K/32] -> [N/16, K/32, 16])."""
     n, k = weight.shape
     return weight.detach().reshape(n // BLOCK, BLOCK, k).transpose(1, 2).contiguous()
 
@@ -427,7 +432,7 @@ def grid_form(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         if exact16(step) and bool(ok.all()):
             c = pack_rows(codes.reshape(n, k).to(torch.uint8))                  # [N/16, K, 16]
             pairs = (c[:, 0::2] | (c[:, 1::2] << 4)).contiguous()                # [N/16, K/2, 16]
-            params = torch.stack([_per_block(step), _per_block(low)], 2)        # [N/16, K/32, 2, 16]
+            params = torch.stack([pack_rows(step), pack_rows(low)], 2)          # [N/16, K/32, 2, 16]
             return pairs, params.half().contiguous()
     step = w.abs().amax(-1) / 127
     if not exact16(step):
@@ -435,7 +440,7 @@ def grid_form(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
     q = (w / torch.where(step > 0, step, torch.ones_like(step))[..., None]).round().clamp(-127, 127)
     if not torch.equal(q * step[..., None], w):
         return None
-    return pack_rows(q.reshape(n, k).to(torch.int8)), _per_block(step).half().contiguous()
+    return pack_rows(q.reshape(n, k).to(torch.int8)), pack_rows(step).half()
 
 
 def _fit(w: torch.Tensor, step: torch.Tensor, low: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -445,12 +450,6 @@ def _fit(w: torch.Tensor, step: torch.Tensor, low: torch.Tensor) -> tuple[torch.
     codes = ((w - low[..., None]) / safe).round().clamp(0, 15)
     good = (low.half().float() == low) & (codes * step[..., None] + low[..., None] == w).all(-1)
     return codes, good
-
-
-def _per_block(t: torch.Tensor) -> torch.Tensor:
-    """[N, K/32] -> [N/16, K/32, 16]: a group's values for the 16 outputs of a block together."""
-    n, groups = t.shape
-    return t.reshape(n // BLOCK, BLOCK, groups).transpose(1, 2)
 
 
 def grid_weight(codes: torch.Tensor, params: torch.Tensor) -> torch.Tensor:

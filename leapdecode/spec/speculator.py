@@ -429,7 +429,7 @@ class Speculator:
         self._steps += 1
         # a model drafter whose retries keep failing spends as much less on shadows as its retries wait longer
         share = QUIET_SHARE * (RETRY_QUIET / self._retry_after if self._retries else 1.0)
-        earned = share * step * self._potential(reqs, step)
+        earned = share * step * self._potential(reqs)
         self._shadow_credit = min(self._shadow_credit + earned, SHADOW_BANK * earned)
         after = self._shadow_after
         need = [r for r in reqs if r.seq_id not in self._shadow and after.get(r.seq_id, 0) <= self._steps]
@@ -451,24 +451,24 @@ class Speculator:
             if d.tokens:
                 self._shadow[r.seq_id] = (DraftTree.of(d.tokens, d.parents), len(r.token_ids), _claim(d))
 
-    def _potential(self, reqs: list[DraftRequest], step: float) -> float:
+    def _potential(self, reqs: list[DraftRequest]) -> float:
         """What finding good drafts could be worth in this step, in [0, 1], by which the shadows' share is scaled:
         the gain in tokens per second of this decode-only step if every request's longest draft were accepted,
         over plain decoding (capped at 1; 1 in a step with prefill chunks, whose drafts are priced in time). A
         compute-bound step (batch 64 on the CPU: a verified token costs nearly what a decoded one does, so perfect
         drafts would gain ~15%) buys few shadows; a GPU step, flat in its tokens, the whole share."""
         base = self._step_shape[1]
-        if self._decode_seqs is None or step <= 0.0 or base <= 0 or not reqs:
+        if self._decode_seqs is None or base <= 0 or not reqs:
             return 1.0
         room = [r.max_draft for r in reqs]
         key = (self._decode_seqs, base, sum(room), max(room))
         memo = self._potential_memo                    # (it changes slowly: priced again every 8 quiet steps)
         if memo is not None and memo[0] == key and self._steps - memo[1] < 8:
             return memo[2]
-        ctl = self.controller                          # (both steps predicted: ``step`` may be a measured one)
+        ctl = self.controller                          # (both steps predicted, not the quiet step's measured time)
         best = ctl.step_seconds(base + sum(room), self._decode_seqs, 1 + max(room))
         plain = ctl.step_seconds(base, self._decode_seqs)
-        value = min(1.0, max(0.0, (base + sum(room)) * plain / (best * base) - 1.0))
+        value = 1.0 if plain <= 0.0 else min(1.0, max(0.0, (base + sum(room)) * plain / (best * base) - 1.0))
         self._potential_memo = (key, self._steps, value)
         return value
 
