@@ -29,7 +29,8 @@ speed    batch 1: a prompt of each ``--decode-contexts`` length (Python document
          greedy tokens (EOS ignored): decode tokens/s after the first token (wall clock, and per CPU second of
          this process, which a shared machine disturbs less), and the time spent in the attention backend per
          decoded token (its ``plan`` + ``write_kv`` + ``attend`` over all layers, decode steps only: the part
-         that KV compression and sparse attention change).
+         that KV compression and sparse attention change), timed in a second run of the same decode with every
+         step layer by layer (the CPU's one-call decoder layer attends inside C++, out of the probe's sight).
 ppl      perplexity of ``--ppl-tokens`` tokens of held-back text (the Python language reference shipped with
          Python as ``pydoc_data.topics``, topics in sorted order) from the engine's prompt logprobs, prefilled in
          chunks as above, and its increase over "auto". Sparse decoding acts on decode steps, so for a sparse
@@ -293,6 +294,8 @@ class BackendProbe:
             try:
                 return fn(*a, **k)
             finally:
+                if is_plan:     # layer by layer (no one-call CPU layer), so every layer's attention goes through attend
+                    meta.cpu_step = None
                 if self.cuda:
                     torch.cuda.synchronize()
                 self.seconds += time.perf_counter() - t
@@ -335,22 +338,27 @@ def kv_memory(llm, args, model_cfg) -> dict:
 
 
 def decode_speed(llm, probe: BackendProbe, ids: list[int], n: int) -> dict:
-    """Batch 1: prefill ``ids``, then ``n`` greedy tokens; rates after the first token (the prefill's)."""
+    """Batch 1: prefill ``ids``, then ``n`` greedy tokens, twice: the rates after the first token (the prefill's)
+    from a run on the engine's own path, the attention backend's time from a second run with every decode step
+    layer by layer (on the CPU the one-call decoder layer runs attention inside C++, where it cannot be timed)."""
     from leapdecode import SamplingParams
     params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
-    probe.seconds = probe.cpu_seconds = 0.0
-    first, out = None, None
-    for out in llm.stream(ids, params):
-        if first is None and out.outputs[0].token_ids:
-            first = (time.perf_counter(), time.process_time(), len(out.outputs[0].token_ids))
-            probe.timing = True
-    wall, cpu = time.perf_counter() - first[0], time.process_time() - first[1]
-    probe.timing = False
-    tokens = len(out.outputs[0].token_ids) - first[2]
+    runs = []
+    for timed in (False, True):
+        probe.seconds = probe.cpu_seconds = 0.0
+        first, out = None, None
+        for out in llm.stream(ids, params):
+            if first is None and out.outputs[0].token_ids:
+                first = (time.perf_counter(), time.process_time(), len(out.outputs[0].token_ids))
+                probe.timing = timed
+        runs.append((time.perf_counter() - first[0], time.process_time() - first[1],
+                     len(out.outputs[0].token_ids) - first[2]))
+        probe.timing = False
+    (wall, cpu, tokens), (_, _, timed_tokens) = runs
     found = bool(probe.backends)
     return {"context": len(ids), "tokens": tokens, "tok/s": tokens / wall, "tok/cpu-s": tokens / cpu,
-            "backend ms/token": 1000 * probe.seconds / tokens if found else None,
-            "backend cpu-ms/token": 1000 * probe.cpu_seconds / tokens if found else None}
+            "backend ms/token": 1000 * probe.seconds / timed_tokens if found else None,
+            "backend cpu-ms/token": 1000 * probe.cpu_seconds / timed_tokens if found else None}
 
 
 def perplexity(llm, ids: list[int]) -> tuple[float, list[float]]:

@@ -9,6 +9,7 @@ import torch
 
 from conftest import OracleDrafter, assert_pool_free, make_llm
 from leapdecode import SamplingParams, SparseAttentionConfig, SpeculativeConfig
+from leapdecode.attention import cpu_exact
 from leapdecode.attention.backend import AttentionMetadata, get_backend
 from leapdecode.attention.sparse import SparseAttention, SparseStep
 from leapdecode.attention.torch_ref import TorchAttention
@@ -109,8 +110,9 @@ def test_selection_and_sparse_layers_follow_the_papers_rule(monkeypatch):
                           cache, meta)
     (step,) = [p for p in meta.plan if isinstance(p, SparseStep)]
     assert step.rows == [0, 1, 2]
-    # only the full and selection layers read whole contexts; the sparse layers gather selected slots only
-    assert len(gathers) == 3
+    # only the selection layers (and, without the CPU kernels, the full layer below them: the exact kernel reads it
+    # in place) gather whole contexts; the sparse layers gather selected slots only
+    assert len(gathers) == (2 if cpu_exact.kernel() is not None else 3)
     _, full = run_layers(TorchAttention(), cache, meta)
     for i in (3, 4):                           # rows that are not sparse: full attention (in a smaller padded batch)
         rows = slice(meta.query_start_loc[i], meta.query_start_loc[i + 1])
@@ -215,6 +217,63 @@ def test_per_layer_selection_follows_its_rule():
     for i in step.rows:
         row = int(meta.query_start_loc[i])
         assert not torch.allclose(outs[LAYERS - 1][row], tidal[LAYERS - 1][row], rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.skipif(cpu_exact.kernel() is None, reason="needs the CPU kernels (a C++ toolchain)")
+@pytest.mark.parametrize("fmt", ["auto", "fp8", "int8", "int4"])
+def test_per_layer_kernel_reads_the_cache_in_place(monkeypatch, fmt):
+    """per_layer on the CPU runs in one kernel call (attention/cpu_sparse.py) that reads the cache in place (the
+    context is never gathered) and attends as the rule's torch formulation does, over the real model's shapes (9
+    query heads on 3 KV heads of 64, 16-token blocks) and every cache format (quantized: random codes and grids,
+    each row's last block open in the full-precision window, int4 with a salient token per block)."""
+    from leapdecode.attention.kv_cache import KVCache
+    g = torch.Generator().manual_seed(11)
+    lens, bs, hkv, d, h = [700, 300], 16, 3, 64, 9
+    nblocks = [-(-n // bs) for n in lens]
+    cache = KVCache(1, sum(nblocks) + 2, bs, hkv, d, torch.float32, torch.device("cpu"), kv_cache_dtype=fmt,
+                    window_blocks=2, num_salient=1)
+    if fmt == "auto":
+        cache.data.normal_(generator=g)
+    else:
+        codes = torch.randint(0, 256, cache.data.shape, generator=g, dtype=torch.uint8)
+        if fmt == "fp8":                            # no NaN (e4m3's 0x7f and 0xff)
+            codes = torch.where(codes & 0x7F == 0x7F, codes - 1, codes)
+        cache.data.copy_(codes)
+        if cache.scales is not None:
+            cache.scales.copy_(torch.rand(cache.scales.shape, generator=g) * 0.01 + 0.001)
+        if fmt != "fp8":
+            cache.key_grid[:, :, 0].normal_(generator=g)
+            cache.key_grid[:, :, 1].copy_(torch.rand(cache.key_grid[:, :, 1].shape, generator=g) * 0.02)
+            cache.value_grid[:, :, 0].normal_(generator=g)
+            cache.value_grid[:, :, 1].copy_(torch.rand(cache.value_grid[:, :, 1].shape, generator=g) * 0.02)
+            cache.salient.copy_(torch.randint(0, bs, cache.salient.shape, generator=g, dtype=torch.uint8))
+            cache.residual.copy_(torch.randint(0, 256, cache.residual.shape, generator=g, dtype=torch.uint8))
+    perm = torch.randperm(sum(nblocks), generator=g).tolist()
+    tables = [perm[:nblocks[0]], perm[nblocks[0]:]]
+    width = max(nblocks)
+    meta = AttentionMetadata(
+        positions=torch.tensor([n - 1 for n in lens]), block_tables=torch.tensor([t + [0] * (width - len(t))
+                                                                                   for t in tables]),
+        seq_lens=torch.tensor(lens), slot_mapping=torch.tensor([t[(n - 1) // bs] * bs + (n - 1) % bs
+                                                                 for t, n in zip(tables, lens)]),
+        query_start_loc=torch.arange(3), query_lens=[1, 1], seq_lens_host=list(lens), block_size=bs,
+        num_actual_tokens=2)
+    if cache.layout.windowed:
+        cache.window.normal_(generator=g)
+        meta.kv_window = torch.full((2, width), -1)
+        for row, n in enumerate(lens):
+            meta.kv_window[row, (n - 1) // bs] = row
+    step = SparseStep(SparseAttention(SparseAttentionConfig(budget=0.1, window=32, dense_layers=0), 1), meta, [0, 1])
+    q = torch.randn(2, h, d, generator=g)
+    gathers = []
+    monkeypatch.setattr(SparseStep, "_context", lambda self, kv, values=True, _orig=SparseStep._context:
+                        gathers.append(1) or _orig(self, kv, values))
+    got = step.attend(q, cache.layer(0), d ** -0.5, layer=0)
+    assert not gathers
+    monkeypatch.setattr(SparseStep, "_native", lambda self, q, kv: False)     # the torch formulation
+    want = step.attend(q, cache.layer(0), d ** -0.5, layer=0)
+    assert gathers
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
 def record_all(backend, cache, meta, tables, lens):

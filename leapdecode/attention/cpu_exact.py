@@ -42,6 +42,8 @@ _SOURCE = r"""
 #include <type_traits>
 #include <limits>
 #include <vector>
+#include <functional>
+
 
 // out[s, m, h, :] = softmax over visible keys j (ascending) of scale * q[s, m, h] . k[j, h / group], times v[j]:
 // query row m of sequence s sees key j where mask[s, m, j], and key j of sequence s lives in block table[s, j / bs]
@@ -402,21 +404,21 @@ torch::Tensor paged_attention_slots(torch::Tensor q, torch::Tensor kv_cache, tor
   return paged(q, kv_cache, slots, mask, scale, &ctx);
 }
 
-// The same over a quantized cache (see Quant): kgrid and vgrid (int8) or scales and lut (fp8), window and wmap when
-// the cache keeps open blocks at full precision; absent ones are empty tensors.
-torch::Tensor paged_attention_quantized(torch::Tensor q, torch::Tensor codes, torch::Tensor kgrid, torch::Tensor vgrid,
-                                        torch::Tensor scales, torch::Tensor lut, torch::Tensor salient,
-                                        torch::Tensor residual, torch::Tensor window, torch::Tensor wmap,
-                                        torch::Tensor table, torch::Tensor mask, double scale) {
+// A quantized cache's row source (see Quant) for heads of size D: kgrid and vgrid (int8 / int4) or scales and lut
+// (fp8), window and wmap when the cache keeps open blocks at full precision; absent ones are empty tensors.
+Quant quant_source(int64_t D, const torch::Tensor& codes, const torch::Tensor& kgrid, const torch::Tensor& vgrid,
+                   const torch::Tensor& scales, const torch::Tensor& lut, const torch::Tensor& salient,
+                   const torch::Tensor& residual, const torch::Tensor& window, const torch::Tensor& wmap,
+                   const torch::Tensor& table) {
   TORCH_CHECK(codes.scalar_type() == torch::kByte && codes.is_contiguous() && codes.dim() == 5,
               "codes: uint8 [2, nb, bs, h, d]");
-  const int64_t nb = codes.size(1), bs = codes.size(2), Hkv = codes.size(3), D = q.size(3);
+  const int64_t nb = codes.size(1), bs = codes.size(2), Hkv = codes.size(3);
   const int64_t bits = codes.size(4) == D ? 8 : 4, ns = salient.numel() ? salient.size(1) : 0;
   TORCH_CHECK(codes.size(4) * 8 / bits == D && D % 2 == 0, "codes: one byte per value, or two values per byte");
   TORCH_CHECK(bits == 8 || scales.numel() == 0, "fp8 codes are one byte per value");
   TORCH_CHECK(ns == 0 || (salient.scalar_type() == torch::kByte && salient.is_contiguous() && residual.is_contiguous()
                           && residual.scalar_type() == torch::kByte && residual.size(2) == ns), "salient tokens");
-  check(q, table, mask, Hkv, D);
+  TORCH_CHECK(table.is_contiguous() && table.scalar_type() == torch::kLong, "the block table: contiguous int64");
   const bool fp8 = scales.numel() > 0, windowed = wmap.numel() > 0;
   TORCH_CHECK(fp8 ? (scales.scalar_type() == torch::kHalf && scales.is_contiguous() && lut.numel() == 256 &&
                      lut.scalar_type() == torch::kFloat32)
@@ -424,15 +426,24 @@ torch::Tensor paged_attention_quantized(torch::Tensor q, torch::Tensor codes, to
                      kgrid.is_contiguous() && vgrid.is_contiguous()), "quantized cache: bad grids or scales");
   TORCH_CHECK(!windowed || (window.scalar_type() == torch::kFloat32 && window.is_contiguous() &&
                             wmap.scalar_type() == torch::kLong && wmap.is_contiguous()), "window: float32, wmap int64");
+  return Quant{codes.data_ptr<uint8_t>(), ns ? salient.data_ptr<uint8_t>() : nullptr,
+               ns ? residual.data_ptr<uint8_t>() : nullptr,
+               fp8 ? nullptr : kgrid.data_ptr<at::Half>(), fp8 ? nullptr : vgrid.data_ptr<at::Half>(),
+               fp8 ? scales.data_ptr<at::Half>() : nullptr, fp8 ? lut.data_ptr<float>() : nullptr,
+               windowed ? window.data_ptr<float>() : nullptr, table.data_ptr<int64_t>(),
+               windowed ? wmap.data_ptr<int64_t>() : nullptr, table.size(1), windowed ? wmap.size(1) : 0, bs, Hkv, D,
+               nb, windowed ? window.size(1) : 0, bits, ns};
+}
+
+// The exact kernel over a quantized cache (see quant_source).
+torch::Tensor paged_attention_quantized(torch::Tensor q, torch::Tensor codes, torch::Tensor kgrid, torch::Tensor vgrid,
+                                        torch::Tensor scales, torch::Tensor lut, torch::Tensor salient,
+                                        torch::Tensor residual, torch::Tensor window, torch::Tensor wmap,
+                                        torch::Tensor table, torch::Tensor mask, double scale) {
+  const Quant src = quant_source(q.size(3), codes, kgrid, vgrid, scales, lut, salient, residual, window, wmap, table);
+  check(q, table, mask, src.Hkv, src.D);
   auto out = torch::empty_like(q);
-  Quant src{codes.data_ptr<uint8_t>(), ns ? salient.data_ptr<uint8_t>() : nullptr,
-            ns ? residual.data_ptr<uint8_t>() : nullptr,
-            fp8 ? nullptr : kgrid.data_ptr<at::Half>(), fp8 ? nullptr : vgrid.data_ptr<at::Half>(),
-            fp8 ? scales.data_ptr<at::Half>() : nullptr, fp8 ? lut.data_ptr<float>() : nullptr,
-            windowed ? window.data_ptr<float>() : nullptr, table.data_ptr<int64_t>(),
-            windowed ? wmap.data_ptr<int64_t>() : nullptr, table.size(1), windowed ? wmap.size(1) : 0, bs, Hkv, D, nb,
-            windowed ? window.size(1) : 0, bits, ns};
-  dispatch(src, q, mask, out, Hkv, scale);
+  dispatch(src, q, mask, out, src.Hkv, scale);
   return out;
 }
 """
@@ -484,17 +495,23 @@ def attend_quantized(q: torch.Tensor, layer, blocks: torch.Tensor, window: torch
     mod = kernel()
     if mod is None:
         return None
+    return mod.paged_attention_quantized(q.float().contiguous(), *quantized_args(layer, window),
+                                         blocks.to(torch.int64).contiguous(), mask.contiguous(), float(scale))
+
+
+def quantized_args(layer, window: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+    """A quantized cache layer as the kernels' row source takes it: codes, key and value grids, fp8 scales and
+    their 256 values, salient tokens and their residual nibbles, the window and ``window`` as int64 (empty tensors
+    for what the layer does not have)."""
     none = torch.empty(0)
     fp8 = getattr(layer, "scales", None) is not None
     win = getattr(layer, "window", None)
     salient = getattr(layer, "salient", None)
     salient = salient if salient is not None and layer.layout.num_salient else None
-    return mod.paged_attention_quantized(
-        q.float().contiguous(), layer.codes, none if fp8 else layer.key_grid, none if fp8 else layer.value_grid,
-        layer.scales if fp8 else none, _fp8_values() if fp8 else none,
-        none if salient is None else salient, none if salient is None else layer.residual,
-        win if window is not None else none, window.to(torch.int64).contiguous() if window is not None else none,
-        blocks.to(torch.int64).contiguous(), mask.contiguous(), float(scale))
+    return (layer.codes, none if fp8 else layer.key_grid, none if fp8 else layer.value_grid,
+            layer.scales if fp8 else none, _fp8_values() if fp8 else none,
+            none if salient is None else salient, none if salient is None else layer.residual,
+            win if window is not None else none, window.to(torch.int64).contiguous() if window is not None else none)
 
 
 @functools.lru_cache(maxsize=1)
@@ -503,4 +520,4 @@ def _fp8_values() -> torch.Tensor:
     return torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
 
 
-__all__ = ["attend", "attend_quantized", "kernel", "reads"]
+__all__ = ["attend", "attend_quantized", "kernel", "quantized_args", "reads"]

@@ -52,6 +52,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from leapdecode.attention import cpu_exact, cpu_sparse
 from leapdecode.attention.backend import AttentionMetadata
 from leapdecode.attention.kv_cache import Fp8Layer, WindowedLayer
 from leapdecode.config import SparseAttentionConfig
@@ -147,6 +148,7 @@ class SparseStep:
         # the padded top-k slots of rows with fewer chosen positions are masked; the window is always valid
         chosen_valid = torch.arange(self.num_chosen, device=dev)[None, :] < torch.tensor(chosen, device=dev)[:, None]
         self.selected_valid = torch.cat([chosen_valid, torch.ones(len(rows), w, dtype=torch.bool, device=dev)], 1)
+        self.chosen = torch.tensor(chosen, device=dev)                                # [B] positions chosen per row
         self.positions: torch.Tensor | None = None     # [B, num_chosen + window] logical positions selected (tidal)
         self._slots: torch.Tensor | None = None        # the same as cache slots, flat
         # the cache slot of every position of each row [B, nblocks * bs]: both selections gather through it
@@ -200,7 +202,19 @@ class SparseStep:
                     else None for i in (0, 1))
         return k[:, :self.max_len], (v[:, :self.max_len] if v is not None else None)
 
+    def _native(self, q: torch.Tensor, kv_cache: KVLayer) -> bool:
+        """Whether the CPU kernels read this cache in place (a float cache, or a quantized one the exact kernel
+        reads), so no layer gathers the context into a copy."""
+        if q.device.type != "cpu" or cpu_exact.kernel() is None:
+            return False
+        return (kv_cache.device.type == "cpu" if isinstance(kv_cache, torch.Tensor) else cpu_exact.reads(kv_cache))
+
     def _dense(self, q: torch.Tensor, kv_cache: KVLayer, scale: float) -> torch.Tensor:
+        if self._native(q, kv_cache):                   # the exact kernel, as full attention's decode rows
+            mask = self.key_valid[:, None]
+            if isinstance(kv_cache, torch.Tensor):
+                return cpu_exact.attend(q[:, None], kv_cache, self.blocks, mask, scale)[:, 0]
+            return cpu_exact.attend_quantized(q[:, None], kv_cache, self.blocks, self.kv_window, mask, scale)[:, 0]
         k, v = self._context(kv_cache)
         return _grouped_attention(q, k.transpose(1, 2), v.transpose(1, 2), self.key_valid, scale)
 
@@ -219,7 +233,11 @@ class SparseStep:
 
     def _top_k(self, q: torch.Tensor, kv_cache: KVLayer, scale: float) -> torch.Tensor:
         """per_layer: each KV head scores every position with this layer's queries and attends over its top
-        positions and the window (every key is read, only the chosen values)."""
+        positions and the window (every key is read, only the chosen values); on the CPU in one kernel call
+        (attention/cpu_sparse.py), reading the cache in place."""
+        if self._native(q, kv_cache):
+            return cpu_sparse.attend(q, kv_cache, self.blocks, self.kv_window, self.seq_lens, self.chosen,
+                                     self.policy.window, scale)
         B = len(self.rows)
         k, v = self._context(kv_cache, values=False)                                  # [B, n, Hkv, D]
         hkv, d = k.shape[2], k.shape[3]

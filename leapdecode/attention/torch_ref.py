@@ -122,15 +122,16 @@ class TorchAttention(AttentionBackend):
 
     def _cpu_step(self, meta: AttentionMetadata) -> list[torch.Tensor] | None:
         """What model/cpu_layer.py needs to run a layer in one call, where every group of this step is attended by
-        the exact kernel (decodes, verifications, short prefill chunks; no sparse attention, no sealing): the
+        the exact kernel (decodes, verifications, short prefill chunks; no sparse rows, no sealing): the
         positions, the slots written, then per group its query rows, block table (a tree group read by slot: its
         sequences' context lengths), key slots (a tree group's, ``_tree_rows``; else empty), mask, output rows and
         valid queries (query and output rows empty when the group's queries are the step's tokens in order); else
         None (the layer-by-layer path)."""
         n = meta.num_actual_tokens
-        if (self.exact == "off" or self.sparse is not None or meta.kv_seal is not None or meta.positions.is_cuda
+        pages = self.sparse is not None and self.sparse.pages   # (pages' bounds record each layer's keys as written)
+        if (self.exact == "off" or pages or meta.kv_seal is not None or meta.positions.is_cuda
                 or len(meta.positions) != n or cpu_exact.kernel() is None):
-            return None                 # (sparse attention records each layer's keys as they are written)
+            return None
         step = [meta.positions, meta.slot_mapping[:n]]
         for g in meta.plan:
             if isinstance(g, SparseStep) or g.window is not None or g.q_index.shape[1] > BATCH_MAX_QUERY:
