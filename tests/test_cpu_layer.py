@@ -21,7 +21,7 @@ def _counting(monkeypatch, taken: dict) -> None:
         if out is not None:
             kind = "int8" if isinstance(layer.self_attn.qkv_proj, Int8Linear) else "float"
             taken[kind, x.shape[0]] = taken.get((kind, x.shape[0]), 0) + 1
-            if len(meta.cpu_step) > 8:                  # several attention groups (e.g. decodes and verifications)
+            if len(meta.cpu_step.tensors) > 8:          # several attention groups (e.g. decodes and verifications)
                 taken["groups"] = taken.get("groups", 0) + 1
         return out
     monkeypatch.setattr(cpu_layer, "run", run)
@@ -122,3 +122,28 @@ def test_rows_beyond_an_int8_layers_tile_take_the_module_path(llama_dir):
     assert fused is not None and fused.rows_max == Int8Linear.ROWS_MAX
     assert cpu_layer.FusedLayer.of(layer).rows_max is None      # the float target's own layer: any rows
     assert cpu_layer.FusedLayer.of(layer) is not fused          # the copy is not confused with its original
+
+
+def test_sparse_decode_rows_take_one_call_with_the_module_paths_bits(tiny_dir, monkeypatch):
+    """Sparse decoding (per_layer): steps with sparse decode rows beside ordinary ones run through the one-call layer
+    (full attention below the first selection layer, the top-k kernel from it on) and give the layer-by-layer
+    path's greedy tokens and logprobs bit for bit. Fails if such steps never take the one-call layer, or take it
+    with the wrong rule on either side of the first selection layer."""
+    deep = tiny_dir("llama", num_hidden_layers=6)
+    sparse = {"budget": 16, "window": 4, "dense_layers": 2}
+    prompts = [[3 + (11 * i + 7 * j) % 300 for j in range(n)] for i, n in enumerate((300, 140, 220, 10))]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=2)
+    real, layers = cpu_layer.run, []
+
+    def run(layer, x, meta):
+        out = real(layer, x, meta)
+        if out is not None and meta.cpu_step.sparse is not None:
+            layers.append(layer.self_attn.layer_idx)
+        return out
+    monkeypatch.setattr(cpu_layer, "run", run)
+    fused = _generate(make_llm(deep, max_model_len=512, sparse_attention=sparse), prompts, params, batch=True)
+    assert set(layers) == set(range(6)), layers
+    monkeypatch.setattr(cpu_layer, "run", lambda *a: None)          # the layer-by-layer path
+    assert _generate(make_llm(deep, max_model_len=512, sparse_attention=sparse), prompts, params, batch=True) == fused
+    full = _generate(make_llm(deep, max_model_len=512), prompts, params, batch=True)
+    assert full != fused                                             # (the budget is small enough to matter)

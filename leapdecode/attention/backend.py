@@ -42,6 +42,22 @@ class SealPlan:
 
 
 @dataclass
+class CpuStep:
+    """What the one-call decoder layer (model/cpu_layer.py) takes for a step: the positions, the slots written and
+    each attention group's tensors (``TorchAttention._cpu_step``). Where the step has sparse decode rows, the
+    layers from ``sparse_from`` on take ``sparse`` (those rows attended by their top positions) and the layers
+    below take ``tensors`` (the same rows attended fully)."""
+
+    tensors: list[torch.Tensor]
+    sparse: list[torch.Tensor] | None = None
+    sparse_from: int = 0
+
+    def for_layer(self, layer: int | None) -> list[torch.Tensor]:
+        use_sparse = self.sparse is not None and layer is not None and layer >= self.sparse_from
+        return self.sparse if use_sparse else self.tensors
+
+
+@dataclass
 class AttentionMetadata:
     positions: torch.Tensor           # [T] int64
     slot_mapping: torch.Tensor        # [T] int64, flat slot index in the cache (block * block_size + offset)
@@ -61,9 +77,8 @@ class AttentionMetadata:
     kv_window: torch.Tensor | None = None      # [B, max_blocks] window block of an open block (-1: read the pool's)
     kv_seal: SealPlan | None = None            # blocks each layer quantizes after its write, before it attends
     plan: Any = None                  # the backend's per-step plan, set by ``AttentionBackend.plan``
-    # set by the plan where one C++ call may run a whole decoder layer (model/cpu_layer.py): positions, slots and
-    # each attention group's tensors (see ``TorchAttention._cpu_step``)
-    cpu_step: Any = None
+    # set by the plan where one C++ call may run a whole decoder layer (model/cpu_layer.py)
+    cpu_step: CpuStep | None = None
 
     @property
     def num_seqs(self) -> int:

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from leapdecode.attention import cpu_exact, kv_quant
-from leapdecode.attention.backend import AttentionBackend, AttentionMetadata, SealPlan
+from leapdecode.attention.backend import AttentionBackend, AttentionMetadata, CpuStep, SealPlan
 from leapdecode.attention.kv_cache import Fp8Layer, WindowedLayer
 from leapdecode.attention.sparse import SparseAttention, SparseStep
 
@@ -120,33 +120,49 @@ class TorchAttention(AttentionBackend):
         meta.plan = groups + ([sparse] if sparse is not None else [])
         meta.cpu_step = self._cpu_step(meta)
 
-    def _cpu_step(self, meta: AttentionMetadata) -> list[torch.Tensor] | None:
+    def _cpu_step(self, meta: AttentionMetadata) -> CpuStep | None:
         """What model/cpu_layer.py needs to run a layer in one call, where every group of this step is attended by
-        the exact kernel (decodes, verifications, short prefill chunks; no sparse rows, no sealing): the
-        positions, the slots written, then per group its query rows, block table (a tree group read by slot: its
-        sequences' context lengths), key slots (a tree group's, ``_tree_rows``; else empty), mask, output rows and
-        valid queries (query and output rows empty when the group's queries are the step's tokens in order); else
-        None (the layer-by-layer path)."""
+        the exact kernel (decodes, verifications, short prefill chunks) or, for sparse decode rows of the per_layer
+        rule, by the top-k kernel (attention/cpu_sparse.py), and nothing is sealed: the positions, the slots
+        written, then per group its query rows, block table (a tree group read by slot: its sequences' context
+        lengths), key slots (a tree group's, ``_tree_rows``; else empty), mask, output rows and valid queries
+        (query and output rows empty when the group's queries are the step's tokens in order); a top-k group has
+        the rows' keys, chosen positions and window (int64 [3, B]) in the mask's place. Else None (the
+        layer-by-layer path)."""
         n = meta.num_actual_tokens
-        pages = self.sparse is not None and self.sparse.pages   # (pages' bounds record each layer's keys as written)
-        if (self.exact == "off" or pages or meta.kv_seal is not None or meta.positions.is_cuda
-                or len(meta.positions) != n or cpu_exact.kernel() is None):
-            return None
+        sparse = self.sparse
+        if (self.exact == "off" or (sparse is not None and not sparse.per_layer) or meta.kv_seal is not None
+                or meta.positions.is_cuda or len(meta.positions) != n or cpu_exact.kernel() is None):
+            return None         # (tidal keeps positions between layers; pages' bounds record each layer's keys)
         step = [meta.positions, meta.slot_mapping[:n]]
+        top_k: list[torch.Tensor] | None = None
         for g in meta.plan:
-            if isinstance(g, SparseStep) or g.window is not None or g.q_index.shape[1] > BATCH_MAX_QUERY:
+            if isinstance(g, SparseStep):       # full attention below the first selection layer, top-k above
+                rows, blocks = g.out_index, g.blocks.to(torch.int64).contiguous()
+                counts = torch.stack([g.seq_lens, g.chosen, torch.full_like(g.chosen, sparse.window)])
+                top_k = step + [rows, blocks, _EMPTY, counts, rows, _EMPTY]
+                step = step + [rows[:, None], blocks, _EMPTY, g.key_valid[:, None].contiguous(), rows, _EMPTY]
+                continue
+            if g.window is not None or g.q_index.shape[1] > BATCH_MAX_QUERY:
                 return None
             if g.by_slot is not None:
                 t = g.by_slot
-                step += [t.q_index, t.ctx, t.slots, t.mask[:, 0].contiguous(), t.out_index, t.valid_q]
-                continue
-            blocks, mask = g.blocks.to(torch.int64).contiguous(), g.mask[:, 0].contiguous()
-            if (len(meta.plan) == 1 and g.q_index.numel() == n and torch.equal(g.q_index.flatten(), torch.arange(n))
-                    and (g.valid_q is None or bool(g.valid_q.all()))):
-                step += [_EMPTY, blocks, _EMPTY, mask, _EMPTY, _EMPTY]
+                group = [t.q_index, t.ctx, t.slots, t.mask[:, 0].contiguous(), t.out_index, t.valid_q]
             else:
-                step += [g.q_index, blocks, _EMPTY, mask, g.out_index, _EMPTY if g.valid_q is None else g.valid_q]
-        return step
+                blocks, mask = g.blocks.to(torch.int64).contiguous(), g.mask[:, 0].contiguous()
+                if (len(meta.plan) == 1 and g.q_index.numel() == n
+                        and torch.equal(g.q_index.flatten(), torch.arange(n))
+                        and (g.valid_q is None or bool(g.valid_q.all()))):
+                    group = [_EMPTY, blocks, _EMPTY, mask, _EMPTY, _EMPTY]
+                else:
+                    group = [g.q_index, blocks, _EMPTY, mask, g.out_index,
+                             _EMPTY if g.valid_q is None else g.valid_q]
+            step += group
+            if top_k is not None:
+                top_k += group
+        if top_k is None:
+            return CpuStep(step)
+        return CpuStep(step, top_k, sparse.first_selection)
 
     def write_kv(self, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
                  layer: int | None = None) -> None:

@@ -15,9 +15,9 @@ bit-identical to ``DecoderLayer.forward``'s; speculation's losslessness, which r
 on the path that computed it, is kept (tests/test_cpu_layer.py compares the two bit for bit).
 
 When: the attention backend says the step allows it (``AttentionMetadata.cpu_step``, set by ``TorchAttention.plan``:
-every attention group of the step is read by the exact kernel - decodes, verifications, short prefill chunks - with
-no sparse attention and no sealing; a step of one group whose queries are its tokens in order skips the gather and
-scatter), the layer's cache is a plain float32 tensor, and the layer is a plain Llama layer whose four products run
+every attention group of the step is read by the exact kernel - decodes, verifications, short prefill chunks - or,
+for sparse decode rows of the per_layer rule, by the top-k kernel above the first selection layer, with no sealing;
+a step of one group whose queries are its tokens in order skips the gather and scatter), the layer's cache is a plain float32 tensor, and the layer is a plain Llama layer whose four products run
 through the row kernel (``PackedLinear`` over float32 weights or a GGUF file's codes, or, up to its ``ROWS_MAX``
 rows, ``Int8Linear``): no q/k norm, float32 RMSNorm weights. Everything else keeps the module path (long prefill
 chunks, quantized caches, GPUs, oneDNN or F.linear products).
@@ -46,7 +46,9 @@ static torch::Tensor layer_linear(const torch::Tensor& x, const torch::Tensor& w
 // step: 0 positions [T], 1 slots [T] int64, then per attention group (TorchAttention's plan) six tensors: query
 // rows [B, M], block table [B, nblocks] int64 (a tree group read by slot: its context lengths [B]), key slots
 // [B * M, max_k] int64 (a tree group's; else empty), mask [B, M, max_k] bool, output rows, valid queries [B, M]
-// (query and output rows empty: the step's tokens in order; valid queries empty: all). p: eps, H, Hkv, D, scale.
+// (query and output rows empty: the step's tokens in order; valid queries empty: all); a group of sparse decode
+// rows (query rows [B]) has int64 [3, B] in the mask's place: keys, chosen positions and window per row (the top-k
+// kernel, attention/cpu_sparse.py). p: eps, H, Hkv, D, scale.
 // The same operations as DecoderLayer.forward, TorchAttention.write_kv and TorchAttention.attend.
 torch::Tensor decoder_layer(torch::Tensor x, std::vector<torch::Tensor> w, std::vector<torch::Tensor> step,
                             std::vector<double> p) {
@@ -71,6 +73,12 @@ torch::Tensor decoder_layer(torch::Tensor x, std::vector<torch::Tensor> w, std::
     o = torch::empty({T, H, D}, x.options());
     for (size_t g = 2; g < step.size(); g += 6) {
       auto qg = q.index({step[g]});
+      if (step[g + 3].scalar_type() == torch::kLong) {     // sparse decode rows: each KV head's top positions
+        const auto& counts = step[g + 3];
+        o.index_put_({step[g + 4]}, top_k_attention(qg, w[16], step[g + 1], counts[0].contiguous(),
+                                                    counts[1].contiguous(), counts[2][0].item<int64_t>(), scale));
+        continue;
+      }
       auto og = step[g + 2].numel() ? paged_attention_slots(qg, w[16], step[g + 2], step[g + 1], step[g + 3], scale)
                                     : paged_attention(qg, w[16], step[g + 1], step[g + 3], scale);
       o.index_put_({step[g + 4]}, step[g + 5].numel() ? og.index({step[g + 5]}) : og.select(1, 0));
@@ -139,8 +147,10 @@ class FusedLayer:
 
 def run(layer: Any, x: torch.Tensor, meta: Any) -> torch.Tensor | None:
     """The layer's output through the one-call path, or None where the step or the layer does not allow it."""
-    step = meta.cpu_step
-    if step is None or x.dim() != 2 or x.dtype != torch.float32 or x.shape[0] != step[1].shape[0]:
+    if meta.cpu_step is None:
+        return None
+    step = meta.cpu_step.for_layer(layer.self_attn.layer_idx)
+    if x.dim() != 2 or x.dtype != torch.float32 or x.shape[0] != step[1].shape[0]:
         return None
     fused = FusedLayer.of(layer)
     if fused is None or (fused.rows_max is not None and x.shape[0] > fused.rows_max):
