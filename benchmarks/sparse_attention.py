@@ -6,9 +6,10 @@ every layer. With ``--selection per_layer`` (the default) the first ``--dense-la
 layer (a "sparse layer" in the table) reads every key, but only the values of its top budget + window positions;
 with ``--selection tidal`` the layers below the first selection layer and the selection layers read it all, every
 other layer only budget + window selected keys and values. Shapes default to SmolLM2-135M's (30 layers, 9 query
-heads, 3 KV heads, head_dim 64). One row per context length; the sparse module's own dense layers (its gather and
-SDPA code over the whole context) are timed beside the ordinary full path, so the gain from reading fewer keys
-shows apart from that of its gather (``index_select``) and grouped-query SDPA. The full path is the engine's CPU
+heads, 3 KV heads, head_dim 64). One row per context length; the sparse module's own dense layers (on the CPU the
+exact kernel, as the full path; elsewhere its gather and grouped-query SDPA over the whole context) are timed beside
+the ordinary full path. On the CPU a per_layer sparse layer is one call of attention/cpu_sparse.py's kernel. The
+full path is the engine's CPU
 default, attention/cpu_exact.py's kernel (``--full sdpa``: float32 SDPA, what earlier tables compared against). ``time_decode_attention`` returns
 the rows for other scripts (benchmarks/kv_compression.py).
 
@@ -223,7 +224,7 @@ def main() -> None:
               f"{r['full_step_ms']:.2f} | {r['sparse_step_ms']:.2f} | {r['layer_speedup']:.2f}x | "
               f"{r['step_speedup']:.2f}x |")
     print("full: the torch backend's ordinary decode path; dense / selection / sparse: the sparse module's layers "
-          "below the first selection layer (whole context, same gather and SDPA as its sparse layers), tidal's "
+          "below the first selection layer (whole context; on the CPU the exact kernel), tidal's "
           "selection layers (whole context + top-k) and the others (tidal: selected keys only; per_layer: every "
           "key scored, selected keys attended)")
 
