@@ -27,7 +27,9 @@ needle's digits sit near the bottom of 8,000 positions, while the layers that co
 top 10%: positions do not persist across this model's layers (the paper's models are 7-8B). Of twelve other tidal
 layer sets tried on 2 prompts, one found both needles ((12, 18, 24)), three found one, eight none. tidal reads ~6x
 less at 8k; per_layer reads every key and ~10% of the values. pages (below) at 10%: decode attention 3.0x cheaper
-than full at 8k (per_layer 2.15x, same quiet run), 4 of 10 needles.
+than full at 8k (per_layer 2.15x, same quiet run; both against float32 SDPA), 4 of 10 needles. On the CPU per_layer
+is one C++ call (attention/cpu_sparse.py): a sparse layer 1.5x faster than the exact kernel's full attention at 8k,
+the selection's positions and outputs those of the torch formulation below (to float rounding).
 
 **pages** (Quest, Tang, Zhu, Zhao, Zhang, Kasikci and Han, "Quest: Query-Aware Sparsity for Efficient Long-Context
 LLM Inference", ICML 2024, arXiv:2406.10774): a block of the paged cache is a page; as keys are written each page
