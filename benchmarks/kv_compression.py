@@ -120,6 +120,7 @@ CONFIGS = [
     Config("sparse-10-pages", "auto", "10% pages", {"sparse_attention": {"budget": 0.10, "selection": "pages"}}),
     Config("sparse-5-pages", "auto", "5% pages", {"sparse_attention": {"budget": 0.05, "selection": "pages"}}),
     Config("int4+sparse-10", "int4", "10%", {"kv_cache_dtype": "int4", "sparse_attention": {"budget": 0.10}}),
+    Config("int8+sparse-10", "int8", "10%", {"kv_cache_dtype": "int8", "sparse_attention": {"budget": 0.10}}),
 ]
 SECTIONS = ("memory", "speed", "ppl", "greedy", "needle")
 LICENCES = ("GPL-3", "GPL-2", "Apache-2.0", "MPL-2.0", "LGPL-2.1", "GFDL-1.3")
