@@ -266,6 +266,44 @@ struct Quant {
   }
 };
 
+// One query head over a chunk of CHUNK keys (``rows``: the key rows, each padded to DV vectors; vis[jj] != 0 where
+// the row sees key jj; any[gi]: lane group gi holds a visible key): sc = scale * q . k, eight keys at a time (key j
+// in lane j % W, its dot product summed over the head in one fixed order; -inf where unseen), their maximum ``mx``,
+// e = exp(sc - mx) (0 where unseen) and their sum ``l``, lane by lane in chunk order, then the lanes in one tree.
+inline void score_chunk(const vf* qv, int64_t DV, const float* const* rows, const int* vis, const bool* any,
+                        float scale, vf* sc, float* e, float& mx, float& l) {
+  const vf ninf = splat(-std::numeric_limits<float>::infinity());
+  vf mxv = ninf;
+  for (int gi = 0; gi < G; ++gi) {
+    if (!any[gi]) { sc[gi] = ninf; continue; }
+    vf a[W];
+    for (int w = 0; w < W; ++w) {
+      const float* k = rows[gi * W + w];
+      vf t = qv[0] * load(k);
+      for (int64_t b = 1; b < DV; ++b) t += qv[b] * load(k + b * W);
+      a[w] = t;
+    }
+    const vi vm = *reinterpret_cast<const vi*>(vis + gi * W);
+    sc[gi] = vm ? lane_sums(a) * splat(scale) : ninf;
+    mxv = mxv > sc[gi] ? mxv : sc[gi];
+  }
+  mx = mxv[0];
+  for (int w = 1; w < W; ++w) mx = std::max(mx, mxv[w]);
+  vf lsum = splat(0.f);
+  for (int gi = 0; gi < G; ++gi) {
+    vf x = splat(0.f);
+    if (any[gi]) {
+      const vi vm = *reinterpret_cast<const vi*>(vis + gi * W);
+      x = exp_neg(sc[gi] - splat(mx));
+      x = vm ? x : splat(0.f);
+      lsum += x;
+    }
+    store(e + gi * W, x);
+  }
+  const vf l1 = SHUFFLE(lsum, lsum, 0, 2, 4, 6, 0, 2, 4, 6) + SHUFFLE(lsum, lsum, 1, 3, 5, 7, 1, 3, 5, 7);
+  l = (l1[0] + l1[1]) + (l1[2] + l1[3]);
+}
+
 template <typename Src, int DT>
 void run(const Src& src, const float* q, const bool* mask, float* out, int64_t S, int64_t M, int64_t H, int64_t Hkv,
          int64_t D_, int64_t max_k, float scale) {
@@ -327,39 +365,9 @@ void run(const Src& src, const float* q, const bool* mask, float* out, int64_t S
             if (D % W) { std::memcpy(qpad.data(), qrow, D * sizeof(float)); qrow = qpad.data(); }
             vf qv[MAXV];
             for (int64_t b = 0; b < DV; ++b) qv[b] = load(qrow + b * W);
-            // scores, eight keys at a time; lanes of keys the row does not see become -inf
             vf sc[G];
-            const vf ninf = splat(-std::numeric_limits<float>::infinity());
-            vf mxv = ninf;
-            for (int gi = 0; gi < G; ++gi) {
-              if (!any[gi]) { sc[gi] = ninf; continue; }
-              vf a[W];
-              for (int w = 0; w < W; ++w) {
-                const float* k = rows[0][gi * W + w];
-                vf t = qv[0] * load(k);
-                for (int64_t b = 1; b < DV; ++b) t += qv[b] * load(k + b * W);
-                a[w] = t;
-              }
-              const vi vm = *reinterpret_cast<const vi*>(vis + gi * W);
-              sc[gi] = vm ? lane_sums(a) * splat(scale) : ninf;
-              mxv = mxv > sc[gi] ? mxv : sc[gi];
-            }
-            float mx = mxv[0];
-            for (int w = 1; w < W; ++w) mx = std::max(mx, mxv[w]);
-            // exponentials (0 where unseen) and their sum, lane by lane in chunk order, then the lanes in one tree
-            vf lsum = splat(0.f);
-            for (int gi = 0; gi < G; ++gi) {
-              vf e = splat(0.f);
-              if (any[gi]) {
-                const vi vm = *reinterpret_cast<const vi*>(vis + gi * W);
-                e = exp_neg(sc[gi] - splat(mx));
-                e = vm ? e : splat(0.f);
-                lsum += e;
-              }
-              store(p + gi * W, e);
-            }
-            const vf l1 = SHUFFLE(lsum, lsum, 0, 2, 4, 6, 0, 2, 4, 6) + SHUFFLE(lsum, lsum, 1, 3, 5, 7, 1, 3, 5, 7);
-            const float l = (l1[0] + l1[1]) + (l1[2] + l1[3]);
+            float mx, l;
+            score_chunk(qv, DV, rows[0], vis, any, scale, sc, p, mx, l);
             // weighted values, keys in ascending order
             vf acc[MAXV];
             for (int64_t b = 0; b < DV; ++b) acc[b] = splat(0.f);

@@ -68,7 +68,6 @@ void run_top_k(const Src& src, const float* q, const int64_t* lens, const int64_
   at::parallel_for(0, B * nc, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> tile(CHUNK * DV * W), zero(DV * W, 0.f), qpad(DV * W, 0.f);
     const float* rows[CHUNK];
-    const vf ninf = splat(-std::numeric_limits<float>::infinity());
     for (int64_t task = begin; task < end; ++task) {
       const int64_t s = task / nc, c = task % nc, j0 = c * CHUNK, n = std::min(lens[s], j0 + CHUNK) - j0;
       if (n <= 0) {
@@ -79,7 +78,9 @@ void run_top_k(const Src& src, const float* q, const int64_t* lens, const int64_
         continue;
       }
       alignas(64) int vis[CHUNK];
+      bool any[G];
       for (int64_t jj = 0; jj < CHUNK; ++jj) vis[jj] = jj < n ? -1 : 0;
+      for (int gi = 0; gi < G; ++gi) any[gi] = gi * W < n;
       for (int64_t g = 0; g < Hkv; ++g) {
         for (int64_t jj = 0; jj < CHUNK; ++jj) {
           if (jj >= n) { rows[jj] = zero.data(); continue; }
@@ -93,39 +94,11 @@ void run_top_k(const Src& src, const float* q, const int64_t* lens, const int64_
           if (D % W) { std::memcpy(qpad.data(), qrow, D * sizeof(float)); qrow = qpad.data(); }
           vf qv[MAXV];
           for (int64_t b = 0; b < DV; ++b) qv[b] = load(qrow + b * W);
+          vf sc[G];
           float* lg = logit.data() + (s * H + h) * span + j0;
-          float* ex = expo.data() + (s * H + h) * span + j0;
-          vf sc[G], mxv = ninf;
-          for (int gi = 0; gi < G; ++gi) {
-            if (gi * W >= n) { sc[gi] = ninf; continue; }
-            vf a[W];
-            for (int w = 0; w < W; ++w) {
-              const float* k = rows[gi * W + w];
-              vf t = qv[0] * load(k);
-              for (int64_t b = 1; b < DV; ++b) t += qv[b] * load(k + b * W);
-              a[w] = t;
-            }
-            const vi vm = *reinterpret_cast<const vi*>(vis + gi * W);
-            sc[gi] = vm ? lane_sums(a) * splat(scale) : ninf;
-            mxv = mxv > sc[gi] ? mxv : sc[gi];
-          }
-          float mx = mxv[0];
-          for (int w = 1; w < W; ++w) mx = std::max(mx, mxv[w]);
-          vf lsum = splat(0.f);
-          for (int gi = 0; gi < G; ++gi) {
-            store(lg + gi * W, sc[gi]);
-            vf e = splat(0.f);
-            if (gi * W < n) {
-              const vi vm = *reinterpret_cast<const vi*>(vis + gi * W);
-              e = exp_neg(sc[gi] - splat(mx));
-              e = vm ? e : splat(0.f);
-              lsum += e;
-            }
-            store(ex + gi * W, e);
-          }
-          const vf l1 = SHUFFLE(lsum, lsum, 0, 2, 4, 6, 0, 2, 4, 6) + SHUFFLE(lsum, lsum, 1, 3, 5, 7, 1, 3, 5, 7);
-          cmax[(s * nc + c) * H + h] = mx;
-          csum[(s * nc + c) * H + h] = (l1[0] + l1[1]) + (l1[2] + l1[3]);
+          score_chunk(qv, DV, rows, vis, any, scale, sc, expo.data() + (s * H + h) * span + j0,
+                      cmax[(s * nc + c) * H + h], csum[(s * nc + c) * H + h]);
+          for (int gi = 0; gi < G; ++gi) store(lg + gi * W, sc[gi]);
         }
       }
     }
