@@ -16,11 +16,12 @@ on the path that computed it, is kept (tests/test_cpu_layer.py compares the two 
 
 When: the attention backend says the step allows it (``AttentionMetadata.cpu_step``, set by ``TorchAttention.plan``:
 every attention group of the step is read by the exact kernel - decodes, verifications, short prefill chunks - or,
-for sparse decode rows of the per_layer rule, by the top-k kernel above the first selection layer, with no sealing;
-a step of one group whose queries are its tokens in order skips the gather and scatter), the layer's cache is a plain float32 tensor, and the layer is a plain Llama layer whose four products run
-through the row kernel (``PackedLinear`` over float32 weights or a GGUF file's codes, or, up to its ``ROWS_MAX``
-rows, ``Int8Linear``): no q/k norm, float32 RMSNorm weights. Everything else keeps the module path (long prefill
-chunks, quantized caches, GPUs, oneDNN or F.linear products).
+for sparse decode rows of the per_layer rule, by the top-k kernel from the first selection layer on, with no
+sealing; a step of one group whose queries are its tokens in order skips the gather and scatter), the layer's cache
+is a plain float32 tensor, and the layer is a plain Llama layer whose four products run through the row kernel
+(``PackedLinear`` over float32 weights or a GGUF file's codes, or, up to its ``ROWS_MAX`` rows, ``Int8Linear``): no
+q/k norm, float32 RMSNorm weights. Everything else keeps the module path (long prefill chunks, quantized caches,
+GPUs, oneDNN or F.linear products).
 """
 from __future__ import annotations
 
