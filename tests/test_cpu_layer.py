@@ -147,3 +147,34 @@ def test_sparse_decode_rows_take_one_call_with_the_module_paths_bits(tiny_dir, m
     assert _generate(make_llm(deep, max_model_len=512, sparse_attention=sparse), prompts, params, batch=True) == fused
     full = _generate(make_llm(deep, max_model_len=512), prompts, params, batch=True)
     assert full != fused                                             # (the budget is small enough to matter)
+
+
+@pytest.mark.parametrize("kv", [{"kv_cache_dtype": "int8"}, {"kv_cache_dtype": "int4"},
+                                {"kv_cache_dtype": "fp8", "kv_cache_recent_tokens": 16}],
+                         ids=["int8", "int4-salient", "fp8-recent"])
+def test_windowed_quantized_caches_take_one_call_with_the_module_paths_bits(llama_dir, monkeypatch, kv):
+    """A windowed quantized cache (int8; int4 with its salient tokens; fp8 keeping recent tokens): steps that seal no
+    block run through the one-call layer (writes into the float32 window, reads through the quantized kernel), plain
+    decoding and chain verification, and give the layer-by-layer path's greedy tokens and logprobs bit for bit
+    (blocks seal along the way, on the module path). Fails if such steps never take the one-call layer, or write or
+    read the cache differently."""
+    prompts = [[3 + (7 * i + 5 * j) % 90 for j in range(n)] for i, n in enumerate((40, 23, 57))]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=2)
+    real, windowed = cpu_layer.run, []
+
+    def run(layer, x, meta):
+        out = real(layer, x, meta)
+        if out is not None and meta.cpu_step.windowed:
+            windowed.append(x.shape[0])
+        return out
+    monkeypatch.setattr(cpu_layer, "run", run)
+    plain = _generate(make_llm(llama_dir, **kv), prompts, params, batch=True)
+    truth = {tuple(p): [list(r[0])] for p, r in zip(prompts, plain)}
+
+    def spec():     # a fresh drafter each time (its drafts decide which blocks are open when a row reads them)
+        return {"drafter": OracleDrafter(truth, wrong_every=3), "num_speculative_tokens": 3, "adaptive": False}
+    drafted = _generate(make_llm(llama_dir, speculative_config=spec(), **kv), prompts, params)
+    assert windowed and max(windowed) > 1, windowed                # decodes and verification rows
+    monkeypatch.setattr(cpu_layer, "run", lambda *a: None)          # the layer-by-layer path
+    assert _generate(make_llm(llama_dir, **kv), prompts, params, batch=True) == plain
+    assert _generate(make_llm(llama_dir, speculative_config=spec(), **kv), prompts, params) == drafted

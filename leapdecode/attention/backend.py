@@ -46,11 +46,14 @@ class CpuStep:
     """What the one-call decoder layer (model/cpu_layer.py) takes for a step: the positions, the slots written and
     each attention group's tensors (``TorchAttention._cpu_step``). Where the step has sparse decode rows, the
     layers from ``sparse_from`` on take ``sparse`` (those rows attended by their top positions) and the layers
-    below take ``tensors`` (the same rows attended fully)."""
+    below take ``tensors`` (the same rows attended fully). ``windowed``: the tensors are for a windowed quantized
+    cache (int8 / int4, fp8 with recent tokens; the slots written are window slots, each group carries its window
+    map), else for a float32 cache."""
 
     tensors: list[torch.Tensor]
     sparse: list[torch.Tensor] | None = None
     sparse_from: int = 0
+    windowed: bool = False
 
     def for_layer(self, layer: int | None) -> list[torch.Tensor]:
         use_sparse = self.sparse is not None and layer is not None and layer >= self.sparse_from

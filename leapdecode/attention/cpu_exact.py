@@ -562,9 +562,19 @@ def attend_quantized(q: torch.Tensor, layer, blocks: torch.Tensor, window: torch
 
 
 def quantized_args(layer, window: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
-    """A quantized cache layer as the kernels' row source takes it: codes, key and value grids, fp8 scales and
-    their 256 values, salient tokens and their residual nibbles, the window and ``window`` as int64 (empty tensors
-    for what the layer does not have)."""
+    """A quantized cache layer as the kernels' row source takes it: :func:`quantized_tensors`, with its window only
+    where ``window`` (a block's window block, or -1) is given, then ``window`` as int64 (empty tensors for what the
+    layer does not have)."""
+    none = torch.empty(0)
+    *tensors, win = quantized_tensors(layer)
+    return (*tensors, win if window is not None else none,
+            window.to(torch.int64).contiguous() if window is not None else none)
+
+
+def quantized_tensors(layer) -> tuple[torch.Tensor, ...]:
+    """A quantized cache layer's storage as the kernels take it: codes, key and value grids, fp8 scales and their 256
+    values, salient tokens and their residual nibbles, the full-precision window (empty tensors for what the layer
+    does not have)."""
     none = torch.empty(0)
     fp8 = getattr(layer, "scales", None) is not None
     win = getattr(layer, "window", None)
@@ -573,7 +583,7 @@ def quantized_args(layer, window: torch.Tensor | None) -> tuple[torch.Tensor, ..
     return (layer.codes, none if fp8 else layer.key_grid, none if fp8 else layer.value_grid,
             layer.scales if fp8 else none, _fp8_values() if fp8 else none,
             none if salient is None else salient, none if salient is None else layer.residual,
-            win if window is not None else none, window.to(torch.int64).contiguous() if window is not None else none)
+            none if win is None else win)
 
 
 @functools.lru_cache(maxsize=1)
@@ -582,4 +592,4 @@ def _fp8_values() -> torch.Tensor:
     return torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
 
 
-__all__ = ["attend", "attend_quantized", "kernel", "quantized_args", "reads"]
+__all__ = ["attend", "attend_quantized", "kernel", "quantized_args", "quantized_tensors", "reads"]

@@ -124,45 +124,49 @@ class TorchAttention(AttentionBackend):
         """What model/cpu_layer.py needs to run a layer in one call, where every group of this step is attended by
         the exact kernel (decodes, verifications, short prefill chunks) or, for sparse decode rows of the per_layer
         rule, by the top-k kernel (attention/cpu_sparse.py), and nothing is sealed: the positions, the slots
-        written, then per group its query rows, block table (a tree group read by slot: its sequences' context
-        lengths), key slots (a tree group's, ``_tree_rows``; else empty), mask, output rows and valid queries
-        (query and output rows empty when the group's queries are the step's tokens in order); a top-k group has
-        the rows' keys, chosen positions and window (int64 [3, B]) in the mask's place. Else None (the
-        layer-by-layer path)."""
+        written (a windowed cache's: window slots), then per group its query rows, block table (a tree group read
+        by slot: its sequences' context lengths), key slots (a tree group's, ``_tree_rows``; a windowed cache's
+        group: its window map; else empty), mask, output rows and valid queries (query and output rows empty when
+        the group's queries are the step's tokens in order); a top-k group has the rows' keys, chosen positions and
+        window (int64 [3, B]) in the mask's place. Else None (the layer-by-layer path)."""
         n = meta.num_actual_tokens
         sparse = self.sparse
         if (self.exact == "off" or (sparse is not None and not sparse.per_layer) or meta.kv_seal is not None
                 or meta.positions.is_cuda or len(meta.positions) != n or cpu_exact.kernel() is None):
             return None         # (tidal keeps positions between layers; pages' bounds record each layer's keys)
-        step = [meta.positions, meta.slot_mapping[:n]]
+        # a windowed cache: the step writes window slots and every group reads through its window map, in place
+        # (token trees too: the quantized kernel reads a tree's nodes in place, as ``attend`` does)
+        windowed = meta.kv_window is not None
+        step = [meta.positions, (meta.kv_write if windowed else meta.slot_mapping)[:n]]
         top_k: list[torch.Tensor] | None = None
         for g in meta.plan:
             if isinstance(g, SparseStep):       # full attention below the first selection layer, top-k above
                 rows, blocks = g.out_index, g.blocks.to(torch.int64).contiguous()
+                wmap = g.kv_window.to(torch.int64).contiguous() if windowed else _EMPTY
                 counts = torch.stack([g.seq_lens, g.chosen, torch.full_like(g.chosen, sparse.window)])
-                top_k = step + [rows, blocks, _EMPTY, counts, rows, _EMPTY]
-                step = step + [rows[:, None], blocks, _EMPTY, g.key_valid[:, None].contiguous(), rows, _EMPTY]
+                top_k = step + [rows, blocks, wmap, counts, rows, _EMPTY]
+                step = step + [rows[:, None], blocks, wmap, g.key_valid[:, None].contiguous(), rows, _EMPTY]
                 continue
-            if g.window is not None or g.q_index.shape[1] > BATCH_MAX_QUERY:
+            if g.q_index.shape[1] > BATCH_MAX_QUERY:
                 return None
-            if g.by_slot is not None:
+            blocks, mask = g.blocks.to(torch.int64).contiguous(), g.mask[:, 0].contiguous()
+            valid = _EMPTY if g.valid_q is None else g.valid_q
+            if windowed:
+                group = [g.q_index, blocks, g.window.to(torch.int64).contiguous(), mask, g.out_index, valid]
+            elif g.by_slot is not None:
                 t = g.by_slot
                 group = [t.q_index, t.ctx, t.slots, t.mask[:, 0].contiguous(), t.out_index, t.valid_q]
+            elif (len(meta.plan) == 1 and g.q_index.numel() == n and torch.equal(g.q_index.flatten(), torch.arange(n))
+                    and (g.valid_q is None or bool(g.valid_q.all()))):
+                group = [_EMPTY, blocks, _EMPTY, mask, _EMPTY, _EMPTY]
             else:
-                blocks, mask = g.blocks.to(torch.int64).contiguous(), g.mask[:, 0].contiguous()
-                if (len(meta.plan) == 1 and g.q_index.numel() == n
-                        and torch.equal(g.q_index.flatten(), torch.arange(n))
-                        and (g.valid_q is None or bool(g.valid_q.all()))):
-                    group = [_EMPTY, blocks, _EMPTY, mask, _EMPTY, _EMPTY]
-                else:
-                    group = [g.q_index, blocks, _EMPTY, mask, g.out_index,
-                             _EMPTY if g.valid_q is None else g.valid_q]
+                group = [g.q_index, blocks, _EMPTY, mask, g.out_index, valid]
             step += group
             if top_k is not None:
                 top_k += group
         if top_k is None:
-            return CpuStep(step)
-        return CpuStep(step, top_k, sparse.first_selection)
+            return CpuStep(step, windowed=windowed)
+        return CpuStep(step, top_k, sparse.first_selection, windowed)
 
     def write_kv(self, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
                  layer: int | None = None) -> None:

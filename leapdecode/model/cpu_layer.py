@@ -18,10 +18,11 @@ When: the attention backend says the step allows it (``AttentionMetadata.cpu_ste
 every attention group of the step is read by the exact kernel - decodes, verifications, short prefill chunks - or,
 for sparse decode rows of the per_layer rule, by the top-k kernel from the first selection layer on, with no
 sealing; a step of one group whose queries are its tokens in order skips the gather and scatter), the layer's cache
-is a plain float32 tensor, and the layer is a plain Llama layer whose four products run through the row kernel
+is a plain float32 tensor or a windowed quantized cache the exact kernel reads (int8, int4, fp8 keeping recent
+tokens; on steps that seal no block), and the layer is a plain Llama layer whose four products run through the row kernel
 (``PackedLinear`` over float32 weights or a GGUF file's codes, or, up to its ``ROWS_MAX`` rows, ``Int8Linear``): no
-q/k norm, float32 RMSNorm weights. Everything else keeps the module path (long prefill chunks, quantized caches,
-GPUs, oneDNN or F.linear products).
+q/k norm, float32 RMSNorm weights. Everything else keeps the module path (long prefill chunks, steps that seal
+blocks, fp8 caches without a window, GPUs, oneDNN or F.linear products).
 """
 from __future__ import annotations
 
@@ -30,6 +31,8 @@ from typing import Any
 import torch
 
 from leapdecode import native
+from leapdecode.attention import cpu_exact
+from leapdecode.attention.kv_cache import WindowedLayer
 
 _SOURCE = r"""
 // ---- model/cpu_layer.py: one decoder layer in one call -------------------------------------------------------
@@ -43,7 +46,10 @@ static torch::Tensor layer_linear(const torch::Tensor& x, const torch::Tensor& w
 #endif
 
 // x [T, hidden] float32. w: 0 input norm, 1-3 qkv (weight, scale, bias), 4-6 o, 7 post-attention norm, 8-10
-// gate/up, 11-13 down, 14 cos, 15 sin, 16 the layer's cache [2, nb, bs, Hkv, D] (absent scale/bias: empty).
+// gate/up, 11-13 down, 14 cos, 15 sin, 16 the layer's cache [2, nb, bs, Hkv, D] (absent scale/bias: empty), or
+// for a windowed quantized cache 16-23: codes, key grid, value grid, fp8 scales, their 256 values, salient tokens,
+// residual nibbles (absent ones empty) and the float32 window [2, nw, bs, Hkv, D] (see cpu_exact's Quant); then the
+// step's slots are window slots (-1: a token of a block that is not open) and each group's key slots its window map.
 // step: 0 positions [T], 1 slots [T] int64, then per attention group (TorchAttention's plan) six tensors: query
 // rows [B, M], block table [B, nblocks] int64 (a tree group read by slot: its context lengths [B]), key slots
 // [B * M, max_k] int64 (a tree group's; else empty), mask [B, M, max_k] bool, output rows, valid queries [B, M]
@@ -63,11 +69,15 @@ torch::Tensor decoder_layer(torch::Tensor x, std::vector<torch::Tensor> w, std::
   auto k = qkv.narrow(1, H * D, Hkv * D).view({T, Hkv, D});
   auto v = qkv.narrow(1, (H + Hkv) * D, Hkv * D).view({T, Hkv, D});
   rope_(step[0], q, k, w[14], w[15]);
-  auto flat = w[16].view({2, -1, Hkv, D});
-  flat[0].index_copy_(0, step[1], k);
-  flat[1].index_copy_(0, step[1], v);
+  const bool windowed = w.size() > 17;
+  const auto& store = windowed ? w[23] : w[16];
+  auto flat = store.view({2, -1, Hkv, D});
+  // a windowed cache's tokens of blocks that are not open go to the spare last window block (never read)
+  const auto slots = windowed ? torch::where(step[1] >= 0, step[1], (store.size(1) - 1) * store.size(2)) : step[1];
+  flat[0].index_copy_(0, slots, k);
+  flat[1].index_copy_(0, slots, v);
   torch::Tensor o;
-  if (step.size() == 8 && step[2].numel() == 0) {
+  if (!windowed && step.size() == 8 && step[2].numel() == 0) {
     o = paged_attention(q.contiguous().view({step[5].size(0), step[5].size(1), H, D}), w[16], step[3], step[5],
                         scale);
   } else {
@@ -76,11 +86,17 @@ torch::Tensor decoder_layer(torch::Tensor x, std::vector<torch::Tensor> w, std::
       auto qg = q.index({step[g]});
       if (step[g + 3].scalar_type() == torch::kLong) {     // sparse decode rows: each KV head's top positions
         const auto& counts = step[g + 3];
-        o.index_put_({step[g + 4]}, top_k_attention(qg, w[16], step[g + 1], counts[0].contiguous(),
-                                                    counts[1].contiguous(), counts[2][0].item<int64_t>(), scale));
+        const auto keys = counts[0].contiguous(), chosen = counts[1].contiguous();
+        const int64_t recent = counts[2][0].item<int64_t>();
+        o.index_put_({step[g + 4]}, windowed
+            ? top_k_attention_quantized(qg, w[16], w[17], w[18], w[19], w[20], w[21], w[22], w[23], step[g + 2],
+                                        step[g + 1], keys, chosen, recent, scale)
+            : top_k_attention(qg, w[16], step[g + 1], keys, chosen, recent, scale));
         continue;
       }
-      auto og = step[g + 2].numel() ? paged_attention_slots(qg, w[16], step[g + 2], step[g + 1], step[g + 3], scale)
+      auto og = windowed ? paged_attention_quantized(qg, w[16], w[17], w[18], w[19], w[20], w[21], w[22], w[23],
+                                                     step[g + 2], step[g + 1], step[g + 3], scale)
+              : step[g + 2].numel() ? paged_attention_slots(qg, w[16], step[g + 2], step[g + 1], step[g + 3], scale)
                                     : paged_attention(qg, w[16], step[g + 1], step[g + 3], scale);
       o.index_put_({step[g + 4]}, step[g + 5].numel() ? og.index({step[g + 5]}) : og.select(1, 0));
     }
@@ -142,8 +158,8 @@ class FusedLayer:
                 fused.rows_max = Int8Linear.ROWS_MAX
         return fused
 
-    def __call__(self, x: torch.Tensor, kv_cache: torch.Tensor, step: list[torch.Tensor]) -> torch.Tensor:
-        return native.kernels().decoder_layer(x, self.parts + [kv_cache], step, self.params)
+    def __call__(self, x: torch.Tensor, cache: list[torch.Tensor], step: list[torch.Tensor]) -> torch.Tensor:
+        return native.kernels().decoder_layer(x, self.parts + cache, step, self.params)
 
 
 def run(layer: Any, x: torch.Tensor, meta: Any) -> torch.Tensor | None:
@@ -157,9 +173,15 @@ def run(layer: Any, x: torch.Tensor, meta: Any) -> torch.Tensor | None:
     if fused is None or (fused.rows_max is not None and x.shape[0] > fused.rows_max):
         return None
     kv_cache = layer.self_attn.kv_cache
-    if type(kv_cache) is not torch.Tensor or kv_cache.dtype != torch.float32 or not kv_cache.is_contiguous():
-        return None
-    return fused(x if x.is_contiguous() else x.contiguous(), kv_cache, step)
+    if meta.cpu_step.windowed:      # a windowed quantized cache: its codes, grids and float32 window
+        if not isinstance(kv_cache, WindowedLayer) or not cpu_exact.reads(kv_cache):
+            return None
+        cache = list(cpu_exact.quantized_tensors(kv_cache))
+    else:
+        if type(kv_cache) is not torch.Tensor or kv_cache.dtype != torch.float32 or not kv_cache.is_contiguous():
+            return None
+        cache = [kv_cache]
+    return fused(x if x.is_contiguous() else x.contiguous(), cache, step)
 
 
 __all__ = ["FusedLayer", "run"]
