@@ -9,9 +9,8 @@ other layer only budget + window selected keys and values. Shapes default to Smo
 heads, 3 KV heads, head_dim 64). One row per context length; the sparse module's own dense layers (on the CPU the
 exact kernel, as the full path; elsewhere its gather and grouped-query SDPA over the whole context) are timed beside
 the ordinary full path. On the CPU a per_layer sparse layer is one call of attention/cpu_sparse.py's kernel. The
-full path is the engine's CPU
-default, attention/cpu_exact.py's kernel (``--full sdpa``: float32 SDPA, what earlier tables compared against). ``time_decode_attention`` returns
-the rows for other scripts (benchmarks/kv_compression.py).
+full path is the engine's CPU default, attention/cpu_exact.py's kernel (``--full sdpa``: float32 SDPA, what earlier
+tables compared against). ``time_decode_attention`` returns the rows for other scripts (benchmarks/kv_compression.py).
 
 ``--quality P J`` measures the quality cost instead, on a real model (default: SmolLM2-135M-Instruct): prefill
 P tokens of a long text with full attention, then decode its next J tokens one at a time (teacher-forced decode

@@ -57,7 +57,8 @@ def kernels():
     from leapdecode.attention import cpu_exact, cpu_sparse
     from leapdecode.model import cpu_layer, cpu_ops, packed_linear
     source = "\n".join([cpu_ops._SOURCE, '#pragma GCC push_options\n#pragma GCC optimize ("fp-contract=fast")',
-                        cpu_exact._SOURCE, cpu_sparse._SOURCE, "#pragma GCC pop_options", packed_linear._SOURCE, cpu_layer._SOURCE])
+                        cpu_exact._SOURCE, cpu_sparse._SOURCE, "#pragma GCC pop_options", packed_linear._SOURCE,
+                        cpu_layer._SOURCE])
     return build("cpu_kernels", source, ["rms_norm", "rope_", "paged_attention", "paged_attention_slots",
                                          "paged_attention_quantized", "top_k_attention",
                                          "top_k_attention_quantized", "rows_supported", "rows_linear",

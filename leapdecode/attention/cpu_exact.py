@@ -47,7 +47,6 @@ _SOURCE = r"""
 #include <vector>
 #include <functional>
 
-
 // out[s, m, h, :] = softmax over visible keys j (ascending) of scale * q[s, m, h] . k[j, h / group], times v[j]:
 // query row m of sequence s sees key j where mask[s, m, j], and key j of sequence s lives in block table[s, j / bs]
 // at offset j % bs.
@@ -77,6 +76,12 @@ inline vf pair_add(vf x, vf y) {
 inline vf lane_sums(const vf* a) {
   const vf b0 = pair_add(a[0], a[1]), b1 = pair_add(a[2], a[3]), b2 = pair_add(a[4], a[5]), b3 = pair_add(a[6], a[7]);
   return pair_add(pair_add(b0, b1), pair_add(b2, b3));
+}
+
+// The sum of x's eight lanes, always in the same tree order.
+inline float lane_total(vf x) {
+  const vf l1 = SHUFFLE(x, x, 0, 2, 4, 6, 0, 2, 4, 6) + SHUFFLE(x, x, 1, 3, 5, 7, 1, 3, 5, 7);
+  return (l1[0] + l1[1]) + (l1[2] + l1[3]);
 }
 
 // exp(x) for -87.3 < x <= 0, else exp(-87.3) (Cody-Waite reduction, Cephes' degree-5 polynomial, ~1 ulp), lane by lane with the same
@@ -266,6 +271,21 @@ struct Quant {
   }
 };
 
+// One pass's rows of a chunk (pass 0 keys, 1 values; query row m of sequence s, KV head g), as the kernels read them:
+// rows[jj] points at key j0 + jj's D floats (in the cache, or converted into tile and padded with zeros to DV
+// vectors), or at ``zero`` where !want[jj].
+template <typename Src>
+inline void chunk_rows(const Src& src, int pass, int64_t s, int64_t m, int64_t j0, int64_t g, const bool* want,
+                       int64_t D, int64_t DV, float* tile, const float* zero, const float** rows) {
+  for (int64_t jj = 0; jj < CHUNK; ++jj) {
+    if (!want[jj]) { rows[jj] = zero; continue; }
+    float* dst = tile + jj * DV * W;
+    const float* r = src.row_of(pass, s, m, j0 + jj, g, dst);
+    if (r == dst) for (int64_t d = D; d < DV * W; ++d) dst[d] = 0.f;
+    rows[jj] = r;
+  }
+}
+
 // One query head over a chunk of CHUNK keys (``rows``: the key rows, each padded to DV vectors; vis[jj] != 0 where
 // the row sees key jj; any[gi]: lane group gi holds a visible key): sc = scale * q . k, eight keys at a time (key j
 // in lane j % W, its dot product summed over the head in one fixed order; -inf where unseen), their maximum ``mx``,
@@ -300,8 +320,7 @@ inline void score_chunk(const vf* qv, int64_t DV, const float* const* rows, cons
     }
     store(e + gi * W, x);
   }
-  const vf l1 = SHUFFLE(lsum, lsum, 0, 2, 4, 6, 0, 2, 4, 6) + SHUFFLE(lsum, lsum, 1, 3, 5, 7, 1, 3, 5, 7);
-  l = (l1[0] + l1[1]) + (l1[2] + l1[3]);
+  l = lane_total(lsum);
 }
 
 template <typename Src, int DT>
@@ -324,15 +343,8 @@ void run(const Src& src, const float* q, const bool* mask, float* out, int64_t S
       }
       const bool divergent = src.divergent(s, j0);
       auto load_rows = [&](int64_t m, int64_t g, const bool* want) {
-        for (int pass = 0; pass < 2; ++pass) {
-          for (int64_t jj = 0; jj < CHUNK; ++jj) {
-            if (!want[jj]) { rows[pass][jj] = zero.data(); continue; }
-            float* dst = tile.data() + (pass * CHUNK + jj) * DV * W;
-            const float* r = src.row_of(pass, s, m, j0 + jj, g, dst);
-            if (r == dst) for (int64_t d = D; d < DV * W; ++d) dst[d] = 0.f;
-            rows[pass][jj] = r;
-          }
-        }
+        for (int pass = 0; pass < 2; ++pass)
+          chunk_rows(src, pass, s, m, j0, g, want, D, DV, tile.data() + pass * CHUNK * DV * W, zero.data(), rows[pass]);
       };
       for (int64_t g = 0; g < Hkv; ++g) {
         if (!divergent) load_rows(0, g, seen);         // every row of the sequence reads these keys

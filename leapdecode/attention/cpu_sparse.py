@@ -78,17 +78,11 @@ void run_top_k(const Src& src, const float* q, const int64_t* lens, const int64_
         continue;
       }
       alignas(64) int vis[CHUNK];
-      bool any[G];
-      for (int64_t jj = 0; jj < CHUNK; ++jj) vis[jj] = jj < n ? -1 : 0;
+      bool want[CHUNK], any[G];
+      for (int64_t jj = 0; jj < CHUNK; ++jj) vis[jj] = (want[jj] = jj < n) ? -1 : 0;
       for (int gi = 0; gi < G; ++gi) any[gi] = gi * W < n;
       for (int64_t g = 0; g < Hkv; ++g) {
-        for (int64_t jj = 0; jj < CHUNK; ++jj) {
-          if (jj >= n) { rows[jj] = zero.data(); continue; }
-          float* dst = tile.data() + jj * DV * W;
-          const float* r = src.row(0, s, j0 + jj, g, dst);
-          if (r == dst) for (int64_t d = D; d < DV * W; ++d) dst[d] = 0.f;
-          rows[jj] = r;
-        }
+        chunk_rows(src, 0, s, 0, j0, g, want, D, DV, tile.data(), zero.data(), rows);
         for (int64_t h = g * group; h < (g + 1) * group; ++h) {
           const float* qrow = q + (s * H + h) * D;
           if (D % W) { std::memcpy(qpad.data(), qrow, D * sizeof(float)); qrow = qpad.data(); }
@@ -168,7 +162,6 @@ void run_top_k(const Src& src, const float* q, const int64_t* lens, const int64_
           store(weight.data() + x, e);
           sum += e;
         }
-        const vf l1 = SHUFFLE(sum, sum, 0, 2, 4, 6, 0, 2, 4, 6) + SHUFFLE(sum, sum, 1, 3, 5, 7, 1, 3, 5, 7);
         vf a[MAXV];                                   // one head at a time: its sums stay in registers
         for (int64_t b = 0; b < DV; ++b) a[b] = splat(0.f);
         for (int64_t x = 0; x < k; ++x) {
@@ -177,7 +170,7 @@ void run_top_k(const Src& src, const float* q, const int64_t* lens, const int64_
           for (int64_t b = 0; b < DV; ++b) a[b] += pj * load(v + b * W);
         }
         const int64_t at = (s * H + h) * PARTS + part;
-        ptotal[at] = (l1[0] + l1[1]) + (l1[2] + l1[3]);
+        ptotal[at] = lane_total(sum);
         for (int64_t b = 0; b < DV; ++b) store(psum.data() + at * DV * W + b * W, a[b]);
       }
     }

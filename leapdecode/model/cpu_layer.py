@@ -19,10 +19,10 @@ every attention group of the step is read by the exact kernel - decodes, verific
 for sparse decode rows of the per_layer rule, by the top-k kernel from the first selection layer on, with no
 sealing; a step of one group whose queries are its tokens in order skips the gather and scatter), the layer's cache
 is a plain float32 tensor or a windowed quantized cache the exact kernel reads (int8, int4, fp8 keeping recent
-tokens; on steps that seal no block), and the layer is a plain Llama layer whose four products run through the row kernel
-(``PackedLinear`` over float32 weights or a GGUF file's codes, or, up to its ``ROWS_MAX`` rows, ``Int8Linear``): no
-q/k norm, float32 RMSNorm weights. Everything else keeps the module path (long prefill chunks, steps that seal
-blocks, fp8 caches without a window, GPUs, oneDNN or F.linear products).
+tokens; on steps that seal no block), and the layer is a plain Llama layer whose four products run through the row
+kernel (``PackedLinear`` over float32 weights or a GGUF file's codes, or, up to its ``ROWS_MAX`` rows,
+``Int8Linear``): no q/k norm, float32 RMSNorm weights. Everything else keeps the module path (long prefill chunks,
+steps that seal blocks, fp8 caches without a window, GPUs, oneDNN or F.linear products).
 """
 from __future__ import annotations
 
