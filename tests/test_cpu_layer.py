@@ -178,3 +178,44 @@ def test_windowed_quantized_caches_take_one_call_with_the_module_paths_bits(llam
     monkeypatch.setattr(cpu_layer, "run", lambda *a: None)          # the layer-by-layer path
     assert _generate(make_llm(llama_dir, **kv), prompts, params, batch=True) == plain
     assert _generate(make_llm(llama_dir, speculative_config=spec(), **kv), prompts, params) == drafted
+
+
+@pytest.mark.parametrize("kv", [{"kv_cache_dtype": "int8"}, {"kv_cache_dtype": "fp8", "kv_cache_recent_tokens": 16}],
+                         ids=["int8", "fp8-recent"])
+def test_decode_steps_that_fill_a_block_seal_after_the_forward_on_the_one_call_layer(llama_dir, monkeypatch, kv):
+    """On the CPU a decode or verification step that completes a window block seals it after its forward (the
+    plan's ``kv_seals_after``), so the step itself runs through the one-call layer, every layer of it, and gives
+    the layer-by-layer path's tokens and logprobs bit for bit (both read the block from the window in that step).
+    Fails if such steps seal inside their layers (no deferred seal: they fall back to the module path)."""
+    from leapdecode.engine import input_batch
+    prompts = [[3 + (7 * i + 5 * j) % 90 for j in range(n)] for i, n in enumerate((40, 23, 57))]
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, logprobs=2)
+    real_build, real_run = input_batch.InputBuffers.build, cpu_layer.run
+    sealing, one_call = {}, {}      # (the metadata kept alive, so no later step reuses its id)
+
+    def build(self, plan, *a, **k):
+        batch = real_build(self, plan, *a, **k)
+        if plan.kv_seals_after:
+            sealing[id(batch.meta)] = batch.meta
+        return batch
+
+    def run(layer, x, meta):
+        out = real_run(layer, x, meta)
+        if out is not None and id(meta) in sealing:
+            one_call[id(meta)] = one_call.get(id(meta), 0) + 1
+        return out
+    monkeypatch.setattr(input_batch.InputBuffers, "build", build)
+    monkeypatch.setattr(cpu_layer, "run", run)
+    plain = _generate(make_llm(llama_dir, **kv), prompts, params, batch=True)
+    truth = {tuple(p): [list(r[0])] for p, r in zip(prompts, plain)}
+
+    def spec():
+        return {"drafter": OracleDrafter(truth, wrong_every=3), "num_speculative_tokens": 3, "adaptive": False}
+    drafted = _generate(make_llm(llama_dir, speculative_config=spec(), **kv), prompts, params)
+    llm = make_llm(llama_dir, **kv)
+    layers = len(llm.engine.runner.model.layers)
+    assert len(sealing) >= 4 and set(one_call) == set(sealing), (len(sealing), one_call)
+    assert all(n == layers for n in one_call.values()), (layers, one_call)
+    monkeypatch.setattr(cpu_layer, "run", lambda *a: None)          # the layer-by-layer path
+    assert _generate(llm, prompts, params, batch=True) == plain
+    assert _generate(make_llm(llama_dir, speculative_config=spec(), **kv), prompts, params) == drafted

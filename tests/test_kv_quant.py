@@ -179,13 +179,15 @@ class Harness:
     that must be read quantized (those whose tokens are all final in the query's step)."""
     BS, HKV, HQ, D, SCALE = 4, 2, 4, 8, 8 ** -0.5
 
-    def __init__(self, fmt: str, salient: int = 0, blocks: int = 24, window: int = 6, recent: int = 0) -> None:
+    def __init__(self, fmt: str, salient: int = 0, blocks: int = 24, window: int = 6, recent: int = 0,
+                 defer: bool = False) -> None:
         cpu = torch.device("cpu")
         self.fmt = fmt
         self.cache = KVCache(1, blocks, self.BS, self.HKV, self.D, torch.float32, cpu, fmt, window, salient, recent)
         self.layer = self.cache.layer(0)
         windowed = self.cache.layout.windowed
-        self.bm = BlockManager(blocks, self.BS, True, window if windowed else 0, recent)
+        self.bm = BlockManager(blocks, self.BS, True, window if windowed else 0, recent, defer_seals=defer)
+        self.num_deferred = 0                                                 # blocks sealed after their step
         self.buffers = InputBuffers(cpu, windowed=windowed)
         self.backend = TorchAttention()
         self.kv: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}     # seq_id -> full-precision K/V
@@ -207,6 +209,7 @@ class Harness:
             chunks.append(ScheduledSeq(seq.seq_id, start, (0,) * n, tuple(seq.block_table), samples=True,
                                        kv_window=self.bm.open_window(seq), kv_sealing=sealing))
             finals.append(start + n - d)
+        deferred = self.bm.take_deferred_seals()                              # (after every open_window)
         plan = lay_out(0, self.BS, chunks)
         meta = self.buffers.build(plan, None).meta
         T = plan.num_tokens
@@ -217,6 +220,9 @@ class Harness:
         self.backend.plan(meta)
         self.backend.write_kv(k, v, self.layer, meta)
         out = self.backend.attend(q, self.layer, meta, self.SCALE)
+        if deferred:                                   # quantized from the window once the step has read them
+            self.cache.seal_from_window(*torch.tensor(deferred).T)
+            self.num_deferred += len(deferred)
         row = 0
         for (seq, n, d), c, final in zip(work, chunks, finals):
             hist = self.kv[seq.seq_id]
@@ -276,17 +282,21 @@ class Harness:
             b[j] = kv
 
 
-@pytest.mark.parametrize("fmt,salient,tol,recent", [("auto", 0, 1e-5, 0), ("fp8", 0, 0.2, 0), ("int8", 0, 0.02, 0),
-                                                    ("int4", 0, 0.15, 0), ("int4", 1, 0.15, 0), ("fp8", 0, 0.2, 6),
-                                                    ("int8", 0, 0.02, 5), ("int4", 1, 0.15, 4)])
-def test_attention_with_a_quantized_cache(fmt, salient, tol, recent):
+@pytest.mark.parametrize("fmt,salient,tol,recent,defer", [
+    ("auto", 0, 1e-5, 0, False), ("fp8", 0, 0.2, 0, False), ("int8", 0, 0.02, 0, False), ("int4", 0, 0.15, 0, False),
+    ("int4", 1, 0.15, 0, False), ("fp8", 0, 0.2, 6, False), ("int8", 0, 0.02, 5, False), ("int4", 1, 0.15, 4, False),
+    ("int8", 0, 0.02, 0, True), ("int4", 0, 0.15, 0, True), ("fp8", 0, 0.2, 6, True), ("int8", 0, 0.02, 5, True)])
+def test_attention_with_a_quantized_cache(fmt, salient, tol, recent, defer):
     """Prefill chunks that fill blocks (sealed in their own step) and leave half-full ones (the window), decodes
     that complete a window block, draft tokens that are not final (their block stays open), a tree compaction,
     a block completed by accepted drafts (sealed the next step with no token of it in the step), and a beam-style
     fork that copies a partial block: every row equals attention over the reference-dequantized KV, and is within
     ``tol`` (absolute, values ~ N(0, 1)) of full precision. ``recent``: blocks seal only that many tokens behind
-    their sequence's end, and are read from the full-precision window until then."""
-    h = Harness(fmt, salient, window=16 if recent else 6, recent=recent)
+    their sequence's end, and are read from the full-precision window until then. ``defer`` (the engine's CPU
+    default without salient tokens): a block whose earlier tokens are in the window seals after the step that
+    completes it (read at full precision by that step, quantized like the reference by every later one); blocks
+    a step fills from nothing still seal inside it."""
+    h = Harness(fmt, salient, window=16 if recent else 6, recent=recent, defer=defer)
     A, B = h.seq(), h.seq()
     h.step([(A, 10, 0), (B, 3, 0)])           # A: blocks 0, 1 sealed in this step, block 2 half full; B: open
     h.step([(A, 1, 0), (B, 2, 0)])            # B's block 0 completes: sealed from the window plus this step
@@ -305,6 +315,7 @@ def test_attention_with_a_quantized_cache(fmt, salient, tol, recent):
     h.step([(A, 1, 0), (C, 3, 0), (B, 1, 0)])
     print(f"{fmt} salient={salient} recent={recent}: max |attention - full precision| = {h.err_fp:.4f}")
     assert h.err_fp <= tol, h.err_fp
+    assert (h.num_deferred >= 3) == defer, h.num_deferred
     for s in (A, B, C):
         h.bm.free_seq(s)
     assert h.bm.num_free_blocks == h.bm.num_blocks
@@ -410,25 +421,40 @@ def test_finished_sequences_recent_blocks_are_sealed_late():
     assert bm.late_seals == [] and len(bm.free_window) == 12 and bm.num_free_blocks == 16
 
 
-def test_late_seal_quantizes_window_blocks_like_the_reference():
-    """``KVCache.seal_from_window`` (the late seal, no query to probe saliency with): each window block becomes its
-    pool block's codes as the reference quantizer writes them; int4 keeps each head's tokens with the largest keys
-    (L2 norm) at 8 bits."""
-    bs, h, d, n = 16, 3, 8, 2
-    cache = KVCache(1, 6, bs, h, d, torch.float32, torch.device("cpu"), "int4", 4, n, 16)
-    x = torch.stack([tile(20), tile(21)])[:, :2]                       # keys, values of 2 blocks [2, 2, bs, h, d]
-    x[0, :, 5] *= 10                                                   # token 5 carries the largest keys
-    cache.window[0][:, [3, 1]] = x
+@pytest.mark.parametrize("bits", [4, 8])
+def test_late_seal_quantizes_window_blocks_like_the_reference(bits):
+    """``KVCache.seal_from_window`` (late seals and a step's deferred seals, every layer at once; no query to probe
+    saliency with): each layer's window blocks become its pool blocks' codes as the reference quantizer writes
+    them; int4 keeps each head's tokens with the largest keys (L2 norm) at 8 bits."""
+    bs, h, d, n, L = 16, 3, 8, 2 if bits == 4 else 0, 3
+    cache = KVCache(L, 6, bs, h, d, torch.float32, torch.device("cpu"), f"int{bits}", 4, n, 16)
+    xs = []
+    for layer in range(L):                                             # different keys and values per layer
+        x = torch.stack([tile(20 + 2 * layer), tile(21 + 2 * layer)])[:, :2]    # [2 (k, v), 2 blocks, bs, h, d]
+        x[0, :, 5 + layer] *= 100                                      # the token with the largest keys
+        cache.window[layer][:, [3, 1]] = x
+        xs.append(x)
     cache.seal_from_window(torch.tensor([4, 0]), torch.tensor([3, 1]))
-    norms = x[0].double().norm(dim=-1).numpy()                         # [2, bs, h]
-    want = np.sort(np.argsort(-norms, axis=1, kind="stable")[:, :n], axis=1)    # [2, n, h]
-    assert (want == 5).any(axis=1).all()
-    assert np.array_equal(cache.salient[0][[4, 0]].numpy(), want)
-    for i, keys in ((0, True), (1, False)):
-        _, _, units = ref_block(x[i].numpy(), keys, 4, want)
-        got = kq.int4_units(kq.unpack_nibbles(cache.data[0, i][[4, 0]]),
-                            kq.unpack_nibbles(cache.residual[0, i][[4, 0]]), cache.salient[0][[4, 0]])
-        assert np.array_equal(got.numpy().astype(np.int64), units)
+    for layer, x in enumerate(xs):
+        want = None
+        if n:
+            norms = x[0].double().norm(dim=-1).numpy()                 # [2, bs, h]
+            want = np.sort(np.argsort(-norms, axis=1, kind="stable")[:, :n], axis=1)    # [2, n, h]
+            assert (want == 5 + layer).any(axis=1).all()
+            assert np.array_equal(cache.salient[layer][[4, 0]].numpy(), want)
+        for i, keys in ((0, True), (1, False)):
+            z, s, units = ref_block(x[i].numpy(), keys, bits, want)
+            codes = cache.data[layer, i][[4, 0]]
+            if bits == 8:
+                got = codes
+            else:
+                got = kq.int4_units(kq.unpack_nibbles(codes), kq.unpack_nibbles(cache.residual[layer, i][[4, 0]]),
+                                    cache.salient[layer][[4, 0]])
+            assert np.array_equal(got.numpy().astype(np.int64), units)
+            grid = cache.key_grid[layer][[4, 0]] if keys else cache.value_grid[layer][[4, 0]]   # [2 blocks, 2, ...]
+            zs = (z[:, 0], s[:, 0]) if keys else (z[..., 0], s[..., 0])
+            for j in range(2):
+                assert np.array_equal(grid[:, j].numpy(), zs[j])
 
 
 def test_recent_tokens_layout():

@@ -187,17 +187,22 @@ class KVCache:
 
     @torch.inference_mode()
     def seal_from_window(self, blocks: torch.Tensor, windows: torch.Tensor) -> None:
-        """Quantize window blocks ``windows`` [S] into pool ``blocks`` [S] in every layer: the late seal of a
-        finished sequence's recent blocks, which no step's tokens ride. With salient tokens there is no query to
-        probe them with, so each head keeps the tokens with the largest keys (L2 norm) at 8 bits."""
-        for i in range(self.layout.num_layers):
-            layer = self.layer(i)
-            layer.stage.tile = self.window[i][:, windows].float()                 # [2, S, bs, h, d]
-            salient = None
-            if self.layout.num_salient:
-                norms = layer.staged_keys().norm(dim=-1).transpose(1, 2)           # [S, h, bs]
-                salient = kq.top_salient(norms, self.layout.num_salient)
-            layer.seal(blocks, salient)
+        """Quantize window blocks ``windows`` [S] into pool ``blocks`` [S] in every layer at once: a step's deferred
+        seals (scheduler: a decode step's filled blocks, after its forward) and the late seals of a finished
+        sequence's recent blocks. With salient tokens there is no query to probe them with, so each head keeps
+        the tokens with the largest keys (L2 norm) at 8 bits. The same values as sealing layer by layer."""
+        if not len(blocks):
+            return
+        L, S = self.num_layers, len(blocks)
+        tile = self.window[:, :, windows].float()                             # [L, 2, S, bs, h, d]
+        k, v = tile[:, 0].flatten(0, 1), tile[:, 1].flatten(0, 1)           # [L * S, bs, h, d]
+        salient = None
+        if self.layout.num_salient:
+            salient = kq.top_salient(k.norm(dim=-1).transpose(1, 2), self.layout.num_salient)
+        store = {name: (t, axis) for name, t, axis in self.planes()}
+        for name, (x, axis) in quantize_tiles(self.layout, k, v, salient).items():
+            x = x.unflatten(axis, (L, S)).movedim(axis, 0)                    # layers first, blocks at axis + 1
+            store[name][0].movedim(store[name][1], 1)[:, blocks] = x.movedim(axis + 1, 1)
 
     def planes(self) -> tuple[tuple[str, torch.Tensor, int], ...]:
         """Every pool tensor that holds part of a block's KV, as (name, tensor, block axis): the codes and whatever
@@ -311,27 +316,11 @@ class WindowedLayer:
     def seal(self, blocks: torch.Tensor, salient: torch.Tensor | None) -> None:
         """Quantize the staged tiles into pool ``blocks`` [S]; int4 keeps ``salient`` ([S, n, h] offsets) at 8 bits."""
         tile, self.stage.tile = self.stage.tile, None
-        k, v = tile[0], tile[1]
-        if self.scales is not None:                                        # fp8: token by token
-            for i, x in enumerate((k, v)):
-                self.codes[i][blocks], self.scales[i][blocks] = kq.fp8_quantize(x)
-            return
-        kz, ks = kq.key_grid(k)
-        vz, vs = kq.value_grid(v)
-        self.key_grid[blocks] = torch.stack((kz[:, 0], ks[:, 0]), dim=1)
-        self.value_grid[blocks] = torch.stack((vz[..., 0], vs[..., 0]), dim=1)
-        if self.layout.bits == 8:
-            self.codes[0][blocks] = kq.encode_units(k, kz, ks, 8)
-            self.codes[1][blocks] = kq.encode_units(v, vz, vs, 8)
-            return
-        kc, kr = kq.encode_int4(k, kz, ks, salient)
-        vc, vr = kq.encode_int4(v, vz, vs, salient)
-        self.codes[0][blocks] = kq.pack_nibbles(kc)
-        self.codes[1][blocks] = kq.pack_nibbles(vc)
-        if kr is not None:
-            self.salient[blocks] = salient
-            self.residual[0][blocks] = kq.pack_nibbles(kr)
-            self.residual[1][blocks] = kq.pack_nibbles(vr)
+        planes = quantize_tiles(self.layout, tile[0], tile[1], salient)
+        store = {"codes": self.codes, "scales": self.scales, "key_grid": self.key_grid,
+                 "value_grid": self.value_grid, "salient": self.salient, "residual": self.residual}
+        for name, (x, axis) in planes.items():
+            store[name].movedim(axis, 0)[blocks] = x.movedim(axis, 0)
 
     def read(self, blocks: torch.Tensor, window: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """blocks [B, nb] (with ``window`` [B, nb]: the window block of an open block, -1: read the pool block) ->
@@ -369,6 +358,30 @@ class WindowedLayer:
         k = kq.decode_units(ku, kg[:, :, 0, None], kg[:, :, 1, None]).to(dtype)
         v = kq.decode_units(vu, vg[:, :, 0, ..., None], vg[:, :, 1, ..., None]).to(dtype)
         return k, v
+
+
+def quantize_tiles(layout: KVLayout, k: torch.Tensor, v: torch.Tensor, salient: torch.Tensor | None
+                   ) -> dict[str, tuple[torch.Tensor, int]]:
+    """Full-precision tiles of N blocks (keys, values [N, bs, h, d]) as the planes a pool block stores, each
+    ``name -> (tensor, block axis)`` shaped like the layer's plane with N blocks; int4 keeps ``salient`` ([N, n, h]
+    offsets) at 8 bits. Every value depends only on its own block, so N may span blocks of several layers."""
+    if layout.kv_cache_dtype == "fp8":                                    # token by token
+        (kc, ks), (vc, vs) = kq.fp8_quantize(k), kq.fp8_quantize(v)
+        return {"codes": (torch.stack((kc, vc)), 1), "scales": (torch.stack((ks, vs)), 1)}
+    kz, kst = kq.key_grid(k)
+    vz, vst = kq.value_grid(v)
+    planes = {"key_grid": (torch.stack((kz[:, 0], kst[:, 0]), dim=1), 0),
+              "value_grid": (torch.stack((vz[..., 0], vst[..., 0]), dim=1), 0)}
+    if layout.bits == 8:
+        planes["codes"] = (torch.stack((kq.encode_units(k, kz, kst, 8), kq.encode_units(v, vz, vst, 8))), 1)
+        return planes
+    kc, kr = kq.encode_int4(k, kz, kst, salient)
+    vc, vr = kq.encode_int4(v, vz, vst, salient)
+    planes["codes"] = (torch.stack((kq.pack_nibbles(kc), kq.pack_nibbles(vc))), 1)
+    if kr is not None:
+        planes["salient"] = (salient, 0)
+        planes["residual"] = (torch.stack((kq.pack_nibbles(kr), kq.pack_nibbles(vr))), 1)
+    return planes
 
 
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -17,6 +17,13 @@ quantized exactly like the miss that computed it. When a sequence finishes, its 
 blocks held until ``take_late_seals`` hands the (pool block, window block) pairs to the next plan, which quantizes
 them before its forward, so a later request with the same prefix finds the whole prefix cached.
 
+With ``defer_seals`` (the CPU, no salient tokens) a sequence whose sealing blocks all have window blocks (a decode
+step filling its open block, or accepted drafts completing one) seals them after the step's forward instead of
+inside each layer: the step writes and reads them in the window, then ``take_deferred_seals`` hands the plan the
+(pool block, window block) pairs to quantize from the window once the forward is done. Such a step seals nothing
+inside its layers, so on the CPU it stays on the one-call decoder layer (model/cpu_layer.py), and its queries read
+those blocks at full precision (the codes are the same: quantized from the same keys and values).
+
 Blocks can also arrive from another engine (prefill/decode disaggregation, ``engine/kv_transfer.py``): ``install``
 keys free blocks for a chain of keys whose KV the engine then writes, ``cached_blocks`` finds the blocks to export.
 """
@@ -47,7 +54,7 @@ def chain_keys(token_ids: list[int] | tuple[int, ...], block_size: int) -> list[
 
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool,
-                 num_window_blocks: int = 0, recent_tokens: int = 0) -> None:
+                 num_window_blocks: int = 0, recent_tokens: int = 0, defer_seals: bool = False) -> None:
         self.num_blocks, self.block_size = num_blocks, block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.ref_counts = [0] * num_blocks
@@ -63,6 +70,8 @@ class BlockManager:
         self.sealed = [False] * num_blocks if self.windowed else []
         self.free_window = list(range(num_window_blocks - 1, -1, -1))   # a stack: lowest first
         self.late_seals: list[tuple[int, int]] = []    # (pool block, window block) for the next plan to quantize
+        self.defer_seals = defer_seals and self.windowed
+        self.deferred_seals: list[tuple[int, int]] = []   # (pool block, window block) the plan seals after its forward
 
     @property
     def num_free_blocks(self) -> int:
@@ -113,15 +122,22 @@ class BlockManager:
         """Windowed caches: seal the blocks that the first ``num_final - recent_tokens`` tokens fill and that are
         not sealed yet; returns their window blocks in table order (-1: a block whose tokens are all in this step).
         The window blocks go back to the window at once: nothing reuses them before the step that seals them has
-        run."""
+        run. With ``defer_seals``, blocks that all hold window blocks and no other sequence are sealed after the
+        step's forward instead (``take_deferred_seals``): they stay in the window for this step and () is returned."""
         if not self.windowed:
             return ()
         i = min(self._num_sealable(num_final), len(seq.block_table))
         first = i
         while first > 0 and not self.sealed[seq.block_table[first - 1]]:
             first -= 1
+        blocks = seq.block_table[first:i]
+        if self.defer_seals and blocks and all(self.window_of[b] >= 0 and self.ref_counts[b] == 1 for b in blocks):
+            for block in blocks:           # window_of stays until the plan is frozen: open_window lists them
+                self.sealed[block] = True
+                self.deferred_seals.append((block, self.window_of[block]))
+            return ()
         out = []
-        for block in seq.block_table[first:i]:
+        for block in blocks:
             self.sealed[block] = True
             w = self.window_of[block]
             out.append(w)
@@ -129,6 +145,15 @@ class BlockManager:
                 self.window_of[block] = -1
                 self.free_window.append(w)
         return tuple(out)
+
+    def take_deferred_seals(self) -> tuple[tuple[int, int], ...]:
+        """The seals the plan being frozen applies after its forward; their window blocks go back to the window
+        now (only later plans, whose forwards run after this one's seals, can write them)."""
+        seals, self.deferred_seals = tuple(self.deferred_seals), []
+        for block, w in seals:
+            self.window_of[block] = -1
+            self.free_window.append(w)
+        return seals
 
     def _num_sealable(self, num_final: int) -> int:
         """Windowed caches: the leading blocks that ``num_final`` final tokens let seal (the rest stay in the window:

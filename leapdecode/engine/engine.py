@@ -112,7 +112,8 @@ class Engine:
         self.vocab_size = self.model_cfg.vocab_size
         self.eos_token_ids = eos = eos_token_ids(self.model_cfg, self.generation_defaults, self.tokenizer)
         self.block_manager = BlockManager(self.runner.num_blocks, cfg.block_size, cfg.enable_prefix_caching,
-                                          self.runner.num_window_blocks, cfg.kv_cache_recent_tokens)
+                                          self.runner.num_window_blocks, cfg.kv_cache_recent_tokens,
+                                          self.runner.defer_seals)
         self.structured = StructuredOutput(self.tokenizer, eos, cfg.grammar_cache_size)
         self.requests: dict[str, Request] = {}
         # the stop checker's hooks close over what they read, not over the engine: no reference cycle, so an

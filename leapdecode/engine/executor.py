@@ -25,6 +25,7 @@ from leapdecode.model.config import ModelConfig
 class Executor(Protocol):
     num_blocks: int                      # KV blocks the executor's cache holds (the block manager's pool size)
     num_window_blocks: int               # full-precision blocks of a quantized cache's open window (0: none)
+    defer_seals: bool                    # a windowed cache's blocks seal after the forward of the step filling them
     kv_layout: KVLayout                  # the KV cache's format (what a block holds)
 
     def kv_cache_info(self) -> dict:

@@ -41,6 +41,7 @@ class ForwardBatch:
     logits_indices: torch.Tensor     # [R] rows of the hidden states that need logits
     kv_moves: tuple[torch.Tensor, torch.Tensor] | None     # (src slots, dst slots), applied before the forward
     kv_seals: tuple[torch.Tensor, torch.Tensor] | None     # (pool blocks, window blocks): late seals, after the moves
+    kv_seals_after: tuple[torch.Tensor, torch.Tensor] | None  # (pool blocks, window blocks): after the forward
     placeholders: tuple[torch.Tensor, torch.Tensor] | None  # (token indices, rows of the last step's samples)
     num_tokens: int
 
@@ -108,7 +109,8 @@ class InputBuffers:
         ph = plan.placeholders
         fields = [ids, pos, slots, qsl, seq_lens, tables.reshape(-1), logits_idx,
                   [m[0] for m in moves], [m[1] for m in moves], [p[0] for p in ph], [p[1] for p in ph],
-                  tree_offsets or [], tree_flat, [b for b, _ in plan.kv_seals], [w for _, w in plan.kv_seals]]
+                  tree_offsets or [], tree_flat, [b for b, _ in plan.kv_seals], [w for _, w in plan.kv_seals],
+                  [b for b, _ in plan.kv_seals_after], [w for _, w in plan.kv_seals_after]]
         fields += window.fields(Tp) if window is not None else [[]] * len(_WindowFields.NAMES)
         sizes = [len(f) for f in fields]
         host, dev = self._staging(sum(sizes))
@@ -124,8 +126,8 @@ class InputBuffers:
             self.num_copies += 1
         v = dev[:o].split(sizes)
         (ids_t, pos_t, slots_t, qsl_t, seq_lens_t, tables_t, logits_t, src_t, dst_t, ph_idx_t, ph_row_t,
-         tree_off_t, tree_t, seal_blocks_t, seal_window_t) = v[:15]
-        kv = dict(zip(_WindowFields.NAMES, v[15:]))
+         tree_off_t, tree_t, seal_blocks_t, seal_window_t, after_blocks_t, after_window_t) = v[:17]
+        kv = dict(zip(_WindowFields.NAMES, v[17:]))
         meta = AttentionMetadata(
             positions=pos_t, slot_mapping=slots_t, block_tables=tables_t.view(len(plan.seqs), width),
             seq_lens=seq_lens_t, query_start_loc=qsl_t, query_lens=qlens, seq_lens_host=seq_lens, block_size=bs,
@@ -140,6 +142,7 @@ class InputBuffers:
                                         kv["probes"].view(window.num_seals, bs))
         return ForwardBatch(ids_t, meta, logits_t, (src_t, dst_t) if moves else None,
                             (seal_blocks_t, seal_window_t) if plan.kv_seals else None,
+                            (after_blocks_t, after_window_t) if plan.kv_seals_after else None,
                             (ph_idx_t, ph_row_t) if ph else None, T)
 
     def _staging(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:

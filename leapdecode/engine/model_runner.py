@@ -80,6 +80,11 @@ class ModelRunner:
         self.pad = cfg.pad_to_buckets if cfg.pad_to_buckets is not None else self.device.type == "cuda"
         self.graphs = self._cuda_graphs()
         self.last_graph: tuple[int, int] | None = None   # the graph bucket the last step replayed (its timing key)
+        # a windowed cache on the CPU seals the blocks a decode step fills after its forward (block_manager.py),
+        # so such steps stay on the one-call decoder layer; salient tokens are chosen by the step's own queries
+        # inside the layer. (On a GPU the seal rides inside the step's CUDA graph.)
+        self.defer_seals = (self.kv_layout.windowed and self.device.type == "cpu"
+                            and not self.kv_layout.num_salient)
 
     def _cuda_graphs(self) -> CudaGraphs | None:
         """CUDA graphs for decode and verification steps (engine/cuda_graphs.py), captured now; None where they do
@@ -221,10 +226,15 @@ class ModelRunner:
         graph = self.graphs.bucket(plan, batch) if self.graphs is not None and not (capture or all_rows) else None
         self.last_graph = (graph.batch, graph.query_len) if graph is not None else None
         if graph is not None:
-            return ForwardOutput(self.graphs.replay(graph, batch))
+            out = ForwardOutput(self.graphs.replay(graph, batch))
+            if batch.kv_seals_after is not None:
+                self.kv_cache.seal_from_window(*batch.kv_seals_after)
+            return out
         self.backend.plan(batch.meta)
         captured: dict[int, torch.Tensor] = {}
         hidden = self.model(batch.input_ids, batch.meta, capture=capture, captured=captured)
+        if batch.kv_seals_after is not None:     # the blocks this step filled, read at full precision by it
+            self.kv_cache.seal_from_window(*batch.kv_seals_after)
         rows = batch.logits_indices
         keep = slice(0, plan.num_tokens) if all_rows else rows
         return ForwardOutput(self.model.compute_logits(hidden[rows]), {i: h[keep] for i, h in captured.items()})

@@ -157,7 +157,8 @@ class Scheduler:
             logits += n_logits
             samples += sampled
         plan = StepPlan(self._step_id, tuple(planned), self.bm.block_size, logits, samples, tuple(self._kv_moves),
-                        tuple(placeholders), tuple(preempted), self.bm.take_late_seals())
+                        tuple(placeholders), tuple(preempted), self.bm.take_late_seals(),
+                        self.bm.take_deferred_seals())
         self._step_id += 1
         self._kv_moves = []
         self._sample_row = {}

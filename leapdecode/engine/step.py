@@ -74,6 +74,8 @@ class StepPlan:
     preempted: tuple[int, ...] = ()
     kv_seals: tuple[tuple[int, int], ...] = ()      # (pool block, window block): finished sequences' recent blocks,
                                                     # quantized after the moves, before the forward (windowed KV)
+    kv_seals_after: tuple[tuple[int, int], ...] = ()  # (pool block, window block): blocks the step fills, quantized
+                                                      # from the window after the forward (deferred seals)
 
     @property
     def num_tokens(self) -> int:

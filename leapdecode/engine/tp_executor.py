@@ -142,6 +142,7 @@ class TensorParallelExecutor:
             raise
         self.num_blocks = self.runner.num_blocks
         self.num_window_blocks = self.runner.num_window_blocks
+        self.defer_seals = self.runner.defer_seals
 
     # -- the executor protocol ---------------------------------------------------------------------------------
     def prepare(self, plan: StepPlan) -> ForwardBatch:

@@ -162,26 +162,39 @@ class FusedLayer:
         return native.kernels().decoder_layer(x, self.parts + cache, step, self.params)
 
 
+def _cache_tensors(attn: Any) -> tuple[bool, list[torch.Tensor]] | None:
+    """The attention layer's KV cache as ``decoder_layer`` takes it, (windowed, tensors): a float32 cache, or a
+    windowed quantized cache's codes, grids and float32 window; None where the one-call layer cannot read it.
+    Memoized on the layer per cache object (a cache never changes its tensors): checking and listing them on every
+    call cost ~10 us a layer."""
+    kv_cache = attn.kv_cache
+    cached = attn.__dict__.get("_cache_tensors")
+    if cached is None or cached[0] is not kv_cache:
+        entry = None
+        if isinstance(kv_cache, WindowedLayer):
+            if cpu_exact.reads(kv_cache):
+                entry = (True, list(cpu_exact.quantized_tensors(kv_cache)))
+        elif type(kv_cache) is torch.Tensor and kv_cache.dtype == torch.float32 and kv_cache.is_contiguous():
+            entry = (False, [kv_cache])
+        cached = attn.__dict__["_cache_tensors"] = (kv_cache, entry)
+    return cached[1]
+
+
 def run(layer: Any, x: torch.Tensor, meta: Any) -> torch.Tensor | None:
     """The layer's output through the one-call path, or None where the step or the layer does not allow it."""
     if meta.cpu_step is None:
         return None
-    step = meta.cpu_step.for_layer(layer.self_attn.layer_idx)
+    attn = layer._modules["self_attn"]
+    step = meta.cpu_step.for_layer(attn.layer_idx)
     if x.dim() != 2 or x.dtype != torch.float32 or x.shape[0] != step[1].shape[0]:
         return None
     fused = FusedLayer.of(layer)
     if fused is None or (fused.rows_max is not None and x.shape[0] > fused.rows_max):
         return None
-    kv_cache = layer.self_attn.kv_cache
-    if meta.cpu_step.windowed:      # a windowed quantized cache: its codes, grids and float32 window
-        if not isinstance(kv_cache, WindowedLayer) or not cpu_exact.reads(kv_cache):
-            return None
-        cache = list(cpu_exact.quantized_tensors(kv_cache))
-    else:
-        if type(kv_cache) is not torch.Tensor or kv_cache.dtype != torch.float32 or not kv_cache.is_contiguous():
-            return None
-        cache = [kv_cache]
-    return fused(x if x.is_contiguous() else x.contiguous(), cache, step)
+    cache = _cache_tensors(attn)
+    if cache is None or cache[0] != meta.cpu_step.windowed:
+        return None
+    return fused(x if x.is_contiguous() else x.contiguous(), cache[1], step)
 
 
 __all__ = ["FusedLayer", "run"]
