@@ -316,11 +316,8 @@ class WindowedLayer:
     def seal(self, blocks: torch.Tensor, salient: torch.Tensor | None) -> None:
         """Quantize the staged tiles into pool ``blocks`` [S]; int4 keeps ``salient`` ([S, n, h] offsets) at 8 bits."""
         tile, self.stage.tile = self.stage.tile, None
-        planes = quantize_tiles(self.layout, tile[0], tile[1], salient)
-        store = {"codes": self.codes, "scales": self.scales, "key_grid": self.key_grid,
-                 "value_grid": self.value_grid, "salient": self.salient, "residual": self.residual}
-        for name, (x, axis) in planes.items():
-            store[name].movedim(axis, 0)[blocks] = x.movedim(axis, 0)
+        for name, (x, axis) in quantize_tiles(self.layout, tile[0], tile[1], salient).items():
+            getattr(self, name).movedim(axis, 0)[blocks] = x.movedim(axis, 0)     # (planes are named as fields)
 
     def read(self, blocks: torch.Tensor, window: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """blocks [B, nb] (with ``window`` [B, nb]: the window block of an open block, -1: read the pool block) ->

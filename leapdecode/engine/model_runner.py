@@ -227,17 +227,16 @@ class ModelRunner:
         self.last_graph = (graph.batch, graph.query_len) if graph is not None else None
         if graph is not None:
             out = ForwardOutput(self.graphs.replay(graph, batch))
-            if batch.kv_seals_after is not None:
-                self.kv_cache.seal_from_window(*batch.kv_seals_after)
-            return out
-        self.backend.plan(batch.meta)
-        captured: dict[int, torch.Tensor] = {}
-        hidden = self.model(batch.input_ids, batch.meta, capture=capture, captured=captured)
+        else:
+            self.backend.plan(batch.meta)
+            captured: dict[int, torch.Tensor] = {}
+            hidden = self.model(batch.input_ids, batch.meta, capture=capture, captured=captured)
+            rows = batch.logits_indices
+            keep = slice(0, plan.num_tokens) if all_rows else rows
+            out = ForwardOutput(self.model.compute_logits(hidden[rows]), {i: h[keep] for i, h in captured.items()})
         if batch.kv_seals_after is not None:     # the blocks this step filled, read at full precision by it
             self.kv_cache.seal_from_window(*batch.kv_seals_after)
-        rows = batch.logits_indices
-        keep = slice(0, plan.num_tokens) if all_rows else rows
-        return ForwardOutput(self.model.compute_logits(hidden[rows]), {i: h[keep] for i, h in captured.items()})
+        return out
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
