@@ -9,10 +9,11 @@ paged attention, the output product and residual, RMSNorm, gate/up, SiLU-and-mul
 one call from Python.
 
 Exactness: the call runs the very kernels the layer-by-layer path runs, from the same compiled module
-(``native.kernels()`` builds cpu_ops, cpu_exact, packed_linear and this file's source together) and PyTorch's own
-ops for the rest (``index_copy_``, ``silu``, the adds), on the same inputs in the same order, so its result is
-bit-identical to ``DecoderLayer.forward``'s; speculation's losslessness, which rests on a row's bits not depending
-on the path that computed it, is kept (tests/test_cpu_layer.py compares the two bit for bit).
+(``native.kernels()`` builds cpu_ops, cpu_exact, packed_linear and this file's source together), PyTorch's own
+``silu`` and product, and the cache write and residual adds as plain copies and sums of the same values (without
+``index_copy_``'s and ``add``'s dispatch: 1.02-1.07x a layer), on the same inputs in the same order, so its result
+is bit-identical to ``DecoderLayer.forward``'s; speculation's losslessness, which rests on a row's bits not
+depending on the path that computed it, is kept (tests/test_cpu_layer.py compares the two bit for bit).
 
 When: the attention backend says the step allows it (``AttentionMetadata.cpu_step``, set by ``TorchAttention.plan``:
 every attention group of the step is read by the exact kernel - decodes, verifications, short prefill chunks - or,
@@ -45,6 +46,33 @@ static torch::Tensor layer_linear(const torch::Tensor& x, const torch::Tensor& w
 }
 #endif
 
+// The step's keys and values [T, Hkv, D] (rows of the fused q/k/v product) into cache slots [T] of flat [2, slots,
+// Hkv, D]: index_copy_'s copy, without its dispatch (~3 us a call, two a layer).
+static void write_rows(const torch::Tensor& flat, const torch::Tensor& slots, const torch::Tensor& k,
+                       const torch::Tensor& v) {
+  const int64_t T = k.size(0), row = k.size(1) * k.size(2), half = flat.stride(0);
+  TORCH_CHECK(flat.scalar_type() == torch::kFloat32 && k.scalar_type() == torch::kFloat32 && flat.stride(1) == row
+              && k.stride(2) == 1 && v.stride(2) == 1 && k.stride(1) == k.size(2) && v.stride(1) == v.size(2)
+              && slots.scalar_type() == torch::kLong && slots.is_contiguous(), "decoder_layer: kv rows");
+  float* base = flat.data_ptr<float>();
+  const int64_t* at = slots.data_ptr<int64_t>();
+  const int64_t n = flat.size(1);
+  for (int64_t t = 0; t < T; ++t) {
+    TORCH_CHECK(at[t] >= 0 && at[t] < n, "decoder_layer: slot out of range");
+    std::memcpy(base + at[t] * row, k.data_ptr<float>() + t * k.stride(0), row * sizeof(float));
+    std::memcpy(base + half + at[t] * row, v.data_ptr<float>() + t * v.stride(0), row * sizeof(float));
+  }
+}
+
+// y += x (the residual; x + y's values: a float sum does not depend on its order), y fresh from a product
+static torch::Tensor add_into(torch::Tensor y, const torch::Tensor& x) {
+  TORCH_CHECK(y.is_contiguous() && x.is_contiguous() && y.numel() == x.numel(), "decoder_layer: residual");
+  float* out = y.data_ptr<float>();
+  const float* in = x.data_ptr<float>();
+  for (int64_t i = 0, n = y.numel(); i < n; ++i) out[i] += in[i];
+  return y;
+}
+
 // x [T, hidden] float32. w: 0 input norm, 1-3 qkv (weight, scale, bias), 4-6 o, 7 post-attention norm, 8-10
 // gate/up, 11-13 down, 14 cos, 15 sin, 16 the layer's cache [2, nb, bs, Hkv, D] (absent scale/bias: empty), or
 // for a windowed quantized cache 16-23: codes, key grid, value grid, fp8 scales, their 256 values, salient tokens,
@@ -74,8 +102,7 @@ torch::Tensor decoder_layer(torch::Tensor x, std::vector<torch::Tensor> w, std::
   auto flat = store.view({2, -1, Hkv, D});
   // a windowed cache's tokens of blocks that are not open go to the spare last window block (never read)
   const auto slots = windowed ? torch::where(step[1] >= 0, step[1], (store.size(1) - 1) * store.size(2)) : step[1];
-  flat[0].index_copy_(0, slots, k);
-  flat[1].index_copy_(0, slots, v);
+  write_rows(flat, slots, k, v);
   torch::Tensor o;
   if (!windowed && step.size() == 8 && step[2].numel() == 0) {
     o = paged_attention(q.contiguous().view({step[5].size(0), step[5].size(1), H, D}), w[16], step[3], step[5],
@@ -101,11 +128,11 @@ torch::Tensor decoder_layer(torch::Tensor x, std::vector<torch::Tensor> w, std::
       o.index_put_({step[g + 4]}, step[g + 5].numel() ? og.index({step[g + 5]}) : og.select(1, 0));
     }
   }
-  x = x + layer_linear(o.view({T, H * D}), w[4], w[5], w[6]);
+  x = add_into(layer_linear(o.view({T, H * D}), w[4], w[5], w[6]), x);
   auto gate_up = layer_linear(rms_norm(x, w[7], eps), w[8], w[9], w[10]);
   const int64_t inter = gate_up.size(1) / 2;
   auto act = at::silu(gate_up.narrow(1, 0, inter)) * gate_up.narrow(1, inter, inter);
-  return x + layer_linear(act, w[11], w[12], w[13]);
+  return add_into(layer_linear(act, w[11], w[12], w[13]), x);
 #else
   TORCH_CHECK(false, "decoder_layer: needs the row kernel (AVX-512)");
   return x;
