@@ -82,6 +82,9 @@ class LlamaForCausalLM(nn.Module):
         rope = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
         self.rope = rope
         self.layers = nn.ModuleList(DecoderLayer(cfg, rope, backend, i, tp) for i in range(cfg.num_layers))
+        # the same layers as a plain list, called through ``forward``: ModuleList indexing and Module.__call__ cost
+        # ~8 us a layer (0.24 ms of a batch-1 CPU step of 8 ms); no hooks are registered on them
+        self._layer_list: list[DecoderLayer] = list(self.layers)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp)
 
@@ -92,13 +95,14 @@ class LlamaForCausalLM(nn.Module):
         residual stream entering ``start_layer``). Returns the final normed hidden states when the range reaches
         the last layer, else the residual stream. ``capture`` lists hidden states to store in ``captured``, in
         Hugging Face's numbering: i = the stream after i layers (0: embeddings), num_layers = after the final norm."""
-        end = len(self.layers) if end_layer is None else end_layer
+        layers = self._layer_list
+        end = len(layers) if end_layer is None else end_layer
         x = self.embed_tokens(input_ids) if hidden is None else hidden
         for i in range(start_layer, end):
             if i in capture:
                 captured[i] = x
-            x = self.layers[i](x, meta)
-        if end < len(self.layers):
+            x = layers[i].forward(x, meta)
+        if end < len(layers):
             if end in capture:
                 captured[end] = x
             return x
