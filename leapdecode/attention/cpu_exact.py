@@ -110,13 +110,13 @@ struct Head {
   static constexpr int MAXV = DT ? (DT + W - 1) / W : 64;
 };
 
-// Two phases. (1) One task per (sequence, chunk of CHUNK keys): per kv head, the chunk's key and value rows (read
-// in place from a float32 cache, else converted once); per (query row, head) the scores of the chunk's keys, eight
-// keys at a time (key j in lane j % W, its dot product summed over the head in one fixed order), their max, the
-// exponentials, their sum and the weighted values. (2) One task per (row, head): the chunks merged in ascending
-// order. Every sum has one fixed order and chunk boundaries are fixed key positions, so a row's result depends only
-// on its query and its visible keys: not on padding, on how many rows its sequence verifies, or on other
-// sequences.
+// Two phases. (1) One task per (sequence, chunk of CHUNK keys, kv head): the chunk's key and value rows of that
+// head (read in place from a float32 cache, else converted once); per (query row, head) the scores of the chunk's
+// keys, eight keys at a time (key j in lane j % W, its dot product summed over the head in one fixed order), their
+// max, the exponentials, their sum and the weighted values (a kv head's query heads share each value row's read).
+// (2) One task per (row, head): the chunks merged in ascending order. Every sum has one fixed order and chunk
+// boundaries are fixed key positions, so a row's result depends only on its query and its visible keys: not on
+// padding, on how many rows its sequence verifies, or on other sequences.
 // Where a key's or value's row comes from: ``row(pass, s, j, g, dst)`` (pass 0 keys, 1 values; sequence s, key j,
 // kv head g) returns a pointer to its D floats, in the cache itself where they are float32 and D % W == 0, else
 // written into ``dst`` (converted, or dequantized).
@@ -332,13 +332,35 @@ void run(const Src& src, const float* q, const bool* mask, float* out, int64_t S
   std::vector<float> pm(R * nc * H), pl(R * nc * H), pacc(R * nc * H * D);
   at::parallel_for(0, S * nc * Hkv, 1, [&](int64_t begin, int64_t end) {   // a task per kv head too (a 440-token
     // context's 7 chunks split 4 / 3 over two threads, its 21 tasks 11 / 10)
-    std::vector<float> tile(2 * CHUNK * DV * W), zero(DV * W, 0.f), qpad(DV * W, 0.f);
+    std::vector<float> tile(2 * CHUNK * DV * W), zero(DV * W, 0.f), qpad(DV * W, 0.f), weights(group * CHUNK);
     const float* rows[2][CHUNK];
     bool seen[CHUNK];
-    alignas(64) float p[CHUNK];
+    int64_t g = 0, n = 0;
+    // heads i0 .. i0 + NH - 1 of kv head g (their weights in ``weights``): the weighted sums of the chunk's values
+    auto weigh = [&]<int NH>(int64_t i0, const int* vis, int64_t idx) {
+      vf acc[NH][MAXV];
+      for (int i = 0; i < NH; ++i)
+        for (int64_t b = 0; b < DV; ++b) acc[i][b] = splat(0.f);
+      for (int64_t jj = 0; jj < n; ++jj) {
+        if (!vis[jj]) continue;
+        vf pj[NH];
+        for (int i = 0; i < NH; ++i) pj[i] = splat(weights[(i0 + i) * CHUNK + jj]);
+        const float* v = rows[1][jj];
+        for (int64_t b = 0; b < DV; ++b) {
+          const vf vb = load(v + b * W);
+          for (int i = 0; i < NH; ++i) acc[i][b] += pj[i] * vb;
+        }
+      }
+      for (int i = 0; i < NH; ++i) {
+        float* acc_out = pacc.data() + (idx + g * group + i0 + i) * D;
+        for (int64_t b = 0; b < NB; ++b) store(acc_out + b * W, acc[i][b]);
+        for (int64_t d = NB * W; d < D; ++d) acc_out[d] = acc[i][NB][d - NB * W];
+      }
+    };
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t s = task / (nc * Hkv), c = task / Hkv % nc, g = task % Hkv, j0 = c * CHUNK;
-      const int64_t n = std::min(max_k, j0 + CHUNK) - j0;
+      const int64_t s = task / (nc * Hkv), c = task / Hkv % nc, j0 = c * CHUNK;
+      g = task % Hkv;
+      n = std::min(max_k, j0 + CHUNK) - j0;
       for (int64_t jj = 0; jj < CHUNK; ++jj) {
         seen[jj] = false;
         for (int64_t m = 0; jj < n && m < M && !seen[jj]; ++m) seen[jj] = mask[(s * M + m) * max_k + j0 + jj];
@@ -367,34 +389,32 @@ void run(const Src& src, const float* q, const bool* mask, float* out, int64_t S
           }
           bool none = true;
           for (int gi = 0; gi < G; ++gi) none = none && !any[gi];
-          for (int64_t h = g * group; h < (g + 1) * group; ++h) {
-            float* acc_out = pacc.data() + (idx + h) * D;
-            if (none) {
+          if (none) {                                  // no visible key in this chunk
+            for (int64_t h = g * group; h < (g + 1) * group; ++h) {
               pm[idx + h] = -std::numeric_limits<float>::infinity();
               pl[idx + h] = 0.f;
-              for (int64_t d = 0; d < D; ++d) acc_out[d] = 0.f;
-              continue;
+              for (int64_t d = 0; d < D; ++d) pacc[(idx + h) * D + d] = 0.f;
             }
+            continue;
+          }
+          for (int64_t i = 0; i < group; ++i) {         // each head's scores and weights
+            const int64_t h = g * group + i;
             const float* qrow = q + (r * H + h) * D;
             if (D % W) { std::memcpy(qpad.data(), qrow, D * sizeof(float)); qrow = qpad.data(); }
             vf qv[MAXV];
             for (int64_t b = 0; b < DV; ++b) qv[b] = load(qrow + b * W);
             vf sc[G];
-            float mx, l;
-            score_chunk(qv, DV, rows[0], vis, any, scale, sc, p, mx, l);
-            // weighted values, keys in ascending order
-            vf acc[MAXV];
-            for (int64_t b = 0; b < DV; ++b) acc[b] = splat(0.f);
-            for (int64_t jj = 0; jj < n; ++jj) {
-              if (!vis[jj]) continue;
-              const vf pj = splat(p[jj]);
-              const float* v = rows[1][jj];
-              for (int64_t b = 0; b < DV; ++b) acc[b] += pj * load(v + b * W);
-            }
-            pm[idx + h] = mx;
-            pl[idx + h] = l;
-            for (int64_t b = 0; b < NB; ++b) store(acc_out + b * W, acc[b]);
-            for (int64_t d = NB * W; d < D; ++d) acc_out[d] = acc[NB][d - NB * W];
+            score_chunk(qv, DV, rows[0], vis, any, scale, sc, weights.data() + i * CHUNK, pm[idx + h], pl[idx + h]);
+          }
+          // weighted values, keys in ascending order, up to three heads at once (their sums fill 24 registers):
+          // each value row is read once for them and their sums run side by side (each head's own, in the same
+          // order as alone)
+          for (int64_t i = 0; i < group;) {
+            const int64_t left = std::min<int64_t>(group - i, DV <= 8 ? 3 : 1);
+            if (left == 3) weigh.template operator()<3>(i, vis, idx);
+            else if (left == 2) weigh.template operator()<2>(i, vis, idx);
+            else weigh.template operator()<1>(i, vis, idx);
+            i += left;
           }
         }
       }
