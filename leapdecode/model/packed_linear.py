@@ -30,8 +30,11 @@ instead of the floats and rebuilds each weight in registers as that very float32
 so the results are the float32 kernel's bits while a forward reads ~5 bits a weight (Q4) or ~8.5 (Q8) instead of
 32: SmolLM2-135M's linears 92 MiB a forward instead of 513. A check value by value decides, not a flag: a float
 checkpoint, or a layer with one group off its grid, keeps float32 weights. Up to 18 rows a tile rebuilds its
-weights (cheaper than reading floats at batch 1, the same cost from ~16 rows where the arithmetic dominates);
-beyond, each group of blocks is rebuilt once into float32 slabs that the float32 tiles read.
+weights (cheaper than reading floats at batch 1, the same cost from ~16 rows where the arithmetic dominates), one
+tile for all the rows (7 to 12 rows over 2 blocks, 13 to 18 over 1), so each weight is rebuilt once per call: as
+6-row tiles plus the rest, 7 rows cost about what 12 did (all linears of the default model, 2 threads: 7 rows
+12.6 -> 9.7 ms, 13 rows 20.1 -> 15.0, 17 rows 24.0 -> 18.7; a 16-node tree verifies 17 rows); beyond, each group
+of blocks is rebuilt once into float32 slabs that the float32 tiles read.
 
 Either way the results differ from MKL's in the last bits (different summation order; about 6e-5 on outputs of
 size ~10) and a row's result does not depend on how many rows share the call.
@@ -244,6 +247,19 @@ static inline void grid_tile(const float* __restrict x, int64_t K, const Grid& w
       vstore(y + r * N + n0 + v * L, bias ? vadd(acc[r][v], vload(bias + n0 + v * L)) : acc[r][v]);
 }
 
+// grid_tile<M, VN> for a run-time M: VN blocks, M rows in one tile (at most 24 accumulators)
+template <int VN, int R = 1, typename Grid>
+static inline void grid_rows(int64_t M, const float* x, int64_t K, const Grid& w, float* y, int64_t N, int64_t n0,
+                             const float* bias) {
+  if constexpr (R * VN <= 24) {
+    if (M == R) {
+      grid_tile<R, VN>(x, K, w, y, N, n0, bias);
+      return;
+    }
+    grid_rows<VN, R + 1>(M, x, K, w, y, N, n0, bias);
+  }
+}
+
 template <int V, typename Grid>
 static void grid_blocks(const float* x, int64_t M, int64_t K, const Grid& w, float* buf, float* y, int64_t N,
                         int64_t n0, const float* bias) {
@@ -259,15 +275,21 @@ static void grid_blocks(const float* x, int64_t M, int64_t K, const Grid& w, flo
     blocks<V>(x, M, K, static_cast<const float*>(buf), y, N, n0, nullptr, bias);
     return;
   }
-  for (; M > RMAX; M -= RMAX, x += RMAX * K, y += RMAX * N) grid_tile<RMAX, V>(x, K, w, y, N, n0, bias);
-  switch (M) {
-    case 6: grid_tile<6, V>(x, K, w, y, N, n0, bias); break;
-    case 5: grid_tile<5, V>(x, K, w, y, N, n0, bias); break;
-    case 4: grid_tile<4, V>(x, K, w, y, N, n0, bias); break;
-    case 3: grid_tile<3, V>(x, K, w, y, N, n0, bias); break;
-    case 2: grid_tile<2, V>(x, K, w, y, N, n0, bias); break;
-    case 1: grid_tile<1, V>(x, K, w, y, N, n0, bias); break;
-    default: break;
+  if (M <= RMAX) {
+    grid_rows<V>(M, x, K, w, y, N, n0, bias);
+    return;
+  }
+  // More rows than a tile of V blocks holds: tiles of all M rows over fewer blocks (2 up to 12 rows, else 1), so each
+  // weight is rebuilt once for every row, not once per 6-row tile (7 rows cost about what 12 did).
+  const int VN = M <= 2 * RMAX ? 2 : 1;
+  for (int v = 0; v < V;) {
+    if (VN == 2 && v + 2 <= V) {
+      grid_rows<2>(M, x, K, w.at(v), y, N, n0 + v * L, bias);
+      v += 2;
+    } else {
+      grid_rows<1>(M, x, K, w.at(v), y, N, n0 + v * L, bias);
+      v += 1;
+    }
   }
 }
 
