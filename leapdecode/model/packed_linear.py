@@ -62,6 +62,7 @@ _SOURCE = r"""
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
+#include <type_traits>
 
 // One vector holds 16 floats (an AVX-512 register); RMAX x VMAX is the largest tile, sized to the 32 registers.
 // Only AVX-512: an AVX2 form (two 8-lane halves, tiles of 3 x 2) ran 1.3x slower than oneDNN at 64 rows on the
@@ -123,9 +124,45 @@ static inline void tile(const float* __restrict x, int64_t K, const W* __restric
     }
 }
 
+// fn.template operator()<R>() for R == M (a tile's rows are a compile-time count; at most 24 accumulators)
+template <int VN, int R = 1, typename F>
+static inline void by_rows(int64_t M, F&& fn) {
+  if constexpr (R * VN <= 24) {
+    if (M == R) {
+      fn.template operator()<R>();
+      return;
+    }
+    by_rows<VN, R + 1>(M, fn);
+  }
+}
+
+// Steps of RMAX + 1 to ONE_TILE rows over int8 or grid weights take one tile of all their rows over fewer blocks (2
+// up to 2 * RMAX rows, else 1): each weight is widened or rebuilt from its codes once for all the rows, not once per
+// RMAX-row tile (as 6-row tiles plus the rest, 7 rows cost about what 12 did). fn.template operator()<VN>(v): the
+// tile of blocks v .. v+VN-1.
+static constexpr int64_t ONE_TILE = 18;
+template <int V, typename F>
+static inline void narrow_tiles(int64_t M, F&& fn) {
+  for (int v = 0; v < V;) {
+    if (M <= 2 * RMAX && v + 2 <= V) {
+      fn.template operator()<2>(v);
+      v += 2;
+    } else {
+      fn.template operator()<1>(v);
+      v += 1;
+    }
+  }
+}
+
 template <int V, typename W>
 static void blocks(const float* x, int64_t M, int64_t K, const W* w, float* y, int64_t N, int64_t n0,
                    const float* scale, const float* bias) {
+  if (!std::is_same<W, float>::value && M > RMAX && M <= ONE_TILE) {   // int8 slabs are widened per tile (float32
+    narrow_tiles<V>(M, [&]<int VN>(int v) {                            // ones gain nothing: 0.9x at 13-17 rows)
+      by_rows<VN>(M, [&]<int R>() { tile<R, VN>(x, K, w + v * K * L, y, N, n0 + v * L, scale, bias); });
+    });
+    return;
+  }
   int64_t m = 0;
   for (; m + RMAX <= M; m += RMAX) tile<RMAX, V>(x + m * K, K, w, y + m * N, N, n0, scale, bias);
   const float* xm = x + m * K;          // the rest in one tile (each pass re-reads the slabs from the cache)
@@ -219,10 +256,9 @@ struct Q8 {
   }
 };
 
-// Up to GRID_TILED_MAX rows the weights are rebuilt in registers for every tile of up to RMAX rows, then the float32
-// kernel's FMA chain; beyond, once into float32 slabs that the float32 tiles then read (measured on the 2-core
-// Intel VM, all linears of SmolLM2-135M: rebuilding per tile is cheaper up to ~18 rows).
-static constexpr int64_t GRID_TILED_MAX = 18;
+// Up to ONE_TILE rows the weights are rebuilt in registers for every tile (one, see narrow_tiles), then the float32
+// kernel's FMA chain; beyond, once into float32 slabs that the float32 tiles then read (measured on the 2-core Intel
+// VM, all linears of SmolLM2-135M: rebuilding per tile is cheaper up to ~18 rows).
 template <int R, int V, typename Grid>
 static inline void grid_tile(const float* __restrict x, int64_t K, const Grid& w, float* __restrict y, int64_t N,
                              int64_t n0, const float* bias) {
@@ -247,23 +283,10 @@ static inline void grid_tile(const float* __restrict x, int64_t K, const Grid& w
       vstore(y + r * N + n0 + v * L, bias ? vadd(acc[r][v], vload(bias + n0 + v * L)) : acc[r][v]);
 }
 
-// grid_tile<M, VN> for a run-time M: VN blocks, M rows in one tile (at most 24 accumulators)
-template <int VN, int R = 1, typename Grid>
-static inline void grid_rows(int64_t M, const float* x, int64_t K, const Grid& w, float* y, int64_t N, int64_t n0,
-                             const float* bias) {
-  if constexpr (R * VN <= 24) {
-    if (M == R) {
-      grid_tile<R, VN>(x, K, w, y, N, n0, bias);
-      return;
-    }
-    grid_rows<VN, R + 1>(M, x, K, w, y, N, n0, bias);
-  }
-}
-
 template <int V, typename Grid>
 static void grid_blocks(const float* x, int64_t M, int64_t K, const Grid& w, float* buf, float* y, int64_t N,
                         int64_t n0, const float* bias) {
-  if (M > GRID_TILED_MAX) {
+  if (M > ONE_TILE) {
     for (int v = 0; v < V; ++v)
       for (int64_t k = 0; k < K; k += 2) {
         vec step, low, w0, w1;
@@ -276,21 +299,12 @@ static void grid_blocks(const float* x, int64_t M, int64_t K, const Grid& w, flo
     return;
   }
   if (M <= RMAX) {
-    grid_rows<V>(M, x, K, w, y, N, n0, bias);
+    by_rows<V>(M, [&]<int R>() { grid_tile<R, V>(x, K, w, y, N, n0, bias); });
     return;
   }
-  // More rows than a tile of V blocks holds: tiles of all M rows over fewer blocks (2 up to 12 rows, else 1), so each
-  // weight is rebuilt once for every row, not once per 6-row tile (7 rows cost about what 12 did).
-  const int VN = M <= 2 * RMAX ? 2 : 1;
-  for (int v = 0; v < V;) {
-    if (VN == 2 && v + 2 <= V) {
-      grid_rows<2>(M, x, K, w.at(v), y, N, n0 + v * L, bias);
-      v += 2;
-    } else {
-      grid_rows<1>(M, x, K, w.at(v), y, N, n0 + v * L, bias);
-      v += 1;
-    }
-  }
+  narrow_tiles<V>(M, [&]<int VN>(int v) {
+    by_rows<VN>(M, [&]<int R>() { grid_tile<R, VN>(x, K, w.at(v), y, N, n0 + v * L, bias); });
+  });
 }
 
 // A thread's float32 slabs for rebuilt weights (kept for the next call: at most VMAX blocks of the widest layer).
@@ -310,7 +324,7 @@ static torch::Tensor run_grid(const torch::Tensor& x, const Grid& w, int64_t nb,
   float* yp = y.data_ptr<float>();
   pybind11::gil_scoped_release free_python;
   over_block_groups(nb, [&]<int V>(int64_t b) {
-    float* buf = M > GRID_TILED_MAX ? slabs(VMAX * K * L) : nullptr;
+    float* buf = M > ONE_TILE ? slabs(VMAX * K * L) : nullptr;
     grid_blocks<V>(xp, M, K, w.at(b), buf, yp, N, b * L, bias);
   });
   return y;
