@@ -56,7 +56,8 @@ def test_row_kernel_is_exact_and_row_independent():
 def test_weights_on_gguf_grids_run_from_their_codes_with_the_float_bits():
     """Weights that are dequantized 4- and 8-bit GGUF blocks (Q4_0 with scales of both signs, Q4_1, Q8_0) are read
     from their codes (rows_q4 / rows_q8: ~5 and ~8.5 bits a weight instead of 32) and give the float32 row
-    kernel's results bit for bit, for 1 to 40 rows (tiles rebuilt per 6 rows, and rebuilt once beyond 18 rows),
+    kernel's results bit for bit, for 1 to 40 rows (one tile up to 18 rows, over 4, 2 or 1 blocks of 16 outputs
+    with their tails, and slabs rebuilt once beyond),
     bias or not; the dense copy is the weight itself. A float weight keeps the float form. Fails if the grid forms
     are never taken or rebuild any weight or sum differently."""
     gguf = pytest.importorskip("gguf")
@@ -73,7 +74,7 @@ def test_weights_on_gguf_grids_run_from_their_codes_with_the_float_bits():
                 assert (ref.kernel, grid.kernel) == ("rows", kind), qtype
                 assert torch.equal(grid.weight, w)
                 rows = torch.randn(40, k, generator=g)
-                for m in (1, 2, 5, 6, 7, 13, 18, 19, 40):
+                for m in (1, 2, 5, 6, 7, 9, 12, 13, 17, 18, 19, 40):
                     assert torch.equal(grid(rows[:m]), ref(rows[:m])), (qtype.name, n, k, m)
     assert PackedLinear(torch.randn(96, 64, generator=g)).kernel == "rows"
 
