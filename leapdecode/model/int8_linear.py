@@ -14,7 +14,9 @@ int8, the inputs stay float32, so the result is the float matmul of the dequanti
 quantizing activations). Measured on the 2-core Intel Xeon VM (AVX-512) over every linear of SmolLM2-135M (121
 matrices, weights streamed): 1 row 4.7-5.0 ms against fbgemm's 6.5-6.8 (float32 through the row kernel 19-20),
 5 rows 7.1-7.9 against 9.0-9.9, but 17 rows 20.3 against 13.9: widening costs a multiply-add per weight and row,
-while fbgemm's int8 dot products do four, so past one 6-row tile fbgemm serves.
+while fbgemm's int8 dot products do four. Since 7-18 rows take one tile (each weight widened once per call, not
+once per 6-row tile), the row kernel also wins at 7-12 rows (7 rows 1.38x fbgemm's speed, 12 rows 1.03x; 13 rows
+0.88x), so past 12 rows (``ROWS_MAX``) fbgemm serves.
 For those rows, and where the row kernel does not run, PyTorch's fbgemm dynamic-quantization linear
 (``quantized::linear_dynamic``; ``reduce_range`` as the x86 backend needs it to avoid saturating its 16-bit
 accumulation), available on x86 CPU builds of PyTorch; :func:`available` says whether either runs here, and callers
@@ -55,7 +57,9 @@ class Int8Linear(nn.Module):
     go through the row kernel where it runs here (``kernel == "rows"``), more through fbgemm, whose weight is then
     packed from the same int8 values at the first such call (see the module docstring)."""
 
-    ROWS_MAX = 6   # one tile of the row kernel; from 7-8 rows fbgemm's int8 dot products measured faster
+    # up to 12 rows the row kernel takes all of them in one tile (model/packed_linear.py, narrow_tiles); the default
+    # model's shapes, 2 threads, against fbgemm: 7 rows 1.38x faster, 9 rows 1.27x, 12 rows 1.03x, 13 rows 0.88x
+    ROWS_MAX = 12
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         super().__init__()
