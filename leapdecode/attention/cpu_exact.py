@@ -335,87 +335,83 @@ void run(const Src& src, const float* q, const bool* mask, float* out, int64_t S
     std::vector<float> tile(2 * CHUNK * DV * W), zero(DV * W, 0.f), qpad(DV * W, 0.f), weights(group * CHUNK);
     const float* rows[2][CHUNK];
     bool seen[CHUNK];
-    int64_t g = 0, n = 0;
-    // heads i0 .. i0 + NH - 1 of kv head g (their weights in ``weights``): the weighted sums of the chunk's values
-    auto weigh = [&]<int NH>(int64_t i0, const int* vis, int64_t idx) {
-      vf acc[NH][MAXV];
-      for (int i = 0; i < NH; ++i)
-        for (int64_t b = 0; b < DV; ++b) acc[i][b] = splat(0.f);
-      for (int64_t jj = 0; jj < n; ++jj) {
-        if (!vis[jj]) continue;
-        vf pj[NH];
-        for (int i = 0; i < NH; ++i) pj[i] = splat(weights[(i0 + i) * CHUNK + jj]);
-        const float* v = rows[1][jj];
-        for (int64_t b = 0; b < DV; ++b) {
-          const vf vb = load(v + b * W);
-          for (int i = 0; i < NH; ++i) acc[i][b] += pj[i] * vb;
-        }
-      }
-      for (int i = 0; i < NH; ++i) {
-        float* acc_out = pacc.data() + (idx + g * group + i0 + i) * D;
-        for (int64_t b = 0; b < NB; ++b) store(acc_out + b * W, acc[i][b]);
-        for (int64_t d = NB * W; d < D; ++d) acc_out[d] = acc[i][NB][d - NB * W];
-      }
-    };
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t s = task / (nc * Hkv), c = task / Hkv % nc, j0 = c * CHUNK;
-      g = task % Hkv;
-      n = std::min(max_k, j0 + CHUNK) - j0;
+      const int64_t s = task / (nc * Hkv), c = task / Hkv % nc, g = task % Hkv, j0 = c * CHUNK;
+      const int64_t n = std::min(max_k, j0 + CHUNK) - j0;
       for (int64_t jj = 0; jj < CHUNK; ++jj) {
         seen[jj] = false;
         for (int64_t m = 0; jj < n && m < M && !seen[jj]; ++m) seen[jj] = mask[(s * M + m) * max_k + j0 + jj];
       }
       const bool divergent = src.divergent(s, j0);
-      auto load_rows = [&](int64_t m, int64_t g, const bool* want) {
+      auto load_rows = [&](int64_t m, const bool* want) {
         for (int pass = 0; pass < 2; ++pass)
           chunk_rows(src, pass, s, m, j0, g, want, D, DV, tile.data() + pass * CHUNK * DV * W, zero.data(), rows[pass]);
       };
-      {
-        if (!divergent) load_rows(0, g, seen);         // every row of the sequence reads these keys
-        for (int64_t m = 0; m < M; ++m) {
-          const int64_t r = s * M + m, idx = (r * nc + c) * H;
-          const bool* mk = mask + r * max_k + j0;
-          alignas(64) int vis[CHUNK];
-          bool any[G];
-          for (int gi = 0; gi < G; ++gi) any[gi] = false;
-          for (int64_t jj = 0; jj < CHUNK; ++jj) {
-            vis[jj] = jj < n && mk[jj] ? -1 : 0;
-            any[jj / W] = any[jj / W] || vis[jj];
+      // heads i0 .. i0 + NH - 1 of kv head g (their weights in ``weights``): the weighted sums of the chunk's values
+      auto weigh = [&]<int NH>(int64_t i0, const int* vis, int64_t idx) {
+        vf acc[NH][MAXV];
+        for (int i = 0; i < NH; ++i)
+          for (int64_t b = 0; b < DV; ++b) acc[i][b] = splat(0.f);
+        for (int64_t jj = 0; jj < n; ++jj) {
+          if (!vis[jj]) continue;
+          vf pj[NH];
+          for (int i = 0; i < NH; ++i) pj[i] = splat(weights[(i0 + i) * CHUNK + jj]);
+          const float* v = rows[1][jj];
+          for (int64_t b = 0; b < DV; ++b) {
+            const vf vb = load(v + b * W);
+            for (int i = 0; i < NH; ++i) acc[i][b] += pj[i] * vb;
           }
-          if (divergent) {                             // this row's own keys (a tree node's ancestors)
-            bool want[CHUNK];
-            for (int64_t jj = 0; jj < CHUNK; ++jj) want[jj] = vis[jj] != 0;
-            load_rows(m, g, want);
+        }
+        for (int i = 0; i < NH; ++i) {
+          float* acc_out = pacc.data() + (idx + g * group + i0 + i) * D;
+          for (int64_t b = 0; b < NB; ++b) store(acc_out + b * W, acc[i][b]);
+          for (int64_t d = NB * W; d < D; ++d) acc_out[d] = acc[i][NB][d - NB * W];
+        }
+      };
+      if (!divergent) load_rows(0, seen);         // every row of the sequence reads these keys
+      for (int64_t m = 0; m < M; ++m) {
+        const int64_t r = s * M + m, idx = (r * nc + c) * H;
+        const bool* mk = mask + r * max_k + j0;
+        alignas(64) int vis[CHUNK];
+        bool any[G];
+        for (int gi = 0; gi < G; ++gi) any[gi] = false;
+        for (int64_t jj = 0; jj < CHUNK; ++jj) {
+          vis[jj] = jj < n && mk[jj] ? -1 : 0;
+          any[jj / W] = any[jj / W] || vis[jj];
+        }
+        if (divergent) {                             // this row's own keys (a tree node's ancestors)
+          bool want[CHUNK];
+          for (int64_t jj = 0; jj < CHUNK; ++jj) want[jj] = vis[jj] != 0;
+          load_rows(m, want);
+        }
+        bool none = true;
+        for (int gi = 0; gi < G; ++gi) none = none && !any[gi];
+        if (none) {                                  // no visible key in this chunk
+          for (int64_t h = g * group; h < (g + 1) * group; ++h) {
+            pm[idx + h] = -std::numeric_limits<float>::infinity();
+            pl[idx + h] = 0.f;
+            for (int64_t d = 0; d < D; ++d) pacc[(idx + h) * D + d] = 0.f;
           }
-          bool none = true;
-          for (int gi = 0; gi < G; ++gi) none = none && !any[gi];
-          if (none) {                                  // no visible key in this chunk
-            for (int64_t h = g * group; h < (g + 1) * group; ++h) {
-              pm[idx + h] = -std::numeric_limits<float>::infinity();
-              pl[idx + h] = 0.f;
-              for (int64_t d = 0; d < D; ++d) pacc[(idx + h) * D + d] = 0.f;
-            }
-            continue;
-          }
-          for (int64_t i = 0; i < group; ++i) {         // each head's scores and weights
-            const int64_t h = g * group + i;
-            const float* qrow = q + (r * H + h) * D;
-            if (D % W) { std::memcpy(qpad.data(), qrow, D * sizeof(float)); qrow = qpad.data(); }
-            vf qv[MAXV];
-            for (int64_t b = 0; b < DV; ++b) qv[b] = load(qrow + b * W);
-            vf sc[G];
-            score_chunk(qv, DV, rows[0], vis, any, scale, sc, weights.data() + i * CHUNK, pm[idx + h], pl[idx + h]);
-          }
-          // weighted values, keys in ascending order, up to three heads at once (their sums fill 24 registers):
-          // each value row is read once for them and their sums run side by side (each head's own, in the same
-          // order as alone)
-          for (int64_t i = 0; i < group;) {
-            const int64_t left = std::min<int64_t>(group - i, DV <= 8 ? 3 : 1);
-            if (left == 3) weigh.template operator()<3>(i, vis, idx);
-            else if (left == 2) weigh.template operator()<2>(i, vis, idx);
-            else weigh.template operator()<1>(i, vis, idx);
-            i += left;
-          }
+          continue;
+        }
+        for (int64_t i = 0; i < group; ++i) {         // each head's scores and weights
+          const int64_t h = g * group + i;
+          const float* qrow = q + (r * H + h) * D;
+          if (D % W) { std::memcpy(qpad.data(), qrow, D * sizeof(float)); qrow = qpad.data(); }
+          vf qv[MAXV];
+          for (int64_t b = 0; b < DV; ++b) qv[b] = load(qrow + b * W);
+          vf sc[G];
+          score_chunk(qv, DV, rows[0], vis, any, scale, sc, weights.data() + i * CHUNK, pm[idx + h], pl[idx + h]);
+        }
+        // weighted values, keys in ascending order, up to three heads at once (their sums fill 24 registers):
+        // each value row is read once for them and their sums run side by side (each head's own, in the same
+        // order as alone)
+        for (int64_t i = 0; i < group;) {
+          const int64_t left = std::min<int64_t>(group - i, DV <= 8 ? 3 : 1);
+          if (left == 3) weigh.template operator()<3>(i, vis, idx);
+          else if (left == 2) weigh.template operator()<2>(i, vis, idx);
+          else weigh.template operator()<1>(i, vis, idx);
+          i += left;
         }
       }
     }

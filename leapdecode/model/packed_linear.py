@@ -159,24 +159,19 @@ static void blocks(const float* x, int64_t M, int64_t K, const W* w, float* y, i
                    const float* scale, const float* bias) {
   // int8 slabs are widened per tile: one tile for all the rows (float32 ones have nothing to rebuild, and one tile
   // of 13-17 rows measured 0.9x their 6-row tiles)
-  if (!std::is_same<W, float>::value && M > RMAX && M <= ONE_TILE) {
-    narrow_tiles<V>(M, [&]<int VN>(int v) {
-      by_rows<VN>(M, [&]<int R>() { tile<R, VN>(x, K, w + v * K * L, y, N, n0 + v * L, scale, bias); });
-    });
-    return;
+  if constexpr (!std::is_same<W, float>::value) {
+    if (M > RMAX && M <= ONE_TILE) {
+      narrow_tiles<V>(M, [&]<int VN>(int v) {
+        by_rows<VN>(M, [&]<int R>() { tile<R, VN>(x, K, w + v * K * L, y, N, n0 + v * L, scale, bias); });
+      });
+      return;
+    }
   }
   int64_t m = 0;
   for (; m + RMAX <= M; m += RMAX) tile<RMAX, V>(x + m * K, K, w, y + m * N, N, n0, scale, bias);
   const float* xm = x + m * K;          // the rest in one tile (each pass re-reads the slabs from the cache)
   float* ym = y + m * N;
-  switch (M - m) {
-    case 5: tile<5, V>(xm, K, w, ym, N, n0, scale, bias); break;
-    case 4: tile<4, V>(xm, K, w, ym, N, n0, scale, bias); break;
-    case 3: tile<3, V>(xm, K, w, ym, N, n0, scale, bias); break;
-    case 2: tile<2, V>(xm, K, w, ym, N, n0, scale, bias); break;
-    case 1: tile<1, V>(xm, K, w, ym, N, n0, scale, bias); break;
-    default: break;
-  }
+  by_rows<V>(M - m, [&]<int R>() { tile<R, V>(xm, K, w, ym, N, n0, scale, bias); });
 }
 
 // fn.template operator()<V>(b) for every group of V blocks of 16 outputs from block b (V = VMAX, fewer at the end),
