@@ -467,11 +467,12 @@ def test_a_pending_shadow_draft_given_up_still_counts_what_it_matched():
     spec = Speculator(cfg, 50_000, probed_model())
     seq = Seq(7)
     start = len(seq.token_ids)
-    spec._shadow[7] = (DraftTree.of([truth(7, start + j) for j in range(4)]), start, None)
+    spec._shadow[7] = (DraftTree.of([truth(7, start + j) for j in range(4)]), start, None, 0.5)
     seq.token_ids += [truth(7, start), truth(7, start + 1)]       # two plain steps: both matched, still pending
     spec.finish(seq)
     ctl = spec.controller
-    assert ctl._g_first == [1.0, 1.0] and ctl._g_depth_acc[2] == 1.0 and ctl._g_depth_n[3] == 0.0
+    assert ctl._g_first_acc[5] == 1.0 and ctl._g_first_n[5] == 1.0          # score 0.5's bucket
+    assert ctl._g_depth_acc[2] == 1.0 and ctl._g_depth_n[3] == 0.0
 
 
 def test_timing_plain_decoding_again_does_not_switch_speculation_off():
@@ -1274,3 +1275,30 @@ def test_a_request_whose_claims_fail_backs_off_though_others_came_true():
         ctl.observe(2, keep[0], 0)
         kept.append(keep[0])
     assert kept[0] == 4 and sum(kept[4:]) == 0, kept
+
+
+def test_the_first_token_is_valued_by_the_drafters_score_not_one_rate_per_request():
+    """A drafter's score says how much evidence is behind a draft (an n-gram drafter's match length: on the real
+    model's outputs a 1-token match's first token was accepted ~10% of the time, a 4-token one's ~85%). One
+    request whose drafts alternate between strong and weak matches: the controller learns each score's rate and
+    drafts the strong ones only; valued by one rate for the request, both were worth the same."""
+    rng = random.Random(0)
+    st = probed_model(cpu_like)
+    for _ in range(5):
+        for n in range(1, 6):
+            st.observe(n, cpu_like(n), num_seqs=1)
+    ctl = Controller(4, st)
+    for _ in range(100):
+        for score, p in ((0.85, 0.9), (0.15, 0.05)):
+            ok = rng.random() < p
+            ctl.observe(1, 4, 4 if ok else 0, score=score)
+    assert abs(ctl.first_rate(0.85) - 0.9) < 0.1 and ctl.first_rate(0.15) < 0.1
+    assert ctl.draft_lengths([(1, 4, 0.85)], 1, num_seqs=1) == [4]
+    assert ctl.draft_lengths([(1, 4, 0.15)], 1, num_seqs=1) == [0]
+    # a verified draft is learnt from under the score it was kept with, whatever the drafter proposed since
+    ctl.observe(1, 4, 4)
+    n_strong = ctl._g_first_n[8]
+    ctl.draft_lengths([(1, 4, 0.85)], 1, num_seqs=1)
+    ctl.note(1, 0.15)
+    ctl.observe(1, 4, 0)
+    assert ctl._g_first_n[8] > n_strong

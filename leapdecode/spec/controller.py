@@ -35,10 +35,12 @@ where B is one bonus token per decoding request and ``base`` the tokens the step
   forwards instead priced a 5-token verification at 2.5x the 4-token one on an H200, and the controller drafted 3
   where 4 ran 1.6x faster).
 - **Value, learned per request** (SpecDec++-like): the j-th draft token is worth P(tokens 1..j accepted) =
-  p1 * prod c(d), with p1 the request's own fast-decaying first-token acceptance shrunk toward the drafter's score and
-  the global rate, and c(d) the conditional acceptance at depth d (the request's own, shrunk toward the global
-  per-depth rate). A verified draft of k with a accepted says: depths 1..a accepted, depth a+1 rejected, deeper
-  unknown (censored), so choosing short drafts never teaches the controller that long ones fail. A calibrated
+  p1 * prod c(d), with p1 the first-token acceptance of drafts of that score over every request
+  (:meth:`Controller.first_rate`: a table by the drafter's score, in tenths), times the request's own fast-decaying
+  ratio of first tokens accepted to what the table expected of its drafts, and c(d) the conditional acceptance at
+  depth d (the request's own, shrunk toward the global per-depth rate). A verified draft of k with a accepted says:
+  depths 1..a accepted, depth a+1 rejected, deeper unknown (censored), so choosing short drafts never teaches the
+  controller that long ones fail. A calibrated
   draft (spec/calibration.py) is valued by its own per-token probabilities instead, scaled by how many of the
   tokens such claims promised were accepted: the request's own record, shrunk toward all requests'
   (:meth:`Controller._rho`, :attr:`Controller.realized`; verified and shadow drafts).
@@ -74,6 +76,12 @@ a token, 0.91 accepted); capped at 1, the controller valued those drafts below t
 a claim's shape along the draft: benchmarks README, "Model drafters under the controller after the vector
 kernel".)"""
 REQUEST_PRIOR = 2.0              # claimed tokens' worth of trust a request's own record starts from (Controller._rho)
+SCORE_BUCKETS = 10               # the drafter's score, in tenths, keys the first-token acceptance table
+SCORE_DECAY = 0.99               # per draft of a bucket: the table follows the workload over ~100 of its drafts
+SCORE_PRIOR = 1.0                # drafts' worth of trust in the drafter's own score, per bucket
+FIRST_PRIOR = 1.5
+"""Expected first tokens' worth of trust a request's own ratio (accepted over what the table expected) starts from
+(:meth:`Controller._row_values`)."""
 _EXACT = 32                      # token counts up to this are buckets of their own
 SMALL_BATCH = 8                  # up to this many requests the controller decides in plain Python (no numpy)
 _RATIO = math.log(1.125)         # then ~12% wide buckets
@@ -426,7 +434,7 @@ def _monotone(ys: list[float], ws: list[int]) -> np.ndarray:
 @dataclass
 class _Acceptance:
     first_acc: float = 0.0       # decayed count of drafts whose first token was accepted
-    first_n: float = 0.0         # ... of drafts
+    first_exp: float = 0.0       # ... and of what the score table expected of them (Controller.first_rate)
     fail_run: int = 0            # consecutive drafts whose first token was rejected
     cont_acc: float = 0.0        # decayed count of deeper tokens accepted after an accepted parent
     cont_n: float = 0.0
@@ -463,8 +471,11 @@ class Controller:
         self._acc: dict[int, _Acceptance] = {}
         self._score: dict[int, float] = {}
         self._confidence: dict[int, Any] = {}   # the latest draft's calibrated confidences (:meth:`note`)
-        # global: first-token acceptance, and conditional acceptance per depth (index d = depth, d >= 2)
-        self._g_first = [0.0, 0.0]
+        # global: first-token acceptance per score bucket (first_rate), and conditional acceptance per depth
+        # (index d = depth, d >= 2)
+        self._g_first_acc = [0.0] * SCORE_BUCKETS
+        self._g_first_n = [0.0] * SCORE_BUCKETS
+        self._drafted_score: dict[int, float] = {}    # the score of each request's verified draft (observe)
         self._g_depth_acc = np.zeros(max(max_draft, 1) + 2)
         self._g_depth_n = np.zeros(max(max_draft, 1) + 2)
         self.num_calls = 0
@@ -484,15 +495,22 @@ class Controller:
         """The global conditional acceptance at depths 2..K (shrunk toward 0.6), shared by every row."""
         return [(float(self._g_depth_acc[d]) + 0.6) / (float(self._g_depth_n[d]) + 1.0) for d in range(2, K + 1)]
 
+    def first_rate(self, score: float) -> float:
+        """P(a draft's first token is accepted | the drafter's score for it), over every request: the drafts of
+        the score's bucket so far, shrunk toward the score itself by ``SCORE_PRIOR`` drafts. A drafter's score
+        says how much evidence is behind a draft (n-gram: the match length; on the real model's outputs a 1-token
+        match's first token was accepted 9-11% of the time, a 4-token one's 85%), which one rate per request
+        threw away: a request's record then priced its next weak match like the strong ones before it."""
+        sc = min(max(float(score), 0.02), 0.98)
+        b = min(int(sc * SCORE_BUCKETS), SCORE_BUCKETS - 1)
+        return (self._g_first_acc[b] + SCORE_PRIOR * sc) / (self._g_first_n[b] + SCORE_PRIOR)
+
     def _row_values(self, p: tuple, g: list[float]) -> list[float]:
         """One row of :meth:`_values` in plain Python, in the same order of operations (the small-batch path is
         tested equal to the numpy one): P(draft tokens 1..j all accepted), j = 1..1 + len(g), for a proposal
         (seq_id, offer, score[, confidence]); ``g``: :meth:`_depth_rates`."""
         a = self._acc.get(p[0]) or _ZERO
-        ps = self.prior_strength
-        ga, gn = self._g_first
-        prior = (ga + ps * min(max(float(p[2]), 0.02), 0.98)) / (gn + ps)
-        v = (a.first_acc + ps * prior) / (a.first_n + ps)
+        v = min(0.98, self.first_rate(p[2]) * ((a.first_acc + FIRST_PRIOR) / (a.first_exp + FIRST_PRIOR)))
         # a run of misses that this estimate makes unlikely (P < run_alarm) says the regime has changed: scale
         # the estimate down by how unlikely the run is, so a request whose drafts stop matching backs off at once
         v *= min(1.0, (1.0 - v) ** float(a.fail_run) / self.run_alarm)
@@ -510,12 +528,9 @@ class Controller:
         per-depth rate). A draft that carries calibrated per-token probabilities (a 4th element, best first:
         spec/calibration.py) is valued by them instead."""
         own = [self._acc.get(p[0]) or _ZERO for p in proposals]
-        stats = np.array([(a.first_acc, a.first_n, a.fail_run, a.cont_acc, a.cont_n) for a in own]).reshape(-1, 5)
-        scores = np.clip(np.array([p[2] for p in proposals], dtype=np.float64), 0.02, 0.98)
-        ps = self.prior_strength
-        ga, gn = self._g_first
-        prior = (ga + ps * scores) / (gn + ps)
-        p1 = (stats[:, 0] + ps * prior) / (stats[:, 1] + ps)
+        stats = np.array([(a.first_acc, a.first_exp, a.fail_run, a.cont_acc, a.cont_n) for a in own]).reshape(-1, 5)
+        rates = np.array([self.first_rate(p[2]) for p in proposals], dtype=np.float64)
+        p1 = np.minimum(0.98, rates * ((stats[:, 0] + FIRST_PRIOR) / (stats[:, 1] + FIRST_PRIOR)))
         p1 *= np.minimum(1.0, (1.0 - p1) ** stats[:, 2] / self.run_alarm)
         values = np.empty((len(proposals), K))
         values[:, 0] = p1
@@ -540,13 +555,18 @@ class Controller:
         alarm = min(1.0, a.surprise / self.run_alarm)
         return [v * alarm for v in vals] if alarm < 1.0 else vals
 
-    def observe(self, seq_id: int, num_drafted: int, num_accepted: int, claimed: float | None = None) -> None:
+    def observe(self, seq_id: int, num_drafted: int, num_accepted: int, claimed: float | None = None,
+                score: float | None = None) -> None:
         """A draft of ``num_drafted`` tokens of which ``num_accepted`` were accepted (verified, or scored in the
-        shadow of a plain step): depths 1..a accepted, a+1 rejected (if drafted), deeper unknown. ``claimed``: a
-        shadow draft's claim (:attr:`realized`); a verified one's was kept when it was chosen."""
+        shadow of a plain step): depths 1..a accepted, a+1 rejected (if drafted), deeper unknown. ``claimed``,
+        ``score``: a shadow draft's claim (:attr:`realized`) and score; a verified one's were kept when it was
+        chosen."""
         claims = self._claims.pop(seq_id, None)      # (a draft the step did not verify is claimed no more)
+        kept_score = self._drafted_score.pop(seq_id, None)
         if num_drafted <= 0:
             return
+        if score is None:
+            score = kept_score if kept_score is not None else self._score.get(seq_id, 0.5)
         if claims is not None:
             claimed = sum(claims[:num_drafted])
         a = self._acc.setdefault(seq_id, _Acceptance())
@@ -558,7 +578,7 @@ class Controller:
             self._realized = REALIZED_DECAY * self._realized + num_accepted
             a.claimed, a.claims_met = d * a.claimed + claimed, d * a.claims_met + num_accepted
         first = 1.0 if num_accepted > 0 else 0.0
-        a.first_acc, a.first_n = fd * a.first_acc + first, fd * a.first_n + 1.0
+        a.first_acc, a.first_exp = fd * a.first_acc + first, fd * a.first_exp + self.first_rate(score)
         a.fail_run = 0 if first else a.fail_run + 1
         if first:
             a.surprise = 1.0
@@ -567,7 +587,9 @@ class Controller:
         cont_trials = max(0, min(num_accepted + 1, num_drafted) - 1)   # depths 2..min(a+1, k)
         cont_acc = max(0, num_accepted - 1)
         a.cont_acc, a.cont_n = d * a.cont_acc + cont_acc, d * a.cont_n + cont_trials
-        self._g_first = [gd * self._g_first[0] + first, gd * self._g_first[1] + 1.0]
+        b = min(int(min(max(float(score), 0.02), 0.98) * SCORE_BUCKETS), SCORE_BUCKETS - 1)
+        self._g_first_acc[b] = SCORE_DECAY * self._g_first_acc[b] + first
+        self._g_first_n[b] = SCORE_DECAY * self._g_first_n[b] + 1.0
         if cont_trials:
             self._g_depth_acc *= gd
             self._g_depth_n *= gd
@@ -590,6 +612,7 @@ class Controller:
 
     def forget(self, seq_id: int) -> None:
         self._acc.pop(seq_id, None)
+        self._drafted_score.pop(seq_id, None)
         self._score.pop(seq_id, None)
         self._confidence.pop(seq_id, None)
         self._claims.pop(seq_id, None)
@@ -613,9 +636,12 @@ class Controller:
                                       / (a.claimed + REQUEST_PRIOR)))
 
     def _remember_claims(self, proposals: list[tuple], keep: list[int]) -> None:
+        """The kept drafts' claims and scores, which :meth:`observe` learns from once they are verified."""
         for p, k in zip(proposals, keep):
-            if k and len(p) > 3 and p[3]:
-                self._claims[p[0]] = [float(c) for c in p[3][:k]]
+            if k:
+                self._drafted_score[p[0]] = float(p[2])
+                if len(p) > 3 and p[3]:
+                    self._claims[p[0]] = [float(c) for c in p[3][:k]]
 
     # -- the decision ----------------------------------------------------------------------------------------------
     def draft_lengths(self, proposals: list[tuple], other_tokens: int, draft_seconds: float = 0.0,

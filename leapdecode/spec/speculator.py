@@ -111,8 +111,8 @@ class Speculator:
         self._decode_seqs: int | None = None
         self._step_draft_seconds = 0.0   # drafting time inside this step (charged apart, so not in its step time)
         self._decided = False            # drafter_off already asked the guard this step
-        # seq_id -> (draft, committed tokens when drafted, the tokens its confidences claim or None)
-        self._shadow: dict[int, tuple[DraftTree, int, float | None]] = {}
+        # seq_id -> (draft, committed tokens when drafted, the tokens its confidences claim or None, its score)
+        self._shadow: dict[int, tuple[DraftTree, int, float | None, float]] = {}
         # while speculation is off, the controller is asked again only when something it uses has changed
         self._speculating = True
         # while speculating: a running average of what the drafting steps deliver against plain decoding, their
@@ -351,7 +351,7 @@ class Speculator:
                 if s.seq_id in self._shadow:
                     self._score_shadow(s, given_up=True)
             elif tree is not None and s.seq_id not in self._shadow:
-                self._shadow[s.seq_id] = (tree, len(s.token_ids), _claim(d))
+                self._shadow[s.seq_id] = (tree, len(s.token_ids), _claim(d), d.score)
         return out
 
     def learns_topk(self) -> bool | frozenset[int]:
@@ -449,7 +449,7 @@ class Speculator:
         for r, d in zip(need, drafts):
             self.controller.note(r.seq_id, d.score, d.confidence)   # what the probe of worth_drafting goes by
             if d.tokens:
-                self._shadow[r.seq_id] = (DraftTree.of(d.tokens, d.parents), len(r.token_ids), _claim(d))
+                self._shadow[r.seq_id] = (DraftTree.of(d.tokens, d.parents), len(r.token_ids), _claim(d), d.score)
 
     def _potential(self, reqs: list[DraftRequest]) -> float:
         """What finding good drafts could be worth in this step, in [0, 1], by which the shadows' share is scaled:
@@ -478,18 +478,18 @@ class Speculator:
         the tokens that matched so far, deeper ones unknown. (A shadow resolves at its first mismatch while one
         that keeps matching waits, so dropping pending ones unscored kept only the failures: with every request
         shadowed, the controller learned that depth 2 was never accepted.)"""
-        tree, start, claim = self._shadow[seq.seq_id]
+        tree, start, claim, score = self._shadow[seq.seq_id]
         truth = seq.token_ids[start:]
         accepted = tree.accepted_length(truth)
         if accepted < len(truth) or accepted >= tree.depth:
             del self._shadow[seq.seq_id]
             self._shadow_after[seq.seq_id] = self._steps + self.shadow_gap
-            self.controller.observe(seq.seq_id, len(tree), accepted, claim)
+            self.controller.observe(seq.seq_id, len(tree), accepted, claim, score)
             self._news = True
         elif given_up:
             del self._shadow[seq.seq_id]
             if accepted:
-                self.controller.observe(seq.seq_id, accepted, accepted)
+                self.controller.observe(seq.seq_id, accepted, accepted, score=score)
 
     def observe(self, seq: "Sequence", num_drafted: int, num_accepted: int, topk: Seq | None) -> None:
         """A step's outcome for a decoding sequence, also the one that finished in it: the controller learns from
