@@ -249,10 +249,11 @@ class SimStats:
 
 
 def controller_replay(make: Callable[[], Drafter], records: list[Record], k: int, machine: str,
-                      adaptive: bool, noise: float = 0.0, seed: int = 0) -> dict[str, SimStats]:
+                      adaptive: bool, noise: float = 0.0, seed: int = 0, fresh: bool = True) -> dict[str, SimStats]:
     """Batch-1 replay through the real Speculator (controller, guard, shadow drafts) on a fabricated step-time
     curve, every record in turn through one speculator (as one engine serves them: its controller carries what it
-    learnt from one task to the next), a fresh drafter for each dataset (as benchmarks/real_model.py measures);
+    learnt from one task to the next), a fresh drafter for each dataset (as benchmarks/real_model.py measures;
+    ``fresh=False``: one drafter for all, as a server keeps it);
     drafting and the controller's decisions cost their real wall time. ``noise``: each step's time is the curve's
     times a lognormal factor of that sigma (seeded), as a machine's steps vary. Per dataset: its SimStats."""
     from leapdecode.config import SpeculativeConfig
@@ -267,7 +268,7 @@ def controller_replay(make: Callable[[], Drafter], records: list[Record], k: int
     spec = None
     out: dict[str, SimStats] = {}
     for seq_id, rec in enumerate(records):
-        if rec.dataset not in out:
+        if rec.dataset not in out and (fresh or spec is None):
             drafter = make()
             if adaptive and hasattr(drafter, "min_accept_prob"):
                 drafter.min_accept_prob = OFFER_FLOOR  # what the speculator gives a calibrated auto it builds itself

@@ -361,10 +361,10 @@ def test_claims_come_true_again_in_shadow():
     for step in range(30):                                # claims of 0.9 per token that all fail
         keep = ctl.draft_lengths([(1, 4, 0.5, [0.9, 0.81, 0.73, 0.66])], 1)
         assert keep == [4] or step >= 2                   # (then the run of failures says stop: _claimed_values)
-        ctl.observe(1, 4, 0, claimed=None if keep[0] else 0.9 + 0.81 + 0.73 + 0.66)
+        ctl.observe(1, 4, 0, claimed=None if keep[0] else [0.9, 0.81, 0.73, 0.66])
     assert ctl.realized < 0.2
     for step in range(60):                                # then shadows: the same claims, all accepted
-        ctl.observe(1, 4, 4, claimed=0.9 + 0.81 + 0.73 + 0.66)
+        ctl.observe(1, 4, 4, claimed=[0.9, 0.81, 0.73, 0.66])
     assert ctl.realized > 0.95
 
 
@@ -1135,8 +1135,11 @@ def test_claims_that_come_true_more_often_than_claimed_are_scaled_up():
     assert np.mean(per_step[50:]) > 2.5
     assert rate > 1.5 * plain_rate(cpu_like)
     ctl = spec.controller                      # a scaled claim is a probability: at most 1 (numpy and small paths)
-    assert ctl._values([(0, 2, 0.5, [0.5, 0.25])], 2).tolist()[0] == [1.0, 0.25 * ctl.realized]
-    assert ctl._row_values((0, 2, 0.5, [0.5, 0.25]), ctl._depth_rates(2)) == [1.0, 0.25 * ctl.realized]
+    rho = ctl._rho(ctl._acc[0])
+    want = [min(1.0, c * (g * rho)) for c, g in zip([0.5, 0.25], ctl.rank_rates())]
+    assert want[0] == 1.0 and 0.25 < want[1] <= 1.0
+    assert ctl._values([(0, 2, 0.5, [0.5, 0.25])], 2).tolist()[0] == want
+    assert ctl._row_values((0, 2, 0.5, [0.5, 0.25]), ctl._depth_rates(2)) == want
 
 
 def test_a_draft_in_hand_is_judged_by_what_it_cost():
@@ -1302,3 +1305,27 @@ def test_the_first_token_is_valued_by_the_drafters_score_not_one_rate_per_reques
     ctl.note(1, 0.15)
     ctl.observe(1, 4, 0)
     assert ctl._g_first_n[8] > n_strong
+
+
+def test_calibrated_claims_are_scaled_rank_by_rank():
+    """A calibrated drafter whose first claims come true and whose deeper ones do not (a fresh drafter's flat
+    claims; auto on the default model's outputs: first-ranked claims met 0.7-1.2 times, fourth-ranked 0.0-0.4
+    times on summaries, grounded QA and math): each rank's claims are scaled by what that rank got, so the
+    controller keeps the first tokens of such drafts and not their tail. One scale over all ranks valued every
+    token alike (~0.35 here) and kept all four where verifying each costs 15% of a step."""
+    rng = random.Random(0)
+    st = probed_model(cpu_like)
+    for _ in range(5):
+        for n in range(1, 6):
+            st.observe(n, cpu_like(n), num_seqs=1)
+    ctl = Controller(4, st)
+    claims = [0.9, 0.85, 0.8, 0.75]
+    for i in range(300):                                  # first token right 90% of the time, each next one 30%
+        a = 0
+        while a < 4 and rng.random() < (0.9 if a == 0 else 0.3):
+            a += 1
+        ctl.observe(100 + i, 4, a, claimed=claims)
+        ctl.forget(100 + i)
+    g = ctl.rank_rates()
+    assert abs(g[0] - 1.0) < 0.15 and g[1] < 0.45 and g[2] < 0.2 and g[3] <= 0.1
+    assert ctl.draft_lengths([(1, 4, 0.5, claims)], 1, num_seqs=1) == [2]

@@ -75,7 +75,8 @@ own top probabilities under-claims where it agrees with the target (layer_skip o
 a token, 0.91 accepted); capped at 1, the controller valued those drafts below their worth. (One scale cannot fix
 a claim's shape along the draft: benchmarks README, "Model drafters under the controller after the vector
 kernel".)"""
-REQUEST_PRIOR = 2.0              # claimed tokens' worth of trust a request's own record starts from (Controller._rho)
+REQUEST_PRIOR = 2.0              # expected tokens' worth of trust a request's own record starts from (Controller._rho)
+RANK_PRIOR = 2.0                 # claimed tokens' worth of trust in a calibrated drafter's claims, per rank
 SCORE_BUCKETS = 10               # the drafter's score, in tenths, keys the first-token acceptance table
 SCORE_DECAY = 0.99               # per draft of a bucket: the table follows the workload over ~100 of its drafts
 SCORE_PRIOR = 1.0                # drafts' worth of trust in the drafter's own score, per bucket
@@ -438,8 +439,8 @@ class _Acceptance:
     fail_run: int = 0            # consecutive drafts whose first token was rejected
     cont_acc: float = 0.0        # decayed count of deeper tokens accepted after an accepted parent
     cont_n: float = 0.0
-    claimed: float = 0.0         # decayed tokens its calibrated drafts claimed ...
-    claims_met: float = 0.0      # ... and accepted (Controller._rho)
+    claims_exp: float = 0.0      # decayed tokens its calibrated drafts were expected to get (claims scaled by rank)
+    claims_met: float = 0.0      # ... and got (Controller._rho)
     surprise: float = 1.0        # P(its current run of failed calibrated drafts) under their first claims
 
 
@@ -481,10 +482,14 @@ class Controller:
         self.num_calls = 0
         self.last_choice: dict = {}       # the last decision, for benchmarks and debugging
         self.last_probe_gain = 1.0        # the gain the last quiet re-check predicted (:meth:`worth_drafting`)
-        # calibrated drafts: what their kept tokens claimed (raw confidences, per request until verified), and the
-        # decayed totals of tokens claimed and accepted, whose ratio scales later claims (:attr:`realized`)
+        # calibrated drafts: what their kept tokens claimed (raw confidences, per request until verified), the
+        # decayed tokens claimed and accepted at each rank of a draft, whose ratio scales later claims at that rank
+        # (rank_rates), and over all ranks (:attr:`realized`, reported)
         self._claims: dict[int, list[float]] = {}
         self._claimed = self._realized = 0.0
+        self._rank_claimed = [0.0] * max(max_draft, 1)
+        self._rank_met = [0.0] * max(max_draft, 1)
+        self._rank_memo: list[float] | None = None
 
     # -- acceptance ------------------------------------------------------------------------------------------------
     def alpha(self, seq_id: int, score: float = 0.5) -> float:
@@ -545,22 +550,24 @@ class Controller:
         return values
 
     def _claimed_values(self, a: _Acceptance, conf) -> list[float]:
-        """A calibrated draft's token values: its claims scaled by :meth:`_rho` (each at most 1), and, after a run
-        of verified drafts whose first token failed, by how unlikely their claims made that run (below
-        ``run_alarm``), as for uncalibrated drafts (the ratio's prior alone left a request whose every draft failed
-        a first token worth ~0.3, and it drafted one token a step for good; a run of failures its drafts' own low
-        claims foresaw changes nothing)."""
+        """A calibrated draft's token values: each claim scaled by its rank's rate (:meth:`rank_rates`) and the
+        request's own record (:meth:`_rho`), each at most 1, and, after a run of verified drafts whose first token
+        failed, by how unlikely their claims made that run (below ``run_alarm``), as for uncalibrated drafts (the
+        ratio's prior alone left a request whose every draft failed a first token worth ~0.3, and it drafted one
+        token a step for good; a run of failures its drafts' own low claims foresaw changes nothing)."""
         rho = self._rho(a)
-        vals = [min(1.0, float(c) * rho) for c in conf]
+        g = self.rank_rates()
+        top = len(g) - 1
+        vals = [min(1.0, float(c) * (g[min(j, top)] * rho)) for j, c in enumerate(conf)]
         alarm = min(1.0, a.surprise / self.run_alarm)
         return [v * alarm for v in vals] if alarm < 1.0 else vals
 
-    def observe(self, seq_id: int, num_drafted: int, num_accepted: int, claimed: float | None = None,
+    def observe(self, seq_id: int, num_drafted: int, num_accepted: int, claimed: list[float] | None = None,
                 score: float | None = None) -> None:
         """A draft of ``num_drafted`` tokens of which ``num_accepted`` were accepted (verified, or scored in the
         shadow of a plain step): depths 1..a accepted, a+1 rejected (if drafted), deeper unknown. ``claimed``,
-        ``score``: a shadow draft's claim (:attr:`realized`) and score; a verified one's were kept when it was
-        chosen."""
+        ``score``: a shadow draft's claims (its confidences, best first) and score; a verified one's were kept when
+        it was chosen."""
         claims = self._claims.pop(seq_id, None)      # (a draft the step did not verify is claimed no more)
         kept_score = self._drafted_score.pop(seq_id, None)
         if num_drafted <= 0:
@@ -568,15 +575,24 @@ class Controller:
         if score is None:
             score = kept_score if kept_score is not None else self._score.get(seq_id, 0.5)
         if claims is not None:
-            claimed = sum(claims[:num_drafted])
+            claimed = claims[:num_drafted]
         a = self._acc.setdefault(seq_id, _Acceptance())
         d, gd, fd = self.decay, self.global_decay, self.first_decay
-        if claimed is not None:
+        if claimed:
             # shadows count too: a controller that stopped speculating would otherwise never see its claims
             # come true again (at batch 1 speculation then stayed off for good on GSM8K and HumanEval)
-            self._claimed = REALIZED_DECAY * self._claimed + claimed
-            self._realized = REALIZED_DECAY * self._realized + num_accepted
-            a.claimed, a.claims_met = d * a.claimed + claimed, d * a.claims_met + num_accepted
+            g = self.rank_rates()
+            top = len(g) - 1
+            expected = sum(float(c) * g[min(j, top)] for j, c in enumerate(claimed))
+            rd = REALIZED_DECAY
+            self._claimed = rd * self._claimed + sum(claimed)
+            self._realized = rd * self._realized + num_accepted
+            for j, c in enumerate(claimed):      # (a tree's nodes best first: rank j is met when j < accepted)
+                r = min(j, top)
+                self._rank_claimed[r] = rd * self._rank_claimed[r] + float(c)
+                self._rank_met[r] = rd * self._rank_met[r] + (1.0 if j < num_accepted else 0.0)
+            self._rank_memo = None
+            a.claims_exp, a.claims_met = d * a.claims_exp + expected, d * a.claims_met + num_accepted
         first = 1.0 if num_accepted > 0 else 0.0
         a.first_acc, a.first_exp = fd * a.first_acc + first, fd * a.first_exp + self.first_rate(score)
         a.fail_run = 0 if first else a.fail_run + 1
@@ -619,21 +635,38 @@ class Controller:
 
     @property
     def realized(self) -> float:
-        """Accepted tokens per token claimed by calibrated drafts (decayed, shrunk toward 1 by REALIZED_PRIOR
-        claimed tokens; within [0.1, REALIZED_MAX]): their confidences are scaled by it (a scaled claim is at most
-        1). A fresh drafter's calibration trusts its own guesses, which at batch 64 on the CPU claimed 1.3-2x the
-        tokens then accepted, where a verified token costs ~40% of a plain token's share of the step: each such
-        step lost ~10%. A draft model's confidences can err the other way (REALIZED_MAX)."""
+        """Accepted tokens per token claimed by calibrated drafts over all ranks (decayed, shrunk toward 1 by
+        REALIZED_PRIOR claimed tokens; within [0.1, REALIZED_MAX]), for reports: claims are scaled rank by rank
+        (:meth:`rank_rates`)."""
         return min(REALIZED_MAX, max(0.1, (self._realized + REALIZED_PRIOR) / (self._claimed + REALIZED_PRIOR)))
 
+    def rank_rates(self) -> list[float]:
+        """Per rank j of a calibrated draft's tokens (best first), accepted over claimed tokens at that rank over
+        every request (decayed per draft by REALIZED_DECAY, shrunk by RANK_PRIOR claimed tokens toward the rate of
+        the rank before it, the first toward 1; within [0.1, REALIZED_MAX]): what a claim at that rank is scaled
+        by. (Shrunk toward 1, ranks that short drafts never reach kept their raw claims, and a drafter that
+        under-claims never drafted deeper than where its scale was learnt.) A fresh drafter's calibration trusts its own
+        guesses, which at batch 64 on the CPU claimed 1.3-2x the tokens then accepted, where a verified token costs
+        ~40% of a plain token's share of the step: each such step lost ~10%; and the error grows along the draft
+        (auto on the default model's outputs: the first-ranked claims came true 0.7-1.2 times, the fourth-ranked
+        0.0-0.4 times on summaries, grounded QA and math), which one scale for all ranks could not follow. A draft
+        model's confidences can err the other way (REALIZED_MAX)."""
+        if self._rank_memo is None:
+            rates, prior = [], 1.0
+            for m, c in zip(self._rank_met, self._rank_claimed):
+                prior = min(REALIZED_MAX, max(0.1, (m + RANK_PRIOR * prior) / (c + RANK_PRIOR)))
+                rates.append(prior)
+            self._rank_memo = rates
+        return self._rank_memo
+
     def _rho(self, a: _Acceptance) -> float:
-        """What a request's calibrated claims are scaled by: its own accepted over claimed tokens (decayed per
-        draft by ``decay``), shrunk toward :attr:`realized` by ``REQUEST_PRIOR`` claimed tokens. The global ratio
-        alone kept valuing a request's drafts after they stopped coming true: at batch 1 on the CPU, one document
-        whose drafts all matched, then a second whose drafts claimed ~2 tokens a step and got ~0.3, drafted 4
-        tokens a step on it at 0.82x of plain decoding (a verification of 5 tokens costs ~1.8 plain steps there)."""
-        return min(REALIZED_MAX, max(0.05, (a.claims_met + REQUEST_PRIOR * self.realized)
-                                      / (a.claimed + REQUEST_PRIOR)))
+        """What a request's calibrated claims are scaled by, beyond their ranks' rates: its own accepted tokens
+        over what those rates expected of its drafts (decayed per draft by ``decay``; ``REQUEST_PRIOR`` expected
+        tokens' worth of trust to start with). The global ratio alone kept valuing a request's drafts after they
+        stopped coming true: at batch 1 on the CPU, one document whose drafts all matched, then a second whose
+        drafts claimed ~2 tokens a step and got ~0.3, drafted 4 tokens a step on it at 0.82x of plain decoding (a
+        verification of 5 tokens costs ~1.8 plain steps there)."""
+        return min(REALIZED_MAX, max(0.05, (a.claims_met + REQUEST_PRIOR) / (a.claims_exp + REQUEST_PRIOR)))
 
     def _remember_claims(self, proposals: list[tuple], keep: list[int]) -> None:
         """The kept drafts' claims and scores, which :meth:`observe` learns from once they are verified."""

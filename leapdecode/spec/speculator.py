@@ -111,8 +111,8 @@ class Speculator:
         self._decode_seqs: int | None = None
         self._step_draft_seconds = 0.0   # drafting time inside this step (charged apart, so not in its step time)
         self._decided = False            # drafter_off already asked the guard this step
-        # seq_id -> (draft, committed tokens when drafted, the tokens its confidences claim or None, its score)
-        self._shadow: dict[int, tuple[DraftTree, int, float | None, float]] = {}
+        # seq_id -> (draft, committed tokens when drafted, its confidences' claims or None, its score)
+        self._shadow: dict[int, tuple[DraftTree, int, list[float] | None, float]] = {}
         # while speculation is off, the controller is asked again only when something it uses has changed
         self._speculating = True
         # while speculating: a running average of what the drafting steps deliver against plain decoding, their
@@ -541,6 +541,6 @@ class Speculator:
             self.controller.forget(seq.seq_id)
 
 
-def _claim(draft) -> float | None:
-    """The accepted tokens a calibrated draft's confidences claim (each node's path probability, summed)."""
-    return float(sum(draft.confidence)) if draft.confidence else None
+def _claim(draft) -> list[float] | None:
+    """What a calibrated draft's confidences claim: each node's path probability, best first."""
+    return [float(c) for c in draft.confidence] if draft.confidence else None
