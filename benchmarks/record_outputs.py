@@ -202,6 +202,8 @@ def main() -> None:
     ap.add_argument("--per-dataset", type=int, default=40)
     ap.add_argument("--max-new-tokens", type=int, default=192)
     ap.add_argument("--topk", type=int, default=8)
+    ap.add_argument("--tag", default="", help="appended to each record's dataset name (a second set of the same "
+                    "datasets that replay.py should report apart, e.g. the two prompts real_model.py runs)")
     args = ap.parse_args()
 
     if args.source == "engine":
@@ -226,7 +228,8 @@ def main() -> None:
     with open(out_path, "w") as fout:
         def write(dataset: str, item_id: str, prompt_ids: list[int], output_ids: list[int], topk_ids, label: str):
             nonlocal n_written
-            fout.write(json.dumps({"dataset": dataset, "id": item_id, "model": label, "prompt_token_ids": prompt_ids,
+            fout.write(json.dumps({"dataset": dataset + args.tag, "id": item_id, "model": label,
+                                   "prompt_token_ids": prompt_ids,
                                    "output_token_ids": output_ids, "output_topk_ids": topk_ids}) + "\n")
             n_written += 1
 
@@ -296,7 +299,8 @@ def record_with_engine(args) -> None:
             o = out.outputs[0]
             topk = [[t for t, _ in sorted(d.items(), key=lambda kv: -kv[1])[:args.topk]] for d in o.logprobs or []]
             dataset, item = items[i]
-            fout.write(json.dumps({"dataset": dataset, "id": f"{item['id']}/turn{turn + 1}", "model": label,
+            fout.write(json.dumps({"dataset": dataset + args.tag, "id": f"{item['id']}/turn{turn + 1}",
+                                   "model": label,
                                    "prompt_token_ids": ids, "output_token_ids": list(o.token_ids),
                                    "output_topk_ids": topk or None}) + "\n")
             n_written += 1
