@@ -40,10 +40,10 @@ where B is one bonus token per decoding request and ``base`` the tokens the step
   ratio of first tokens accepted to what the table expected of its drafts, and c(d) the conditional acceptance at
   depth d (the request's own, shrunk toward the global per-depth rate). A verified draft of k with a accepted says:
   depths 1..a accepted, depth a+1 rejected, deeper unknown (censored), so choosing short drafts never teaches the
-  controller that long ones fail. A calibrated
-  draft (spec/calibration.py) is valued by its own per-token probabilities instead, scaled by how many of the
-  tokens such claims promised were accepted: the request's own record, shrunk toward all requests'
-  (:meth:`Controller._rho`, :attr:`Controller.realized`; verified and shadow drafts).
+  controller that long ones fail. A calibrated draft (spec/calibration.py) is valued by its own per-token
+  probabilities instead, each scaled by how often claims at its rank came true over every request
+  (:meth:`Controller.rank_rates`) and by the request's own accepted tokens over what those rates expected
+  (:meth:`Controller._rho`; verified and shadow drafts).
 - **Never slower than plain**: m > 0 only when its predicted goodput beats plain decoding's by ``min_gain`` plus
   ``risk`` times the relative extra step time it predicts;
   occasional exploration steps measure the cost of a draft size (or of plain decoding) that has not been observed
@@ -67,14 +67,13 @@ batch size is stale: its cost is mostly attention over the batch's contexts, whi
 requests (at batch 64 on the CPU a plain step priced at 400 ms from earlier requests' steps cost 180 ms, a gain
 of 2.3x was predicted and 0.88x realized). Below it a step is mostly weights read once, and a large gain (copying
 text at batch 1) is trusted at once rather than paying a plain step per new request."""
-REALIZED_PRIOR = 8.0             # claimed tokens' worth of trust in a calibrated drafter's confidences
+REALIZED_PRIOR = 8.0             # claimed tokens' worth of trust in calibrated claims over all ranks (reported)
 REALIZED_DECAY = 0.99            # per verified draft: at batch 64 a few steps, at batch 1 ~100 drafts
 REALIZED_MAX = 3.0
-"""Most a draft's claims are scaled up by (:attr:`Controller.realized`). A draft model's running product of its
-own top probabilities under-claims where it agrees with the target (layer_skip on HumanEval: claims of 0.1-0.5
-a token, 0.91 accepted); capped at 1, the controller valued those drafts below their worth. (One scale cannot fix
-a claim's shape along the draft: benchmarks README, "Model drafters under the controller after the vector
-kernel".)"""
+"""Most a rank's rate (:meth:`Controller.rank_rates`), and a request's own record (:meth:`Controller._rho`),
+scale a draft's claims up by. A draft model's running product of its own top probabilities under-claims where it
+agrees with the target (layer_skip on HumanEval: claims of 0.1-0.5 a token, 0.91 accepted); capped at 1, the
+controller valued those drafts below their worth."""
 REQUEST_PRIOR = 2.0              # expected tokens' worth of trust a request's own record starts from (Controller._rho)
 RANK_PRIOR = 2.0                 # claimed tokens' worth of trust in a calibrated drafter's claims, per rank
 SCORE_BUCKETS = 10               # the drafter's score, in tenths, keys the first-token acceptance table
@@ -432,6 +431,12 @@ def _monotone(ys: list[float], ws: list[int]) -> np.ndarray:
     return np.array([b[0] for b in blocks for _ in range(b[2])], dtype=np.float64)
 
 
+def _score_bucket(score: float) -> tuple[float, int]:
+    """A drafter's score clipped to [0.02, 0.98], and its bucket of the first-token table (tenths)."""
+    sc = min(max(float(score), 0.02), 0.98)
+    return sc, min(int(sc * SCORE_BUCKETS), SCORE_BUCKETS - 1)
+
+
 @dataclass
 class _Acceptance:
     first_acc: float = 0.0       # decayed count of drafts whose first token was accepted
@@ -454,8 +459,7 @@ class Controller:
     None (it runs eagerly), from ``CudaGraphs.shape_bucket``."""
 
     def __init__(self, max_draft: int, step_time: StepTimeModel | None = None, decay: float = 0.8,
-                 first_decay: float = 0.85, run_alarm: float = 0.1,
-                 prior_strength: float = 3.0, min_gain: float = 0.03, global_decay: float = 0.98,
+                 first_decay: float = 0.85, run_alarm: float = 0.1, min_gain: float = 0.03, global_decay: float = 0.98,
                  explore_every: int = 32, explore_tolerance: float = 0.1, stale_after: int = 128,
                  graph_bucket=None) -> None:
         self.max_draft = max_draft
@@ -463,7 +467,7 @@ class Controller:
         self.step_time = step_time or StepTimeModel()
         self.step_time.mark_prior()      # what it holds now (the start-up probe) is the curve's shape
         self.run_alarm = run_alarm
-        self.decay, self.first_decay, self.prior_strength, self.min_gain = decay, first_decay, prior_strength, min_gain
+        self.decay, self.first_decay, self.min_gain = decay, first_decay, min_gain
         self.global_decay = global_decay
         self.explore_every, self.explore_tolerance, self.stale_after = explore_every, explore_tolerance, stale_after
         self._retime_at = stale_after     # the step from which old prices may be checked again (:meth:`_retime`)
@@ -506,8 +510,7 @@ class Controller:
         says how much evidence is behind a draft (n-gram: the match length; on the real model's outputs a 1-token
         match's first token was accepted 9-11% of the time, a 4-token one's 85%), which one rate per request
         threw away: a request's record then priced its next weak match like the strong ones before it."""
-        sc = min(max(float(score), 0.02), 0.98)
-        b = min(int(sc * SCORE_BUCKETS), SCORE_BUCKETS - 1)
+        sc, b = _score_bucket(score)
         return (self._g_first_acc[b] + SCORE_PRIOR * sc) / (self._g_first_n[b] + SCORE_PRIOR)
 
     def _row_values(self, p: tuple, g: list[float]) -> list[float]:
@@ -603,7 +606,7 @@ class Controller:
         cont_trials = max(0, min(num_accepted + 1, num_drafted) - 1)   # depths 2..min(a+1, k)
         cont_acc = max(0, num_accepted - 1)
         a.cont_acc, a.cont_n = d * a.cont_acc + cont_acc, d * a.cont_n + cont_trials
-        b = min(int(min(max(float(score), 0.02), 0.98) * SCORE_BUCKETS), SCORE_BUCKETS - 1)
+        b = _score_bucket(score)[1]
         self._g_first_acc[b] = SCORE_DECAY * self._g_first_acc[b] + first
         self._g_first_n[b] = SCORE_DECAY * self._g_first_n[b] + 1.0
         if cont_trials:
@@ -645,12 +648,12 @@ class Controller:
         every request (decayed per draft by REALIZED_DECAY, shrunk by RANK_PRIOR claimed tokens toward the rate of
         the rank before it, the first toward 1; within [0.1, REALIZED_MAX]): what a claim at that rank is scaled
         by. (Shrunk toward 1, ranks that short drafts never reach kept their raw claims, and a drafter that
-        under-claims never drafted deeper than where its scale was learnt.) A fresh drafter's calibration trusts its own
-        guesses, which at batch 64 on the CPU claimed 1.3-2x the tokens then accepted, where a verified token costs
-        ~40% of a plain token's share of the step: each such step lost ~10%; and the error grows along the draft
-        (auto on the default model's outputs: the first-ranked claims came true 0.7-1.2 times, the fourth-ranked
-        0.0-0.4 times on summaries, grounded QA and math), which one scale for all ranks could not follow. A draft
-        model's confidences can err the other way (REALIZED_MAX)."""
+        under-claims never drafted deeper than where its scale was learnt.) A fresh drafter's calibration trusts
+        its own guesses, which at batch 64 on the CPU claimed 1.3-2x the tokens then accepted, where a verified
+        token costs ~40% of a plain token's share of the step: each such step lost ~10%; and the error grows along
+        the draft (auto on the default model's outputs: the first-ranked claims came true 0.7-1.2 times, the
+        fourth-ranked 0.0-0.4 times on summaries, grounded QA and math), which one scale for all ranks could not
+        follow. A draft model's confidences can err the other way (REALIZED_MAX)."""
         if self._rank_memo is None:
             rates, prior = [], 1.0
             for m, c in zip(self._rank_met, self._rank_claimed):
