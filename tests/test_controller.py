@@ -90,6 +90,16 @@ def probed_model(probe=cpu_like):
     return st
 
 
+def timed_at_batch_1(curve, sizes=5):
+    """A probed step-time model whose decode steps of 1..``sizes`` tokens at batch 1 have each been timed five
+    times (no size is thinly timed, so the controller does not try one to time it: ``Controller._thin``)."""
+    st = probed_model(curve)
+    for _ in range(5):
+        for n in range(1, sizes + 1):
+            st.observe(n, curve(n), num_seqs=1)
+    return st
+
+
 DRAFT_SECONDS = 20e-6     # fabricated drafting time per request (the fake drafter's real time depends on the load)
 
 
@@ -1286,11 +1296,7 @@ def test_the_first_token_is_valued_by_the_drafters_score_not_one_rate_per_reques
     request whose drafts alternate between strong and weak matches: the controller learns each score's rate and
     drafts the strong ones only; valued by one rate for the request, both were worth the same."""
     rng = random.Random(0)
-    st = probed_model(cpu_like)
-    for _ in range(5):
-        for n in range(1, 6):
-            st.observe(n, cpu_like(n), num_seqs=1)
-    ctl = Controller(4, st)
+    ctl = Controller(4, timed_at_batch_1(cpu_like))
     for _ in range(100):
         for score, p in ((0.85, 0.9), (0.15, 0.05)):
             ok = rng.random() < p
@@ -1314,11 +1320,7 @@ def test_calibrated_claims_are_scaled_rank_by_rank():
     controller keeps the first tokens of such drafts and not their tail. One scale over all ranks valued every
     token alike (~0.35 here) and kept all four where verifying each costs 15% of a step."""
     rng = random.Random(0)
-    st = probed_model(cpu_like)
-    for _ in range(5):
-        for n in range(1, 6):
-            st.observe(n, cpu_like(n), num_seqs=1)
-    ctl = Controller(4, st)
+    ctl = Controller(4, timed_at_batch_1(cpu_like))
     claims = [0.9, 0.85, 0.8, 0.75]
     for i in range(300):                                  # first token right 90% of the time, each next one 30%
         a = 0
