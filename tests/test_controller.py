@@ -1223,6 +1223,23 @@ def test_a_quiet_model_drafter_drafts_for_real_after_a_doubling_wait():
     assert run(8, 60) == run(8, 60, retries=False)
 
 
+def one_request_after_another(spec, steps, first=0, every=40):
+    """Batch-1 steps on a CPU-like machine, a new request every ``every`` steps (the previous one finished), from
+    request ``first`` on; returns the steps (numbered from the first request's start) that drafted for real."""
+    real = []
+    for step in range(first * every, first * every + steps):
+        seq = Seq(step // every)
+        if step % every == 0 and step:
+            spec.finish(Seq(step // every - 1))
+        before = spec.num_proposals
+        drafts = spec.propose([seq], [4], 0)
+        n = 1 + sum(len(d) for d in drafts.values())
+        spec.observe_step(n, cpu_like(n), None, commit(spec, [seq], drafts))
+        if spec.num_proposals > before:
+            real.append(step)
+    return real
+
+
 def test_a_quiet_model_drafters_retry_wait_carries_over_to_new_requests():
     """Where a model drafter's drafts never pay, its retries keep doubling their wait across new requests (five
     requests of 40 steps one after another, every draft failing): a few retries in the whole run, not one or two
@@ -1233,19 +1250,9 @@ def test_a_quiet_model_drafters_retry_wait_carries_over_to_new_requests():
     spec = fabricated_drafting(Speculator(cfg, 50_000, probed_model(cpu_like)), 0.004, None)  # ~0.4 step
     spec.guard = None
     spec._retries = True
-    real = []
-    for step in range(200):
-        seq = Seq(step // 40)
-        if step % 40 == 0 and step:
-            spec.finish(Seq(step // 40 - 1))
-        before = spec.num_proposals
-        drafts = spec.propose([seq], [4], 0)
-        n = 1 + sum(len(d) for d in drafts.values())
-        spec.observe_step(n, cpu_like(n), None, commit(spec, [seq], drafts))
-        if spec.num_proposals > before:
-            real.append(step)
-        if step == 39:
-            shadows = spec.num_shadow_proposals
+    real = one_request_after_another(spec, 40)
+    shadows = spec.num_shadow_proposals
+    real += one_request_after_another(spec, 160, first=1)
     later = [s for s in real if s >= 40]                  # after the first request (the controller's timings)
     assert len(later) <= 3, real
     assert spec.num_shadow_proposals - shadows <= 3, spec.num_shadow_proposals - shadows   # 8 at a fixed share
@@ -1331,3 +1338,20 @@ def test_calibrated_claims_are_scaled_rank_by_rank():
     g = ctl.rank_rates()
     assert abs(g[0] - 1.0) < 0.15 and g[1] < 0.45 and g[2] < 0.2 and g[3] <= 0.1
     assert ctl.draft_lengths([(1, 4, 0.5, claims)], 1, num_seqs=1) == [2]
+
+
+def test_a_retry_that_switches_drafting_on_for_a_few_steps_only_still_waits_longer_next_time():
+    """A model drafter whose drafts claim enough to look marginally worth it and never come true (EAGLE on the CPU
+    after session 26's faster step: retries predicted at 1.07-1.13x, drafting on for one to four steps): its retry
+    wait is back to RETRY_QUIET only once a spell of drafting has lasted RETRY_PAID steps, so over ten requests it
+    drafts twice after the first one; reset by any spell, it drafted five times (~5% of the decoding time on the
+    CPU, each EAGLE draft ~0.4 of a step)."""
+    from leapdecode.spec.speculator import RETRY_QUIET
+    cfg = SpeculativeConfig(method="ngram", num_speculative_tokens=4, adaptive=True,
+                            drafter=FakeDrafter(0.0, claim=0.5))
+    spec = fabricated_drafting(Speculator(cfg, 50_000, probed_model(cpu_like)), 0.004, None)
+    spec.guard = None
+    spec._retries = True
+    real = one_request_after_another(spec, 400)
+    later = [s for s in real if s >= 40]
+    assert len(later) <= 2 and spec._retry_after > RETRY_QUIET, (real, spec._retry_after)

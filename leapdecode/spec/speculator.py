@@ -67,6 +67,13 @@ quiet for the rest of an answer where drafting gave 1.3x. Measured (layer_skip+c
 drafter that never paid retried once or twice per 48-token answer: on a CPU target reading 4-bit codes a
 layer_skip draft of 4 tokens costs ~2 plain steps.)"""
 
+RETRY_PAID = 8
+"""Drafting steps a spell of speculation must last before a model drafter's retries are back to RETRY_QUIET; a retry
+whose spell ends sooner counts as one that did not pay (its wait doubles). Reset by any spell, EAGLE on the CPU
+(whose drafts did not pay at batch 1 on any task after session 26's faster step) retried every 8 quiet steps: a
+retry's draft predicted at 1.07-1.13x switched drafting on for one to four steps, and each request drafted ~4 times
+for nothing (~5% of the decoding time)."""
+
 QUIET_TOPK_ROWS = 8
 """While speculation is off, the drafter learns the target's top-k from at most this many rows a step (see
 :meth:`Speculator.learns_topk`)."""
@@ -131,6 +138,7 @@ class Speculator:
         # quiet it drafts for real every _retry_after quiet steps, doubling after each retry that does not pay
         self._retries = self.controller is not None and cfg.method in MODEL_METHODS
         self._retry_after, self._retry_wait, self._retrying = RETRY_QUIET, 0, False
+        self._spell, self._spell_retried = 0, False     # the current spell's drafting steps; it began with a retry
         self._topk_turn = 0              # the first of the rows a quiet step learns top-k from (learns_topk)
         # (decoding sequences, seconds) of the last decode-only step that verified nothing: what a quiet step costs,
         # measured (a prediction is ~55 us of numpy a call, ~1% of a batch-1 step of a CPU target reading 4-bit codes)
@@ -339,10 +347,15 @@ class Speculator:
         self._speculating = on or bool(ctl.last_choice.get("explored"))
         if not self._speculating:
             self._value = None
-        if self._speculating:           # drafting pays again: a later quiet spell retries early
-            self._retry_after = RETRY_QUIET
-        elif self._retrying:            # a retry that did not pay waits twice as long next time
-            self._retry_after = min(2 * self._retry_after, RETRY_MAX)
+        if self._speculating:
+            self._spell_retried = self._retrying if self._spell == 0 else self._spell_retried
+            self._spell += 1
+            if self._spell >= RETRY_PAID:   # drafting has paid for a while: a later quiet spell retries early
+                self._retry_after = RETRY_QUIET
+        else:
+            if self._retrying or (self._spell_retried and self._spell < RETRY_PAID):
+                self._retry_after = min(2 * self._retry_after, RETRY_MAX)   # a retry that did not pay waits longer
+            self._spell, self._spell_retried = 0, False
         self._retrying = False
         out = {}
         for s, d, tree, k in zip(seqs, drafts, trees, keep):
