@@ -409,6 +409,8 @@ def main() -> None:
     ap.add_argument("--methods", default=",".join(METHODS))
     ap.add_argument("--tasks", default=None, help="--spec-batches: only these task types, comma-separated "
                     "(e.g. 'Summarization,Document QA'; default: all)")
+    ap.add_argument("--distinct-prompts", action="store_true", help="--spec-batches at batch 1: each repeat runs "
+                    "prompts of its own (--prompts-per-task x --repeats per task type) instead of the same ones")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     if args.spec_batches:
@@ -461,7 +463,8 @@ def spec_batches_main(args) -> None:
     load0 = os.getloadavg()[0]
     llm = LLM(path, kv_cache_memory=args.kv_cache_memory, max_num_seqs=args.batch_prompts)
     tok = llm.get_tokenizer()
-    k = args.batch_prompts if any(b > 1 for b in batches) else args.prompts_per_task
+    k = args.batch_prompts if any(b > 1 for b in batches) else \
+        args.prompts_per_task * (args.repeats if args.distinct_prompts else 1)
     tasks = spec_tasks(llm, tok, k, 96)
     if args.tasks:
         wanted = args.tasks.split(",")
