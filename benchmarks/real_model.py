@@ -40,10 +40,13 @@ import tempfile
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if REPO not in sys.path:
-    sys.path.insert(0, REPO)
+HERE = os.path.dirname(os.path.abspath(__file__))
+for _path in (REPO, HERE):                         # the package, and record_outputs.py beside this file
+    if _path not in sys.path:
+        sys.path.insert(0, _path)
 
 import torch  # noqa: E402
+from record_outputs import EDIT_TASKS, doc_prompts  # noqa: E402
 
 BENCH = os.environ.get("LEAPDECODE_BENCH_DATA", os.path.join(os.path.dirname(REPO), "shared", "bench"))
 METHODS = ("ngram", "suffix", "recycling", "auto")
@@ -213,8 +216,7 @@ def spec_tasks(llm, tok, k: int, n: int) -> dict[str, list[list[int]]]:
     gsm = [chat_ids(tok, user(q["question"])) for q in read_jsonl("gsm8k", "test.jsonl")[:k]]
     he = [chat_ids(tok, user("Complete this Python function:\n```python\n" + q["prompt"] + "```"))
           for q in read_jsonl("humaneval", "HumanEval.jsonl")[:k]]
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from record_outputs import EDIT_TASKS          # copy-heavy rewrites: type hints, docstrings, renames, fixes
+    # copy-heavy rewrites: type hints, docstrings, renames, fixes
     edits = [chat_ids(tok, user(f"{instruction}\n\n{text}")) for instruction, text in EDIT_TASKS[:k]]
     return {"MT-Bench turn 2": mt_prompts, "GSM8K": gsm, "HumanEval": he, "Code edits": edits, **doc_tasks(tok, k)}
 
@@ -222,8 +224,6 @@ def spec_tasks(llm, tok, k: int, n: int) -> dict[str, list[list[int]]]:
 def doc_tasks(tok, k: int) -> dict[str, list[list[int]]]:
     """Summarization and retrieval-augmented question answering over sections of the Python language reference
     (record_outputs.py's ``doc_prompts``: the same prompts as its ``summarize`` and ``docqa`` records)."""
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from record_outputs import doc_prompts
     summaries, questions = doc_prompts(k)
     return {"Summarization": [chat_ids(tok, user(t)) for t in summaries],
             "Document QA": [chat_ids(tok, user(t)) for t in questions]}

@@ -312,7 +312,9 @@ def _check(draft: Draft, k: int) -> None:
         raise AssertionError(f"draft parents are not topological: {draft.parents}")
 
 
-def load_records(paths: list[str], tokenizer_dir: str | None, limit: int | None) -> list[Record]:
+def load_records(paths: list[str], tokenizer_dir: str | None, limit: int | None,
+                 max_output: int | None = None) -> list[Record]:
+    """Records of jsonl files; ``limit``: the first N only; ``max_output``: each record's first N output tokens."""
     tokenizer = None
     records = []
     for path in paths:
@@ -328,8 +330,11 @@ def load_records(paths: list[str], tokenizer_dir: str | None, limit: int | None)
                     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
                 prompt = tokenizer(row["prompt"])["input_ids"]
                 output = tokenizer(row["output"], add_special_tokens=False)["input_ids"]
+            topk = row.get("output_topk_ids")
+            if max_output:
+                output, topk = output[:max_output], topk[:max_output] if topk is not None else None
             if output:
-                records.append(Record(row.get("dataset", Path(path).stem), prompt, output, row.get("output_topk_ids")))
+                records.append(Record(row.get("dataset", Path(path).stem), prompt, output, topk))
     return records[:limit] if limit else records
 
 
@@ -376,10 +381,7 @@ def main() -> None:
     from tqdm import tqdm
 
     console = Console(width=150)
-    records = load_records(args.data, args.tokenizer, args.limit)
-    if args.max_output:
-        records = [Record(r.dataset, r.prompt, r.output[:args.max_output],
-                          r.topk[:args.max_output] if r.topk is not None else None) for r in records]
+    records = load_records(args.data, args.tokenizer, args.limit, args.max_output)
     if not records:
         sys.exit("no records")
     # like the engine after start-up: what is alive now (records, imported modules) is moved out of the collector's

@@ -138,17 +138,17 @@ static inline void by_rows(int64_t M, F&& fn) {
 
 // Steps of RMAX + 1 to ONE_TILE rows over int8 or grid weights take one tile of all their rows over fewer blocks (2
 // up to 2 * RMAX rows, else 1): each weight is widened or rebuilt from its codes once for all the rows, not once per
-// RMAX-row tile (as 6-row tiles plus the rest, 7 rows cost about what 12 did). fn.template operator()<VN>(v): the
-// tile of blocks v .. v+VN-1.
+// RMAX-row tile (as 6-row tiles plus the rest, 7 rows cost about what 12 did). fn.template operator()<R, VN>(v):
+// the tile of all R == M rows over blocks v .. v+VN-1.
 static constexpr int64_t ONE_TILE = 18;
 template <int V, typename F>
 static inline void narrow_tiles(int64_t M, F&& fn) {
   for (int v = 0; v < V;) {
     if (M <= 2 * RMAX && v + 2 <= V) {
-      fn.template operator()<2>(v);
+      by_rows<2>(M, [&]<int R>() { fn.template operator()<R, 2>(v); });
       v += 2;
     } else {
-      fn.template operator()<1>(v);
+      by_rows<1>(M, [&]<int R>() { fn.template operator()<R, 1>(v); });
       v += 1;
     }
   }
@@ -161,8 +161,8 @@ static void blocks(const float* x, int64_t M, int64_t K, const W* w, float* y, i
   // of 13-17 rows measured 0.9x their 6-row tiles)
   if constexpr (!std::is_same<W, float>::value) {
     if (M > RMAX && M <= ONE_TILE) {
-      narrow_tiles<V>(M, [&]<int VN>(int v) {
-        by_rows<VN>(M, [&]<int R>() { tile<R, VN>(x, K, w + v * K * L, y, N, n0 + v * L, scale, bias); });
+      narrow_tiles<V>(M, [&]<int R, int VN>(int v) {
+        tile<R, VN>(x, K, w + v * K * L, y, N, n0 + v * L, scale, bias);
       });
       return;
     }
@@ -299,9 +299,7 @@ static void grid_blocks(const float* x, int64_t M, int64_t K, const Grid& w, flo
     by_rows<V>(M, [&]<int R>() { grid_tile<R, V>(x, K, w, y, N, n0, bias); });
     return;
   }
-  narrow_tiles<V>(M, [&]<int VN>(int v) {
-    by_rows<VN>(M, [&]<int R>() { grid_tile<R, VN>(x, K, w.at(v), y, N, n0 + v * L, bias); });
-  });
+  narrow_tiles<V>(M, [&]<int R, int VN>(int v) { grid_tile<R, VN>(x, K, w.at(v), y, N, n0 + v * L, bias); });
 }
 
 // A thread's float32 slabs for rebuilt weights (kept for the next call: at most VMAX blocks of the widest layer).

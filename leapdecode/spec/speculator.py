@@ -348,7 +348,8 @@ class Speculator:
         if not self._speculating:
             self._value = None
         if self._speculating:
-            self._spell_retried = self._retrying if self._spell == 0 else self._spell_retried
+            if self._spell == 0:
+                self._spell_retried = self._retrying
             self._spell += 1
             if self._spell >= RETRY_PAID:   # drafting has paid for a while: a later quiet spell retries early
                 self._retry_after = RETRY_QUIET
