@@ -731,6 +731,46 @@ def test_small_batch_fast_path_decides_as_the_numpy_path():
     assert 50 < chosen < 450                                 # both outcomes were exercised
 
 
+def test_step_time_predictions_in_plain_python_equal_the_numpy_path(monkeypatch):
+    """A few token counts (a decision at small batches) are priced in plain Python, not numpy (~120 us a step
+    inside the engine at batch 1 on the CPU): on random step histories, with and without the start-up probe's
+    shape, per batch size, for prefill steps and as if old steps were forgotten, the prices equal the numpy path's
+    to the bit, and no small prediction goes through numpy."""
+    import leapdecode.spec.controller as C
+    rng = random.Random(11)
+    numpy_calls = []
+    real_np = StepTimeModel._predict_np
+    monkeypatch.setattr(StepTimeModel, "_predict_np", lambda self, ns, pts: numpy_calls.append(len(ns)) or
+                        real_np(self, ns, pts))
+    compared, limit = 0, C.SMALL_PREDICT
+    for trial in range(300):
+        st = StepTimeModel()
+        machine = [cpu_like, gpu_like, cpu_heavy][trial % 3]
+        if trial % 4:
+            for n in (1, 2, 4, 8, 16, 32, 64):
+                st.observe(n, machine(n) * rng.uniform(0.9, 1.1), num_seqs=1)
+            st.mark_prior()
+        for step in range(rng.randint(0, 50)):
+            seqs = rng.choice([None, 1, 1, 2, 8, 16, 64])
+            n = (seqs or 1) + rng.randint(0, 12) + (rng.randint(0, 200) if seqs is None else 0)
+            st.observe(n, machine(n) * rng.lognormvariate(0.3, 0.2), num_seqs=seqs)
+            if rng.random() < 0.3:
+                seqs = rng.choice([None, 1, 2, 8, 16, 64])
+                ns = (seqs or 1) + rng.randint(0, 80) + np.arange(rng.choice([1, 2, 5, 9, 33, C.SMALL_PREDICT]))
+                since = rng.choice([None, step // 2])
+                numpy_calls.clear()
+                small, small_list = st.predict(ns, seqs, since), st.predict_list(ns.tolist(), seqs, since)
+                assert not numpy_calls
+                monkeypatch.setattr(C, "SMALL_PREDICT", 0)
+                want = st.predict(ns, seqs, since)
+                monkeypatch.setattr(C, "SMALL_PREDICT", limit)
+                assert numpy_calls == [len(ns)]
+                assert np.array_equal(small, want) and small_list == want.tolist(), (trial, step)
+                assert st(int(ns[0]), seqs) == want[0] or since is not None
+                compared += 1
+    assert compared > 500
+
+
 def test_shadow_drafts_of_a_costly_drafter_cost_about_two_percent():
     """A model drafter (2 ms a request) that never pays, at batch 64 with requests coming and going (one new every
     other step), speculation off after the first step: shadow drafts are paid from a credit of ``QUIET_SHARE`` of

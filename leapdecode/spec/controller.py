@@ -53,6 +53,7 @@ where B is one bonus token per decoding request and ``base`` the tokens the step
 """
 from __future__ import annotations
 
+import bisect
 import math
 from collections import deque
 from dataclasses import dataclass, field
@@ -84,6 +85,7 @@ FIRST_PRIOR = 1.5
 (:meth:`Controller._row_values`)."""
 _EXACT = 32                      # token counts up to this are buckets of their own
 SMALL_BATCH = 8                  # up to this many requests the controller decides in plain Python (no numpy)
+SMALL_PREDICT = 48               # up to this many token counts StepTimeModel.predict runs in plain Python
 _RATIO = math.log(1.125)         # then ~12% wide buckets
 
 
@@ -96,10 +98,20 @@ def size_bucket(n: int) -> int:
 class _Bucket:
     obs: deque = field(default_factory=lambda: deque(maxlen=5))     # (tokens, seconds), most recent last
     last_seen: int = 0
+    _point: tuple[float, float, int] | None = None                  # point(), until obs change (add)
 
-    def point(self) -> tuple[float, float]:
-        ts = sorted(t for _, t in self.obs)
-        return sum(n for n, _ in self.obs) / len(self.obs), ts[len(ts) // 2]
+    def add(self, num_tokens: int, seconds: float, clear: bool = False) -> None:
+        if clear:
+            self.obs.clear()
+        self.obs.append((num_tokens, seconds))
+        self._point = None
+
+    def point(self) -> tuple[float, float, int]:
+        """(mean token count, median seconds, steps behind them)."""
+        if self._point is None:
+            ts = sorted(t for _, t in self.obs)
+            self._point = (sum(n for n, _ in self.obs) / len(self.obs), ts[len(ts) // 2], len(self.obs))
+        return self._point
 
 
 class GraphTimes:
@@ -196,9 +208,7 @@ class _Curve:
         b = self.buckets.get(key)
         if b is None:
             b = self.buckets[key] = _Bucket(deque(maxlen=self.window))
-        elif b.last_seen < since:
-            b.obs.clear()
-        b.obs.append((num_tokens, seconds))
+        b.add(num_tokens, seconds, clear=b.last_seen < since)
         b.last_seen = step
         self.points = self.fresh = None
 
@@ -220,7 +230,8 @@ class StepTimeModel:
         self._curves: dict[object, _Curve] = {}
         self.num_observed = 0
         self.last_mixed = 0                  # the step count at the last step with prefill chunks
-        self._prior: tuple[np.ndarray, np.ndarray, float] | None = None    # (xs, ys, slope beyond): the shape
+        self._prior: tuple[list[float], list[float], float] | None = None    # (xs, ys, slope beyond): the shape
+        self._prior_np: tuple[np.ndarray, np.ndarray, float] | None = None  # the same as arrays
         self.graphs = GraphTimes(window)     # steps replayed from CUDA graphs: timed per bucket, not per token
 
     def mark_prior(self) -> None:
@@ -231,16 +242,27 @@ class StepTimeModel:
         pooled = _Curve(self.window)
         for c in self._curves.values():
             for k, b in c.buckets.items():
-                pooled.buckets.setdefault(k, _Bucket(deque(maxlen=self.window))).obs.extend(b.obs)
+                into = pooled.buckets.setdefault(k, _Bucket(deque(maxlen=self.window)))
+                for n, t in b.obs:
+                    into.add(n, t)
         xs, ys, slope = self._points(pooled)[:3]
-        self._prior = (xs, np.maximum.accumulate(ys), slope)
+        self._prior = (xs, _running_max(ys), slope)
+        self._prior_np = (np.array(xs), np.array(self._prior[1]), slope)
         self._curves = {}
 
     def _prior_at(self, ns: np.ndarray) -> np.ndarray:
-        xs, ys, slope = self._prior
+        xs, ys, slope = self._prior_np
         out = np.interp(ns, xs, ys)
         if len(ns) and ns[-1] > xs[-1]:
             out = out + np.maximum(ns - xs[-1], 0.0) * slope
+        return out
+
+    def _prior_at_list(self, ns: list[float]) -> list[float]:
+        """:meth:`_prior_at` in plain Python, the same numbers."""
+        xs, ys, slope = self._prior
+        out = [_interp(n, xs, ys) for n in ns]
+        if ns and ns[-1] > xs[-1]:
+            out = [o + max(n - xs[-1], 0.0) * slope for o, n in zip(out, ns)]
         return out
 
     def observe(self, num_tokens: int, seconds: float, graph: tuple[int, int] | None = None,
@@ -335,15 +357,17 @@ class StepTimeModel:
         return c.buckets.get(size_bucket(num_tokens)) if c is not None else None
 
     def _points(self, c: _Curve) -> tuple:
+        """The curve's (xs, ys, slope beyond, ratios to the prior, prior at xs), as lists (kept until it observes
+        a step)."""
         if c.points is None:
-            pts = sorted((*b.point(), len(b.obs)) for b in c.buckets.values())
-            xs = np.array([p[0] for p in pts])
+            pts = sorted(b.point() for b in c.buckets.values())
+            xs = [p[0] for p in pts]
             ys = _monotone([p[1] for p in pts], [p[2] for p in pts])
             slope = self.c1             # beyond the largest observed size: the line, or the last segment if steeper
             if len(xs) > 1 and xs[-1] > xs[-2]:
                 slope = max(slope, (ys[-1] - ys[-2]) / (xs[-1] - xs[-2]))
-            px = self._prior_at(xs) if self._prior is not None and len(xs) else None
-            c.points = (xs, ys, slope, ys / np.maximum(px, 1e-12) if px is not None else None, px)
+            px = self._prior_at_list(xs) if self._prior is not None and xs else None
+            c.points = (xs, ys, slope, [y / max(p, 1e-12) for y, p in zip(ys, px)] if px is not None else None, px)
         return c.points
 
     def forget(self, num_seqs: int | None, before: int) -> None:
@@ -359,15 +383,31 @@ class StepTimeModel:
         """T at each token count of ``ns``, an increasing numpy array, for a step of ``num_seqs`` decoding
         sequences (None: a step with prefill chunks); the result is non-decreasing. ``since``: as if the steps
         seen before that step had been forgotten (:meth:`forget`)."""
-        ns = np.asarray(ns, dtype=np.float64)
+        points = self._curve_points(num_seqs, since)
+        if len(ns) <= SMALL_PREDICT:
+            return np.array(self._predict_list(np.asarray(ns, dtype=np.float64).tolist(), *points))
+        return self._predict_np(np.asarray(ns, dtype=np.float64), points)
+
+    def predict_list(self, ns: list[int], num_seqs: int | None = None, since: int | None = None) -> list[float]:
+        """:meth:`predict` as a list (what the controller's decision works on)."""
+        if len(ns) > SMALL_PREDICT:
+            return self.predict(np.array(ns, dtype=np.float64), num_seqs, since).tolist()
+        return self._predict_list([float(n) for n in ns], *self._curve_points(num_seqs, since))
+
+    def _curve_points(self, num_seqs: int | None, since: int | None) -> tuple:
+        """:meth:`_points` of the curve that prices a step of ``num_seqs`` sequences (:meth:`_curve`,
+        :meth:`_fresh`), of only its steps seen since ``since`` when given."""
         c = self._fresh(self._curve(num_seqs), num_seqs)
         if since is not None and c is not None:
             keep = c.seen_since(since)
             if len(keep) < len(c.buckets):
                 c = _Curve(c.window)
                 c.buckets = keep
-        xs, ys, slope, ratios, px = self._points(c) if c is not None else \
-            (np.empty(0), np.empty(0), self.c1, None, None)
+        return self._points(c) if c is not None else ([], [], self.c1, None, None)
+
+    def _predict_np(self, ns: np.ndarray, points: tuple) -> np.ndarray:
+        """:meth:`predict` for many token counts, in numpy."""
+        xs, ys, slope, ratios, px = (np.asarray(v, dtype=np.float64) if isinstance(v, list) else v for v in points)
         if self._prior is not None:
             out = self._prior_at(ns)
             if len(xs):
@@ -390,18 +430,48 @@ class StepTimeModel:
             out = np.maximum(out - np.maximum(xs[0] - ns, 0.0) * self.c1, 0.5 * ys[0])
         return np.maximum.accumulate(out)
 
+    def _predict_list(self, ns: list[float], xs: list[float], ys: list[float], slope: float,
+                      ratios: list[float] | None, px: list[float] | None) -> list[float]:
+        """:meth:`predict` in plain Python for a few token counts, the same numbers as its numpy path (tested equal
+        to the bit): numpy's per-call overhead on arrays of ~5 counts made a prediction ~120 us a step at batch 1 on
+        the 2-core VM, ~1.5% of the step."""
+        if self._prior is not None:
+            out = self._prior_at_list(ns)
+            if xs:
+                cap_last = min(ratios[-1], MARGINAL_CAP)
+                for i, n in enumerate(ns):      # (see the numpy path for what each region does)
+                    if n < xs[0]:
+                        out[i] *= ratios[0]
+                    elif n > xs[-1]:
+                        out[i] = ys[-1] + cap_last * (out[i] - px[-1])
+                    else:
+                        kappa = min(_interp(n, xs, ratios), MARGINAL_CAP)
+                        out[i] = _interp(n, xs, ys) + kappa * (out[i] - _interp(n, xs, px))
+            return _running_max(out)
+        if not xs:
+            return [self.c0 + self.c1 * n for n in ns]
+        out = [_interp(n, xs, ys) for n in ns]
+        if ns[-1] > xs[-1]:
+            out = [o + max(n - xs[-1], 0.0) * slope for o, n in zip(out, ns)]
+        if ns[0] < xs[0]:
+            out = [max(o - max(xs[0] - n, 0.0) * self.c1, 0.5 * ys[0]) for o, n in zip(out, ns)]
+        return _running_max(out)
+
     def __call__(self, num_tokens: int, num_seqs: int | None = None) -> float:
-        return float(self.predict(np.array([num_tokens]), num_seqs)[0])
+        return float(self.predict([num_tokens], num_seqs)[0])
 
 
-def _charged(cost: np.ndarray, draft_seconds: float) -> np.ndarray:
+def _charged(cost: list[float], draft_seconds: float) -> list[float]:
     """Step costs with the drafting time added to every count of draft tokens above none."""
-    charged = cost.copy()
-    charged[1:] += draft_seconds
-    return charged
+    return cost[:1] + [c + draft_seconds for c in cost[1:]]
 
 
-def _judge(passing, charged: np.ndarray, cost: np.ndarray, sunk: bool) -> tuple[np.ndarray, np.ndarray, bool, int]:
+def _argmax(xs: list[float]) -> int:
+    """The first index of the largest value (``np.argmax``)."""
+    return max(range(len(xs)), key=xs.__getitem__)
+
+
+def _judge(passing, charged: list[float], cost: list[float], sunk: bool) -> tuple[list[float], list[bool], bool, int]:
     """(scores, which counts pass, whether drafting pays, the best passing count or 0) for ``passing(costs)`` ->
     (scores, ok), judged on the ``charged`` costs (drafting included). When drafting does not pay but the drafts
     are in hand (``sunk``), their time is spent: keep what they gain now, judged without it (at batch 1 on the CPU
@@ -409,13 +479,35 @@ def _judge(passing, charged: np.ndarray, cost: np.ndarray, sunk: bool) -> tuple[
     likely tokens). Where drafting pays, the charged choice stands: spread over more tokens, the drafting time that
     recurs every step is what makes longer drafts worth verifying."""
     score, ok = passing(charged)
-    pays = bool(ok.any())
+    pays = any(ok)
     if sunk and not pays:
         score, ok = passing(cost)
-    return score, ok, pays, int(np.argmax(np.where(ok, score, -np.inf))) if ok.any() else 0
+    return score, ok, pays, _argmax([x if o else -math.inf for x, o in zip(score, ok)]) if any(ok) else 0
 
 
-def _monotone(ys: list[float], ws: list[int]) -> np.ndarray:
+def _interp(x: float, xs: list[float], ys: list[float]) -> float:
+    """``np.interp(x, xs, ys)`` for one point in plain Python, the same number (numpy's formula and edge cases:
+    the end values outside ``xs``, a knot's own value on it)."""
+    if len(xs) == 1 or x <= xs[0]:
+        return ys[0]
+    if x >= xs[-1]:
+        return ys[-1]
+    j = bisect.bisect_right(xs, x) - 1
+    if xs[j] == x:
+        return ys[j]
+    return (ys[j + 1] - ys[j]) / (xs[j + 1] - xs[j]) * (x - xs[j]) + ys[j]
+
+
+def _running_max(xs: list[float]) -> list[float]:
+    """``np.maximum.accumulate`` of a list, as a list."""
+    out, top = [], -math.inf
+    for x in xs:
+        top = x if x > top else top
+        out.append(top)
+    return out
+
+
+def _monotone(ys: list[float], ws: list[int]) -> list[float]:
     """The non-decreasing sequence closest to ``ys`` in weighted least squares (pool adjacent violators; weights:
     the steps behind each point). A bucket priced by one slow step then pools with the better-known bucket above
     it instead of lifting it: at batch 1 on the CPU, where 1 to 5 tokens cost within ~5% of each other and a
@@ -428,7 +520,7 @@ def _monotone(ys: list[float], ws: list[int]) -> np.ndarray:
             y2, w2, n2 = blocks.pop()
             y1, w1, n1 = blocks[-1]
             blocks[-1] = [(y1 * w1 + y2 * w2) / (w1 + w2), w1 + w2, n1 + n2]
-    return np.array([b[0] for b in blocks for _ in range(b[2])], dtype=np.float64)
+    return [b[0] for b in blocks for _ in range(b[2])]
 
 
 def _score_bucket(score: float) -> tuple[float, int]:
@@ -712,8 +804,8 @@ class Controller:
         M = int(lengths.sum())
         order = np.argsort(-flat, kind="stable")[:M]
         expected = float(R) + np.concatenate(([0.0], np.cumsum(flat[order])))
-        chosen = self._choose(expected, order, K, other_tokens, draft_seconds, num_seqs, trees, sunk, batch,
-                              probe=not record)
+        chosen = self._choose(expected.tolist(), order.tolist(), K, other_tokens, draft_seconds, num_seqs, trees,
+                              sunk, batch, probe=not record)
         if chosen:
             counts = np.bincount(order[:chosen] // K, minlength=R)
             keep = counts.tolist()
@@ -729,7 +821,9 @@ class Controller:
     small_fast_path = True
     """Up to ``SMALL_BATCH`` requests: values and order in plain Python, the same numbers as the numpy path (tested
     equal to the bit); numpy's per-call overhead made that path ~90-120 us a call for one request here and
-    130-450 us on an H200's host, against a 0.4 ms GPU step."""
+    130-450 us on an H200's host, against a 0.4 ms GPU step. The choice itself (:meth:`_choose`) works on lists
+    at every batch size: its arrays are the M + 1 draft counts (5 at batch 1), where numpy's ~20 calls on them cost
+    ~100 us a step inside the engine at batch 1 on the 2-core VM."""
 
     def _draft_lengths_small(self, proposals: list[tuple], other_tokens: int, draft_seconds: float,
                              num_seqs: int | None, trees: bool, record: bool, sunk: bool = False,
@@ -754,8 +848,8 @@ class Controller:
         for i in order:
             total += flat[i]
             expected.append(R + total)
-        chosen = self._choose(np.array(expected), np.array(order, dtype=np.int64), K, other_tokens, draft_seconds,
-                              num_seqs, trees, sunk, batch, probe=not record)
+        chosen = self._choose(expected, order, K, other_tokens, draft_seconds, num_seqs, trees, sunk, batch,
+                              probe=not record)
         keep = [0] * R
         for i in order[:chosen]:
             keep[i // K] += 1
@@ -763,7 +857,7 @@ class Controller:
             self._remember_claims(proposals, keep)
         return keep
 
-    def _choose(self, expected: np.ndarray, order: np.ndarray, K: int, other_tokens: int, draft_seconds: float,
+    def _choose(self, expected: list[float], order: list[int], K: int, other_tokens: int, draft_seconds: float,
                 num_seqs: int | None, trees: bool = False, sunk: bool = False, batch: int | None = None,
                 probe: bool = False) -> int:
         """How many of the ``order``ed draft tokens to keep: the count m whose step has the best expected tokens
@@ -775,15 +869,16 @@ class Controller:
             return self._choose_mixed(expected, cost, charged, draft_seconds, sunk, batch)
         plain = expected[0] / cost[0]
 
-        def passing(c: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        def passing(c: list[float]) -> tuple[list[float], list[bool]]:
             # a draft must beat plain decoding by min_gain plus a share of the extra step time it predicts: the
             # cost and acceptance models err in proportion to what they extrapolate
-            g = expected / c
-            ok = g > plain * (1.0 + self.min_gain + self.risk * (c / c[0] - 1.0))
+            g = [e / x for e, x in zip(expected, c)]
+            c0, lift, risk = c[0], 1.0 + self.min_gain, self.risk
+            ok = [gm > plain * (lift + risk * (x / c0 - 1.0)) for gm, x in zip(g, c)]
             ok[0] = False
             return g, ok
         goodput, ok, pays, chosen = _judge(passing, charged, cost, sunk)
-        best = int(np.argmax(goodput))
+        best = _argmax(goodput)
         explored = False
         if chosen and num_seqs and graphs is None \
                 and (goodput[chosen] < plain * STALE_GAIN or num_seqs >= STALE_BATCH) \
@@ -810,7 +905,7 @@ class Controller:
                             else None}
         return chosen
 
-    def _choose_mixed(self, expected: np.ndarray, cost: np.ndarray, charged: np.ndarray, draft_seconds: float,
+    def _choose_mixed(self, expected: list[float], cost: list[float], charged: list[float], draft_seconds: float,
                       sunk: bool, batch: int | None = None) -> int:
         """:meth:`_choose` for a step that holds prefill chunks. Its tokens per second is the wrong yardstick there:
         the prompt tokens are work that must be done, not a loss, yet beside a long chunk they make any accepted draft
@@ -823,16 +918,16 @@ class Controller:
         R = float(expected[0])
         B = max(int(R), batch or 0, 1)
         worth = self.step_seconds(B, B) / B           # (a CUDA graph bucket's time where one would run it)
-        saved = (expected - R) * worth
+        saved = [(e - R) * worth for e in expected]
 
-        def passing(c: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-            extra = c - c[0]
-            ok = saved > extra * (1.0 + MIXED_MARGIN)
+        def passing(c: list[float]) -> tuple[list[float], list[bool]]:
+            extra = [x - c[0] for x in c]
+            ok = [sv > ex * (1.0 + MIXED_MARGIN) for sv, ex in zip(saved, extra)]
             ok[0] = False
-            return saved - extra, ok
+            return [sv - ex for sv, ex in zip(saved, extra)], ok
         net, ok, pays, chosen = _judge(passing, charged, cost, sunk)
         # gain and value as time ratios: (the step's time + what its accepted tokens save later) over its time
-        self.last_choice = {"tokens": chosen, "best": int(np.argmax(net)), "explored": False,
+        self.last_choice = {"tokens": chosen, "best": _argmax(net), "explored": False,
                             "gain": float((cost[0] + saved[chosen]) / charged[chosen]), "realized": self.realized,
                             "pays": pays if sunk else chosen > 0,
                             "value": float((cost[0] + saved[chosen]) / (cost[chosen] + draft_seconds)) if sunk
@@ -861,7 +956,7 @@ class Controller:
         bucket = self.graph_bucket(num_seqs, per_seq)
         return bucket, (self.step_time.graphs(bucket, since) if bucket is not None else None)
 
-    def _costs(self, other_tokens: int, order: np.ndarray, K: int, num_seqs: int | None, trees: bool = False,
+    def _costs(self, other_tokens: int, order: list[int], K: int, num_seqs: int | None, trees: bool = False,
                since: int | None = None):
         """Predicted seconds of the step with the m = 0..M most valuable draft tokens, and m -> the graph bucket
         that step would replay (None: eager), or None for no graphs. The m-th token of the greedy order is at depth
@@ -871,40 +966,41 @@ class Controller:
         T(other_tokens + m) still prices them, with ``other_tokens`` counting the prompt work the step faces.)
         ``since``: priced by the steps seen since that step only."""
         M = len(order)
-        cost = self.step_time.predict(other_tokens + np.arange(M + 1), num_seqs, since)
+        cost = self.step_time.predict_list(range(other_tokens, other_tokens + M + 1), num_seqs, since)
         if self.graph_bucket is None or not num_seqs or trees:
             return cost, None
-        q = np.empty(M + 1, dtype=np.int64)
-        q[0] = 1
-        q[1:] = 1 + np.maximum.accumulate(order % K + 1)
+        q, deepest = [1], 0
+        for o in order:
+            deepest = max(deepest, o % K + 1)
+            q.append(1 + deepest)
         buckets = {}
         lo = 0
         while lo <= M:
-            depth = int(q[lo])
-            hi = int(np.searchsorted(q, depth, side="right"))
+            depth = q[lo]
+            hi = bisect.bisect_right(q, depth)
             buckets[depth], t = self._graph_seconds(num_seqs, depth, since)
             if t is not None:
-                cost[lo:hi] = t
+                cost[lo:hi] = [t] * (hi - lo)
             lo = hi
-        return cost, (lambda m: buckets[int(q[m])])
+        return cost, (lambda m: buckets[q[m]])
 
     EVIDENCE = 3
     """Below ``STALE_BATCH``, a draft size whose price rests on fewer steps than this is tried when it is predicted
     within ``explore_tolerance`` of plain decoding (:meth:`_thin`)."""
 
-    def _thin(self, goodput: np.ndarray, base: int, num_seqs: int) -> int:
+    def _thin(self, goodput: list[float], base: int, num_seqs: int) -> int:
         """The best draft size, if its price rests on fewer than ``EVIDENCE`` steps and it is predicted close to
         plain decoding: one slow step would otherwise keep a size from being timed again (a draft that is not
         chosen is not timed), and at small batches a step's noise is larger than what drafts add to it. Each size
         is tried at most ``EVIDENCE`` times per batch size (below ``STALE_BATCH`` its steps are kept across
         requests), so this costs a few steps per process."""
-        best = 1 + int(np.argmax(goodput[1:]))
+        best = 1 + _argmax(goodput[1:])
         if goodput[best] < goodput[0] * (1.0 - self.explore_tolerance):
             return 0
         b = self.step_time._bucket(base + best, num_seqs)
         return best if b is None or len(b.obs) < self.EVIDENCE else 0
 
-    def _explore(self, chosen: int, best: int, goodput: np.ndarray, base: int, graphs,
+    def _explore(self, chosen: int, best: int, goodput: list[float], base: int, graphs,
                  num_seqs: int | None) -> tuple[int, bool]:
         """Measure what the model has not seen lately, when it is predicted to be close: plain decoding while
         speculating, or the best draft size while not."""
@@ -913,7 +1009,7 @@ class Controller:
         if chosen > 0 and st.steps_since_seen(base, graph(0), num_seqs) > self.stale_after:
             return 0, True
         if chosen == 0 and best == 0 and len(goodput) > 1:
-            best = 1 + int(np.argmax(goodput[1:]))
+            best = 1 + _argmax(goodput[1:])
         if chosen == 0 and best > 0 and goodput[best] >= goodput[0] * (1.0 - self.explore_tolerance) \
                 and st.steps_since_seen(base + best, graph(best), num_seqs) > self.explore_every:
             return best, True
@@ -922,8 +1018,8 @@ class Controller:
     RETIME_MAX = 2048
     """Most steps between two re-timings of old prices (:meth:`_retime`)."""
 
-    def _retime(self, expected: np.ndarray, order: np.ndarray, K: int, other_tokens: int, draft_seconds: float,
-                num_seqs: int, trees: bool, chosen: int, cost: np.ndarray, plain: float, probe: bool):
+    def _retime(self, expected: list[float], order: list[int], K: int, other_tokens: int, draft_seconds: float,
+                num_seqs: int, trees: bool, chosen: int, cost: list[float], plain: float, probe: bool):
         """Re-time a draft size priced by old steps: (its count, the costs, the goodputs) if one is due, else None.
         A size that is not chosen is not timed again, so a price set during a burst of load (six times the real
         cost on the first 40 verification steps) kept every draft off for good. Once every ``stale_after`` steps
@@ -935,9 +1031,9 @@ class Controller:
         now = st.num_observed
         since = now - self.stale_after
         fresh, _ = self._costs(other_tokens, order, K, num_seqs, trees, since)
-        if fresh[0] == cost[0] and not np.array_equal(fresh, cost):
-            goodput = expected / _charged(fresh, draft_seconds)
-            m = 1 + int(np.argmax(goodput[1:]))
+        if fresh[0] == cost[0] and fresh != cost:
+            goodput = [e / c for e, c in zip(expected, _charged(fresh, draft_seconds))]
+            m = 1 + _argmax(goodput[1:])
             if m != chosen and goodput[m] >= plain * (1.0 - self.explore_tolerance):
                 if not probe:
                     st.forget(num_seqs, since)
