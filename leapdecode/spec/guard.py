@@ -17,7 +17,7 @@ quiet together: the quiet ones pay for drafts the speculating ones verify) is wo
 there (up to ``max_cooldown``; the drafter's evidence decays per step, so the cool-down ages it) and resets when
 speculation wins again there: a server whose load swings keeps
 speculating at batch 1 after losing at batch 64. Below ``STALE_BATCH`` a veto ends with the request it was earned
-on once the drafter has won at that batch size (:meth:`ThroughputGuard.request_ended`), and a bare rate measured more than ``stale`` steps ago is measured again
+on (:meth:`ThroughputGuard.request_ended`), and a bare rate measured more than ``stale`` steps ago is measured again
 before it vetoes anything.
 Steps with prefill chunks are not compared (their cost is the prompt's, not the mode's). While the drafter is off,
 an engine with ``async_scheduling`` overlaps its steps as plain decoding does (engine/engine.py): those bare steps
@@ -60,7 +60,6 @@ class _Batch:
     window_at: int | None = None     # the step the last bare window started
     veto_until: int = 0              # the drafter is off at this batch size until this step
     cooldown: int = 0                # the next veto's length here (starts at the guard's base)
-    won: bool = False                # the drafter has beaten bare decoding here (request_ended)
 
 
 class ThroughputGuard:
@@ -126,17 +125,13 @@ class ThroughputGuard:
     def request_ended(self) -> None:
         """A request ended. Below ``STALE_BATCH`` a step costs about the same whatever the requests (mostly the
         weights, read once), and what the drafter gains is the requests' text: its record there is about text
-        that is gone, so vetoes there are lifted, once the drafter has beaten bare decoding at that batch size
-        (``won``), and the drafter's rates forgotten (the bare rate, the machine's, stays). At batch 1 on the CPU
-        a veto earned on chat, where EAGLE's drafts cost ~5% more than they gained, had run the next requests
-        (math, code: 1.3-1.4x with EAGLE) without the drafter for 64, then 128 steps. A drafter that has never won
-        there keeps its cool-down: lifted with each request, EAGLE on a CPU where it paid on no task (after
-        session 26's faster step) ran ~20 steps of every 48-token answer before each veto, 0.95-0.99x of plain
-        decoding. From ``STALE_BATCH`` on, a step's cost is the batch's, and vetoes hold their cool-down."""
+        that is gone, so vetoes there are lifted and the drafter's rates forgotten (the bare rate, the machine's,
+        stays). At batch 1 on the CPU a veto earned on chat, where EAGLE's drafts cost ~5% more than they gained,
+        had run the next requests (math, code: 1.3-1.4x with EAGLE) without the drafter for 64, then 128
+        steps. From ``STALE_BATCH`` on, a step's cost is the batch's, and vetoes hold their cool-down."""
         for key, b in self._batches.items():
             if key < STALE_BATCH:
-                if b.won:
-                    b.veto_until = min(b.veto_until, self.steps)
+                b.veto_until = min(b.veto_until, self.steps)
                 for m in ("spec", "quiet", DRAFTER):
                     b.rates[m] = _Rate()
 
@@ -180,4 +175,4 @@ class ThroughputGuard:
             for m in ("spec", "quiet", DRAFTER):
                 b.rates[m].fresh = 0
         elif mode == "spec" and d.spt < bare.spt * (1.0 - self.margin):
-            b.cooldown, b.won = self.base_cooldown, True
+            b.cooldown = self.base_cooldown
