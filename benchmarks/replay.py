@@ -258,7 +258,7 @@ def controller_replay(make: Callable[[], Drafter], records: list[Record], k: int
     times a lognormal factor of that sigma (seeded), as a machine's steps vary. Per dataset: its SimStats."""
     from leapdecode.config import SpeculativeConfig
     from leapdecode.spec.controller import StepTimeModel
-    from leapdecode.spec.speculator import OFFER_FLOOR, Speculator
+    from leapdecode.spec.speculator import CONTROLLED_AUTO, Speculator
 
     curve = MACHINES[machine]
     rng = np.random.default_rng(seed)
@@ -271,7 +271,8 @@ def controller_replay(make: Callable[[], Drafter], records: list[Record], k: int
         if rec.dataset not in out and (fresh or spec is None):
             drafter = make()
             if adaptive and hasattr(drafter, "min_accept_prob"):
-                drafter.min_accept_prob = OFFER_FLOOR  # what the speculator gives a calibrated auto it builds itself
+                for key, value in CONTROLLED_AUTO.items():    # what the speculator gives an auto it builds itself
+                    setattr(drafter, key, value)
             if spec is None:
                 spec = Speculator(SpeculativeConfig(method="ngram", num_speculative_tokens=k, adaptive=adaptive,
                                                     drafter=drafter), 1 << 20, probe)

@@ -425,6 +425,46 @@ def test_auto_drafter_prefers_the_drafter_that_gets_accepted():
     assert auto.chosen["suffix"] > auto.chosen["recycling"]
 
 
+def test_auto_in_order_takes_the_first_members_own_draft_and_asks_the_next_only_where_it_has_none():
+    """``fallback`` (what the speculator builds under the controller): a request gets the suffix drafter's own
+    draft where suffix has one (no calibrated merge: its tree, its score, no confidences); recycling is asked only
+    for the requests suffix had nothing for, and its draft's score is its measured first-token hit rate (its own
+    score is a prior the controller's score table would mix with suffix's)."""
+    rng = random.Random(3)
+    passage = random_tokens(rng, 120, 400)
+    copying = DraftRequest(1, passage + passage[:30], 150, 4)            # suffix finds the passage again
+    text = [t for t in random_tokens(rng, 60, 400) if t != passage[5]] + [passage[5]]
+    fresh = DraftRequest(2, text, len(text), 4)                          # its last token never came before in it
+    auto = make_drafter("auto", vocab_size=400, fallback=True)
+    suffix = make_drafter("suffix")
+    for t in range(40):                                   # recycling learns some successors
+        auto.observe(9, passage[:t + 2], 0)
+    asked = []
+    recycling = auto.drafters["recycling"]
+    real = recycling.propose
+    recycling.propose = lambda reqs: asked.append([r.seq_id for r in reqs]) or real(reqs)
+    got = auto.propose([copying, fresh])
+    want = suffix.propose([copying])[0]
+    assert want.tokens and got[0].tokens == want.tokens and got[0].parents == want.parents
+    assert got[0].score == want.score and not got[0].confidence
+    assert not suffix.propose([fresh])[0].tokens and got[1].tokens        # recycling's draft, for the fresh one
+    assert asked == [[2]]
+    assert got[1].score == auto._prior["recycling"].first_hit == 0.5      # (no record yet: its prior)
+    assert auto.chosen == {"suffix": 1, "recycling": 1}
+    auto.observe(2, fresh.token_ids + [got[1].tokens[0] + 1], 0)          # its first token failed
+    assert auto._prior["recycling"].first_hit < 0.5
+
+
+def test_the_speculator_builds_auto_in_order_under_the_controller():
+    from leapdecode.config import SpeculativeConfig
+    from leapdecode.spec.speculator import Speculator
+    on = Speculator(SpeculativeConfig(method="auto", num_speculative_tokens=4), 400).drafter
+    off = Speculator(SpeculativeConfig(method="auto", num_speculative_tokens=4, adaptive=False), 400).drafter
+    mine = Speculator(SpeculativeConfig(method="auto", num_speculative_tokens=4, options={"fallback": False}),
+                      400).drafter
+    assert on.fallback and not off.fallback and not mine.fallback and mine.min_accept_prob == 0.02
+
+
 def test_registry():
     assert set(METHODS) - set(MODEL_METHODS) == {"ngram", "suffix", "recycling", "auto"}   # model drafters: issue 13
     assert isinstance(make_drafter("ngram", n_max=3, vocab_size=10), NgramDrafter)

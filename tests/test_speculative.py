@@ -43,10 +43,11 @@ def reference(llama_dir):
     return prompts, params, [o.outputs[0].token_ids for o in outs]
 
 
-@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("method", METHODS + ["auto_in_order"])
 def test_greedy_identical_for_every_drafter(llama_dir, reference, method):
     prompts, params, ref = reference
-    llm = make_llm(llama_dir, speculative_config=spec(method))
+    config = spec("auto", fallback=True) if method == "auto_in_order" else spec(method)   # (in order: spec/auto.py)
+    llm = make_llm(llama_dir, speculative_config=config)
     outs = llm.generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == ref
     assert_drafts_accepted(llm)

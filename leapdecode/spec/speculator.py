@@ -37,6 +37,11 @@ if TYPE_CHECKING:
 OFFER_FLOOR = 0.02
 """With the controller on, a calibrated drafter offers every token at least this likely to be accepted."""
 
+CONTROLLED_AUTO = {"fallback": True, "min_accept_prob": OFFER_FLOOR}
+"""What an ``auto`` drafter is built with when the controller is on (unless its options say otherwise): its members'
+own drafts in order (spec/auto.py, ``fallback``), which the controller values and cuts itself; and, where a user
+asks for the calibrated draft (``fallback=False``), every token at least ``OFFER_FLOOR`` likely."""
+
 QUIET_SHARE = 0.02
 """While speculation is off, shadow drafts cost at most about this share of the decoding time (at batch 64 on an
 H200 a shadow draft of every request cost 1-45 ms against a 2 ms step), less where drafting could gain little at
@@ -154,10 +159,10 @@ class Speculator:
         if cfg.model_methods:            # a model drafter, alone or inside auto
             options.setdefault("num_speculative_tokens", cfg.num_speculative_tokens)
         if self.controller is not None and cfg.method == "auto":
-            # calibrated drafts (spec/calibration.py) carry each token's probability, and the controller keeps the
-            # tokens that pay on this machine: offer it nearly everything (the drafter's own bar is for running
-            # without a controller)
-            options.setdefault("min_accept_prob", OFFER_FLOOR)
+            # the controller keeps the tokens that pay on this machine: the members' own drafts, or (calibrated)
+            # nearly every token (the drafter's own bar is for running without a controller)
+            for key, value in CONTROLLED_AUTO.items():
+                options.setdefault(key, value)
         return make_drafter(cfg.method, runner=self._runner, **options)
 
     @property
