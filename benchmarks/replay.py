@@ -354,8 +354,11 @@ def drafter_factories(vocab_size: int) -> dict[str, tuple[Callable[[], Drafter],
         "auto(tokens)": (lambda: make_drafter("auto", vocab_size=vocab_size), False),
         # the uncalibrated auto of earlier rounds: best draft by expected length, topped up with the others' guesses
         "auto_fill(tokens)": (lambda: make_drafter("auto", vocab_size=vocab_size, calibrate=False), False),
-        # calibrated auto offering down to the bar the speculator sets under the controller
+        # calibrated auto offering down to the bar the speculator sets under the controller for it
         "auto_0.02(tokens)": (lambda: make_drafter("auto", vocab_size=vocab_size, min_accept_prob=0.02), False),
+        # auto in order, as the speculator builds it under the controller (spec/auto.py, ``fallback``); with
+        # --machine every auto row is built so (CONTROLLED_AUTO)
+        "auto_in_order(tokens)": (lambda: make_drafter("auto", vocab_size=vocab_size, fallback=True), False),
         "arctic_suffix": (lambda: ArcticSuffix(tree=False), False),
         "arctic_suffix_tree": (lambda: ArcticSuffix(tree=True), False),
     }

@@ -10,8 +10,8 @@ probability of being accepted (learned online per kind of evidence, see spec/cal
 ``min_accept_prob``; the draft carries those probabilities in ``confidence``. Cross-checking replaces topping up:
 two sources proposing the same token raise its estimate, and a guess no evidence supports is not verified. In
 replay (benchmarks/README.md) this verifies 1.4-1.7 tokens per output token where filling verified 1.9-4.8, for
-87-94% of filling's tokens per step; under the controller the bar drops to 0.02 (there the calibrated draft beats
-filling on both counts) and the controller keeps what pays on the machine at hand.
+87-94% of filling's tokens per step. Under the controller the speculator builds ``auto`` in order instead (below);
+asked for the calibrated draft there (``fallback=False``), the bar drops to 0.02 and the controller keeps what pays.
 
 **Uncalibrated (``calibrate=False``, the earlier behaviour).** Each drafter proposes, and the draft with the
 highest expected accepted length wins,
