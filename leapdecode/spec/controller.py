@@ -57,6 +57,8 @@ import bisect
 import math
 from collections import deque
 from dataclasses import dataclass, field
+from itertools import compress
+from operator import gt, truediv
 from typing import Any
 
 import numpy as np
@@ -200,6 +202,7 @@ class _Curve:
         self.window = window
         self.buckets: dict[int, _Bucket] = {}
         self.points: tuple | None = None        # (xs, ys, slope beyond, ratios to the prior, prior), when asked
+        self.arrays: tuple | None = None        # the same as numpy arrays (StepTimeModel._predict_np), when asked
         self.fresh: tuple | None = None         # (bucket keys, the curve of only those), see StepTimeModel._fresh
 
     def observe(self, num_tokens: int, seconds: float, step: int, since: int = -1) -> None:
@@ -210,7 +213,7 @@ class _Curve:
             b = self.buckets[key] = _Bucket(deque(maxlen=self.window))
         b.add(num_tokens, seconds, clear=b.last_seen < since)
         b.last_seen = step
-        self.points = self.fresh = None
+        self.points = self.arrays = self.fresh = None
 
     def seen_since(self, step: int) -> dict[int, _Bucket]:
         """The buckets last seen at or after ``step``."""
@@ -377,37 +380,48 @@ class StepTimeModel:
         c = self._curve(num_seqs)
         if c is not None:
             c.buckets = c.seen_since(before)
-            c.points = c.fresh = None
+            c.points = c.arrays = c.fresh = None
 
     def predict(self, ns: np.ndarray, num_seqs: int | None = None, since: int | None = None) -> np.ndarray:
         """T at each token count of ``ns``, an increasing numpy array, for a step of ``num_seqs`` decoding
         sequences (None: a step with prefill chunks); the result is non-decreasing. ``since``: as if the steps
         seen before that step had been forgotten (:meth:`forget`)."""
-        points = self._curve_points(num_seqs, since)
+        c = self._pricing_curve(num_seqs, since)
         if len(ns) <= SMALL_PREDICT:
-            return np.array(self._predict_list(np.asarray(ns, dtype=np.float64).tolist(), *points))
-        return self._predict_np(np.asarray(ns, dtype=np.float64), points)
+            return np.array(self._predict_list(np.asarray(ns, dtype=np.float64).tolist(), *self._curve_points(c)))
+        return self._predict_np(np.asarray(ns, dtype=np.float64), c)
 
     def predict_list(self, ns: list[int], num_seqs: int | None = None, since: int | None = None) -> list[float]:
         """:meth:`predict` as a list (what the controller's decision works on)."""
         if len(ns) > SMALL_PREDICT:
-            return self.predict(np.array(ns, dtype=np.float64), num_seqs, since).tolist()
-        return self._predict_list([float(n) for n in ns], *self._curve_points(num_seqs, since))
+            arr = np.arange(ns.start, ns.stop, dtype=np.float64) if isinstance(ns, range) else \
+                np.array(ns, dtype=np.float64)
+            return self.predict(arr, num_seqs, since).tolist()
+        return self._predict_list([float(n) for n in ns], *self._curve_points(self._pricing_curve(num_seqs, since)))
 
-    def _curve_points(self, num_seqs: int | None, since: int | None) -> tuple:
-        """:meth:`_points` of the curve that prices a step of ``num_seqs`` sequences (:meth:`_curve`,
-        :meth:`_fresh`), of only its steps seen since ``since`` when given."""
+    def _pricing_curve(self, num_seqs: int | None, since: int | None) -> _Curve | None:
+        """The curve that prices a step of ``num_seqs`` sequences (:meth:`_curve`, :meth:`_fresh`), of only its
+        steps seen since ``since`` when given."""
         c = self._fresh(self._curve(num_seqs), num_seqs)
         if since is not None and c is not None:
             keep = c.seen_since(since)
             if len(keep) < len(c.buckets):
                 c = _Curve(c.window)
                 c.buckets = keep
+        return c
+
+    def _curve_points(self, c: _Curve | None) -> tuple:
         return self._points(c) if c is not None else ([], [], self.c1, None, None)
 
-    def _predict_np(self, ns: np.ndarray, points: tuple) -> np.ndarray:
+    def _predict_np(self, ns: np.ndarray, c: _Curve | None) -> np.ndarray:
         """:meth:`predict` for many token counts, in numpy."""
-        xs, ys, slope, ratios, px = (np.asarray(v, dtype=np.float64) if isinstance(v, list) else v for v in points)
+        if c is None:
+            xs, ys, slope, ratios, px = np.empty(0), np.empty(0), self.c1, None, None
+        else:
+            if c.arrays is None:
+                c.arrays = tuple(np.asarray(v, dtype=np.float64) if isinstance(v, list) else v
+                                 for v in self._points(c))
+            xs, ys, slope, ratios, px = c.arrays
         if self._prior is not None:
             out = self._prior_at(ns)
             if len(xs):
@@ -466,23 +480,47 @@ def _charged(cost: list[float], draft_seconds: float) -> list[float]:
     return cost[:1] + [c + draft_seconds for c in cost[1:]]
 
 
+def _beats_plain(expected: list[float], cost: list[float], plain: float, lift: float,
+                 risk: float) -> tuple[list[float], int]:
+    """(goodput of each draft count, the best count whose goodput beats plain decoding's by ``lift`` plus ``risk``
+    times the relative extra step time it predicts, or 0). Many counts (a large batch's drafts) go through numpy,
+    the same arithmetic: in plain Python 641 counts took ~100 us more."""
+    if len(cost) > SMALL_PREDICT:
+        e, c = np.asarray(expected), np.asarray(cost)
+        g = e / c
+        ok = g > plain * (lift + risk * (c / c[0] - 1.0))
+        ok[0] = False
+        return g.tolist(), int(np.argmax(np.where(ok, g, -np.inf))) if ok.any() else 0
+    c0 = cost[0]
+    g = list(map(truediv, expected, cost))
+    ok = list(map(gt, g, [plain * (lift + risk * (x / c0 - 1.0)) for x in cost]))
+    ok[0] = False
+    return g, _best_passing(g, ok)
+
+
+def _best_passing(score: list[float], ok: list[bool]) -> int:
+    """The first index of the best score among those that pass (``np.argmax(np.where(ok, score, -inf))``), or 0
+    when none passes."""
+    return max(compress(range(len(ok)), ok), key=score.__getitem__, default=0)
+
+
 def _argmax(xs: list[float]) -> int:
     """The first index of the largest value (``np.argmax``)."""
-    return max(range(len(xs)), key=xs.__getitem__)
+    return xs.index(max(xs))
 
 
-def _judge(passing, charged: list[float], cost: list[float], sunk: bool) -> tuple[list[float], list[bool], bool, int]:
-    """(scores, which counts pass, whether drafting pays, the best passing count or 0) for ``passing(costs)`` ->
-    (scores, ok), judged on the ``charged`` costs (drafting included). When drafting does not pay but the drafts
+def _judge(passing, charged: list[float], cost: list[float], sunk: bool) -> tuple[list[float], bool, int]:
+    """(scores, whether drafting pays, the best passing count or 0) for ``passing(costs)`` -> (scores, the best
+    passing count or 0; count 0 never passes), judged on the ``charged`` costs (drafting included). When drafting does not pay but the drafts
     are in hand (``sunk``), their time is spent: keep what they gain now, judged without it (at batch 1 on the CPU
     an EAGLE draft is ~12% of a step; charged again, a draft that came out modest was thrown away with its few
     likely tokens). Where drafting pays, the charged choice stands: spread over more tokens, the drafting time that
     recurs every step is what makes longer drafts worth verifying."""
-    score, ok = passing(charged)
-    pays = any(ok)
+    score, top = passing(charged)
+    pays = top > 0
     if sunk and not pays:
-        score, ok = passing(cost)
-    return score, ok, pays, _argmax([x if o else -math.inf for x, o in zip(score, ok)]) if any(ok) else 0
+        score, top = passing(cost)
+    return score, pays, top
 
 
 def _interp(x: float, xs: list[float], ys: list[float]) -> float:
@@ -869,15 +907,11 @@ class Controller:
             return self._choose_mixed(expected, cost, charged, draft_seconds, sunk, batch)
         plain = expected[0] / cost[0]
 
-        def passing(c: list[float]) -> tuple[list[float], list[bool]]:
+        def passing(c: list[float]) -> tuple[list[float], int]:
             # a draft must beat plain decoding by min_gain plus a share of the extra step time it predicts: the
             # cost and acceptance models err in proportion to what they extrapolate
-            g = [e / x for e, x in zip(expected, c)]
-            c0, lift, risk = c[0], 1.0 + self.min_gain, self.risk
-            ok = [gm > plain * (lift + risk * (x / c0 - 1.0)) for gm, x in zip(g, c)]
-            ok[0] = False
-            return g, ok
-        goodput, ok, pays, chosen = _judge(passing, charged, cost, sunk)
+            return _beats_plain(expected, c, plain, 1.0 + self.min_gain, self.risk)
+        goodput, pays, chosen = _judge(passing, charged, cost, sunk)
         best = _argmax(goodput)
         explored = False
         if chosen and num_seqs and graphs is None \
@@ -920,12 +954,13 @@ class Controller:
         worth = self.step_seconds(B, B) / B           # (a CUDA graph bucket's time where one would run it)
         saved = [(e - R) * worth for e in expected]
 
-        def passing(c: list[float]) -> tuple[list[float], list[bool]]:
+        def passing(c: list[float]) -> tuple[list[float], int]:
             extra = [x - c[0] for x in c]
             ok = [sv > ex * (1.0 + MIXED_MARGIN) for sv, ex in zip(saved, extra)]
             ok[0] = False
-            return [sv - ex for sv, ex in zip(saved, extra)], ok
-        net, ok, pays, chosen = _judge(passing, charged, cost, sunk)
+            net = [sv - ex for sv, ex in zip(saved, extra)]
+            return net, _best_passing(net, ok)
+        net, pays, chosen = _judge(passing, charged, cost, sunk)
         # gain and value as time ratios: (the step's time + what its accepted tokens save later) over its time
         self.last_choice = {"tokens": chosen, "best": _argmax(net), "explored": False,
                             "gain": float((cost[0] + saved[chosen]) / charged[chosen]), "realized": self.realized,
