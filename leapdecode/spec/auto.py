@@ -34,7 +34,7 @@ rank priors), is replaced by its measured first-token hit rate over all requests
 first-token table is keyed by score and shared with the first drafter's. Measured under the controller (replay of
 the default model's outputs, ``benchmarks/replay.py --machine cpu-smollm2``): the calibrated draft ran at 1.19-1.20x
 of plain decoding (geometric mean of eight task sets) where suffix alone ran at 1.24-1.25x, and at 1.18 with suffix
-as its only member, so the loss is the calibrated tree itself, not the merging; in order, 1.23-1.24x, at 40 us a
+as its only member, so the loss is the calibrated tree itself, not the merging; in order, 1.23-1.24x, at ~50 us a
 step instead of ~100.
 
 **A drafter that runs a model** (``costly``: draft_model, layer_skip or eagle, at most one) is not asked every step:
