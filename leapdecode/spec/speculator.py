@@ -40,7 +40,9 @@ OFFER_FLOOR = 0.02
 CONTROLLED_AUTO = {"fallback": True, "min_accept_prob": OFFER_FLOOR}
 """What an ``auto`` drafter is built with when the controller is on (unless its options say otherwise): its members'
 own drafts in order (spec/auto.py, ``fallback``), which the controller values and cuts itself; and, where a user
-asks for the calibrated draft (``fallback=False``), every token at least ``OFFER_FLOOR`` likely."""
+asks for the calibrated draft (``fallback=False``), every token at least ``OFFER_FLOOR`` likely. Options that choose
+another way of drafting (``calibrate``, ``fill``, ``min_accept_prob``) keep it: no ``fallback`` is set then."""
+_AUTO_MODES = ("fallback", "calibrate", "fill", "min_accept_prob")
 
 QUIET_SHARE = 0.02
 """While speculation is off, shadow drafts cost at most about this share of the decoding time (at batch 64 on an
@@ -161,8 +163,10 @@ class Speculator:
         if self.controller is not None and cfg.method == "auto":
             # the controller keeps the tokens that pay on this machine: the members' own drafts, or (calibrated)
             # nearly every token (the drafter's own bar is for running without a controller)
+            chosen = any(key in options for key in _AUTO_MODES)
             for key, value in CONTROLLED_AUTO.items():
-                options.setdefault(key, value)
+                if key != "fallback" or not chosen:
+                    options.setdefault(key, value)
         return make_drafter(cfg.method, runner=self._runner, **options)
 
     @property
