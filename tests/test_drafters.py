@@ -463,6 +463,7 @@ def test_the_speculator_builds_auto_in_order_under_the_controller():
     mine = Speculator(SpeculativeConfig(method="auto", num_speculative_tokens=4, options={"fallback": False}),
                       400).drafter
     assert on.fallback and not off.fallback and not mine.fallback and mine.min_accept_prob == 0.02
+    assert not on.wants_topk and off.wants_topk and mine.wants_topk      # in order: no top-k rows from the engine
     for options in ({"calibrate": False}, {"min_accept_prob": 0.1}, {"fill": False}):   # another mode asked for
         d = Speculator(SpeculativeConfig(method="auto", num_speculative_tokens=4, options=options), 400).drafter
         assert not d.fallback and all(getattr(d, k) == v for k, v in options.items())
