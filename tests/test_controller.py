@@ -740,8 +740,8 @@ def test_step_time_predictions_in_plain_python_equal_the_numpy_path(monkeypatch)
     rng = random.Random(11)
     numpy_calls = []
     real_np = StepTimeModel._predict_np
-    monkeypatch.setattr(StepTimeModel, "_predict_np", lambda self, ns, pts: numpy_calls.append(len(ns)) or
-                        real_np(self, ns, pts))
+    monkeypatch.setattr(StepTimeModel, "_predict_np", lambda self, ns, c: numpy_calls.append(len(ns)) or
+                        real_np(self, ns, c))
     compared, limit = 0, C.SMALL_PREDICT
     for trial in range(300):
         st = StepTimeModel()
@@ -769,6 +769,31 @@ def test_step_time_predictions_in_plain_python_equal_the_numpy_path(monkeypatch)
                 assert st(int(ns[0]), seqs) == want[0] or since is not None
                 compared += 1
     assert compared > 500
+
+
+def test_the_goodput_test_decides_alike_in_plain_python_and_numpy(monkeypatch):
+    """``_beats_plain`` judges many draft counts (a large batch's) in numpy and a few in plain Python: on random
+    expected tokens and step costs both give the same goodputs and the same best passing count, to the bit."""
+    import leapdecode.spec.controller as C
+    rng = random.Random(3)
+    limit, passing = C.SMALL_PREDICT, 0
+    for _ in range(2000):
+        m = rng.randint(1, 80)
+        expected = [1.0]
+        for _ in range(m):
+            expected.append(expected[-1] + rng.random() * rng.choice([0.1, 1.0]))
+        cost = [0.01]
+        for _ in range(m):
+            cost.append(cost[-1] * (1.0 + rng.random() * rng.choice([0.01, 0.2])))
+        args = (expected, cost, expected[0] / cost[0], 1.0 + rng.random() * 0.1, rng.random() * 0.3)
+        monkeypatch.setattr(C, "SMALL_PREDICT", 10 ** 6)
+        small = C._beats_plain(*args)
+        monkeypatch.setattr(C, "SMALL_PREDICT", -1)
+        large = C._beats_plain(*args)
+        monkeypatch.setattr(C, "SMALL_PREDICT", limit)
+        assert small == large, (m, small[1], large[1])
+        passing += small[1] > 0
+    assert 20 < passing < 1980                               # both outcomes were exercised
 
 
 def test_shadow_drafts_of_a_costly_drafter_cost_about_two_percent():

@@ -57,9 +57,9 @@ import bisect
 import math
 from collections import deque
 from dataclasses import dataclass, field
-from itertools import compress
+from itertools import accumulate, compress
 from operator import gt, truediv
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -249,7 +249,7 @@ class StepTimeModel:
                 for n, t in b.obs:
                     into.add(n, t)
         xs, ys, slope = self._points(pooled)[:3]
-        self._prior = (xs, _running_max(ys), slope)
+        self._prior = (xs, list(accumulate(ys, max)), slope)
         self._prior_np = (np.array(xs), np.array(self._prior[1]), slope)
         self._curves = {}
 
@@ -386,18 +386,19 @@ class StepTimeModel:
         """T at each token count of ``ns``, an increasing numpy array, for a step of ``num_seqs`` decoding
         sequences (None: a step with prefill chunks); the result is non-decreasing. ``since``: as if the steps
         seen before that step had been forgotten (:meth:`forget`)."""
+        if len(ns) <= SMALL_PREDICT:
+            return np.array(self.predict_list(np.asarray(ns, dtype=np.float64).tolist(), num_seqs, since))
+        return self._predict_np(np.asarray(ns, dtype=np.float64), self._pricing_curve(num_seqs, since))
+
+    def predict_list(self, ns: Sequence[int], num_seqs: int | None = None, since: int | None = None) -> list[float]:
+        """:meth:`predict` as a list (what the controller's decision works on): up to ``SMALL_PREDICT`` counts in
+        plain Python, more through numpy."""
         c = self._pricing_curve(num_seqs, since)
         if len(ns) <= SMALL_PREDICT:
-            return np.array(self._predict_list(np.asarray(ns, dtype=np.float64).tolist(), *self._curve_points(c)))
-        return self._predict_np(np.asarray(ns, dtype=np.float64), c)
-
-    def predict_list(self, ns: list[int], num_seqs: int | None = None, since: int | None = None) -> list[float]:
-        """:meth:`predict` as a list (what the controller's decision works on)."""
-        if len(ns) > SMALL_PREDICT:
-            arr = np.arange(ns.start, ns.stop, dtype=np.float64) if isinstance(ns, range) else \
-                np.array(ns, dtype=np.float64)
-            return self.predict(arr, num_seqs, since).tolist()
-        return self._predict_list([float(n) for n in ns], *self._curve_points(self._pricing_curve(num_seqs, since)))
+            return self._predict_list([float(n) for n in ns], *self._curve_points(c))
+        arr = np.arange(ns.start, ns.stop, dtype=np.float64) if isinstance(ns, range) else \
+            np.asarray(ns, dtype=np.float64)
+        return self._predict_np(arr, c).tolist()
 
     def _pricing_curve(self, num_seqs: int | None, since: int | None) -> _Curve | None:
         """The curve that prices a step of ``num_seqs`` sequences (:meth:`_curve`, :meth:`_fresh`), of only its
@@ -461,7 +462,7 @@ class StepTimeModel:
                     else:
                         kappa = min(_interp(n, xs, ratios), MARGINAL_CAP)
                         out[i] = _interp(n, xs, ys) + kappa * (out[i] - _interp(n, xs, px))
-            return _running_max(out)
+            return list(accumulate(out, max))
         if not xs:
             return [self.c0 + self.c1 * n for n in ns]
         out = [_interp(n, xs, ys) for n in ns]
@@ -469,7 +470,7 @@ class StepTimeModel:
             out = [o + max(n - xs[-1], 0.0) * slope for o, n in zip(out, ns)]
         if ns[0] < xs[0]:
             out = [max(o - max(xs[0] - n, 0.0) * self.c1, 0.5 * ys[0]) for o, n in zip(out, ns)]
-        return _running_max(out)
+        return list(accumulate(out, max))
 
     def __call__(self, num_tokens: int, num_seqs: int | None = None) -> float:
         return float(self.predict([num_tokens], num_seqs)[0])
@@ -534,15 +535,6 @@ def _interp(x: float, xs: list[float], ys: list[float]) -> float:
     if xs[j] == x:
         return ys[j]
     return (ys[j + 1] - ys[j]) / (xs[j + 1] - xs[j]) * (x - xs[j]) + ys[j]
-
-
-def _running_max(xs: list[float]) -> list[float]:
-    """``np.maximum.accumulate`` of a list, as a list."""
-    out, top = [], -math.inf
-    for x in xs:
-        top = x if x > top else top
-        out.append(top)
-    return out
 
 
 def _monotone(ys: list[float], ws: list[int]) -> list[float]:
