@@ -130,7 +130,7 @@ def acceptance(llm, head, tasks: dict[str, list[list[int]]], max_tokens: int) ->
             hout, k, v = head(feats[None, :T], torch.tensor(ids[1:])[None], pos)
 
         def state(n):   # pairs 0..n-1 committed: the drafter's state after committed tokens ids[:n + 1]
-            return HeadState(k[:, :, :n], v[:, :, :n], 0, hout[0, n - 1])
+            return HeadState.of(k[:, :, :n], v[:, :, :n], 0, hout[0, n - 1])
 
         add(task, "plain", len(ids) - 1 - P, len(ids) - 1 - P, 0.0, 0)
         # chains: the greedy chain of depth k is the first k nodes of the depth-6 chain, computed for every n

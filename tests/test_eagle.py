@@ -88,7 +88,7 @@ def test_forward_matches_reference():
 def path_logits(head: EagleHead, state: HeadState, path: list[int]) -> torch.Tensor:
     """Draft-vocab logits after ``path`` (draft tokens from the root), computed as a plain causal chain."""
     feat = state.last_out
-    s = state
+    s = state.copy()                      # extend_state extends a state in place
     for tok in path:
         s = extend_state(head, s, feat[None], [tok], s.next_pos)
         feat = s.last_out
@@ -325,6 +325,55 @@ def test_int8_head_drafts_like_the_float_head():
     chain, _ = draft(q, s_q, depth=4)
     for i in range(4):
         assert chain.tokens[i] == q.vocab_list()[int(path_logits(q, s_q, list(chain.tokens[:i])).argmax())]
+
+
+def test_one_call_layer_drafts_like_the_module_path(monkeypatch):
+    """On a CPU with the row kernel an int8 head runs its layer through the target's one-call C++ layer
+    (``EagleHead.forward_native``, model/cpu_layer.py) with its keys and values in the state's own buffer: the same
+    features, keys, values and chains as the module path (float rounding apart), a chain's draft pairs kept out of
+    the committed state, and a long catch-up (the module path) continued by short ones (the one-call layer)."""
+    from leapdecode.model import int8_linear
+    if not int8_linear.available():
+        pytest.skip("no int8 drafting kernel in this torch build")
+    head = tiny_head(draft_vocab=100).quantize_int8()
+    if head.native(64) is None:
+        pytest.skip("the one-call CPU layer does not run here (no AVX-512 row kernel)")
+    g = torch.Generator().manual_seed(11)
+    feats = torch.randn(30, 64, generator=g)
+    toks = torch.randint(0, 384, (30,), generator=g).tolist()
+    calls = []
+    real = EagleHead.forward_native
+
+    def counted(self, *a, **kw):
+        calls.append(1)
+        return real(self, *a, **kw)
+
+    monkeypatch.setattr(EagleHead, "forward_native", counted)
+
+    def run():
+        s = extend_state(head, None, feats[:20], toks[:20], 0)           # 20 pairs: past the one-call rows
+        for a, b in ((20, 22), (22, 23), (23, 30)):
+            s = extend_state(head, s, feats[a:b], toks[a:b], a)
+        k_before = s.k.clone()
+        chains = draft_chains(head, [s], [4])
+        assert s.length == 30 and torch.equal(s.k, k_before)           # draft pairs stayed scratch
+        return s, chains[0]
+
+    s_native, (t_native, p_native) = run()
+    assert len(calls) == 3 + 3                                           # three catch-ups, three draft depths
+    # every row of a call, causal among the call's own pairs, against the module's forward over the same pairs
+    fresh = HeadState.empty(head.cfg.num_kv_heads, head.cfg.head_dim, 0, 8, feats)
+    rows = real(head, head.native(8), fresh, feats[:5], torch.tensor(toks[:5]), 0, 0)
+    ref, _, _ = head(feats[None, :5], torch.tensor(toks[:5])[None], torch.arange(5)[None])
+    torch.testing.assert_close(rows, ref[0], rtol=1e-4, atol=1e-4)
+    monkeypatch.setattr(EagleHead, "native", lambda self, max_pos: None)
+    calls.clear()
+    s_module, (t_module, p_module) = run()
+    assert not calls
+    torch.testing.assert_close(s_native.last_out, s_module.last_out, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(s_native.k, s_module.k, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(s_native.v, s_module.v, rtol=1e-4, atol=1e-4)
+    assert t_native == t_module and p_native == pytest.approx(p_module, rel=1e-4)
 
 
 def test_eagle_drafter_int8_option(tiny_dir, tmp_path):

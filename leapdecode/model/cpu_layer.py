@@ -141,7 +141,7 @@ torch::Tensor decoder_layer(torch::Tensor x, std::vector<torch::Tensor> w, std::
 """
 
 
-def _linear_parts(m: Any) -> list[torch.Tensor] | None:
+def linear_parts(m: Any) -> list[torch.Tensor] | None:
     """(weight, scale, bias) of a product the row kernel runs, as the C++ layer takes them; None otherwise."""
     from leapdecode.model.int8_linear import Int8Linear
     from leapdecode.model.packed_linear import PackedLinear
@@ -172,7 +172,7 @@ class FusedLayer:
         attn, mlp = layer.self_attn, layer.mlp
         mods = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
         fused = FusedLayer([], [], None, key)
-        linears = [_linear_parts(m) for m in mods]
+        linears = [linear_parts(m) for m in mods]
         norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
         if (all(p is not None for p in linears) and attn.q_norm is None and model_layers.FUSED_OPS
                 and all(w.dtype == torch.float32 and w.is_contiguous() for w in norms)
@@ -224,4 +224,4 @@ def run(layer: Any, x: torch.Tensor, meta: Any) -> torch.Tensor | None:
     return fused(x if x.is_contiguous() else x.contiguous(), cache[1], step)
 
 
-__all__ = ["FusedLayer", "run"]
+__all__ = ["FusedLayer", "linear_parts", "run"]

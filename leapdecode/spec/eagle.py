@@ -39,6 +39,11 @@ from leapdecode.spec.index import as_int_list
 from leapdecode.spec.tree import DraftTree
 
 HEAD_ARCHITECTURE = "LeapdecodeEagleHead"
+_EMPTY = torch.empty(0, dtype=torch.int64)
+_ONE_BLOCK = torch.zeros(1, 1, dtype=torch.int64)    # a head state's block table: its buffer is one block
+_NATIVE_ROWS = 12
+"""Pairs per call through the one-call layer (its int8 matmuls' row kernel: ``Int8Linear.ROWS_MAX``); a longer
+catch-up (a new prompt) runs the module path, whose int8 matmuls go through fbgemm beyond that."""
 INT8_LAYERS = ["qkv_proj", "o_proj", "mlp.gate_up_proj", "mlp.down_proj"]
 """The head's matmuls drafted from int8 weights. Not ``fc``: its input is [the token's embedding, the target's
 feature], and fbgemm quantizes a linear's input with one scale per call, which the feature's outlier dimensions
@@ -155,6 +160,57 @@ class EagleHead(nn.Module):
         x = x + self.o_proj(o.transpose(1, 2).reshape(B, T, self.q_size))
         x = x + self.mlp(self.post_attention_layernorm(x))
         return x, k, v
+
+    # -- the CPU's one-call layer -------------------------------------------------------------------------------
+    def native(self, max_pos: int) -> tuple | None:
+        """(weights, params, fc) for ``forward_native``, or None where the one-call layer (model/cpu_layer.py) cannot
+        run this head: off the CPU, without the row kernel, or with a matmul it does not take (a float head's
+        ``nn.Linear``; int8 heads qualify). ``max_pos``: the largest position the call will use (RoPE tables)."""
+        self._rope_tables(max_pos + 1, self.input_layernorm.weight.device)
+        mods = (self.qkv_proj, self.o_proj, self.mlp.gate_up_proj, self.mlp.down_proj)
+        key = (self.rope.cos, *map(id, mods), id(self.fc), self.fc.weight._version,
+               None if self.fc.bias is None else self.fc.bias._version)
+        cached = self.__dict__.get("_native_parts")
+        if cached is not None and len(cached[0]) == len(key) and all(a is b or a == b for a, b in zip(cached[0], key)):
+            return cached[1]
+        parts = None
+        from leapdecode.model import cpu_layer, packed_linear
+        from leapdecode.model import layers as model_layers
+        from leapdecode.attention import cpu_exact
+        norms = (self.input_layernorm.weight, self.post_attention_layernorm.weight)
+        linears = [cpu_layer.linear_parts(m) for m in mods]
+        if (model_layers.FUSED_OPS and all(p is not None for p in linears) and isinstance(self.fc, nn.Linear)
+                and all(w.dtype == torch.float32 and w.device.type == "cpu" and w.is_contiguous() for w in norms)
+                and packed_linear.rows_kernel() is not None and cpu_exact.kernel() is not None
+                and self.fc.out_features % packed_linear.BLOCK == 0):
+            c = self.cfg
+            fc = packed_linear.PackedLinear(self.fc.weight.detach(), self.fc.bias, grids=False)
+            parts = ([norms[0], *linears[0], *linears[1], norms[1], *linears[2], *linears[3], self.rope.cos,
+                      self.rope.sin],
+                     [float(c.rms_norm_eps), float(c.num_heads), float(c.num_kv_heads), float(c.head_dim),
+                      1.0 / math.sqrt(c.head_dim)], fc)
+        self.__dict__["_native_parts"] = (key, parts)
+        return parts
+
+    def forward_native(self, native: tuple, state: "HeadState", feats: torch.Tensor, tokens: torch.Tensor,
+                       pos: int, row: int) -> torch.Tensor:
+        """The head's layer over pairs (feats [T, d], tokens [T]) at positions ``pos`` .. ``pos + T - 1`` in one
+        C++ call (model/cpu_layer.py's ``decoder_layer``): their keys and values are written to rows ``row`` ..
+        ``row + T - 1`` of ``state.kv`` (room reserved by the caller), and each attends rows 0 .. its own, causally.
+        Returns the predicted next features [T, d]. The same function as :meth:`forward` up to float rounding
+        (exact attention kernel, row-kernel matmuls): drafts only, verification decides every token."""
+        from leapdecode import native as native_kernels
+        weights, params, fc = native
+        T = tokens.shape[0]
+        x = fc(torch.cat([F.embedding(tokens, self.embed_weight), feats], -1))
+        mask = torch.ones(1, T, row + T, dtype=torch.bool)
+        if T > 1:
+            mask[0, :, row:] = torch.ones(T, T, dtype=torch.bool).tril()
+        cap = state.kv.shape[1]
+        step = [torch.arange(pos, pos + T), torch.arange(row, row + T), _EMPTY, _ONE_BLOCK, _EMPTY, mask, _EMPTY,
+                _EMPTY]
+        return native_kernels.kernels().decoder_layer(
+            x, weights + [state.kv.view(2, 1, cap, *state.kv.shape[2:])], step, params)
 
     def logits(self, out: torch.Tensor) -> torch.Tensor:
         """Draft-vocabulary logits (float32) of predicted features; ``draft_vocab[j]`` is column j's token."""
@@ -291,34 +347,87 @@ def distill_loss(head: EagleHead, feats: torch.Tensor, tokens: torch.Tensor, val
 
 # -- drafting ---------------------------------------------------------------------------------------------------
 
-@dataclass
 class HeadState:
-    """One sequence's committed pairs in the head: keys/values [1, Hkv, S, D] for pairs at positions
-    ``base .. base + S - 1`` and the output of the last one (the predicted next feature)."""
-    k: torch.Tensor
-    v: torch.Tensor
-    base: int
-    last_out: torch.Tensor       # [d]
+    """One sequence's committed pairs in the head: the keys and values of pairs at positions ``base`` .. ``base +
+    length - 1`` in rows 0 .. length - 1 of ``kv`` [2, capacity, Hkv, D] (keys, then values; the layout of a
+    paged cache of one block, which the CPU's one-call layer reads in place), and the output of the last pair (the
+    predicted next feature). Rows past ``length`` are free: a chain's draft pairs go there and are overwritten once
+    pairs are committed. Appending writes in place and the buffer doubles when full, so a step's catch-up copies
+    only its new pairs (a ``torch.cat`` of the whole state per step and per draft depth cost ~0.1 ms a call)."""
+
+    __slots__ = ("kv", "length", "base", "last_out")
+
+    def __init__(self, kv: torch.Tensor, length: int, base: int, last_out: torch.Tensor | None) -> None:
+        self.kv, self.length, self.base, self.last_out = kv, length, base, last_out
+
+    @classmethod
+    def of(cls, k: torch.Tensor, v: torch.Tensor, base: int, last_out: torch.Tensor | None) -> "HeadState":
+        """A state holding keys and values [1, Hkv, S, D]."""
+        state = cls.empty(k.shape[1], k.shape[3], base, k.shape[2], k)
+        state.append(k, v)
+        state.last_out = last_out
+        return state
+
+    @classmethod
+    def empty(cls, num_kv_heads: int, head_dim: int, base: int, capacity: int, like: torch.Tensor) -> "HeadState":
+        kv = like.new_empty(2, max(64, capacity), num_kv_heads, head_dim)
+        return cls(kv, 0, base, None)
+
+    @property
+    def k(self) -> torch.Tensor:
+        """The keys [1, Hkv, S, D] (a view)."""
+        return self.kv[0, :self.length].permute(1, 0, 2).unsqueeze(0)
+
+    @property
+    def v(self) -> torch.Tensor:
+        return self.kv[1, :self.length].permute(1, 0, 2).unsqueeze(0)
 
     @property
     def next_pos(self) -> int:
-        return self.base + self.k.shape[2]
+        return self.base + self.length
+
+    def copy(self) -> "HeadState":
+        return HeadState(self.kv.clone(), self.length, self.base, self.last_out)
+
+    def reserve(self, rows: int) -> None:
+        """Room for ``rows`` rows (committed pairs and a draft's scratch)."""
+        if rows > self.kv.shape[1]:
+            kv = self.kv.new_empty(2, max(rows, 2 * self.kv.shape[1]), *self.kv.shape[2:])
+            kv[:, :self.length] = self.kv[:, :self.length]
+            self.kv = kv
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Append keys and values [1, Hkv, T, D] as committed pairs."""
+        T = k.shape[2]
+        self.reserve(self.length + T)
+        self.kv[0, self.length:self.length + T] = k[0].transpose(0, 1)
+        self.kv[1, self.length:self.length + T] = v[0].transpose(0, 1)
+        self.length += T
 
 
 @torch.no_grad()
 def extend_state(head: EagleHead, state: HeadState | None, feats: torch.Tensor, next_tokens: Sequence[int],
                  start: int) -> HeadState:
     """Append committed pairs (feats[j], next_tokens[j]) at positions start + j (start must equal
-    ``state.next_pos`` when a state is given)."""
+    ``state.next_pos`` when a state is given). The state is extended in place (and returned)."""
     dev = head.draft_vocab.device
     T = len(next_tokens)
-    pos = torch.arange(start, start + T, device=dev)[None]
-    tok = torch.as_tensor(list(next_tokens), device=dev)[None]
-    past = None if state is None else (state.k, state.v)
-    out, k, v = head(feats.to(dev)[None], tok, pos, past)
+    c = head.cfg
     if state is None:
-        return HeadState(k, v, start, out[0, -1])
-    return HeadState(torch.cat([state.k, k], 2), torch.cat([state.v, v], 2), state.base, out[0, -1])
+        state = HeadState.empty(c.num_kv_heads, c.head_dim, start, 2 * T, feats)
+    tok = torch.as_tensor(list(next_tokens), device=dev)
+    native = head.native(start + T) if T <= _NATIVE_ROWS else None
+    if native is not None:
+        state.reserve(state.length + T)
+        out = head.forward_native(native, state, feats.to(dev), tok, start, state.length)
+        state.length += T
+        state.last_out = out[-1]
+        return state
+    out, k, v = head(feats.to(dev)[None], tok[None], torch.arange(start, start + T, device=dev)[None],
+                     (state.k, state.v) if state.length else None)
+    state.append(k, v)
+    state.last_out = out[0, -1]
+    return state
 
 
 @torch.no_grad()
@@ -334,6 +443,10 @@ def draft_chains(head: EagleHead, states: Sequence[HeadState], depths: Sequence[
     if B == 0:
         return []
     voc = head.vocab_list()
+    if B == 1:
+        native = head.native(states[0].next_pos + depths[0])
+        if native is not None:
+            return [_chain_native(head, native, states[0], depths[0], stop_below, voc)]
     lens = [st.k.shape[2] for st in states]
     S = max(lens)
     Hkv, D = states[0].k.shape[1], states[0].k.shape[3]
@@ -369,6 +482,26 @@ def draft_chains(head: EagleHead, states: Sequence[HeadState], depths: Sequence[
         out = o[:, 0]
         pk, pv = torch.cat([pk, k], 2), torch.cat([pv, v], 2)
     return list(zip(toks, probs))
+
+
+def _chain_native(head: EagleHead, native: tuple, state: HeadState, depth: int, stop_below: float,
+                  voc: list[int]) -> tuple[list[int], list[float]]:
+    """``draft_chains`` for one sequence through the one-call layer: each draft pair's keys and values go to the
+    state's free rows (scratch: the committed length does not move), so no copy of the state is made."""
+    state.reserve(state.length + depth)
+    out, cum = state.last_out, 0.0
+    toks: list[int] = []
+    probs: list[float] = []
+    for d in range(1, depth + 1):
+        val, idx = torch.log_softmax(head.logits(out[None])[0], 0).max(0)
+        cum += float(val)
+        toks.append(int(voc[int(idx)]))
+        probs.append(math.exp(cum))
+        if d == depth or probs[-1] < stop_below:
+            break
+        tok = torch.tensor([toks[-1]], device=out.device)
+        out = head.forward_native(native, state, out[None], tok, state.next_pos + d - 1, state.length + d - 1)[0]
+    return toks, probs
 
 
 @torch.no_grad()
@@ -496,7 +629,7 @@ class HeadPrefixCache:
             ks.append(chunk[0])
             vs.append(chunk[1])
         self.hits += len(ks)
-        return HeadState(torch.cat(ks, 2), torch.cat(vs, 2), 0, None)
+        return HeadState.of(torch.cat(ks, 2), torch.cat(vs, 2), 0, None)
 
     def store(self, state: HeadState, token_ids: Sequence[int], done: int, key: int) -> tuple[int, int]:
         """Put the chunks of ``state`` (base 0) not stored yet (``done`` of them were, the last with ``key``);
