@@ -330,9 +330,10 @@ def test_int8_head_drafts_like_the_float_head():
 def test_one_call_layer_drafts_like_the_module_path(monkeypatch):
     """On a CPU with the row kernel an int8 head runs its layer through the target's one-call C++ layer
     (``EagleHead.forward_native``, model/cpu_layer.py) with its keys and values in the state's own buffer: the same
-    features, keys, values and chains as the module path (float rounding apart), a chain's draft pairs kept out of
-    the committed state, and a long catch-up (the module path) continued by short ones (the one-call layer)."""
+    features, keys, values and chains as the module path (float rounding apart), and a chain's draft pairs kept out
+    of the committed state."""
     from leapdecode.model import int8_linear
+    from leapdecode.model.int8_linear import Int8Linear
     if not int8_linear.available():
         pytest.skip("no int8 drafting kernel in this torch build")
     head = tiny_head(draft_vocab=100).quantize_int8()
@@ -351,7 +352,7 @@ def test_one_call_layer_drafts_like_the_module_path(monkeypatch):
     monkeypatch.setattr(EagleHead, "forward_native", counted)
 
     def run():
-        s = extend_state(head, None, feats[:20], toks[:20], 0)           # 20 pairs: past the one-call rows
+        s = extend_state(head, None, feats[:20], toks[:20], 0)           # a prompt's 20 pairs
         for a, b in ((20, 22), (22, 23), (23, 30)):
             s = extend_state(head, s, feats[a:b], toks[a:b], a)
         k_before = s.k.clone()
@@ -360,13 +361,18 @@ def test_one_call_layer_drafts_like_the_module_path(monkeypatch):
         return s, chains[0]
 
     s_native, (t_native, p_native) = run()
-    assert len(calls) == 3 + 3                                           # three catch-ups, three draft depths
+    assert len(calls) == 4 + 3                                           # four catch-ups, three draft depths
+    # the module path as reference, with the one-call path's fc (weight-only int8) and every int8 product through
+    # the row kernel (the module path hands more than ROWS_MAX rows to fbgemm, which quantizes its inputs too)
+    native = head.native(64)
+    monkeypatch.setattr(EagleHead, "native", lambda self, max_pos: None)
+    monkeypatch.setattr(Int8Linear, "ROWS_MAX", 10 ** 9)
+    head.fc = Int8Linear(head.fc.weight, head.fc.bias)
     # every row of a call, causal among the call's own pairs, against the module's forward over the same pairs
     fresh = HeadState.empty(head.cfg.num_kv_heads, head.cfg.head_dim, 0, 8, feats)
-    rows = real(head, head.native(8), fresh, feats[:5], torch.tensor(toks[:5]), 0, 0)
+    rows = real(head, native, fresh, feats[:5], torch.tensor(toks[:5]), 0, 0)
     ref, _, _ = head(feats[None, :5], torch.tensor(toks[:5])[None], torch.arange(5)[None])
     torch.testing.assert_close(rows, ref[0], rtol=1e-4, atol=1e-4)
-    monkeypatch.setattr(EagleHead, "native", lambda self, max_pos: None)
     calls.clear()
     s_module, (t_module, p_module) = run()
     assert not calls

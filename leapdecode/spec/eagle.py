@@ -41,14 +41,15 @@ from leapdecode.spec.tree import DraftTree
 HEAD_ARCHITECTURE = "LeapdecodeEagleHead"
 _EMPTY = torch.empty(0, dtype=torch.int64)
 _ONE_BLOCK = torch.zeros(1, 1, dtype=torch.int64)    # a head state's block table: its buffer is one block
-_NATIVE_ROWS = 12
-"""Pairs per call through the one-call layer (its int8 matmuls' row kernel: ``Int8Linear.ROWS_MAX``); a longer
-catch-up (a new prompt) runs the module path, whose int8 matmuls go through fbgemm beyond that."""
+
 INT8_LAYERS = ["qkv_proj", "o_proj", "mlp.gate_up_proj", "mlp.down_proj"]
 """The head's matmuls drafted from int8 weights. Not ``fc``: its input is [the token's embedding, the target's
 feature], and fbgemm quantizes a linear's input with one scale per call, which the feature's outlier dimensions
 set: the embedding half came out flattened, and the shipped head's top-1 agreement with the target fell from 0.67
-to 0.32 (teacher-forced; end to end on MT-Bench 1.22 tokens per step against 1.32 for the float head)."""
+to 0.32 (teacher-forced; end to end on MT-Bench 1.22 tokens per step against 1.32 for the float head). The one-call
+path (:meth:`EagleHead.native`) does take ``fc`` in int8: through the row kernel, weight-only (its inputs stay
+float32), which left held-out acceptance unchanged (chains of 4, chat / math / code: 1.43 / 2.42 / 2.05 tokens per
+step against 1.45 / 2.41 / 2.06 with a float ``fc``, 6 prompts per task, teacher-forced)."""
 
 
 @dataclass
@@ -163,7 +164,7 @@ class EagleHead(nn.Module):
 
     # -- the CPU's one-call layer -------------------------------------------------------------------------------
     def native(self, max_pos: int) -> tuple | None:
-        """(weights, params, fc) for ``forward_native``, or None where the one-call layer (model/cpu_layer.py) cannot
+        """(weights, params, fc's row-kernel parts) for ``forward_native``, or None where the one-call layer (model/cpu_layer.py) cannot
         run this head: off the CPU, without the row kernel, or with a matmul it does not take (a float head's
         ``nn.Linear``; int8 heads qualify). ``max_pos``: the largest position the call will use (RoPE tables)."""
         self._rope_tables(max_pos + 1, self.input_layernorm.weight.device)
@@ -174,7 +175,7 @@ class EagleHead(nn.Module):
         if cached is not None and len(cached[0]) == len(key) and all(a is b or a == b for a, b in zip(cached[0], key)):
             return cached[1]
         parts = None
-        from leapdecode.model import cpu_layer, packed_linear
+        from leapdecode.model import cpu_layer, int8_linear, packed_linear
         from leapdecode.model import layers as model_layers
         from leapdecode.attention import cpu_exact
         norms = (self.input_layernorm.weight, self.post_attention_layernorm.weight)
@@ -184,7 +185,7 @@ class EagleHead(nn.Module):
                 and packed_linear.rows_kernel() is not None and cpu_exact.kernel() is not None
                 and self.fc.out_features % packed_linear.BLOCK == 0):
             c = self.cfg
-            fc = packed_linear.PackedLinear(self.fc.weight.detach(), self.fc.bias, grids=False)
+            fc = int8_linear.Int8Linear(self.fc.weight, self.fc.bias).row_parts()   # weight-only int8
             parts = ([norms[0], *linears[0], *linears[1], norms[1], *linears[2], *linears[3], self.rope.cos,
                       self.rope.sin],
                      [float(c.rms_norm_eps), float(c.num_heads), float(c.num_kv_heads), float(c.head_dim),
@@ -202,15 +203,15 @@ class EagleHead(nn.Module):
         from leapdecode import native as native_kernels
         weights, params, fc = native
         T = tokens.shape[0]
-        x = fc(torch.cat([F.embedding(tokens, self.embed_weight), feats], -1))
+        kernels = native_kernels.kernels()
+        x = kernels.rows_linear_int8(torch.cat([F.embedding(tokens, self.embed_weight), feats], -1), *fc)
         mask = torch.ones(1, T, row + T, dtype=torch.bool)
         if T > 1:
             mask[0, :, row:] = torch.ones(T, T, dtype=torch.bool).tril()
         cap = state.kv.shape[1]
         step = [torch.arange(pos, pos + T), torch.arange(row, row + T), _EMPTY, _ONE_BLOCK, _EMPTY, mask, _EMPTY,
                 _EMPTY]
-        return native_kernels.kernels().decoder_layer(
-            x, weights + [state.kv.view(2, 1, cap, *state.kv.shape[2:])], step, params)
+        return kernels.decoder_layer(x, weights + [state.kv.view(2, 1, cap, *state.kv.shape[2:])], step, params)
 
     def logits(self, out: torch.Tensor) -> torch.Tensor:
         """Draft-vocabulary logits (float32) of predicted features; ``draft_vocab[j]`` is column j's token."""
@@ -416,7 +417,7 @@ def extend_state(head: EagleHead, state: HeadState | None, feats: torch.Tensor, 
     if state is None:
         state = HeadState.empty(c.num_kv_heads, c.head_dim, start, 2 * T, feats)
     tok = torch.as_tensor(list(next_tokens), device=dev)
-    native = head.native(start + T) if T <= _NATIVE_ROWS else None
+    native = head.native(start + T)
     if native is not None:
         state.reserve(state.length + T)
         out = head.forward_native(native, state, feats.to(dev), tok, start, state.length)
