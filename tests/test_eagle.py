@@ -139,6 +139,39 @@ def test_batched_chains_equal_one_sequence_at_a_time(draft_vocab):
         assert probs == pytest.approx(ref_probs, rel=1e-4)
 
 
+@pytest.mark.parametrize("int8", [False, True])
+def test_chains_stop_where_one_more_depth_does_not_pay(int8):
+    """Priced chains (the controller's ``token_prices`` handed over as ``worth``): a chain stops after the first
+    token whose path probability times what a token saves no longer covers verifying one more plus a depth's
+    drafting (``drafter.depth_pays``), one sequence alone (the one-call layer, where it runs) and several batched;
+    unpriced, every chain runs to its depth with the same tokens and probabilities."""
+    from leapdecode.spec.draft_model import RowCost
+    if int8:
+        from leapdecode.model import int8_linear
+        if not int8_linear.available():
+            pytest.skip("no int8 drafting kernel in this torch build")
+    head = tiny_head(draft_vocab=100)
+    if int8:
+        head.quantize_int8()
+    g = torch.Generator().manual_seed(3)
+    states = [extend_state(head, None, torch.randn(n, 64, generator=g),
+                           torch.randint(0, 384, (n,), generator=g).tolist(), 0) for n in (7, 12, 9)]
+
+    class Fixed(RowCost):            # a depth costs a row 0.1 s, whatever the clock says
+        def per_row(self, rows):
+            return 0.1
+
+    for group in (states[:1], states):
+        full = draft_chains(head, group, [6] * len(group))
+        assert all(len(t) == 6 for t, _ in full)
+        worth = [(1.0, 0.75)] * len(group)           # a depth pays while its path probability is >= 0.85
+        priced = draft_chains(head, group, [6] * len(group), worth=worth, cost=Fixed())
+        for (t, p), (tp, pp) in zip(full, priced):
+            n = next((i + 1 for i, x in enumerate(p) if x < 0.85), 6)
+            assert tp == t[:n] and pp == pytest.approx(p[:n], rel=1e-6)
+        assert any(len(t) < 6 for t, _ in priced)      # the rule bit somewhere
+
+
 def test_drafts_carry_the_heads_confidence_and_stop_where_it_is_low():
     """EAGLE drafts carry the head's cumulative probability of each node as ``confidence`` (the controller prices
     each draft token by it): a chain's probabilities in order, a tree's nodes best first (still topological); a

@@ -92,11 +92,11 @@ def test_draft_model_greedy_identical_and_accepted(embedded, int8):
     llm = make_llm(target, speculative_config=spec("draft_model", k=3, adaptive=True, model=draft))
     drafter, priced = llm.engine.speculator.drafter, []
     real = drafter.propose
-    drafter.propose = lambda reqs: (priced.extend(r.token_seconds for r in reqs), real(reqs))[1]
-    llm.engine.speculator.controller.token_seconds = lambda *a: 0.125      # (its value is timing; the hand-over not)
+    drafter.propose = lambda reqs: (priced.extend((r.token_seconds, r.verify_seconds) for r in reqs), real(reqs))[1]
+    llm.engine.speculator.controller.token_prices = lambda *a: (0.125, 0.01)   # (its value is timing; the hand-over not)
     for p, r in zip(prompts[:2], ref[:2]):
         assert llm.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids == r
-    assert llm.engine.speculator.num_proposals > 0 and priced and set(priced) == {0.125}, priced
+    assert llm.engine.speculator.num_proposals > 0 and priced and set(priced) == {(0.125, 0.01)}, priced
     assert_all_free(llm)
 
 
@@ -587,10 +587,11 @@ def test_greedy_model_drafts_carry_their_path_confidence():
 
 def test_model_drafts_stop_where_the_next_token_is_not_worth_its_drafting():
     """SpecDec++'s stopping rule priced on the machine: with calibrated confidences, a row stops drafting once its
-    path probability times what an accepted token saves (``DraftRequest.token_seconds``) is below what a draft
-    position costs a row. Tokens sure at 0.5 a token (path 0.5, 0.25, ...), worth 1 s each, at 0.3 s a
-    position: the second token is drafted (0.5 >= 0.3), the third is not (0.25 < 0.3). Without the rule, or
-    without a price for tokens, the chain runs to its limit; its confidences are the calibrated path either way."""
+    path probability times what an accepted token saves (``DraftRequest.token_seconds``) is below what verifying
+    one more token costs (``verify_seconds``, accepted or not) plus what a draft position costs a row. Tokens sure
+    at 0.5 a token (path 0.5, 0.25, ...), worth 1 s each, at 0.3 s a position: the second token is drafted (0.5 >=
+    0.3), the third is not (0.25 < 0.3). Without the rule, or without a price for tokens, the chain runs to its
+    limit; its confidences are the calibrated path either way."""
     from types import SimpleNamespace as NS
 
     from leapdecode.spec.calibration import ChainCalibration
@@ -608,8 +609,9 @@ def test_model_drafts_stop_where_the_next_token_is_not_worth_its_drafting():
         def per_row(self, rows):
             return 0.3
 
-    def lengths(token_seconds, cost):
-        ctxs = [NS(seq_id=i, token_ids=[1, 2, 3], token_seconds=s) for i, s in enumerate(token_seconds)]
+    def lengths(token_seconds, cost, verify=0.0):
+        ctxs = [NS(seq_id=i, token_ids=[1, 2, 3], token_seconds=s, verify_seconds=verify)
+                for i, s in enumerate(token_seconds)]
         drafts = draft_chains(Sampler(), torch.zeros(len(ctxs), 8), ctxs, [4] * len(ctxs), 0.0,
                               lambda a, d, t: torch.zeros(len(a), 8), ChainCalibration(), cost)
         assert all(d.confidence == pytest.approx([0.5 ** j for j in range(1, len(d) + 1)]) for d in drafts)
@@ -617,10 +619,13 @@ def test_model_drafts_stop_where_the_next_token_is_not_worth_its_drafting():
 
     assert lengths([1.0, 0.0, 10.0], Fixed()) == [2, 4, 4]       # 10 s a token: 0.125 * 10 >= 0.3 at depth 3
     assert lengths([1.0], None) == [4]
+    # verifying a token costs 0.25 s, accepted or not: at 1 s a token the second is not drafted (0.5 < 0.25 + 0.3;
+    # charged to accepted tokens only, 0.5 * 0.75 >= 0.3 drafted it), at 1.2 s it is (0.6), the third not (0.3)
+    assert lengths([1.0, 1.2], Fixed(), verify=0.25) == [1, 2]
 
 
 def test_an_accepted_token_is_worth_its_rows_share_of_a_step_less_its_verification():
-    """``Controller.token_seconds``: T(B) / B of a decode-only step at the batch that decodes, less the time one
+    """``Controller.token_prices``: T(B) / B of a decode-only step at the batch that decodes, and the time one
     more token adds to this step (what a model drafter's stopping rule weighs a draft position against)."""
     from leapdecode.spec.controller import Controller, StepTimeModel
     st = StepTimeModel()
@@ -628,5 +633,5 @@ def test_an_accepted_token_is_worth_its_rows_share_of_a_step_less_its_verificati
     for _ in range(3):
         for n, t in ((1, 0.010), (2, 0.011), (3, 0.012), (8, 0.020), (9, 0.0205)):
             st.observe(n, t, num_seqs=1 if n <= 3 else 8)
-    assert ctl.token_seconds(1, 1, 1) == pytest.approx(0.010 - 0.001)
-    assert ctl.token_seconds(8, 8, 8) == pytest.approx(0.020 / 8 - 0.0005)
+    assert ctl.token_prices(1, 1, 1) == pytest.approx((0.010, 0.001))
+    assert ctl.token_prices(8, 8, 8) == pytest.approx((0.020 / 8, 0.0005))

@@ -961,13 +961,14 @@ class Controller:
                             else None}
         return chosen
 
-    def token_seconds(self, batch: int, other_tokens: int, num_seqs: int | None = None) -> float:
-        """What one accepted draft token saves in this step, in seconds: its row's share of a decode-only step at
-        the batch that decodes, T(B) / B (as :meth:`_choose_mixed` prices it), less what verifying one more token
-        adds to a step of ``other_tokens`` tokens (a model drafter's stopping rule, spec/draft_model.py)."""
+    def token_prices(self, batch: int, other_tokens: int, num_seqs: int | None = None) -> tuple[float, float]:
+        """(what one accepted draft token saves in this step, what verifying one more token adds to it), in seconds:
+        its row's share of a decode-only step at the batch that decodes, T(B) / B (as :meth:`_choose_mixed` prices
+        it), and T(other_tokens + 1) - T(other_tokens) for this step (a model drafter's stopping rule,
+        spec/drafter.py ``depth_pays``)."""
         B = max(int(batch), 1)
         extra = self.step_time(other_tokens + 1, num_seqs) - self.step_time(other_tokens, num_seqs)
-        return max(self.step_seconds(B, B) / B - extra, 0.0)
+        return self.step_seconds(B, B) / B, max(extra, 0.0)
 
     def step_seconds(self, tokens: int, num_seqs: int | None = None, per_seq: int = 1) -> float:
         """Predicted seconds of a step of ``tokens`` tokens; of its graph bucket when it holds ``num_seqs``

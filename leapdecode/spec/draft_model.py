@@ -59,7 +59,7 @@ from leapdecode.sampling.rejection import DRAFT_SALT
 from leapdecode.sampling.sampler import (Row, SamplingBatch, argmax_rows, inverse_cdf_sample, keyed_uniforms,
                                          seeded_uniform)
 from leapdecode.spec.calibration import ChainCalibration
-from leapdecode.spec.drafter import Draft, DraftRequest
+from leapdecode.spec.drafter import Draft, DraftRequest, depth_pays
 
 
 CATCH_UP_TOKENS = 2048   # most tokens one catch-up forward of the draft model computes
@@ -67,12 +67,13 @@ CATCH_UP_TOKENS = 2048   # most tokens one catch-up forward of the draft model c
 
 class _Ctx:
     """The committed state of one request as the sampler's ``Row`` reads it (a ``Sequence`` look-alike)."""
-    __slots__ = ("token_ids", "num_prompt_tokens", "params", "index", "num_placeholders", "seq_id", "token_seconds")
+    __slots__ = ("token_ids", "num_prompt_tokens", "params", "index", "num_placeholders", "seq_id", "token_seconds",
+                 "verify_seconds")
 
     def __init__(self, req: DraftRequest) -> None:
         self.token_ids, self.num_prompt_tokens = req.token_ids, req.num_prompt_tokens
         self.params, self.index, self.num_placeholders = req.params, req.sample_index, 0
-        self.seq_id, self.token_seconds = req.seq_id, req.token_seconds
+        self.seq_id, self.token_seconds, self.verify_seconds = req.seq_id, req.token_seconds, req.verify_seconds
 
     @property
     def num_output_tokens(self) -> int:
@@ -145,10 +146,11 @@ def draft_chains(sampler: DraftSampler, logits: torch.Tensor, ctxs: list[_Ctx], 
 
     **Stopping** (SpecDec++'s rule, priced on this machine): with ``calibration`` and ``cost``, a row whose request
     says what an accepted token saves (``DraftRequest.token_seconds``, from the controller) stops once its chain's
-    calibrated path probability times that is less than a draft position costs a row (``cost``, timed here): the
-    next token is worth at most the path's probability, and its drafting time is spent whether or not the
-    controller keeps it. An int8 self-draft position costs ~0.6 of a target step at batch 1 on the CPU, so a
-    fourth token that is 45% likely lost time."""
+    calibrated path probability times that no longer covers verifying one more token (``verify_seconds``) plus a
+    draft position's cost to a row (``cost``, timed here): ``drafter.depth_pays``. The next token is worth at most
+    the path's probability, and its drafting time is spent whether or not the controller keeps it. An int8
+    self-draft position costs ~0.6 of a target step at batch 1 on the CPU, so a fourth token that is 45% likely
+    lost time."""
     B = len(ctxs)
     tokens: list[list[int]] = [[] for _ in range(B)]
     qs: list[list[torch.Tensor]] = [[] for _ in range(B)]
@@ -182,7 +184,7 @@ def draft_chains(sampler: DraftSampler, logits: torch.Tensor, ctxs: list[_Ctx], 
             if calibration is not None:
                 path[b] *= calibration.estimate(conf[a], not greedy[a])
             worth = ctxs[b].token_seconds if per_row is not None else 0.0
-            pays = not worth or path[b] * worth >= per_row
+            pays = not worth or depth_pays(path[b], worth, ctxs[b].verify_seconds, per_row)
             if depth < limits[b] and conf[a] >= threshold and pays:
                 nxt.append(b)
         active = nxt

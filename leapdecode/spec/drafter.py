@@ -56,9 +56,21 @@ class DraftRequest:
     params: Any = None           # the request's SamplingParams: a drafter with probabilities processes q alike
     sample_index: int = 0        # the sample's index in its request (seeded draws are keyed by it)
     block_table: Sequence[int] = ()   # the target's KV blocks, holding the KV of every committed token but the last
-    # seconds an accepted draft token saves on this machine now, net of verifying it (0: not known); a drafter that
-    # pays for each draft position may stop once the next token is not worth its drafting (spec/draft_model.py)
+    # seconds an accepted draft token saves on this machine now (0: not known), and what verifying one more token
+    # adds to the step, accepted or not: a drafter that pays for each draft position stops once the next one does
+    # not pay (:func:`depth_pays`; spec/draft_model.py, spec/eagle.py)
     token_seconds: float = 0.0
+    verify_seconds: float = 0.0
+
+
+def depth_pays(path_prob: float, token_seconds: float, verify_seconds: float, depth_seconds: float) -> bool:
+    """SpecDec++'s stopping rule priced in seconds: one more draft depth is worth drafting when the chain's path
+    probability (an upper bound on the next token's: a deeper token is less probable still) times what an accepted
+    token saves covers what verifying one more token adds, which is paid whether it is accepted or not, plus what
+    drafting the depth costs. (Charging the verification only to accepted tokens, as this rule did before, let an
+    EAGLE chain on the CPU run to four tokens that the controller then cut to two: there a depth costs ~0.07 of a
+    step to draft and ~0.17 to verify.)"""
+    return path_prob * token_seconds >= verify_seconds + depth_seconds
 
 
 class Drafter(Protocol):

@@ -34,7 +34,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from leapdecode.model.layers import GatedMLP, RMSNorm, RotaryEmbedding
-from leapdecode.spec.drafter import Draft, DraftRequest
+from leapdecode.spec.draft_model import RowCost
+from leapdecode.spec.drafter import Draft, DraftRequest, depth_pays
 from leapdecode.spec.index import as_int_list
 from leapdecode.spec.tree import DraftTree
 
@@ -164,8 +165,8 @@ class EagleHead(nn.Module):
 
     # -- the CPU's one-call layer -------------------------------------------------------------------------------
     def native(self, max_pos: int) -> tuple | None:
-        """(weights, params, fc's row-kernel parts) for ``forward_native``, or None where the one-call layer (model/cpu_layer.py) cannot
-        run this head: off the CPU, without the row kernel, or with a matmul it does not take (a float head's
+        """(weights, params, fc's row-kernel parts) for ``forward_native``, or None where the one-call layer
+        (model/cpu_layer.py) cannot run this head: off the CPU, without the row kernel, or with a matmul it does not take (a float head's
         ``nn.Linear``; int8 heads qualify). ``max_pos``: the largest position the call will use (RoPE tables)."""
         self._rope_tables(max_pos + 1, self.input_layernorm.weight.device)
         mods = (self.qkv_proj, self.o_proj, self.mlp.gate_up_proj, self.mlp.down_proj)
@@ -432,14 +433,18 @@ def extend_state(head: EagleHead, state: HeadState | None, feats: torch.Tensor, 
 
 
 @torch.no_grad()
-def draft_chains(head: EagleHead, states: Sequence[HeadState], depths: Sequence[int], stop_below: float = 0.0
+def draft_chains(head: EagleHead, states: Sequence[HeadState], depths: Sequence[int], stop_below: float = 0.0,
+                 worth: Sequence[tuple[float, float]] | None = None, cost: RowCost | None = None
                  ) -> list[tuple[list[int], list[float]]]:
     """Greedy chains for several sequences at once: what ``draft(head, state, depth)`` gives for each (top-1 at
     every depth), one head forward per depth for the whole batch instead of one per sequence. The sequences'
     head KV (different lengths) is right-padded into one [B, Hkv, S, D] block and masked; each chain's own draft
     KV is appended after it. Returns per sequence (tokens, cumulative probabilities). ``stop_below``: stop once
     every chain that could still grow has a cumulative probability below it (a deeper token is less probable
-    still: SpecDec++'s stopping rule; the head's cumulative probability tracks the acceptance rate closely)."""
+    still: SpecDec++'s stopping rule; the head's cumulative probability tracks the acceptance rate closely).
+    ``worth`` (per sequence, the seconds an accepted token saves and verifying one more costs:
+    ``DraftRequest.token_seconds``, ``verify_seconds``) and ``cost`` (a draft depth's measured seconds per row, timed
+    here): a chain also stops once one more depth does not pay (``drafter.depth_pays``, as draft_model's chains)."""
     B, dev = len(states), head.draft_vocab.device
     if B == 0:
         return []
@@ -447,7 +452,8 @@ def draft_chains(head: EagleHead, states: Sequence[HeadState], depths: Sequence[
     if B == 1:
         native = head.native(states[0].next_pos + depths[0])
         if native is not None:
-            return [_chain_native(head, native, states[0], depths[0], stop_below, voc)]
+            return [_chain_native(head, native, states[0], depths[0], stop_below, voc,
+                                  worth[0] if worth else None, cost)]
     lens = [st.k.shape[2] for st in states]
     S = max(lens)
     Hkv, D = states[0].k.shape[1], states[0].k.shape[3]
@@ -462,20 +468,28 @@ def draft_chains(head: EagleHead, states: Sequence[HeadState], depths: Sequence[
     cum = torch.zeros(B, device=dev)
     probs: list[list[float]] = [[] for _ in range(B)]
     depth = max(depths)
+    limit = list(depths)
+    t_depth = time.perf_counter()
     for d in range(1, depth + 1):
         lp = torch.log_softmax(head.logits(out), -1)                                       # [B, V']
         val, idx = lp.max(-1)
         cum = cum + val
         tok = [int(voc[j]) for j in idx.tolist()]
+        if cost is not None and d > 1:
+            cost.observe(B, time.perf_counter() - t_depth)
+        per_row = cost.per_row(B) if cost is not None and worth else None
         growing = 0.0                            # the most probable chain that may still grow
         for b, (t, c) in enumerate(zip(tok, torch.exp(cum).tolist())):
-            if d <= depths[b]:
+            if d <= limit[b]:
                 toks[b].append(t)
                 probs[b].append(c)
-                if d < depths[b]:
+                if per_row is not None and not depth_pays(c, *worth[b], per_row):
+                    limit[b] = d                 # one more depth costs more than this chain's next token is worth
+                if d < limit[b]:
                     growing = max(growing, c)
-        if d == depth or growing < stop_below:
+        if d == depth or growing < stop_below or growing == 0.0:
             break
+        t_depth = time.perf_counter()
         # the pair (predicted feature, drafted token) at position next_pos + d - 1 predicts the next feature
         mask = torch.cat([seen, seen.new_ones(B, d)], 1)[:, None, None]                     # [B, 1, 1, S + d]
         o, k, v = head(out[:, None], torch.tensor(tok, device=dev)[:, None], (base + d - 1)[:, None], (pk, pv),
@@ -486,20 +500,26 @@ def draft_chains(head: EagleHead, states: Sequence[HeadState], depths: Sequence[
 
 
 def _chain_native(head: EagleHead, native: tuple, state: HeadState, depth: int, stop_below: float,
-                  voc: list[int]) -> tuple[list[int], list[float]]:
+                  voc: list[int], worth: tuple[float, float] | None, cost: RowCost | None
+                  ) -> tuple[list[int], list[float]]:
     """``draft_chains`` for one sequence through the one-call layer: each draft pair's keys and values go to the
     state's free rows (scratch: the committed length does not move), so no copy of the state is made."""
     state.reserve(state.length + depth)
     out, cum = state.last_out, 0.0
     toks: list[int] = []
     probs: list[float] = []
+    t_depth = 0.0
     for d in range(1, depth + 1):
         val, idx = torch.log_softmax(head.logits(out[None])[0], 0).max(0)
         cum += float(val)
         toks.append(int(voc[int(idx)]))
         probs.append(math.exp(cum))
-        if d == depth or probs[-1] < stop_below:
+        if cost is not None and d > 1:
+            cost.observe(1, time.perf_counter() - t_depth)
+        per_row = cost.per_row(1) if cost is not None and worth else None
+        if d == depth or probs[-1] < stop_below or (per_row is not None and not depth_pays(probs[-1], *worth, per_row)):
             break
+        t_depth = time.perf_counter()
         tok = torch.tensor([toks[-1]], device=out.device)
         out = head.forward_native(native, state, out[None], tok, state.next_pos + d - 1, state.length + d - 1)[0]
     return toks, probs
@@ -691,6 +711,7 @@ class EagleDrafter:
         self.prefix = HeadPrefixCache()
         self._stored: dict[int, tuple[int, int]] = {}   # seq_id -> (chunks put in ``prefix``, the last one's key)
         self.num_drafts = 0
+        self.cost = RowCost()            # a chain's draft depth, seconds per row (the stopping rule's price)
 
     @classmethod
     def for_runner(cls, runner, model: str | None = None, num_speculative_tokens: int = 4, top_k: int = 1,
@@ -832,8 +853,11 @@ class EagleDrafter:
             out[i] = Draft.from_tree(tree, score=probs[0] if probs else 0.0)
             out[i].confidence = probs
         if chains:
+            worth = [(requests[i].token_seconds, requests[i].verify_seconds) for i, _, _ in chains]
+            priced = any(w[0] for w in worth)
             for (i, _, _), (toks, probs) in zip(chains, draft_chains(self.head, [c[1] for c in chains],
-                                                                      [c[2] for c in chains], self.stop_below)):
+                                                                      [c[2] for c in chains], self.stop_below,
+                                                                      worth if priced else None, self.cost)):
                 out[i] = Draft(toks, None, score=probs[0] if probs else 0.0, confidence=probs)
         self.last_train_seconds = 0.0
         if self.online is not None:

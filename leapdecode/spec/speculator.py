@@ -117,8 +117,8 @@ class Speculator:
         self._gate_calls = 0
         self._step_shape = (0, 0)        # this step's (decoding requests, tokens computed anyway), for the gate
         self._token_batch = 1            # ... and the batch that decodes (what an accepted token is worth)
-        # draft_model and layer_skip (alone or in auto) stop drafting by the controller's price of a token
-        self._prices_tokens = self.controller is not None and bool({"draft_model", "layer_skip"}
+        # the model drafters' chains (alone or in auto) stop drafting by the controller's price of a token
+        self._prices_tokens = self.controller is not None and bool({"draft_model", "layer_skip", "eagle"}
                                                                    & set(cfg.model_methods))
         # this step's sequences when it holds decodes only (a CUDA graph's shape; the steps the guard compares);
         # None otherwise, and between steps
@@ -202,9 +202,9 @@ class Speculator:
         budget, which spends real time."""
         t0 = time.perf_counter()
         if self._prices_tokens:          # a chain model drafter stops where a token stops paying (draft_chains)
-            worth = self.controller.token_seconds(self._token_batch, self._step_shape[1], self._decode_seqs)
+            worth, verify = self.controller.token_prices(self._token_batch, self._step_shape[1], self._decode_seqs)
             for r in reqs:
-                r.token_seconds = worth
+                r.token_seconds, r.verify_seconds = worth, verify
         drafts = self.drafter.propose(reqs)
         return self._account(drafts, time.perf_counter() - t0)
 
