@@ -50,10 +50,12 @@ from record_outputs import EDIT_TASKS, doc_prompts  # noqa: E402
 
 BENCH = os.environ.get("LEAPDECODE_BENCH_DATA", os.path.join(os.path.dirname(REPO), "shared", "bench"))
 METHODS = ("ngram", "suffix", "recycling", "auto")
-# --methods names beyond the drafters': (method, options); auto_ls = auto over the suffix drafter and layer skipping
-# (the target's own layers from int8 weights, spec/layer_skip.py), picked per request by measured goodput
+# --methods names beyond the drafters': (method, options); auto_ls / auto_eagle = auto over the suffix drafter and
+# layer skipping (the target's own layers from int8 weights, spec/layer_skip.py) / the EAGLE head (spec/eagle.py),
+# picked per request by measured goodput
 VARIANTS = {"auto_fill": ("auto", {"calibrate": False}),
-            "auto_ls": ("auto", {"methods": ["suffix", "layer_skip"]})}
+            "auto_ls": ("auto", {"methods": ["suffix", "layer_skip"]}),
+            "auto_eagle": ("auto", {"methods": ["suffix", "eagle"]})}
 
 
 def read_jsonl(*parts: str) -> list[dict]:
