@@ -93,7 +93,8 @@ def test_draft_model_greedy_identical_and_accepted(embedded, int8):
     drafter, priced = llm.engine.speculator.drafter, []
     real = drafter.propose
     drafter.propose = lambda reqs: (priced.extend((r.token_seconds, r.verify_seconds) for r in reqs), real(reqs))[1]
-    llm.engine.speculator.controller.token_prices = lambda *a: (0.125, 0.01)   # (its value is timing; the hand-over not)
+    # (its value is timing; the hand-over not)
+    llm.engine.speculator.controller.token_prices = lambda *a: (0.125, 0.01)
     for p, r in zip(prompts[:2], ref[:2]):
         assert llm.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids == r
     assert llm.engine.speculator.num_proposals > 0 and priced and set(priced) == {(0.125, 0.01)}, priced

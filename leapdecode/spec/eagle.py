@@ -166,8 +166,9 @@ class EagleHead(nn.Module):
     # -- the CPU's one-call layer -------------------------------------------------------------------------------
     def native(self, max_pos: int) -> tuple | None:
         """(weights, params, fc's row-kernel parts) for ``forward_native``, or None where the one-call layer
-        (model/cpu_layer.py) cannot run this head: off the CPU, without the row kernel, or with a matmul it does not take (a float head's
-        ``nn.Linear``; int8 heads qualify). ``max_pos``: the largest position the call will use (RoPE tables)."""
+        (model/cpu_layer.py) cannot run this head: off the CPU, without the row kernel, or with a matmul it does
+        not take (a float head's ``nn.Linear``; int8 heads qualify). ``max_pos``: the largest position the call
+        will use (RoPE tables). Built once and kept until the head's matmuls or ``fc`` change (online training)."""
         self._rope_tables(max_pos + 1, self.input_layernorm.weight.device)
         mods = (self.qkv_proj, self.o_proj, self.mlp.gate_up_proj, self.mlp.down_proj)
         key = (self.rope.cos, *map(id, mods), id(self.fc), self.fc.weight._version,
@@ -372,6 +373,7 @@ class HeadState:
 
     @classmethod
     def empty(cls, num_kv_heads: int, head_dim: int, base: int, capacity: int, like: torch.Tensor) -> "HeadState":
+        """No pairs yet, room for ``capacity`` (at least 64), in ``like``'s dtype and device."""
         kv = like.new_empty(2, max(64, capacity), num_kv_heads, head_dim)
         return cls(kv, 0, base, None)
 
@@ -416,7 +418,7 @@ def extend_state(head: EagleHead, state: HeadState | None, feats: torch.Tensor, 
     T = len(next_tokens)
     c = head.cfg
     if state is None:
-        state = HeadState.empty(c.num_kv_heads, c.head_dim, start, 2 * T, feats)
+        state = HeadState.empty(c.num_kv_heads, c.head_dim, start, 2 * T, head.input_layernorm.weight)
     tok = torch.as_tensor(list(next_tokens), device=dev)
     native = head.native(start + T)
     if native is not None:
@@ -517,7 +519,8 @@ def _chain_native(head: EagleHead, native: tuple, state: HeadState, depth: int, 
         if cost is not None and d > 1:
             cost.observe(1, time.perf_counter() - t_depth)
         per_row = cost.per_row(1) if cost is not None and worth else None
-        if d == depth or probs[-1] < stop_below or (per_row is not None and not depth_pays(probs[-1], *worth, per_row)):
+        if (d == depth or probs[-1] < stop_below
+                or (per_row is not None and not depth_pays(probs[-1], *worth, per_row))):
             break
         t_depth = time.perf_counter()
         tok = torch.tensor([toks[-1]], device=out.device)
