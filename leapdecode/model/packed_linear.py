@@ -174,19 +174,36 @@ static void blocks(const float* x, int64_t M, int64_t K, const W* w, float* y, i
   by_rows<V>(M - m, [&]<int R>() { tile<R, V>(xm, K, w, ym, N, n0, scale, bias); });
 }
 
-// fn.template operator()<V>(b) for every group of V blocks of 16 outputs from block b (V = VMAX, fewer at the end),
-// the groups spread over the threads: how the row kernel walks a weight.
-template <typename F>
-static void over_block_groups(int64_t nb, F&& fn) {
-  at::parallel_for(0, (nb + VMAX - 1) / VMAX, 1, [&](int64_t g0, int64_t g1) {
+// fn.template operator()<V>(b) for every group of V blocks of 16 outputs from block b, the groups spread over the
+// threads: how the row kernel walks a weight. Groups of VMAX blocks, or of fewer where that spreads the blocks more
+// evenly over the threads (576 outputs, 36 blocks: 9 groups of 4 split 5 / 4 over two threads, one waiting a fifth
+// of the time; 12 groups of 3 split 6 / 6); the last group may be shorter. Results do not depend on the grouping:
+// each output is one FMA chain over the inputs whichever tile computes it.
+template <int V, typename F>
+static void over_groups_of(int64_t nb, F& fn) {
+  at::parallel_for(0, (nb + V - 1) / V, 1, [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g) {
-      const int64_t b = g * VMAX, v = std::min<int64_t>(VMAX, nb - b);
-      if (v == VMAX) fn.template operator()<VMAX>(b);
+      const int64_t b = g * V, v = std::min<int64_t>(V, nb - b);
+      if (v == V) fn.template operator()<V>(b);
       else if (v == 3) fn.template operator()<3>(b);
       else if (v == 2) fn.template operator()<2>(b);
       else fn.template operator()<1>(b);
     }
   });
+}
+
+template <typename F>
+static void over_block_groups(int64_t nb, F&& fn) {
+  const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
+  int best = VMAX;
+  int64_t least = -1;
+  for (int v = VMAX; v >= 2; --v) {       // blocks on the busiest thread, groups split as parallel_for splits them
+    const int64_t groups = (nb + v - 1) / v, load = std::min<int64_t>((groups + threads - 1) / threads * v, nb);
+    if (least < 0 || load < least) least = load, best = v;
+  }
+  if (best == VMAX) over_groups_of<VMAX>(nb, fn);
+  else if (best == 3) over_groups_of<3>(nb, fn);
+  else over_groups_of<2>(nb, fn);
 }
 
 // x [M, K] float32 contiguous; w packed [N/16, K, 16] of W; scale [N] or null; bias [N] or null. Returns y [M, N].
