@@ -395,6 +395,16 @@ def test_one_call_layer_drafts_like_the_module_path(monkeypatch):
 
     s_native, (t_native, p_native) = run()
     assert len(calls) == 4 + 3                                           # four catch-ups, three draft depths
+    # a prompt longer than NATIVE_ROWS goes the module path (fbgemm is faster there); positions past the RoPE
+    # tables built so far grow them, and the one-call parts are rebuilt on the new tables
+    from leapdecode.spec import eagle
+    long = extend_state(head, None, torch.randn(eagle.NATIVE_ROWS + 1, 64, generator=g),
+                        torch.randint(0, 384, (eagle.NATIVE_ROWS + 1,), generator=g).tolist(), 0)
+    assert len(calls) == 7 and long.length == eagle.NATIVE_ROWS + 1
+    start = 4 * head.rope.max_positions
+    far = extend_state(head, None, feats[:3], toks[:3], start)
+    assert len(calls) == 8 and far.next_pos == start + 3 and head.rope.max_positions > start
+    assert len(draft_chains(head, [far], [2])[0][0]) == 2
     # the module path as reference, with the one-call path's fc (weight-only int8) and every int8 product through
     # the row kernel (the module path hands more than ROWS_MAX rows to fbgemm, which quantizes its inputs too)
     native = head.native(64)

@@ -42,6 +42,11 @@ from leapdecode.spec.tree import DraftTree
 HEAD_ARCHITECTURE = "LeapdecodeEagleHead"
 _EMPTY = torch.empty(0, dtype=torch.int64)
 _ONE_BLOCK = torch.zeros(1, 1, dtype=torch.int64)    # a head state's block table: its buffer is one block
+NATIVE_ROWS = 24
+"""Most pairs one call of the one-call layer takes (a step's catch-up, a short backlog): beyond, the module path,
+whose int8 products go through fbgemm's int8 dot products, is faster (the shipped head on the 2-core Intel VM: 24
+pairs 1.0 ms either way, 200 pairs 7.3 against 4.3 ms, 1,000 pairs 62 against 25 ms); fbgemm quantizes their
+inputs, which cost the prompt's head KV next to nothing (a chain of 2: 1.71 tokens per step against 1.73)."""
 
 INT8_LAYERS = ["qkv_proj", "o_proj", "mlp.gate_up_proj", "mlp.down_proj"]
 """The head's matmuls drafted from int8 weights. Not ``fc``: its input is [the token's embedding, the target's
@@ -171,10 +176,11 @@ class EagleHead(nn.Module):
         will use (RoPE tables). Built once and kept until the head's matmuls or ``fc`` change (online training)."""
         self._rope_tables(max_pos + 1, self.input_layernorm.weight.device)
         mods = (self.qkv_proj, self.o_proj, self.mlp.gate_up_proj, self.mlp.down_proj)
-        key = (self.rope.cos, *map(id, mods), id(self.fc), self.fc.weight._version,
+        # (ids of objects the cached parts hold, so none of them can be freed and its id reused while cached)
+        key = (id(self.rope.cos), *map(id, mods), id(self.fc), self.fc.weight._version,
                None if self.fc.bias is None else self.fc.bias._version)
         cached = self.__dict__.get("_native_parts")
-        if cached is not None and len(cached[0]) == len(key) and all(a is b or a == b for a, b in zip(cached[0], key)):
+        if cached is not None and cached[0] == key:
             return cached[1]
         parts = None
         from leapdecode.model import cpu_layer, int8_linear, packed_linear
@@ -420,7 +426,7 @@ def extend_state(head: EagleHead, state: HeadState | None, feats: torch.Tensor, 
     if state is None:
         state = HeadState.empty(c.num_kv_heads, c.head_dim, start, 2 * T, head.input_layernorm.weight)
     tok = torch.as_tensor(list(next_tokens), device=dev)
-    native = head.native(start + T)
+    native = head.native(start + T) if T <= NATIVE_ROWS else None
     if native is not None:
         state.reserve(state.length + T)
         out = head.forward_native(native, state, feats.to(dev), tok, start, state.length)
