@@ -292,25 +292,35 @@ inline void chunk_rows(const Src& src, int pass, int64_t s, int64_t m, int64_t j
   }
 }
 
-// One query head over a chunk of CHUNK keys (``rows``: the key rows, each padded to DV vectors; vis[jj] != 0 where
-// the row sees key jj; any[gi]: lane group gi holds a visible key): sc = scale * q . k, eight keys at a time (key j
-// in lane j % W, its dot product summed over the head in one fixed order; -inf where unseen), their maximum ``mx``,
-// e = exp(sc - mx) (0 where unseen) and their sum ``l``, lane by lane in chunk order, then the lanes in one tree.
-inline void score_chunk(const vf* qv, int64_t DV, const float* const* rows, const int* vis, const bool* any,
-                        float scale, vf* sc, float* e, float& mx, float& l) {
+// NH query heads' dot products with the chunk's key rows, a[i][gi][w] = q_i . k (key gi * W + w), summed over the
+// head in one order (each head's own, the same as alone); each key row is read once for the NH heads.
+template <int NH>
+inline void dots(const vf* const* qv, int64_t DV, const float* const* rows, const bool* any, vf (*a)[G][W]) {
+  for (int gi = 0; gi < G; ++gi) {
+    if (!any[gi]) continue;
+    for (int w = 0; w < W; ++w) {
+      const float* k = rows[gi * W + w];
+      vf t[NH];
+      const vf k0 = load(k);
+      for (int i = 0; i < NH; ++i) t[i] = qv[i][0] * k0;
+      for (int64_t b = 1; b < DV; ++b) {
+        const vf kb = load(k + b * W);
+        for (int i = 0; i < NH; ++i) t[i] += qv[i][b] * kb;
+      }
+      for (int i = 0; i < NH; ++i) a[i][gi][w] = t[i];
+    }
+  }
+}
+
+// ``score_chunk`` from a head's dot products a[gi][w] (``dots``).
+inline void finish_scores(const vf (*a)[W], const int* vis, const bool* any, float scale, vf* sc, float* e,
+                          float& mx, float& l) {
   const vf ninf = splat(-std::numeric_limits<float>::infinity());
   vf mxv = ninf;
   for (int gi = 0; gi < G; ++gi) {
     if (!any[gi]) { sc[gi] = ninf; continue; }
-    vf a[W];
-    for (int w = 0; w < W; ++w) {
-      const float* k = rows[gi * W + w];
-      vf t = qv[0] * load(k);
-      for (int64_t b = 1; b < DV; ++b) t += qv[b] * load(k + b * W);
-      a[w] = t;
-    }
     const vi vm = *reinterpret_cast<const vi*>(vis + gi * W);
-    sc[gi] = vm ? lane_sums(a) * splat(scale) : ninf;
+    sc[gi] = vm ? lane_sums(a[gi]) * splat(scale) : ninf;
     mxv = mxv > sc[gi] ? mxv : sc[gi];
   }
   mx = mxv[0];
@@ -327,6 +337,18 @@ inline void score_chunk(const vf* qv, int64_t DV, const float* const* rows, cons
     store(e + gi * W, x);
   }
   l = lane_total(lsum);
+}
+
+// One query head over a chunk of CHUNK keys (``rows``: the key rows, each padded to DV vectors; vis[jj] != 0 where
+// the row sees key jj; any[gi]: lane group gi holds a visible key): sc = scale * q . k, eight keys at a time (key j
+// in lane j % W, its dot product summed over the head in one fixed order; -inf where unseen), their maximum ``mx``,
+// e = exp(sc - mx) (0 where unseen) and their sum ``l``, lane by lane in chunk order, then the lanes in one tree.
+inline void score_chunk(const vf* qv, int64_t DV, const float* const* rows, const int* vis, const bool* any,
+                        float scale, vf* sc, float* e, float& mx, float& l) {
+  const vf* qs[1] = {qv};
+  vf a[1][G][W];
+  dots<1>(qs, DV, rows, any, a);
+  finish_scores(a[0], vis, any, scale, sc, e, mx, l);
 }
 
 template <typename Src, int DT>
@@ -403,14 +425,26 @@ void run(const Src& src, const float* q, const bool* mask, float* out, int64_t S
           }
           continue;
         }
-        for (int64_t i = 0; i < group; ++i) {         // each head's scores and weights
-          const int64_t h = g * group + i;
-          const float* qrow = q + (r * H + h) * D;
-          if (D % W) { std::memcpy(qpad.data(), qrow, D * sizeof(float)); qrow = qpad.data(); }
-          vf qv[MAXV];
-          for (int64_t b = 0; b < DV; ++b) qv[b] = load(qrow + b * W);
-          vf sc[G];
-          score_chunk(qv, DV, rows[0], vis, any, scale, sc, weights.data() + i * CHUNK, pm[idx + h], pl[idx + h]);
+        // each head's scores and weights, up to three heads' dot products at once (each key row read once)
+        for (int64_t i = 0; i < group;) {
+          const int64_t nh = std::min<int64_t>(group - i, DV <= 8 ? 3 : 1);
+          vf qv[3][MAXV];
+          const vf* qs[3] = {qv[0], qv[1], qv[2]};
+          for (int64_t j = 0; j < nh; ++j) {
+            const float* qrow = q + (r * H + g * group + i + j) * D;
+            if (D % W) { std::memcpy(qpad.data(), qrow, D * sizeof(float)); qrow = qpad.data(); }
+            for (int64_t b = 0; b < DV; ++b) qv[j][b] = load(qrow + b * W);
+          }
+          vf a[3][G][W];
+          if (nh == 3) dots<3>(qs, DV, rows[0], any, a);
+          else if (nh == 2) dots<2>(qs, DV, rows[0], any, a);
+          else dots<1>(qs, DV, rows[0], any, a);
+          for (int64_t j = 0; j < nh; ++j) {
+            const int64_t h = g * group + i + j;
+            vf sc[G];
+            finish_scores(a[j], vis, any, scale, sc, weights.data() + (i + j) * CHUNK, pm[idx + h], pl[idx + h]);
+          }
+          i += nh;
         }
         // weighted values, keys in ascending order, up to three heads at once (their sums fill 24 registers):
         // each value row is read once for them and their sums run side by side (each head's own, in the same
