@@ -447,7 +447,8 @@ def draft_chains(head: EagleHead, states: Sequence[HeadState], depths: Sequence[
     """Greedy chains for several sequences at once: what ``draft(head, state, depth)`` gives for each (top-1 at
     every depth), one head forward per depth for the whole batch instead of one per sequence. The sequences'
     head KV (different lengths) is right-padded into one [B, Hkv, S, D] block and masked; each chain's own draft
-    KV is appended after it. Returns per sequence (tokens, cumulative probabilities). ``stop_below``: stop once
+    KV is appended after it (one sequence where the one-call layer runs: in place, :meth:`EagleHead.forward_native`).
+    Returns per sequence (tokens, cumulative probabilities). ``stop_below``: stop once
     every chain that could still grow has a cumulative probability below it (a deeper token is less probable
     still: SpecDec++'s stopping rule; the head's cumulative probability tracks the acceptance rate closely).
     ``worth`` (per sequence, the seconds an accepted token saves and verifying one more costs:
@@ -457,21 +458,37 @@ def draft_chains(head: EagleHead, states: Sequence[HeadState], depths: Sequence[
     if B == 0:
         return []
     voc = head.vocab_list()
-    if B == 1:
-        native = head.native(states[0].next_pos + depths[0])
-        if native is not None:
-            return [_chain_native(head, native, states[0], depths[0], stop_below, voc,
-                                  worth[0] if worth else None, cost)]
-    lens = [st.k.shape[2] for st in states]
-    S = max(lens)
-    Hkv, D = states[0].k.shape[1], states[0].k.shape[3]
-    pk = states[0].k.new_zeros(B, Hkv, S, D)
-    pv = pk.clone()
-    for b, st in enumerate(states):
-        pk[b, :, :lens[b]], pv[b, :, :lens[b]] = st.k[0], st.v[0]
-    seen = torch.arange(S, device=dev)[None, :] < torch.tensor(lens, device=dev)[:, None]     # [B, S]
-    out = torch.stack([st.last_out for st in states])                                      # [B, d]
-    base = torch.tensor([st.next_pos for st in states], device=dev)
+    native = head.native(states[0].next_pos + depths[0]) if B == 1 else None
+    if native is not None:
+        # one sequence through the one-call layer: each draft pair's keys and values go to the state's free rows
+        # (scratch: the committed length does not move), so no copy of the state is made
+        st = states[0]
+        st.reserve(st.length + depths[0])
+        out = st.last_out[None]
+
+        def advance(out: torch.Tensor, tok: list[int], d: int) -> torch.Tensor:
+            return head.forward_native(native, st, out, torch.tensor(tok, device=dev), st.next_pos + d - 1,
+                                       st.length + d - 1)
+    else:
+        lens = [st.k.shape[2] for st in states]
+        S = max(lens)
+        Hkv, D = states[0].k.shape[1], states[0].k.shape[3]
+        pk = states[0].k.new_zeros(B, Hkv, S, D)
+        pv = pk.clone()
+        for b, st in enumerate(states):
+            pk[b, :, :lens[b]], pv[b, :, :lens[b]] = st.k[0], st.v[0]
+        seen = torch.arange(S, device=dev)[None, :] < torch.tensor(lens, device=dev)[:, None]     # [B, S]
+        out = torch.stack([st.last_out for st in states])                                      # [B, d]
+        base = torch.tensor([st.next_pos for st in states], device=dev)
+
+        def advance(out: torch.Tensor, tok: list[int], d: int) -> torch.Tensor:
+            # the pair (predicted feature, drafted token) at position next_pos + d - 1 predicts the next feature
+            nonlocal pk, pv
+            mask = torch.cat([seen, seen.new_ones(B, d)], 1)[:, None, None]                     # [B, 1, 1, S + d]
+            o, k, v = head(out[:, None], torch.tensor(tok, device=dev)[:, None], (base + d - 1)[:, None],
+                           (pk, pv), mask)
+            pk, pv = torch.cat([pk, k], 2), torch.cat([pv, v], 2)
+            return o[:, 0]
     toks: list[list[int]] = [[] for _ in range(B)]
     cum = torch.zeros(B, device=dev)
     probs: list[list[float]] = [[] for _ in range(B)]
@@ -498,40 +515,8 @@ def draft_chains(head: EagleHead, states: Sequence[HeadState], depths: Sequence[
         if d == depth or growing < stop_below or growing == 0.0:
             break
         t_depth = time.perf_counter()
-        # the pair (predicted feature, drafted token) at position next_pos + d - 1 predicts the next feature
-        mask = torch.cat([seen, seen.new_ones(B, d)], 1)[:, None, None]                     # [B, 1, 1, S + d]
-        o, k, v = head(out[:, None], torch.tensor(tok, device=dev)[:, None], (base + d - 1)[:, None], (pk, pv),
-                       mask)
-        out = o[:, 0]
-        pk, pv = torch.cat([pk, k], 2), torch.cat([pv, v], 2)
+        out = advance(out, tok, d)
     return list(zip(toks, probs))
-
-
-def _chain_native(head: EagleHead, native: tuple, state: HeadState, depth: int, stop_below: float,
-                  voc: list[int], worth: tuple[float, float] | None, cost: RowCost | None
-                  ) -> tuple[list[int], list[float]]:
-    """``draft_chains`` for one sequence through the one-call layer: each draft pair's keys and values go to the
-    state's free rows (scratch: the committed length does not move), so no copy of the state is made."""
-    state.reserve(state.length + depth)
-    out, cum = state.last_out, 0.0
-    toks: list[int] = []
-    probs: list[float] = []
-    t_depth = 0.0
-    for d in range(1, depth + 1):
-        val, idx = torch.log_softmax(head.logits(out[None])[0], 0).max(0)
-        cum += float(val)
-        toks.append(int(voc[int(idx)]))
-        probs.append(math.exp(cum))
-        if cost is not None and d > 1:
-            cost.observe(1, time.perf_counter() - t_depth)
-        per_row = cost.per_row(1) if cost is not None and worth else None
-        if (d == depth or probs[-1] < stop_below
-                or (per_row is not None and not depth_pays(probs[-1], *worth, per_row))):
-            break
-        t_depth = time.perf_counter()
-        tok = torch.tensor([toks[-1]], device=out.device)
-        out = head.forward_native(native, state, out[None], tok, state.next_pos + d - 1, state.length + d - 1)[0]
-    return toks, probs
 
 
 @torch.no_grad()
