@@ -376,7 +376,8 @@ void run(const Src& src, const float* q, const bool* mask, float* out, int64_t S
       const bool divergent = src.divergent(s, j0);
       auto load_rows = [&](int64_t m, const bool* want) {
         for (int pass = 0; pass < 2; ++pass)
-          chunk_rows(src, pass, s, m, j0, g, want, D, DV, tile.get() + pass * CHUNK * DV * W, zero.data(), rows[pass]);
+          chunk_rows(src, pass, s, m, j0, g, want, D, DV, tile.get() + pass * CHUNK * DV * W, zero.data(),
+                     rows[pass]);
       };
       // heads i0 .. i0 + NH - 1 of kv head g (their weights in ``weights``): the weighted sums of the chunk's values
       auto weigh = [&]<int NH>(int64_t i0, const int* vis, int64_t idx) {
@@ -425,35 +426,32 @@ void run(const Src& src, const float* q, const bool* mask, float* out, int64_t S
           }
           continue;
         }
-        // each head's scores and weights, up to three heads' dot products at once (each key row read once)
-        for (int64_t i = 0; i < group;) {
-          const int64_t nh = std::min<int64_t>(group - i, DV <= 8 ? 3 : 1);
-          vf qv[3][MAXV];
-          const vf* qs[3] = {qv[0], qv[1], qv[2]};
-          for (int64_t j = 0; j < nh; ++j) {
+        // each head's scores and weights, then its weighted values, up to three heads at once: each key row and
+        // each value row is read once for them, and their sums run side by side (each head's own, in the same order
+        // as alone; the values' sums fill 24 registers)
+        auto heads = [&]<int NH>(int64_t i) {
+          vf qv[NH][MAXV];
+          const vf* qs[NH];
+          for (int j = 0; j < NH; ++j) {
             const float* qrow = q + (r * H + g * group + i + j) * D;
             if (D % W) { std::memcpy(qpad.data(), qrow, D * sizeof(float)); qrow = qpad.data(); }
             for (int64_t b = 0; b < DV; ++b) qv[j][b] = load(qrow + b * W);
+            qs[j] = qv[j];
           }
-          vf a[3][G][W];
-          if (nh == 3) dots<3>(qs, DV, rows[0], any, a);
-          else if (nh == 2) dots<2>(qs, DV, rows[0], any, a);
-          else dots<1>(qs, DV, rows[0], any, a);
-          for (int64_t j = 0; j < nh; ++j) {
+          vf a[NH][G][W];
+          dots<NH>(qs, DV, rows[0], any, a);
+          for (int j = 0; j < NH; ++j) {
             const int64_t h = g * group + i + j;
             vf sc[G];
             finish_scores(a[j], vis, any, scale, sc, weights.data() + (i + j) * CHUNK, pm[idx + h], pl[idx + h]);
           }
-          i += nh;
-        }
-        // weighted values, keys in ascending order, up to three heads at once (their sums fill 24 registers):
-        // each value row is read once for them and their sums run side by side (each head's own, in the same
-        // order as alone)
+          weigh.template operator()<NH>(i, vis, idx);
+        };
         for (int64_t i = 0; i < group;) {
           const int64_t left = std::min<int64_t>(group - i, DV <= 8 ? 3 : 1);
-          if (left == 3) weigh.template operator()<3>(i, vis, idx);
-          else if (left == 2) weigh.template operator()<2>(i, vis, idx);
-          else weigh.template operator()<1>(i, vis, idx);
+          if (left == 3) heads.template operator()<3>(i);
+          else if (left == 2) heads.template operator()<2>(i);
+          else heads.template operator()<1>(i);
           i += left;
         }
       }

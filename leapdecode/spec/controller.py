@@ -512,11 +512,11 @@ def _argmax(xs: list[float]) -> int:
 
 def _judge(passing, charged: list[float], cost: list[float], sunk: bool) -> tuple[list[float], bool, int]:
     """(scores, whether drafting pays, the best passing count or 0) for ``passing(costs)`` -> (scores, the best
-    passing count or 0; count 0 never passes), judged on the ``charged`` costs (drafting included). When drafting does not pay but the drafts
-    are in hand (``sunk``), their time is spent: keep what they gain now, judged without it (at batch 1 on the CPU
-    an EAGLE draft is ~12% of a step; charged again, a draft that came out modest was thrown away with its few
-    likely tokens). Where drafting pays, the charged choice stands: spread over more tokens, the drafting time that
-    recurs every step is what makes longer drafts worth verifying."""
+    passing count or 0; count 0 never passes), judged on the ``charged`` costs (drafting included). When drafting
+    does not pay but the drafts are in hand (``sunk``), their time is spent: keep what they gain now, judged without
+    it (at batch 1 on the CPU an EAGLE draft is ~12% of a step; charged again, a draft that came out modest was
+    thrown away with its few likely tokens). Where drafting pays, the charged choice stands: spread over more
+    tokens, the drafting time that recurs every step is what makes longer drafts worth verifying."""
     score, top = passing(charged)
     pays = top > 0
     if sunk and not pays:
