@@ -1,5 +1,6 @@
-"""4-bit weights on the CPU (``LLM(..., quantization="int4")``, model/int4_linear.py) against float32, on the real
-default model: decode speed at batch 1 and 16 beside transformers, the quality cost (perplexity on held-back text,
+"""Lossy CPU precisions against float32 activations on the real default model: 4-bit weights with bfloat16
+activations (``LLM(..., quantization="int4")``, model/int4_linear.py) and int8 activations on the GGUF's own 4-bit
+codes (``quantization="int8_activations"``, model/packed_linear.py): decode speed at batch 1 and 16 beside transformers, the quality cost (perplexity on held-back text,
 greedy agreement), and what speculation is worth once a step is cheaper.
 
     python benchmarks/cpu_int4.py                                   # every section, 2 threads
@@ -39,7 +40,7 @@ import speculative as S  # noqa: E402
 from leapdecode import LLM, SamplingParams  # noqa: E402
 from leapdecode.llm import resolve_model  # noqa: E402
 
-FORMATS = {"float32": None, "int4": "int4"}
+FORMATS = {"float32": None, "int4": "int4", "int8_activations": "int8_activations"}
 
 
 def build(path: str, quantization: str | None, spec: dict | None = None, batch_invariant: bool | None = None) -> LLM:
@@ -196,7 +197,11 @@ def main(argv=None) -> None:
     p.add_argument("--greedy-tokens", type=int, default=128)
     p.add_argument("--skip-hf", action="store_true", help="no transformers peer")
     p.add_argument("--model", default=None)
+    p.add_argument("--formats", default=",".join(FORMATS), help="of " + ", ".join(FORMATS) + " (float32 first)")
     args = p.parse_args(argv)
+    for name in list(FORMATS):
+        if name not in args.formats.split(","):
+            del FORMATS[name]
     torch.set_num_threads(args.threads)
     path = resolve_model(args.model)
     info = S.hardware()

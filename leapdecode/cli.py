@@ -50,9 +50,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                         "which fit more tokens in the same memory (default: auto)")
     g.add_argument("--kv-cache-recent-tokens", type=int, default=0, metavar="N",
                    help="a quantized KV cache keeps each sequence's N newest tokens at full precision (default: 0)")
-    g.add_argument("--quantization", choices=["int4"], default=None,
-                   help="int4: LOSSY 4-bit weights with bfloat16 activations on a CPU, ~2x faster decoding at "
-                        "batch 1, ~1x from batch 16 (a 4-bit GGUF keeps its own weights) (default: off)")
+    g.add_argument("--quantization", choices=["int4", "int8_activations"], default=None,
+                   help="int4: LOSSY 4-bit weights with bfloat16 activations on a CPU (a 4-bit GGUF keeps its "
+                        "own weights); int8_activations: LOSSY int8 activations on a 4-bit GGUF's codes (AVX-512 "
+                        "VNNI), as llama.cpp computes them (default: off)")
     g.add_argument("--batch-invariant", action="store_true", default=None,
                    help="exact attention: each request's logits bit for bit the same whatever shares its step "
                         "(default: only with --quantization)")

@@ -62,7 +62,8 @@ def kernels():
     return build("cpu_kernels", source, ["rms_norm", "rope_", "paged_attention", "paged_attention_slots",
                                          "paged_attention_quantized", "top_k_attention",
                                          "top_k_attention_quantized", "rows_supported", "rows_linear",
-                                         "rows_linear_int8", "rows_linear_grid", "decoder_layer"],
+                                         "rows_linear_int8", "rows_linear_grid", "a8_supported", "rows_linear_a8",
+                                         "decoder_layer"],
                  flags=["-ffp-contract=off"])
 
 

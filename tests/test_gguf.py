@@ -205,6 +205,41 @@ def test_quantized_gguf_runs_from_its_codes_with_the_float_bits(tiny_dir, tmp_pa
     assert kinds == {"rows"} and floats == plain
 
 
+def test_int8_activations_are_lossless_for_speculation_and_close_to_the_float_run(tiny_dir, tmp_path):
+    """quantization="int8_activations" (LOSSY): a Q4_0 file's layers take int8 activations (rows_q4a8), layer by
+    layer and through the one-call layer; speculation (drafts right and wrong) gives plain decoding's tokens and
+    logprobs bit for bit in this mode; the logprobs differ from the float activations' run, but by little (a tiny
+    random model: median 0.01-0.02, at most ~0.2). A float
+    checkpoint is refused with a clear error. Fails with the mode ignored (the logprobs would equal the float run's)
+    or with a kernel whose row results depend on the rows sharing a call."""
+    from conftest import OracleDrafter
+    from leapdecode.model import packed_linear
+    if packed_linear.a8_kernel() is None:
+        pytest.skip("no AVX-512 VNNI row kernel here")
+    path = write_gguf(tiny_dir("llama"), str(tmp_path / "a8-Q4_0.gguf"), Q.Q4_0)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=3)
+    prompts = [[3 + (7 * i + j) % 50 for j in range(12 + 9 * i)] for i in range(3)]
+
+    def run(quantization, spec=None):
+        llm = LLM(path, max_model_len=128, num_kv_blocks=64, speculative_config=spec, quantization=quantization)
+        kinds = {m.kernel for m in llm.engine.runner.model.layers.modules()
+                 if isinstance(m, packed_linear.PackedLinear)}
+        outs = [llm.generate([p], params, use_tqdm=False)[0].outputs[0] for p in prompts]
+        return kinds, [(o.token_ids, o.logprobs) for o in outs]
+
+    kinds, plain = run("int8_activations")
+    assert kinds == {"rows_q4a8"}, kinds
+    truth = {tuple(p): [list(t)] for p, (t, _) in zip(prompts, plain)}
+    spec = {"drafter": OracleDrafter(truth, wrong_every=3), "num_speculative_tokens": 4, "adaptive": False}
+    assert run("int8_activations", spec)[1] == plain
+    _, floats = run(None)
+    diffs = [abs(a[t] - b[t]) for (ta, la), (tb, lb) in zip(plain, floats) for a, b in zip(la, lb)
+             for t in a.keys() & b.keys()]
+    assert max(diffs) > 0 and sorted(diffs)[len(diffs) // 2] < 0.05 and max(diffs) < 0.5, diffs
+    with pytest.raises(ValueError, match="int8_activations.*4-bit"):
+        LLM(tiny_dir("llama"), max_model_len=128, num_kv_blocks=64, quantization="int8_activations")
+
+
 def test_f32_gguf_equals_the_original_checkpoint(tiny_dir, tmp_path):
     """Untied lm_head, q/k row order undone: the F32 file gives the original safetensors model's numbers."""
     hf_dir = tiny_dir("llama", rope_scaling=None)

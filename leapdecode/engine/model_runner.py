@@ -60,7 +60,9 @@ class ModelRunner:
                                 cfg.load_format, cfg.seed)
         # quantize first: packing a weight for oneDNN only to unpack and quantize it was work (and memory) twice
         self.quantized = quantize_model(self.model, cfg.quantization)    # counts; all zero without quantization
-        self.num_packed_linears = pack_model(self.model, cfg.cpu_packed_linears)   # the float layers left
+        self.num_packed_linears = pack_model(self.model, cfg.cpu_packed_linears,   # the float layers left
+                                             activations="int8" if cfg.quantization == "int8_activations"
+                                             else "float32")
         # blocks past the block manager's pool, written only by a drafter that runs the target itself
         # (spec/layer_skip.py), so draft KV never lands in a slot the target owns
         self.num_scratch_blocks = _scratch_blocks(cfg)

@@ -40,7 +40,9 @@ _SOURCE = r"""
 #ifdef ROWS_SUPPORTED
 static torch::Tensor layer_linear(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& scale,
                                   const torch::Tensor& bias) {
-  if (scale.scalar_type() == torch::kHalf) return rows_linear_grid(x, w, scale, bias);   // exact grids
+  if (scale.scalar_type() == torch::kHalf)
+    return w.size(2) == 4 * L ? rows_linear_a8(x, w, scale, bias)     // int8 activations (LOSSY, opt-in)
+                              : rows_linear_grid(x, w, scale, bias);  // exact grids
   if (w.scalar_type() == torch::kInt8) return rows_linear_int8(x, w, scale, bias);
   return rows_linear(x, w, bias);
 }

@@ -177,7 +177,9 @@ def available() -> bool:
         return False
 
 
-QUANTIZATIONS = (None, "int4")
+# "int8_activations": LOSSY int8 activations on a 4-bit GGUF's own codes (model/packed_linear.py: rows_q4a8, applied
+# by pack_model; nothing to replace here)
+QUANTIZATIONS = (None, "int4", "int8_activations")
 
 
 def quantize_model(model: nn.Module, quantization: str | None) -> dict[str, int]:
@@ -188,10 +190,10 @@ def quantize_model(model: nn.Module, quantization: str | None) -> dict[str, int]
     ``kept_float`` layers, ``bf16_head`` (0 or 1)."""
     from leapdecode.model.int8_linear import linear_names, replace_linears
     counts = {"int4": 0, "exact_groups": 0, "groups": 0, "kept_float": 0, "bf16_head": 0}
-    if quantization is None:
-        return counts
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {quantization!r}")
+    if quantization != "int4":
+        return counts
     param = next(model.parameters())
     head = model.output_head
     if param.device.type != "cpu" or not available():

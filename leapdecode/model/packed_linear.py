@@ -379,6 +379,172 @@ torch::Tensor rows_linear_grid(torch::Tensor x, torch::Tensor codes, torch::Tens
 #endif
 }
 
+// ---- int8 activations on 4-bit codes (quantization="int8_activations": LOSSY, see a8_codes in Python) ----------
+// Each row's inputs become int8 codes per group of GRID, llama.cpp's Q8_1 blocks: d = max|x| / 127,
+// q = round(x * (1 / d)) (to nearest even), s = d * sum(q). A group's product with a 4-bit group (w = code * step
+// + low) is then step * d * sum(code * q) + low * s: the integer sum exact in int32 (AVX-512 VNNI: 64 products an
+// instruction, where the float kernel does 16), two roundings per group and output, in group order. A row's
+// result depends on its own inputs only, never on the rows sharing the call, and any tile computes it with the
+// same operations: verification gives a row plain decoding's bits.
+// Codes [N/16, K/8, 64]: per block of 16 outputs and chunk of 8 inputs, byte 4j + t holds input 8c + t of output j
+// (low nibble) and input 8c + 4 + t (high nibble), so the low and high nibbles of a 64-byte load are dpbusd's
+// operands for the chunk's inputs 0-3 and 4-7.
+#if defined(ROWS_SUPPORTED) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define A8_SUPPORTED 1
+static constexpr int64_t A8_AHEAD = 4096;     // bytes ahead in a block's codes each tile prefetches
+
+static void a8_quantize(const float* x, int64_t M, int64_t K, int8_t* q, float* d, float* s) {
+  const int64_t G = K / GRID;
+  at::parallel_for(0, M * G, 256, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const float* xg = x + i * GRID;
+      const __m512 a = _mm512_loadu_ps(xg), b = _mm512_loadu_ps(xg + 16);
+      const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+      const float dg = amax / 127.0f, inv = dg != 0.0f ? 1.0f / dg : 0.0f;
+      const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, _mm512_set1_ps(inv)));
+      const __m512i qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, _mm512_set1_ps(inv)));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(q + i * GRID), _mm512_cvtepi32_epi8(qa));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(q + i * GRID + 16), _mm512_cvtepi32_epi8(qb));
+      d[i] = dg;
+      s[i] = dg * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb)));
+    }
+  });
+}
+
+static inline int32_t four(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+
+// y[r][n0 + 16v + j] for R rows and V blocks of 16 outputs: per group, the integer sums (dpbusd: unsigned codes x
+// signed inputs), then acc = (sum * (step * d)) + acc, acc = (low * s) + acc, each an FMA.
+template <int R, int V>
+static inline void a8_tile(const int8_t* __restrict q, const float* __restrict d, const float* __restrict s,
+                           int64_t K, const uint8_t* __restrict c, const at::Half* __restrict p, float* __restrict y,
+                           int64_t N, int64_t n0, const float* bias) {
+  const int64_t G = K / GRID, chunks = K / 8;
+  const __m512i nibble = _mm512_set1_epi8(15);
+  vec acc[R][V];
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < V; ++v) acc[r][v] = vzero();
+  for (int64_t g = 0; g < G; ++g) {
+    __m512i sum[R][V];
+    for (int r = 0; r < R; ++r)
+      for (int v = 0; v < V; ++v) sum[r][v] = _mm512_setzero_si512();
+    for (int64_t ch = g * 4; ch < g * 4 + 4; ++ch)
+      for (int v = 0; v < V; ++v) {
+        const uint8_t* cv = c + (v * chunks + ch) * 64;
+        _mm_prefetch(reinterpret_cast<const char*>(cv + A8_AHEAD), _MM_HINT_T0);
+        const __m512i raw = _mm512_loadu_si512(cv);
+        const __m512i lo = _mm512_and_si512(raw, nibble);
+        const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), nibble);
+        for (int r = 0; r < R; ++r) {
+          const int8_t* qr = q + r * K + ch * 8;
+          sum[r][v] = _mm512_dpbusd_epi32(sum[r][v], lo, _mm512_set1_epi32(four(qr)));
+          sum[r][v] = _mm512_dpbusd_epi32(sum[r][v], hi, _mm512_set1_epi32(four(qr + 4)));
+        }
+      }
+    for (int v = 0; v < V; ++v) {
+      const at::Half* pv = p + (v * G + g) * 2 * L;
+      const vec step = half16(pv), low = half16(pv + L);
+      for (int r = 0; r < R; ++r) {
+        acc[r][v] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[r][v]),
+                                    _mm512_mul_ps(step, _mm512_set1_ps(d[r * G + g])), acc[r][v]);
+        acc[r][v] = _mm512_fmadd_ps(low, _mm512_set1_ps(s[r * G + g]), acc[r][v]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < V; ++v)
+      vstore(y + r * N + n0 + v * L, bias ? vadd(acc[r][v], vload(bias + n0 + v * L)) : acc[r][v]);
+}
+
+// fn.template operator()<R>() for R == rows, 1 <= rows <= (V > 2 ? 3 : 6): two accumulators per row and block
+template <int V, typename F>
+static inline void a8_rows(int64_t rows, F&& fn) {
+  switch (rows) {
+    case 1: fn.template operator()<1>(); return;
+    case 2: fn.template operator()<2>(); return;
+    case 3: fn.template operator()<3>(); return;
+  }
+  if constexpr (V <= 2) {
+    switch (rows) {
+      case 4: fn.template operator()<4>(); return;
+      case 5: fn.template operator()<5>(); return;
+      case 6: fn.template operator()<6>(); return;
+    }
+  }
+}
+
+// Up to 3 rows: one tile over the group's V blocks; more: tiles of up to 6 rows over pairs of blocks.
+template <int V>
+static void a8_blocks(const int8_t* q, const float* d, const float* s, int64_t M, int64_t K, const uint8_t* c,
+                      const at::Half* p, float* y, int64_t N, int64_t n0, const float* bias) {
+  const int64_t G = K / GRID;
+  if (M <= 3) {
+    a8_rows<V>(M, [&]<int R>() { a8_tile<R, V>(q, d, s, K, c, p, y, N, n0, bias); });
+    return;
+  }
+  for (int v = 0; v < V; v += 2) {
+    const uint8_t* cv = c + v * (K / 8) * 64;
+    const at::Half* pv = p + v * G * 2 * L;
+    for (int64_t m = 0; m < M; m += 6) {
+      const int64_t rows = std::min<int64_t>(6, M - m);
+      if (v + 2 <= V)
+        a8_rows<2>(rows, [&]<int R>() {
+          a8_tile<R, 2>(q + m * K, d + m * G, s + m * G, K, cv, pv, y + m * N, N, n0 + v * L, bias);
+        });
+      else
+        a8_rows<1>(rows, [&]<int R>() {
+          a8_tile<R, 1>(q + m * K, d + m * G, s + m * G, K, cv, pv, y + m * N, N, n0 + v * L, bias);
+        });
+    }
+  }
+}
+#endif
+
+bool a8_supported() {
+#ifdef A8_SUPPORTED
+  return true;
+#else
+  return false;
+#endif
+}
+
+// x [M, K] float32 contiguous; codes uint8 [N/16, K/8, 64] (see above); params float16 [N/16, K/32, 2, 16] (step,
+// low); bias [N] or empty. Returns y [M, N].
+torch::Tensor rows_linear_a8(torch::Tensor x, torch::Tensor codes, torch::Tensor params, torch::Tensor bias) {
+#ifdef A8_SUPPORTED
+  TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.dim() == 2 && x.is_contiguous(), "rows_linear_a8: x");
+  const int64_t M = x.size(0), K = x.size(1), nb = codes.size(0), N = nb * L, G = K / GRID;
+  TORCH_CHECK(K % GRID == 0 && codes.scalar_type() == torch::kUInt8 && codes.dim() == 3 && codes.size(1) * 8 == K
+              && codes.size(2) == 4 * L && codes.is_contiguous() && params.scalar_type() == torch::kHalf
+              && params.is_contiguous() && params.numel() == nb * G * 2 * L, "rows_linear_a8: codes, params");
+  const float* b = optional(bias, N, "rows_linear_a8: bias");
+  auto y = torch::empty({M, N}, x.options());
+  thread_local std::vector<int8_t> qbuf;
+  thread_local std::vector<float> dbuf, sbuf;
+  if (static_cast<int64_t>(qbuf.size()) < M * K) qbuf.resize(M * K);
+  if (static_cast<int64_t>(dbuf.size()) < M * G) dbuf.resize(M * G), sbuf.resize(M * G);
+  int8_t* q = qbuf.data();
+  float* d = dbuf.data();
+  float* s = sbuf.data();
+  const uint8_t* cp = codes.data_ptr<uint8_t>();
+  const at::Half* pp = params.data_ptr<at::Half>();
+  float* yp = y.data_ptr<float>();
+  pybind11::gil_scoped_release free_python;
+  a8_quantize(x.data_ptr<float>(), M, K, q, d, s);
+  over_block_groups(nb, [&]<int V>(int64_t blk) {
+    a8_blocks<V>(q, d, s, M, K, cp + blk * (K / 8) * 64, pp + blk * G * 2 * L, yp, N, blk * L, b);
+  });
+  return y;
+#else
+  TORCH_CHECK(false, "rows_linear_a8: this CPU has no AVX-512 VNNI");
+  return x;
+#endif
+}
+
 // The same with w int8 packed [N/16, K, 16] and a float32 scale per output feature (y = (x q^T) * scale + bias).
 torch::Tensor rows_linear_int8(torch::Tensor x, torch::Tensor w, torch::Tensor scale, torch::Tensor bias) {
 #ifdef ROWS_SUPPORTED
@@ -512,6 +678,32 @@ def grid_weight(codes: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
     return unpack_rows(w.reshape(nb, k, BLOCK))
 
 
+def a8_codes(pairs: torch.Tensor) -> torch.Tensor:
+    """A Q4 grid form's codes [N/16, K/2, 16] (two inputs a byte) laid out for ``rows_linear_a8`` [N/16, K/8, 64]:
+    per chunk of 8 inputs, byte 4j + t holds input t of output j in its low nibble and input 4 + t in its high."""
+    nb, half, _ = pairs.shape
+    c = torch.stack([pairs & 15, pairs >> 4], 2).reshape(nb, half // 4, 2, 4, BLOCK)   # [nb, K/8, lo/hi, t, j]
+    return (c[:, :, 0] | (c[:, :, 1] << 4)).transpose(2, 3).reshape(nb, half // 4, 4 * BLOCK).contiguous()
+
+
+def a8_pairs(codes: torch.Tensor) -> torch.Tensor:
+    """The inverse of :func:`a8_codes`."""
+    nb, chunks, _ = codes.shape
+    byte = codes.reshape(nb, chunks, BLOCK, 4).transpose(2, 3)                           # [nb, K/8, t, j]
+    c = torch.stack([byte & 15, byte >> 4], 2).reshape(nb, chunks * 8, BLOCK)            # inputs in order
+    return (c[:, 0::2] | (c[:, 1::2] << 4)).contiguous()
+
+
+@functools.lru_cache(maxsize=1)
+def a8_kernel():
+    """The row kernel where it also runs int8 activations on 4-bit codes here (AVX-512 VNNI), else None."""
+    mod = rows_kernel()
+    return mod if mod is not None and mod.a8_supported() else None
+
+
+ACTIVATIONS = ("float32", "int8")
+
+
 def _pack(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach().float().contiguous(), None)
 
@@ -520,7 +712,8 @@ class PackedLinear(nn.Module):
     """y = x W^T + b with W packed once: the row kernel's blocks where it runs here (and N is a multiple of 16),
     else oneDNN's layout (see the module docstring)."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, grids: bool = True) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, grids: bool = True,
+                 activations: str = "float32") -> None:
         super().__init__()
         self.out_features, self.in_features = weight.shape
         self.kernel = "rows" if self.out_features % BLOCK == 0 and rows_kernel() is not None else "oneDNN"
@@ -529,6 +722,8 @@ class PackedLinear(nn.Module):
         if form is not None:
             self.kernel = "rows_q4" if form[0].dtype == torch.uint8 else "rows_q8"
             self.packed, self.params = form
+            if activations == "int8" and self.kernel == "rows_q4" and a8_kernel() is not None:
+                self.kernel, self.packed = "rows_q4a8", a8_codes(self.packed)     # LOSSY: see rows_linear_a8
         else:
             self.packed = pack_rows(weight.float()) if self.kernel == "rows" else _pack(weight)
         self.bias = None if bias is None else nn.Parameter(bias.detach().float(), requires_grad=False)
@@ -539,7 +734,9 @@ class PackedLinear(nn.Module):
         by ``forward``."""
         if self.kernel == "oneDNN":
             return self.packed.to_dense()
-        return unpack_rows(self.packed) if self.kernel == "rows" else grid_weight(self.packed, self.params)
+        if self.kernel == "rows":
+            return unpack_rows(self.packed)
+        return grid_weight(a8_pairs(self.packed) if self.kernel == "rows_q4a8" else self.packed, self.params)
 
     def row_parts(self) -> list[torch.Tensor] | None:
         """(weight or codes, grid parameters or absent, bias) as the row kernel takes them, or None under oneDNN."""
@@ -555,6 +752,8 @@ class PackedLinear(nn.Module):
         bias = ABSENT if self.bias is None else self.bias.data
         if self.kernel == "rows":
             y = rows_kernel().rows_linear(rows, self.packed, bias)
+        elif self.kernel == "rows_q4a8":
+            y = rows_kernel().rows_linear_a8(rows, self.packed, self.params, bias)
         else:
             y = rows_kernel().rows_linear_grid(rows, self.packed, self.params, bias)
         return y.reshape(*x.shape[:-1], self.out_features)
@@ -581,30 +780,43 @@ def available(dtype: torch.dtype, device: torch.device | str) -> bool:
     return dtype == torch.float32 and torch.device(device).type == "cpu" and _works()
 
 
-def pack_model(model: nn.Module, enable: bool | None = None) -> int:
+def pack_model(model: nn.Module, enable: bool | None = None, activations: str = "float32") -> int:
     """Pack, in place, the linears of a leapdecode Llama model's layers and its LM head (see the module
     docstring). ``enable``: None = wherever available (not decided by a timing at start-up: the choice changes the
     last bits of results, so it must not depend on a noisy measurement), True = the same, with a ValueError off a
-    float32 CPU, False = nothing. Returns how many weights were packed."""
+    float32 CPU, False = nothing. ``activations="int8"`` (``quantization="int8_activations"``, LOSSY): the layers'
+    4-bit grid weights multiply int8 activations (``rows_linear_a8``); a ValueError where no layer can (no 4-bit
+    GGUF weights, no AVX-512 VNNI, packing off). Returns how many weights were packed."""
     from leapdecode.model.int8_linear import linear_names, replace_linears
+    if activations not in ACTIVATIONS:
+        raise ValueError(f"activations must be one of {ACTIVATIONS}, got {activations!r}")
     head = model.output_head
     param = next(model.parameters())
     if enable is False or getattr(head, "tp", None) is not None and head.tp.size > 1:
+        if activations == "int8":
+            raise ValueError("quantization='int8_activations' needs packed linears (cpu_packed_linears not False) "
+                             "and no tensor parallelism")
         return 0
     if not available(param.dtype, param.device):
-        if enable:
-            raise ValueError("cpu_packed_linears=True needs a float32 model on a CPU with PyTorch's oneDNN "
+        if enable or activations == "int8":
+            what = "cpu_packed_linears=True" if enable else "quantization='int8_activations'"
+            raise ValueError(f"{what} needs a float32 model on a CPU with PyTorch's oneDNN "
                              f"(got {param.dtype} on {param.device.type})")
         return 0
     names = linear_names(model.layers)
     if not names:
         return 0
-    replace_linears(model.layers, names, lambda m: PackedLinear(m.weight, getattr(m, "bias", None)))
+    replace_linears(model.layers, names,
+                    lambda m: PackedLinear(m.weight, getattr(m, "bias", None), activations=activations))
+    if activations == "int8" and not any(getattr(m, "kernel", "") == "rows_q4a8" for m in model.layers.modules()):
+        raise ValueError("quantization='int8_activations' runs a 4-bit GGUF's weights (Q4_0, Q4_1) on a CPU with "
+                         "AVX-512 VNNI: " + ("this CPU has none" if a8_kernel() is None
+                                             else "this model has no 4-bit layer"))
     if head.packed_logits is not None:          # already given its own form (model/int4_linear.py: bfloat16)
         return len(names)
     head.packed_logits = PackedLinear(head.weight)
     return len(names) + 1
 
 
-__all__ = ["ABSENT", "BLOCK", "GROUP", "PackedLinear", "available", "grid_form", "grid_weight", "pack_model",
-           "pack_rows", "rows_kernel", "unpack_rows"]
+__all__ = ["ABSENT", "ACTIVATIONS", "BLOCK", "GROUP", "PackedLinear", "a8_codes", "a8_kernel", "a8_pairs",
+           "available", "grid_form", "grid_weight", "pack_model", "pack_rows", "rows_kernel", "unpack_rows"]
