@@ -79,26 +79,28 @@ def test_weights_on_gguf_grids_run_from_their_codes_with_the_float_bits():
     assert PackedLinear(torch.randn(96, 64, generator=g)).kernel == "rows"
 
 
-def test_int8_activations_on_4bit_codes_match_their_dequantized_product():
-    """quantization="int8_activations" (rows_q4a8, LOSSY): each row's inputs as int8 per group of 32 (d = max|x| /
-    127, codes round(x / d)) times the 4-bit codes. The result is the float64 product of the dequantized inputs and
-    the weight (to float32 rounding), not the float inputs' product; a row's bits do not depend on the rows sharing
-    its call (1 to 40 rows: tiles of 1-3 rows over 4, 3, 2, 1 blocks, of 4-6 over pairs); the codes' layout
-    round-trips. Fails with the float path (off by the inputs' quantization) or a wrong layout, scale or level."""
+def test_int8_activations_on_grid_codes_match_their_dequantized_product():
+    """quantization="int8_activations" (rows_q4a8 / rows_q8a8, LOSSY): each row's inputs as int8 per group of 32
+    (d = max|x| / 127, codes round(x / d)) times the 4- or 8-bit codes. The result is the float64 product of the
+    dequantized inputs and the weight (to float32 rounding), not the float inputs' product; a row's bits do not
+    depend on the rows sharing its call (1 to 40 rows: tiles of 1-3 rows over 4, 3, 2, 1 blocks, of 4-6 over pairs);
+    the codes' layout round-trips. Fails with the float path (off by the inputs' quantization) or a wrong layout,
+    scale, level or Q8 offset."""
     gguf = pytest.importorskip("gguf")
     if packed_linear.a8_kernel() is None:
         pytest.skip("no AVX-512 VNNI row kernel here")
     Q = gguf.GGMLQuantizationType
     g = torch.Generator().manual_seed(4)
-    for qtype in (Q.Q4_0, Q.Q4_1):
+    for qtype, kind in ((Q.Q4_0, "rows_q4a8"), (Q.Q4_1, "rows_q4a8"), (Q.Q8_0, "rows_q8a8")):
         for n, k in ((80, 64), (112, 96), (48, 160)):
             x = torch.randn(n, k, generator=g).numpy()
             w = torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(x, qtype), qtype).reshape(n, k).copy())
-            pairs = packed_linear.grid_form(w)[0]
-            assert torch.equal(packed_linear.a8_pairs(packed_linear.a8_codes(pairs)), pairs)
+            form = packed_linear.grid_form(w)
+            back = packed_linear.a8_grid(*packed_linear.a8_form(*form), k)
+            assert torch.equal(back[0], form[0]) and torch.equal(back[1], form[1])
             for bias in (torch.randn(n, generator=g), None):
                 layer = PackedLinear(w, bias, activations="int8")
-                assert layer.kernel == "rows_q4a8" and torch.equal(layer.weight, w)
+                assert layer.kernel == kind and torch.equal(layer.weight, w)
                 rows = torch.randn(40, k, generator=g) * torch.rand(40, k // 32, 1, generator=g).repeat_interleave(
                     32, 1).view(40, k) * 4
                 rows[3, :32] = 0                                   # a group of zeros (scale 0)
@@ -111,11 +113,7 @@ def test_int8_activations_on_4bit_codes_match_their_dequantized_product():
                 assert not torch.allclose(full, PackedLinear(w, bias)(rows), rtol=1e-5, atol=1e-4)
                 for m in (1, 2, 3, 4, 5, 6, 7, 9, 12, 13, 17, 40):
                     assert torch.equal(layer(rows[:m]), full[:m]), (qtype.name, n, k, m)
-    # Q8 grids and float weights keep float activations
-    w8 = torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(
-        torch.randn(32, 64, generator=g).numpy(), Q.Q8_0), Q.Q8_0).reshape(32, 64).copy())
-    assert PackedLinear(w8, activations="int8").kernel == "rows_q8"
-    assert PackedLinear(torch.randn(32, 64, generator=g), activations="int8").kernel == "rows"
+    assert PackedLinear(torch.randn(32, 64, generator=g), activations="int8").kernel == "rows"   # float: as it was
 
 
 def test_int8_linear_takes_the_row_kernel_for_few_rows():

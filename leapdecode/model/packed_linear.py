@@ -379,16 +379,18 @@ torch::Tensor rows_linear_grid(torch::Tensor x, torch::Tensor codes, torch::Tens
 #endif
 }
 
-// ---- int8 activations on 4-bit codes (quantization="int8_activations": LOSSY, see a8_codes in Python) ----------
+// ---- int8 activations on 4- and 8-bit codes (quantization="int8_activations": LOSSY, see a8_form in Python) -----
 // Each row's inputs become int8 codes per group of GRID, llama.cpp's Q8_1 blocks: d = max|x| / 127,
 // q = round(x * (1 / d)) (to nearest even), s = d * sum(q). A group's product with a 4-bit group (w = code * step
 // + low) is then step * d * sum(code * q) + low * s: the integer sum exact in int32 (AVX-512 VNNI: 64 products an
 // instruction, where the float kernel does 16), two roundings per group and output, in group order. A row's
 // result depends on its own inputs only, never on the rows sharing the call, and any tile computes it with the
 // same operations: verification gives a row plain decoding's bits.
-// Codes [N/16, K/8, 64]: per block of 16 outputs and chunk of 8 inputs, byte 4j + t holds input 8c + t of output j
-// (low nibble) and input 8c + 4 + t (high nibble), so the low and high nibbles of a 64-byte load are dpbusd's
-// operands for the chunk's inputs 0-3 and 4-7.
+// Q4 codes [N/16, K/8, 64]: per block of 16 outputs and chunk of 8 inputs, byte 4j + t holds input 8c + t of output
+// j (low nibble) and input 8c + 4 + t (high nibble), so the low and high nibbles of a 64-byte load are dpbusd's
+// operands for the chunk's inputs 0-3 and 4-7. Q8 (w = code * step, code -127..127): codes + 128 as bytes [N/16,
+// K/4, 64], byte 4j + t input 4c + t of output j, and low = -128 * step (exact): the same sum with the 128 * sum(q)
+// the offset adds taken out by the level term.
 #if defined(ROWS_SUPPORTED) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #define A8_SUPPORTED 1
 static constexpr int64_t A8_AHEAD = 4096;     // bytes ahead in a block's codes each tile prefetches
@@ -419,11 +421,11 @@ static inline int32_t four(const int8_t* p) {
 
 // y[r][n0 + 16v + j] for R rows and V blocks of 16 outputs: per group, the integer sums (dpbusd: unsigned codes x
 // signed inputs), then acc = (sum * (step * d)) + acc, acc = (low * s) + acc, each an FMA.
-template <int R, int V>
+template <int BITS, int R, int V>
 static inline void a8_tile(const int8_t* __restrict q, const float* __restrict d, const float* __restrict s,
                            int64_t K, const uint8_t* __restrict c, const at::Half* __restrict p, float* __restrict y,
                            int64_t N, int64_t n0, const float* bias) {
-  const int64_t G = K / GRID, chunks = K / 8;
+  const int64_t G = K / GRID, chunks = K * BITS / 32;     // 64-byte chunks a block
   const __m512i nibble = _mm512_set1_epi8(15);
   vec acc[R][V];
   for (int r = 0; r < R; ++r)
@@ -432,17 +434,23 @@ static inline void a8_tile(const int8_t* __restrict q, const float* __restrict d
     __m512i sum[R][V];
     for (int r = 0; r < R; ++r)
       for (int v = 0; v < V; ++v) sum[r][v] = _mm512_setzero_si512();
-    for (int64_t ch = g * 4; ch < g * 4 + 4; ++ch)
+    for (int64_t k = g * GRID; k < (g + 1) * GRID; k += 8)     // inputs k .. k+3 (w0), k+4 .. k+7 (w1)
       for (int v = 0; v < V; ++v) {
-        const uint8_t* cv = c + (v * chunks + ch) * 64;
+        const uint8_t* cv = c + v * chunks * 64 + k * BITS * 2;
         _mm_prefetch(reinterpret_cast<const char*>(cv + A8_AHEAD), _MM_HINT_T0);
-        const __m512i raw = _mm512_loadu_si512(cv);
-        const __m512i lo = _mm512_and_si512(raw, nibble);
-        const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), nibble);
+        __m512i w0, w1;
+        if constexpr (BITS == 4) {
+          const __m512i raw = _mm512_loadu_si512(cv);
+          w0 = _mm512_and_si512(raw, nibble);
+          w1 = _mm512_and_si512(_mm512_srli_epi16(raw, 4), nibble);
+        } else {
+          w0 = _mm512_loadu_si512(cv);
+          w1 = _mm512_loadu_si512(cv + 64);
+        }
         for (int r = 0; r < R; ++r) {
-          const int8_t* qr = q + r * K + ch * 8;
-          sum[r][v] = _mm512_dpbusd_epi32(sum[r][v], lo, _mm512_set1_epi32(four(qr)));
-          sum[r][v] = _mm512_dpbusd_epi32(sum[r][v], hi, _mm512_set1_epi32(four(qr + 4)));
+          const int8_t* qr = q + r * K + k;
+          sum[r][v] = _mm512_dpbusd_epi32(sum[r][v], w0, _mm512_set1_epi32(four(qr)));
+          sum[r][v] = _mm512_dpbusd_epi32(sum[r][v], w1, _mm512_set1_epi32(four(qr + 4)));
         }
       }
     for (int v = 0; v < V; ++v) {
@@ -478,26 +486,26 @@ static inline void a8_rows(int64_t rows, F&& fn) {
 }
 
 // Up to 3 rows: one tile over the group's V blocks; more: tiles of up to 6 rows over pairs of blocks.
-template <int V>
+template <int BITS, int V>
 static void a8_blocks(const int8_t* q, const float* d, const float* s, int64_t M, int64_t K, const uint8_t* c,
                       const at::Half* p, float* y, int64_t N, int64_t n0, const float* bias) {
   const int64_t G = K / GRID;
   if (M <= 3) {
-    a8_rows<V>(M, [&]<int R>() { a8_tile<R, V>(q, d, s, K, c, p, y, N, n0, bias); });
+    a8_rows<V>(M, [&]<int R>() { a8_tile<BITS, R, V>(q, d, s, K, c, p, y, N, n0, bias); });
     return;
   }
   for (int v = 0; v < V; v += 2) {
-    const uint8_t* cv = c + v * (K / 8) * 64;
+    const uint8_t* cv = c + v * (K * BITS / 32) * 64;
     const at::Half* pv = p + v * G * 2 * L;
     for (int64_t m = 0; m < M; m += 6) {
       const int64_t rows = std::min<int64_t>(6, M - m);
       if (v + 2 <= V)
         a8_rows<2>(rows, [&]<int R>() {
-          a8_tile<R, 2>(q + m * K, d + m * G, s + m * G, K, cv, pv, y + m * N, N, n0 + v * L, bias);
+          a8_tile<BITS, R, 2>(q + m * K, d + m * G, s + m * G, K, cv, pv, y + m * N, N, n0 + v * L, bias);
         });
       else
         a8_rows<1>(rows, [&]<int R>() {
-          a8_tile<R, 1>(q + m * K, d + m * G, s + m * G, K, cv, pv, y + m * N, N, n0 + v * L, bias);
+          a8_tile<BITS, R, 1>(q + m * K, d + m * G, s + m * G, K, cv, pv, y + m * N, N, n0 + v * L, bias);
         });
     }
   }
@@ -512,14 +520,15 @@ bool a8_supported() {
 #endif
 }
 
-// x [M, K] float32 contiguous; codes uint8 [N/16, K/8, 64] (see above); params float16 [N/16, K/32, 2, 16] (step,
-// low); bias [N] or empty. Returns y [M, N].
+// x [M, K] float32 contiguous; codes uint8 [N/16, K/8, 64] (Q4) or [N/16, K/4, 64] (Q8, see above); params float16
+// [N/16, K/32, 2, 16] (step, low); bias [N] or empty. Returns y [M, N].
 torch::Tensor rows_linear_a8(torch::Tensor x, torch::Tensor codes, torch::Tensor params, torch::Tensor bias) {
 #ifdef A8_SUPPORTED
   TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.dim() == 2 && x.is_contiguous(), "rows_linear_a8: x");
   const int64_t M = x.size(0), K = x.size(1), nb = codes.size(0), N = nb * L, G = K / GRID;
-  TORCH_CHECK(K % GRID == 0 && codes.scalar_type() == torch::kUInt8 && codes.dim() == 3 && codes.size(1) * 8 == K
-              && codes.size(2) == 4 * L && codes.is_contiguous() && params.scalar_type() == torch::kHalf
+  const bool q4 = codes.size(1) * 8 == K;
+  TORCH_CHECK(K % GRID == 0 && codes.scalar_type() == torch::kUInt8 && codes.dim() == 3
+              && (q4 || codes.size(1) * 4 == K) && codes.size(2) == 4 * L && codes.is_contiguous() && params.scalar_type() == torch::kHalf
               && params.is_contiguous() && params.numel() == nb * G * 2 * L, "rows_linear_a8: codes, params");
   const float* b = optional(bias, N, "rows_linear_a8: bias");
   auto y = torch::empty({M, N}, x.options());
@@ -536,7 +545,8 @@ torch::Tensor rows_linear_a8(torch::Tensor x, torch::Tensor codes, torch::Tensor
   pybind11::gil_scoped_release free_python;
   a8_quantize(x.data_ptr<float>(), M, K, q, d, s);
   over_block_groups(nb, [&]<int V>(int64_t blk) {
-    a8_blocks<V>(q, d, s, M, K, cp + blk * (K / 8) * 64, pp + blk * G * 2 * L, yp, N, blk * L, b);
+    if (q4) a8_blocks<4, V>(q, d, s, M, K, cp + blk * (K / 8) * 64, pp + blk * G * 2 * L, yp, N, blk * L, b);
+    else a8_blocks<8, V>(q, d, s, M, K, cp + blk * (K / 4) * 64, pp + blk * G * 2 * L, yp, N, blk * L, b);
   });
   return y;
 #else
@@ -678,25 +688,32 @@ def grid_weight(codes: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
     return unpack_rows(w.reshape(nb, k, BLOCK))
 
 
-def a8_codes(pairs: torch.Tensor) -> torch.Tensor:
-    """A Q4 grid form's codes [N/16, K/2, 16] (two inputs a byte) laid out for ``rows_linear_a8`` [N/16, K/8, 64]:
-    per chunk of 8 inputs, byte 4j + t holds input t of output j in its low nibble and input 4 + t in its high."""
-    nb, half, _ = pairs.shape
-    c = torch.stack([pairs & 15, pairs >> 4], 2).reshape(nb, half // 4, 2, 4, BLOCK)   # [nb, K/8, lo/hi, t, j]
-    return (c[:, :, 0] | (c[:, :, 1] << 4)).transpose(2, 3).reshape(nb, half // 4, 4 * BLOCK).contiguous()
+def a8_form(codes: torch.Tensor, params: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A grid form (:func:`grid_form`) laid out for ``rows_linear_a8``. Q4 codes [N/16, K/2, 16] (two inputs a byte)
+    -> [N/16, K/8, 64]: per chunk of 8 inputs, byte 4j + t holds input t of output j in its low nibble and input 4 + t
+    in its high; parameters as they are. Q8 codes [N/16, K, 16] -> code + 128 as bytes [N/16, K/4, 64], byte 4j + t
+    input t of a chunk of 4; parameters (step, -128 * step) [N/16, K/32, 2, 16]."""
+    nb, rows, _ = codes.shape
+    if codes.dtype == torch.uint8:
+        c = torch.stack([codes & 15, codes >> 4], 2).reshape(nb, rows // 4, 2, 4, BLOCK)   # [nb, K/8, lo/hi, t, j]
+        return (c[:, :, 0] | (c[:, :, 1] << 4)).transpose(2, 3).reshape(nb, rows // 4, 4 * BLOCK).contiguous(), params
+    byte = (codes.to(torch.int16) + 128).to(torch.uint8).reshape(nb, rows // 4, 4, BLOCK).transpose(2, 3)
+    return byte.reshape(nb, rows // 4, 4 * BLOCK).contiguous(), torch.stack([params, params * -128], 2).contiguous()
 
 
-def a8_pairs(codes: torch.Tensor) -> torch.Tensor:
-    """The inverse of :func:`a8_codes`."""
+def a8_grid(codes: torch.Tensor, params: torch.Tensor, in_features: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The inverse of :func:`a8_form`."""
     nb, chunks, _ = codes.shape
-    byte = codes.reshape(nb, chunks, BLOCK, 4).transpose(2, 3)                           # [nb, K/8, t, j]
-    c = torch.stack([byte & 15, byte >> 4], 2).reshape(nb, chunks * 8, BLOCK)            # inputs in order
-    return (c[:, 0::2] | (c[:, 1::2] << 4)).contiguous()
+    byte = codes.reshape(nb, chunks, BLOCK, 4).transpose(2, 3)                           # [nb, chunks, t, j]
+    if chunks * 8 == in_features:
+        c = torch.stack([byte & 15, byte >> 4], 2).reshape(nb, chunks * 8, BLOCK)        # inputs in order
+        return (c[:, 0::2] | (c[:, 1::2] << 4)).contiguous(), params
+    return (byte.reshape(nb, chunks * 4, BLOCK).to(torch.int16) - 128).to(torch.int8), params[:, :, 0].contiguous()
 
 
 @functools.lru_cache(maxsize=1)
 def a8_kernel():
-    """The row kernel where it also runs int8 activations on 4-bit codes here (AVX-512 VNNI), else None."""
+    """The row kernel where it also runs int8 activations on grid codes here (AVX-512 VNNI), else None."""
     mod = rows_kernel()
     return mod if mod is not None and mod.a8_supported() else None
 
@@ -722,8 +739,9 @@ class PackedLinear(nn.Module):
         if form is not None:
             self.kernel = "rows_q4" if form[0].dtype == torch.uint8 else "rows_q8"
             self.packed, self.params = form
-            if activations == "int8" and self.kernel == "rows_q4" and a8_kernel() is not None:
-                self.kernel, self.packed = "rows_q4a8", a8_codes(self.packed)     # LOSSY: see rows_linear_a8
+            if activations == "int8" and a8_kernel() is not None:                 # LOSSY: see rows_linear_a8
+                self.kernel = self.kernel + "a8"
+                self.packed, self.params = a8_form(self.packed, self.params)
         else:
             self.packed = pack_rows(weight.float()) if self.kernel == "rows" else _pack(weight)
         self.bias = None if bias is None else nn.Parameter(bias.detach().float(), requires_grad=False)
@@ -736,7 +754,8 @@ class PackedLinear(nn.Module):
             return self.packed.to_dense()
         if self.kernel == "rows":
             return unpack_rows(self.packed)
-        return grid_weight(a8_pairs(self.packed) if self.kernel == "rows_q4a8" else self.packed, self.params)
+        return grid_weight(*(a8_grid(self.packed, self.params, self.in_features) if self.kernel.endswith("a8")
+                             else (self.packed, self.params)))
 
     def row_parts(self) -> list[torch.Tensor] | None:
         """(weight or codes, grid parameters or absent, bias) as the row kernel takes them, or None under oneDNN."""
@@ -752,7 +771,7 @@ class PackedLinear(nn.Module):
         bias = ABSENT if self.bias is None else self.bias.data
         if self.kernel == "rows":
             y = rows_kernel().rows_linear(rows, self.packed, bias)
-        elif self.kernel == "rows_q4a8":
+        elif self.kernel.endswith("a8"):
             y = rows_kernel().rows_linear_a8(rows, self.packed, self.params, bias)
         else:
             y = rows_kernel().rows_linear_grid(rows, self.packed, self.params, bias)
@@ -785,8 +804,8 @@ def pack_model(model: nn.Module, enable: bool | None = None, activations: str = 
     docstring). ``enable``: None = wherever available (not decided by a timing at start-up: the choice changes the
     last bits of results, so it must not depend on a noisy measurement), True = the same, with a ValueError off a
     float32 CPU, False = nothing. ``activations="int8"`` (``quantization="int8_activations"``, LOSSY): the layers'
-    4-bit grid weights multiply int8 activations (``rows_linear_a8``); a ValueError where no layer can (no 4-bit
-    GGUF weights, no AVX-512 VNNI, packing off). Returns how many weights were packed."""
+    and the head's 4- and 8-bit grid weights multiply int8 activations (``rows_linear_a8``); a ValueError where no
+    layer can (no 4- or 8-bit GGUF weights, no AVX-512 VNNI, packing off). Returns how many weights were packed."""
     from leapdecode.model.int8_linear import linear_names, replace_linears
     if activations not in ACTIVATIONS:
         raise ValueError(f"activations must be one of {ACTIVATIONS}, got {activations!r}")
@@ -808,15 +827,15 @@ def pack_model(model: nn.Module, enable: bool | None = None, activations: str = 
         return 0
     replace_linears(model.layers, names,
                     lambda m: PackedLinear(m.weight, getattr(m, "bias", None), activations=activations))
-    if activations == "int8" and not any(getattr(m, "kernel", "") == "rows_q4a8" for m in model.layers.modules()):
-        raise ValueError("quantization='int8_activations' runs a 4-bit GGUF's weights (Q4_0, Q4_1) on a CPU with "
-                         "AVX-512 VNNI: " + ("this CPU has none" if a8_kernel() is None
-                                             else "this model has no 4-bit layer"))
+    if activations == "int8" and not any(str(getattr(m, "kernel", "")).endswith("a8") for m in model.layers.modules()):
+        raise ValueError("quantization='int8_activations' runs a 4- or 8-bit GGUF's weights (Q4_0, Q4_1, Q8_0) on a "
+                         "CPU with AVX-512 VNNI: " + ("this CPU has none" if a8_kernel() is None
+                                                     else "this model has no such layer"))
     if head.packed_logits is not None:          # already given its own form (model/int4_linear.py: bfloat16)
         return len(names)
-    head.packed_logits = PackedLinear(head.weight)
+    head.packed_logits = PackedLinear(head.weight, activations=activations)
     return len(names) + 1
 
 
-__all__ = ["ABSENT", "ACTIVATIONS", "BLOCK", "GROUP", "PackedLinear", "a8_codes", "a8_kernel", "a8_pairs",
+__all__ = ["ABSENT", "ACTIVATIONS", "BLOCK", "GROUP", "PackedLinear", "a8_form", "a8_grid", "a8_kernel",
            "available", "grid_form", "grid_weight", "pack_model", "pack_rows", "rows_kernel", "unpack_rows"]
