@@ -61,11 +61,12 @@ class LLM:
         through our row kernel or else oneDNN (model/packed_linear.py; None = where available, False = PyTorch's
         F.linear).
         ``quantization="int4"``: LOSSY, CPU only: the layers' weights as 4-bit codes (a 4-bit GGUF keeps its own)
-        with bfloat16 activations, a bfloat16 LM head and exact attention (so speculation stays exact): ~2x
-        faster decoding at batch 1 on a CPU, about float32's speed from batch 16; its quality cost is measured in
-        benchmarks/README.md (model/int4_linear.py). ``quantization="int8_activations"``: LOSSY, CPU only: a 4-bit
-        GGUF's layers (Q4_0, Q4_1) multiply their own codes by each row's activations as int8 per group of 32
-        (llama.cpp's way; AVX-512 VNNI), exact attention as under ``int4``; its speed and quality cost are
+        with bfloat16 activations, a bfloat16 LM head and exact attention (so speculation stays exact): ~2x a
+        float32 checkpoint's decoding at batch 1 on a CPU, but slower than the default path on a 4-bit GGUF, whose
+        codes that path reads itself; its quality cost is measured in benchmarks/README.md (model/int4_linear.py).
+        ``quantization="int8_activations"``: LOSSY, CPU only: a 4- or 8-bit GGUF's layers and head (Q4_0, Q4_1,
+        Q8_0) multiply their own codes by each row's activations as int8 per group of 32 (llama.cpp's way; AVX-512
+        VNNI), exact attention as under ``int4``; its speed and quality cost are
         measured in benchmarks/README.md (model/packed_linear.py, ``rows_linear_a8``).
         ``batch_invariant``: exact attention, so a request's logits are bit for bit the same alone, batched with
         any others or verifying drafts (float32 SDPA differs in the last bits, which can flip a near-tie). None

@@ -5,7 +5,9 @@ Why: a CPU decode step streams every weight for a handful of rows. SmolLM2-135M 
 for that format (``_weight_int4pack_mm_for_cpu``, the one torchao and gpt-fast use) runs them with bfloat16
 activations, float32 accumulation. Measured on the 2-core test VM (benchmarks/README.md, "cpu_int4.py"): 2.0x
 float32's decoding speed at batch 1 on short chat contexts, 1.05x at batch 16 (its kernel's per-row arithmetic
-catches up with float32's there): a latency mode.
+catches up with float32's there): a latency mode against float32 weights. (Since then the default path reads a
+4-bit GGUF's codes itself, model/packed_linear.py, and runs the default model ~2x faster than this mode; see
+``quantization="int8_activations"`` there for the faster lossy mode.)
 
 **Codes.** ``w = (code - 8) * scale + zero`` for each group of 32 input columns. A group whose values lie on one
 grid of at most 16 levels (what every 4-bit GGUF block holds once the loader has dequantized it: Q4_0, Q4_1, the
