@@ -9,7 +9,8 @@ Two tables:
 linears   Every linear of the model (30 layers' q/k/v, o, gate/up, down, and the LM head) run once in order, as
           one forward reads them (weights streamed from memory, not cached), for 1, 2, 5, 9, 17, 64 and 512 rows:
           F.linear, oneDNN-packed layers, the row kernel's over float32 weights and over the GGUF file's own codes
-          (model/packed_linear.py's grid forms, as the engine runs them); and the same weights in int8 as drafters
+          (model/packed_linear.py's grid forms, as the engine runs them, and with int8 activations: LOSSY,
+          ``quantization="int8_activations"``); and the same weights in int8 as drafters
           hold them (model/int8_linear.py): fbgemm alone, and as drafts run them (the row kernel's int8 form up to one
           6-row tile, fbgemm beyond); median of 5. Rows 5 and 17 are what a verification
           of 4 chained or 16 tree draft tokens computes at batch 1; 512, a prefill chunk.
@@ -89,15 +90,17 @@ def linears_table(model, reps: int = 5) -> None:
         fbgemm = [Int8Linear(w) for w in dense]          # the row kernel held off: fbgemm for every row count
     rows_layers = [PackedLinear(w, grids=False) for w in dense]
     grid_layers = [PackedLinear(w) for w in dense]       # as the engine runs them: the file's codes where exact
+    a8_layers = [PackedLinear(w, activations="int8") for w in dense]   # quantization="int8_activations" (LOSSY)
     int8_layers = [Int8Linear(w) for w in dense]        # as drafts run them: the row kernel up to ROWS_MAX rows
-    kernels = sorted({p.kernel for layers in (rows_layers, int8_layers, grid_layers) for p in layers})
+    kernels = sorted({p.kernel for layers in (rows_layers, int8_layers, grid_layers, a8_layers) for p in layers})
     mb = {name: sum(t.numel() * t.element_size() for p in layers for t in (p.packed, p.params)) / 2 ** 20
           for name, layers in (("float", rows_layers), ("grids", grid_layers))}
     print(f"\n(kernels: {kernels}; int8 through the row kernel up to {Int8Linear.ROWS_MAX} rows; weights read a "
           f"forward: float32 {mb['float']:.0f} MiB, as the engine holds them {mb['grids']:.0f} MiB)"
           "\n| rows | F.linear ms | oneDNN ms | row kernel ms | oneDNN / row kernel | GGUF codes ms | row kernel / "
-          "codes | int8 fbgemm ms | int8 as drafts run it ms | fbgemm / int8 as run |"
-          "\n|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+          "codes | int8 fbgemm ms | int8 as drafts run it ms | fbgemm / int8 as run | codes, int8 activations ms | "
+          "codes / int8 activations |"
+          "\n|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for rows in (1, 2, 5, 9, 17, 64, 512):
         xs = {d: torch.randn(rows, d) for d in {w.shape[1] for w in dense}}
         runs = {"mkl": lambda: [F.linear(xs[w.shape[1]], w) for w in dense],
@@ -105,14 +108,16 @@ def linears_table(model, reps: int = 5) -> None:
                 "rows": lambda: [p(xs[p.in_features]) for p in rows_layers],
                 "grids": lambda: [p(xs[p.in_features]) for p in grid_layers],
                 "fbgemm": lambda: [p(xs[p.in_features]) for p in fbgemm],
-                "int8": lambda: [p(xs[p.in_features]) for p in int8_layers]}
+                "int8": lambda: [p(xs[p.in_features]) for p in int8_layers],
+                "a8": lambda: [p(xs[p.in_features]) for p in a8_layers]}
         t = {}
         for name, run in runs.items():
             run()                                       # warm-up (oneDNN makes a kernel per new row count)
             t[name] = timed(run, reps) * 1e3
         print(f"| {rows} | {t['mkl']:.1f} | {t['onednn']:.1f} | {t['rows']:.1f} | {t['onednn'] / t['rows']:.2f}x | "
               f"{t['grids']:.1f} | {t['rows'] / t['grids']:.2f}x | "
-              f"{t['fbgemm']:.1f} | {t['int8']:.1f} | {t['fbgemm'] / t['int8']:.2f}x |")
+              f"{t['fbgemm']:.1f} | {t['int8']:.1f} | {t['fbgemm'] / t['int8']:.2f}x | {t['a8']:.1f} | "
+              f"{t['grids'] / t['a8']:.2f}x |")
 
 
 def main() -> None:
@@ -122,6 +127,7 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=3)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--tables", default="linears,decode")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     from leapdecode import LLM, SamplingParams
@@ -136,7 +142,10 @@ def main() -> None:
     with float_weights():
         llms["float weights"] = LLM(path, dtype="float32", cpu_packed_linears=True, kv_cache_memory="1GiB")
     llms["row kernel"] = LLM(path, dtype="float32", cpu_packed_linears=True, kv_cache_memory="1GiB")
-    linears_table(llms["row kernel"].engine.runner.model)
+    if "linears" in args.tables:
+        linears_table(llms["row kernel"].engine.runner.model)
+    if "decode" not in args.tables:
+        return
 
     tok = llms["row kernel"].engine.tokenizer
     prompts = [render_chat(tok, [{"role": "user", "content": turns[0]}]) for turns in mtbench_questions()[:16]]
