@@ -5,7 +5,8 @@ Built with ``torch.utils.cpp_extension.load_inline`` (g++ and ninja, ``-O3 -marc
 ``TORCH_EXTENSIONS_DIR`` by source, flags, this CPU's instruction-set flags and the torch version, so a cache
 shared between machines never hands one machine another's instructions (~30 s the first time). Where that fails
 (no compiler, no ninja) or ``LEAPDECODE_NO_CPU_KERNELS=1`` is set, :func:`build` returns None and callers keep
-their PyTorch path.
+their PyTorch path. ``LEAPDECODE_CPU_ISA=avx2`` builds without AVX-512 on a machine that has it (the AVX2 forms:
+tests compare their bits with the AVX-512 ones').
 """
 from __future__ import annotations
 
@@ -35,6 +36,8 @@ def build(name: str, source: str, functions: Sequence[str], flags: Sequence[str]
         return None
     import torch
     cflags = ["-O3", "-march=native", "-fopenmp", *flags]
+    if os.environ.get("LEAPDECODE_CPU_ISA") == "avx2":
+        cflags.append("-mno-avx512f")
     key = hashlib.sha1((source + " ".join(cflags) + _cpu_flags() + torch.__version__).encode()).hexdigest()[:12]
     try:
         from torch.utils.cpp_extension import load_inline
@@ -61,7 +64,7 @@ def kernels():
                         cpu_layer._SOURCE])
     return build("cpu_kernels", source, ["rms_norm", "rope_", "paged_attention", "paged_attention_slots",
                                          "paged_attention_quantized", "top_k_attention",
-                                         "top_k_attention_quantized", "rows_supported", "rows_linear",
+                                         "top_k_attention_quantized", "rows_supported", "rows_wide", "rows_linear",
                                          "rows_linear_int8", "rows_linear_grid", "a8_supported", "rows_linear_a8",
                                          "decoder_layer"],
                  flags=["-ffp-contract=off"])

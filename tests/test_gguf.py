@@ -239,6 +239,56 @@ def test_int8_activations_are_lossless_for_speculation_and_close_to_the_float_ru
         LLM(tiny_dir("llama"), max_model_len=128, num_kv_blocks=64, quantization="int8_activations")
 
 
+_AVX2_RUN = """
+import json, os, sys
+import torch
+from leapdecode import LLM, SamplingParams
+from leapdecode.model import packed_linear
+mod = packed_linear.rows_kernel()
+assert mod is not None and not mod.rows_wide(), "not the AVX2 form"
+assert packed_linear.PackedLinear(torch.randn(32, 64)).kernel == "oneDNN"     # float32 weights: oneDNN there
+args = json.loads(sys.argv[1])
+llm = LLM(args["path"], max_model_len=128, num_kv_blocks=64)
+kinds = sorted({m.kernel for m in llm.engine.runner.model.modules() if isinstance(m, packed_linear.PackedLinear)})
+params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=3)
+outs = [llm.generate([p], params, use_tqdm=False)[0].outputs[0] for p in args["prompts"]]
+json.dump({"kinds": kinds, "outs": [[o.token_ids, [{str(k): v for k, v in lp.items()} for lp in o.logprobs]]
+                                     for o in outs]}, open(args["out"], "w"))
+"""
+
+
+def test_avx2_form_of_the_row_kernel_gives_the_avx512_bits(tiny_dir, tmp_path):
+    """On a machine without AVX-512 the row kernel runs its AVX2 form (two 8-lane halves per 16-output block; GGUF
+    grid weights only, float32 ones keep oneDNN) and the one-call layer with it. Built here without AVX-512
+    (``LEAPDECODE_CPU_ISA=avx2``, in a subprocess), a Q4_0 file decodes to the same tokens and logprobs, bit for
+    bit, as the AVX-512 build in this process: every output is one FMA chain over the inputs in order whatever the
+    vector width. Fails if the AVX2 form is missing (oneDNN over float weights gives other bits) or rebuilds or
+    sums a weight differently."""
+    import json
+    import subprocess
+    import sys
+    from leapdecode.model import packed_linear
+    mod = packed_linear.rows_kernel()
+    if mod is None or not mod.rows_wide():
+        pytest.skip("needs the AVX-512 row kernel here, to compare the AVX2 build with")
+    path = write_gguf(tiny_dir("llama"), str(tmp_path / "avx2-Q4_0.gguf"), Q.Q4_0)
+    prompts = [[3 + (7 * i + j) % 50 for j in range(12 + 9 * i)] for i in range(3)]
+    llm = LLM(path, max_model_len=128, num_kv_blocks=64)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=3)
+    outs = [llm.generate([p], params, use_tqdm=False)[0].outputs[0] for p in prompts]
+    out = tmp_path / "avx2.json"
+    env = {**os.environ, "LEAPDECODE_CPU_ISA": "avx2"}
+    run = subprocess.run([sys.executable, "-c", _AVX2_RUN, json.dumps({"path": path, "prompts": prompts,
+                                                                        "out": str(out)})],
+                         env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    got = json.loads(out.read_text())
+    assert got["kinds"] == ["rows_q4"] or set(got["kinds"]) <= {"rows_q4", "rows_q8"}, got["kinds"]
+    for o, (ids, lps) in zip(outs, got["outs"]):
+        assert o.token_ids == ids
+        assert [{str(k): v for k, v in lp.items()} for lp in o.logprobs] == lps
+
+
 def test_f32_gguf_equals_the_original_checkpoint(tiny_dir, tmp_path):
     """Untied lm_head, q/k row order undone: the F32 file gives the original safetensors model's numbers."""
     hf_dir = tiny_dir("llama", rope_scaling=None)

@@ -136,7 +136,7 @@ torch::Tensor decoder_layer(torch::Tensor x, std::vector<torch::Tensor> w, std::
   auto act = at::silu(gate_up.narrow(1, 0, inter)) * gate_up.narrow(1, inter, inter);
   return add_into(layer_linear(act, w[11], w[12], w[13]), x);
 #else
-  TORCH_CHECK(false, "decoder_layer: needs the row kernel (AVX-512)");
+  TORCH_CHECK(false, "decoder_layer: needs the row kernel (AVX-512 or AVX2)");
   return x;
 #endif
 }

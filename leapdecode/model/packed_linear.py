@@ -1,5 +1,5 @@
 """Float32 linears on the CPU with each weight packed once: our own kernel for rows streamed past the weights
-(AVX-512), else oneDNN.
+(AVX-512; on AVX2 for a GGUF's grid weights only), else oneDNN.
 
 Why: on a CPU a decode step reads every weight for a handful of rows, and ``F.linear`` (MKL's sgemm in PyTorch's
 CPU builds) handles few rows badly on some machines. Measured on the 2-core AMD EPYC VM this project tests on
@@ -36,6 +36,14 @@ tile for all the rows (7 to 12 rows over 2 blocks, 13 to 18 over 1), so each wei
 12.6 -> 9.7 ms, 13 rows 20.1 -> 15.0, 17 rows 24.0 -> 18.7; a 16-node tree verifies 17 rows); beyond, each group
 of blocks is rebuilt once into float32 slabs that the float32 tiles read.
 
+**AVX2** (no AVX-512): the same kernels over two 8-lane halves per block of 16 outputs (tiles of up to 3 rows x 2
+blocks, no one-tile path), for grid weights only, so a GGUF's codes are read there too; float32 weights keep oneDNN,
+faster than these tiles at 64 rows. Same operations lane by lane, so the same bits as the AVX-512 form
+(tests/test_gguf.py builds it with ``LEAPDECODE_CPU_ISA=avx2`` and compares). Emulated on the Intel VM (built
+without AVX-512, oneDNN held to AVX2 by ``ONEDNN_MAX_CPU_ISA=AVX2``; all linears of the default model): 1 row 10.2
+ms against oneDNN's 37.6, 5 rows 17.4 / 51.3, 17 rows 36.0 / 66.1, 64 rows 108 / 131, 512 rows 819 / 795;
+decoding at batch 1 18 -> 78 tok/s, batch 16 153 -> 261 (benchmarks/README.md).
+
 Either way the results differ from MKL's in the last bits (different summation order; about 6e-5 on outputs of
 size ~10) and a row's result does not depend on how many rows share the call.
 
@@ -64,17 +72,63 @@ _SOURCE = r"""
 #include <immintrin.h>
 #include <type_traits>
 
-// One vector holds 16 floats (an AVX-512 register); RMAX x VMAX is the largest tile, sized to the 32 registers.
-// Only AVX-512: an AVX2 form (two 8-lane halves, tiles of 3 x 2) ran 1.3x slower than oneDNN at 64 rows on the
-// Intel VM (8 fewer registers, half the width), which would cost batched decoding and prefill on AVX2 machines.
+// One vector holds 16 floats: an AVX-512 register, or two AVX2 halves (the same operations lane by lane, so the
+// same bits). RMAX x VMAX is the largest tile and ACC the most accumulators a tile holds, sized to the registers
+// (32 of AVX-512, 16 of AVX2); ONE_TILE below. On AVX2 the row kernel serves weights on GGUF grids only (a float32
+// one runs oneDNN there: an AVX2 form of the float tiles ran 1.3x slower than oneDNN at 64 rows on the Intel VM,
+// with 8 fewer registers and half the width; see rows_wide).
 #if defined(__AVX512F__)
 typedef __m512 vec;
 static inline vec vzero() { return _mm512_setzero_ps(); }
 static inline vec vload(const float* p) { return _mm512_loadu_ps(p); }
 static inline void vstore(float* p, vec v) { _mm512_storeu_ps(p, v); }
 static inline vec vfma(float a, vec b, vec c) { return _mm512_fmadd_ps(_mm512_set1_ps(a), b, c); }
+static inline vec vfmav(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
 static inline vec vadd(vec a, vec b) { return _mm512_add_ps(a, b); }
-static constexpr int RMAX = 6, VMAX = 4;
+static inline vec vmul(vec a, vec b) { return _mm512_mul_ps(a, b); }
+static inline vec widen_i8(const int8_t* p) {       // 16 int8 -> float
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+static inline vec widen_f16(const void* p) {        // 16 float16 -> float
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+static inline void nibbles(const uint8_t* p, vec& lo, vec& hi) {   // 16 bytes -> their low and high nibbles
+  const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  lo = _mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(15)));
+  hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4));
+}
+static constexpr int RMAX = 6, VMAX = 4, ACC = 24;
+static constexpr bool WIDE = true;
+#define ROWS_SUPPORTED 1
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+struct vec { __m256 a, b; };
+static inline vec vzero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+static inline vec vload(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+static inline void vstore(float* p, vec v) { _mm256_storeu_ps(p, v.a); _mm256_storeu_ps(p + 8, v.b); }
+static inline vec vfma(float a, vec b, vec c) {
+  const __m256 s = _mm256_set1_ps(a);
+  return {_mm256_fmadd_ps(s, b.a, c.a), _mm256_fmadd_ps(s, b.b, c.b)};
+}
+static inline vec vfmav(vec a, vec b, vec c) { return {_mm256_fmadd_ps(a.a, b.a, c.a), _mm256_fmadd_ps(a.b, b.b, c.b)}; }
+static inline vec vadd(vec a, vec b) { return {_mm256_add_ps(a.a, b.a), _mm256_add_ps(a.b, b.b)}; }
+static inline vec vmul(vec a, vec b) { return {_mm256_mul_ps(a.a, b.a), _mm256_mul_ps(a.b, b.b)}; }
+static inline __m256 widen8_i8(const void* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+static inline vec widen_i8(const int8_t* p) { return {widen8_i8(p), widen8_i8(p + 8)}; }
+static inline vec widen_f16(const void* p) {
+  const __m128i* h = reinterpret_cast<const __m128i*>(p);
+  return {_mm256_cvtph_ps(_mm_loadu_si128(h)), _mm256_cvtph_ps(_mm_loadu_si128(h + 1))};
+}
+static inline void nibbles(const uint8_t* p, vec& lo, vec& hi) {
+  const __m256i mask = _mm256_set1_epi32(15);
+  const __m256i b0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  const __m256i b1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8)));
+  lo = {_mm256_cvtepi32_ps(_mm256_and_si256(b0, mask)), _mm256_cvtepi32_ps(_mm256_and_si256(b1, mask))};
+  hi = {_mm256_cvtepi32_ps(_mm256_srli_epi32(b0, 4)), _mm256_cvtepi32_ps(_mm256_srli_epi32(b1, 4))};
+}
+static constexpr int RMAX = 3, VMAX = 2, ACC = 6;
+static constexpr bool WIDE = false;
 #define ROWS_SUPPORTED 1
 #endif
 
@@ -86,15 +140,22 @@ bool rows_supported() {
 #endif
 }
 
+// The AVX-512 form (every weight kind), not the AVX2 one (grids only: see above).
+bool rows_wide() {
+#ifdef ROWS_SUPPORTED
+  return WIDE;
+#else
+  return false;
+#endif
+}
+
 #ifdef ROWS_SUPPORTED
 static constexpr int L = 16;         // outputs per block
 static constexpr int64_t AHEAD_BYTES = 4096;  // how far ahead in its slab each tile prefetches
 
 // The weight as floats, 16 at a time: a float32 slab as it is, an int8 one widened (its scale comes at the end).
 static inline vec wload(const float* p) { return vload(p); }
-static inline vec wload(const int8_t* p) {
-  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
-}
+static inline vec wload(const int8_t* p) { return widen_i8(p); }
 
 // y[r][n0 + v*16 + j] = (((0 + x[r][0] w[0]) + x[r][1] w[1]) + ...) * scale + bias: one FMA chain per output, in
 // order (float32 weights have no scale).
@@ -119,20 +180,22 @@ static inline void tile(const float* __restrict x, int64_t K, const W* __restric
   }
   for (int r = 0; r < R; ++r)
     for (int v = 0; v < V; ++v) {
-      vec out = scale ? _mm512_mul_ps(acc[r][v], vload(scale + n0 + v * L)) : acc[r][v];
+      vec out = scale ? vmul(acc[r][v], vload(scale + n0 + v * L)) : acc[r][v];
       vstore(y + r * N + n0 + v * L, bias ? vadd(out, vload(bias + n0 + v * L)) : out);
     }
 }
 
-// fn.template operator()<R>() for R == M (a tile's rows are a compile-time count; at most 24 accumulators)
+// fn.template operator()<R>() for R == M (a tile's rows are a compile-time count; at most ACC accumulators)
 template <int VN, int R = 1, typename F>
 static inline void by_rows(int64_t M, F&& fn) {
-  if constexpr (R * VN <= 24) {
+  if constexpr (R * VN <= ACC) {
     if (M == R) {
       fn.template operator()<R>();
       return;
     }
     by_rows<VN, R + 1>(M, fn);
+  } else {
+    TORCH_CHECK(M == 0, "row kernel: no tile for ", M, " rows over ", VN, " blocks");   // (0: nothing to do)
   }
 }
 
@@ -140,7 +203,7 @@ static inline void by_rows(int64_t M, F&& fn) {
 // up to 2 * RMAX rows, else 1): each weight is widened or rebuilt from its codes once for all the rows, not once per
 // RMAX-row tile (as 6-row tiles plus the rest, 7 rows cost about what 12 did). fn.template operator()<R, VN>(v):
 // the tile of all R == M rows over blocks v .. v+VN-1.
-static constexpr int64_t ONE_TILE = 18;
+static constexpr int64_t ONE_TILE = WIDE ? 18 : RMAX;       // (AVX2: none; its registers hold 3 x 2 tiles)
 template <int V, typename F>
 static inline void narrow_tiles(int64_t M, F&& fn) {
   for (int v = 0; v < V;) {
@@ -229,9 +292,7 @@ static torch::Tensor run_rows(const torch::Tensor& x, const torch::Tensor& w, co
 // rounding, as code * step is exact). Q8: an int8 code per weight, codes [N/16, K, 16]; a float16 step per group
 // and output, params [N/16, K/GRID, 16]: w = code * step (exact).
 static constexpr int64_t GRID = 32;
-static inline vec half16(const at::Half* p) {
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-}
+static inline vec half16(const at::Half* p) { return widen_f16(p); }
 
 struct Q4 {
   const uint8_t* c;
@@ -249,9 +310,10 @@ struct Q4 {
   inline void pair(int v, int64_t k, const vec& step, const vec& low, vec& w0, vec& w1) const {
     const uint8_t* cv = c + v * (K / 2) * L + (k / 2) * L;
     _mm_prefetch(reinterpret_cast<const char*>(cv + AHEAD * L), _MM_HINT_T0);
-    const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(cv)));
-    w0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(15))), step, low);
-    w1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4)), step, low);
+    vec lo, hi;
+    nibbles(cv, lo, hi);
+    w0 = vfmav(lo, step, low);
+    w1 = vfmav(hi, step, low);
   }
 };
 
@@ -265,8 +327,8 @@ struct Q8 {
   inline void pair(int v, int64_t k, const vec& step, const vec&, vec& w0, vec& w1) const {
     const int8_t* cv = c + v * K * L + k * L;
     _mm_prefetch(reinterpret_cast<const char*>(cv + AHEAD * 2 * L), _MM_HINT_T0);
-    w0 = _mm512_mul_ps(wload(cv), step);
-    w1 = _mm512_mul_ps(wload(cv + L), step);
+    w0 = vmul(wload(cv), step);
+    w1 = vmul(wload(cv + L), step);
   }
 };
 
@@ -354,7 +416,7 @@ torch::Tensor rows_linear(torch::Tensor x, torch::Tensor w, torch::Tensor bias) 
   TORCH_CHECK(w.scalar_type() == torch::kFloat32, "rows_linear: w must be float32");
   return run_rows<float>(x, w, nullptr, optional(bias, w.size(0) * L, "rows_linear: bias"));
 #else
-  TORCH_CHECK(false, "rows_linear: this CPU has no AVX-512");
+  TORCH_CHECK(false, "rows_linear: this CPU has no AVX-512 or AVX2");
   return x;
 #endif
 }
@@ -374,7 +436,7 @@ torch::Tensor rows_linear_grid(torch::Tensor x, torch::Tensor codes, torch::Tens
               "rows_linear_grid: q8 shapes");
   return run_grid(x, Q8{codes.data_ptr<int8_t>(), params.data_ptr<at::Half>(), K}, nb, b);
 #else
-  TORCH_CHECK(false, "rows_linear_grid: this CPU has no AVX-512");
+  TORCH_CHECK(false, "rows_linear_grid: this CPU has no AVX-512 or AVX2");
   return x;
 #endif
 }
@@ -391,7 +453,7 @@ torch::Tensor rows_linear_grid(torch::Tensor x, torch::Tensor codes, torch::Tens
 // operands for the chunk's inputs 0-3 and 4-7. Q8 (w = code * step, code -127..127): codes + 128 as bytes [N/16,
 // K/4, 64], byte 4j + t input 4c + t of output j, and low = -128 * step (exact): the same sum with the 128 * sum(q)
 // the offset adds taken out by the level term.
-#if defined(ROWS_SUPPORTED) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#if defined(ROWS_SUPPORTED) && defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #define A8_SUPPORTED 1
 static constexpr int64_t A8_AHEAD = 4096;     // bytes ahead in a block's codes each tile prefetches
 
@@ -562,7 +624,7 @@ torch::Tensor rows_linear_int8(torch::Tensor x, torch::Tensor w, torch::Tensor s
   return run_rows<int8_t>(x, w, optional(scale, w.size(0) * L, "rows_linear_int8: scale"),
                           optional(bias, w.size(0) * L, "rows_linear_int8: bias"));
 #else
-  TORCH_CHECK(false, "rows_linear_int8: this CPU has no AVX-512");
+  TORCH_CHECK(false, "rows_linear_int8: this CPU has no AVX-512 or AVX2");
   return x;
 #endif
 }
@@ -574,7 +636,7 @@ ABSENT = torch.empty(0)   # the row kernel's absent bias or scale (read only)
 
 @functools.lru_cache(maxsize=1)
 def _build_rows():
-    """The compiled row kernel, or None where it does not build or this CPU has no AVX-512."""
+    """The compiled row kernel, or None where it does not build or this CPU has neither AVX-512 nor AVX2."""
     from leapdecode import native
     mod = native.kernels()
     return mod if mod is not None and mod.rows_supported() else None
@@ -736,6 +798,8 @@ class PackedLinear(nn.Module):
         self.kernel = "rows" if self.out_features % BLOCK == 0 and rows_kernel() is not None else "oneDNN"
         self.params = ABSENT          # a grid form's steps (and lows), see grid_form
         form = grid_form(weight.detach().float()) if self.kernel == "rows" and grids else None
+        if form is None and self.kernel == "rows" and not rows_kernel().rows_wide():
+            self.kernel = "oneDNN"         # float32 weights on AVX2: oneDNN is faster there (see _SOURCE)
         if form is not None:
             self.kernel = "rows_q4" if form[0].dtype == torch.uint8 else "rows_q8"
             self.packed, self.params = form
