@@ -48,8 +48,9 @@ def test_row_kernel_is_exact_and_row_independent():
             torch.testing.assert_close(mod.rows_linear(x, packed, bias), ref, rtol=1e-5, atol=1e-4)
             assert row_independent(lambda rows: mod.rows_linear(rows.contiguous(), packed, bias), k, max_rows=23), \
                 (n, k, bias.numel())
-    # the model's layers take the row kernel wherever it runs and the output features allow it
-    assert PackedLinear(torch.randn(96, 80)).kernel == "rows"
+    # the model's layers take the row kernel wherever it serves float32 weights (AVX-512; AVX2: oneDNN) and the
+    # output features allow it
+    assert PackedLinear(torch.randn(96, 80)).kernel == ("rows" if packed_linear.float_rows() else "oneDNN")
     assert PackedLinear(torch.randn(100, 80)).kernel == "oneDNN"
 
 
@@ -61,8 +62,9 @@ def test_weights_on_gguf_grids_run_from_their_codes_with_the_float_bits():
     bias or not; the dense copy is the weight itself. A float weight keeps the float form. Fails if the grid forms
     are never taken or rebuild any weight or sum differently."""
     gguf = pytest.importorskip("gguf")
-    if packed_linear.rows_kernel() is None:
-        pytest.skip("no row kernel here (no compiler or no AVX-512)")
+    mod = packed_linear.rows_kernel()
+    if mod is None:
+        pytest.skip("no row kernel here (no compiler, or neither AVX-512 nor AVX2)")
     Q = gguf.GGMLQuantizationType
     g = torch.Generator().manual_seed(3)
     for qtype, kind in ((Q.Q4_0, "rows_q4"), (Q.Q4_1, "rows_q4"), (Q.Q8_0, "rows_q8")):
@@ -70,13 +72,18 @@ def test_weights_on_gguf_grids_run_from_their_codes_with_the_float_bits():
             x = torch.randn(n, k, generator=g).numpy()
             w = torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(x, qtype), qtype).reshape(n, k).copy())
             for bias in (torch.randn(n, generator=g), None):
-                ref, grid = PackedLinear(w, bias, grids=False), PackedLinear(w, bias)
-                assert (ref.kernel, grid.kernel) == ("rows", kind), qtype
+                grid = PackedLinear(w, bias)
+                assert grid.kernel == kind, qtype
                 assert torch.equal(grid.weight, w)
                 rows = torch.randn(40, k, generator=g)
+                # the float32 tiles over the dense weight (on AVX2 layers keep oneDNN for float32 weights, but the
+                # tiles are there)
+                packed, b = packed_linear.pack_rows(w), packed_linear.ABSENT if bias is None else bias
                 for m in (1, 2, 5, 6, 7, 9, 12, 13, 17, 18, 19, 40):
-                    assert torch.equal(grid(rows[:m]), ref(rows[:m])), (qtype.name, n, k, m)
-    assert PackedLinear(torch.randn(96, 64, generator=g)).kernel == "rows"
+                    ref = mod.rows_linear(rows[:m].contiguous(), packed, b)
+                    assert torch.equal(grid(rows[:m]), ref), (qtype.name, n, k, m)
+    float_kind = "rows" if packed_linear.float_rows() else "oneDNN"
+    assert PackedLinear(torch.randn(96, 64, generator=g)).kernel == float_kind
 
 
 def test_int8_activations_on_grid_codes_match_their_dequantized_product():
@@ -121,8 +128,8 @@ def test_int8_linear_takes_the_row_kernel_for_few_rows():
     which keeps the inputs float, so it computes the float matmul of the dequantized weights to float32 rounding;
     more rows through fbgemm (inputs quantized: within int8 error only). Fails with the int8 form off (fbgemm's
     input quantization is ~1e-2 off the dequantized reference) or with a wrong scale, bias or tail of blocks."""
-    if packed_linear._build_rows() is None:
-        pytest.skip("the row kernel does not build on this machine (no compiler, or no AVX-512): fbgemm serves")
+    if packed_linear.float_rows() is None:
+        pytest.skip("no AVX-512 row kernel on this machine (no compiler, or AVX2 at most): fbgemm serves")
     g = torch.Generator().manual_seed(2)
     for n, k in ((80, 37), (112, 64)):
         w, b = torch.randn(n, k, generator=g), torch.randn(n, generator=g)

@@ -68,8 +68,8 @@ class Int8Linear(nn.Module):
         self._scales = (w.abs().amax(dim=1) / 127.0).clamp_min(1e-12).double()
         self._bias = None if bias is None else bias.detach().float().cpu().contiguous()
         q = torch.round(w / self._scales[:, None]).clamp(-127, 127).to(torch.int8)
-        rows = packed_linear.rows_kernel()      # (the AVX-512 form: on AVX2 its int8 tiles are measured nowhere)
-        self._rows = rows if self.out_features % packed_linear.BLOCK == 0 and rows and rows.rows_wide() else None
+        rows = packed_linear.float_rows()       # (the AVX-512 form: on AVX2 its int8 tiles are measured nowhere)
+        self._rows = rows if self.out_features % packed_linear.BLOCK == 0 else None
         self.kernel = "rows" if self._rows is not None else "fbgemm"
         self._q = None      # the int8 values, kept only until fbgemm's packing needs them
         self._fbgemm = None

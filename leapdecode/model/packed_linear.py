@@ -773,6 +773,12 @@ def a8_grid(codes: torch.Tensor, params: torch.Tensor, in_features: int) -> tupl
     return (byte.reshape(nb, chunks * 4, BLOCK).to(torch.int16) - 128).to(torch.int8), params[:, :, 0].contiguous()
 
 
+def float_rows():
+    """The row kernel where it also serves float32 weights here (its AVX-512 form), else None (AVX2: oneDNN)."""
+    mod = rows_kernel()
+    return mod if mod is not None and mod.rows_wide() else None
+
+
 @functools.lru_cache(maxsize=1)
 def a8_kernel():
     """The row kernel where it also runs int8 activations on grid codes here (AVX-512 VNNI), else None."""
@@ -798,7 +804,7 @@ class PackedLinear(nn.Module):
         self.kernel = "rows" if self.out_features % BLOCK == 0 and rows_kernel() is not None else "oneDNN"
         self.params = ABSENT          # a grid form's steps (and lows), see grid_form
         form = grid_form(weight.detach().float()) if self.kernel == "rows" and grids else None
-        if form is None and self.kernel == "rows" and not rows_kernel().rows_wide():
+        if form is None and self.kernel == "rows" and float_rows() is None:
             self.kernel = "oneDNN"         # float32 weights on AVX2: oneDNN is faster there (see _SOURCE)
         if form is not None:
             self.kernel = "rows_q4" if form[0].dtype == torch.uint8 else "rows_q8"
@@ -902,4 +908,5 @@ def pack_model(model: nn.Module, enable: bool | None = None, activations: str = 
 
 
 __all__ = ["ABSENT", "ACTIVATIONS", "BLOCK", "GROUP", "PackedLinear", "a8_form", "a8_grid", "a8_kernel",
-           "available", "grid_form", "grid_weight", "pack_model", "pack_rows", "rows_kernel", "unpack_rows"]
+           "available", "float_rows", "grid_form", "grid_weight", "pack_model", "pack_rows", "rows_kernel",
+           "unpack_rows"]

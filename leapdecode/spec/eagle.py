@@ -190,7 +190,7 @@ class EagleHead(nn.Module):
         linears = [cpu_layer.linear_parts(m) for m in mods]
         if (model_layers.FUSED_OPS and all(p is not None for p in linears) and isinstance(self.fc, nn.Linear)
                 and all(w.dtype == torch.float32 and w.device.type == "cpu" and w.is_contiguous() for w in norms)
-                and packed_linear.rows_kernel() is not None and cpu_exact.kernel() is not None
+                and packed_linear.float_rows() is not None and cpu_exact.kernel() is not None
                 and self.fc.out_features % packed_linear.BLOCK == 0):
             c = self.cfg
             fc = int8_linear.Int8Linear(self.fc.weight, self.fc.bias).row_parts()   # weight-only int8
