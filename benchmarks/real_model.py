@@ -398,8 +398,8 @@ def main() -> None:
     ap.add_argument("--spec-tokens", type=int, default=96)
     ap.add_argument("--num-speculative-tokens", type=int, default=6)
     ap.add_argument("--kv-cache-memory", default="1GiB")
-    ap.add_argument("--quantization", default=None, choices=["int4"], help="--spec-batches: LLM(quantization=...) "
-                    "for every configuration (plain included)")
+    ap.add_argument("--quantization", default=None, choices=["int4", "int8_activations"],
+                    help="--spec-batches: LLM(quantization=...) for every configuration (plain included)")
     ap.add_argument("--skip-hf", action="store_true", help="leave transformers out")
     ap.add_argument("--skip-startup", action="store_true")
     ap.add_argument("--json", default=None, help="also write the results here")
