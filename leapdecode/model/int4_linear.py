@@ -179,8 +179,8 @@ def available() -> bool:
         return False
 
 
-# "int8_activations": LOSSY int8 activations on a 4-bit GGUF's own codes (model/packed_linear.py: rows_q4a8, applied
-# by pack_model; nothing to replace here)
+# "int8_activations": LOSSY int8 activations on a GGUF's own 4- and 8-bit codes (model/packed_linear.py: rows_q4a8,
+# rows_q8a8, applied by pack_model; nothing to replace here)
 QUANTIZATIONS = (None, "int4", "int8_activations")
 
 
@@ -219,9 +219,10 @@ def quantize_model(model: nn.Module, quantization: str | None) -> dict[str, int]
     replace_linears(model.layers, linear_names(model.layers), make)
     if counts["groups"] and counts["exact_groups"] == counts["groups"]:
         import warnings
-        warnings.warn("quantization='int4' on a model whose layers are all 4-bit GGUF blocks: without it the row kernel "
-                      "reads those very codes at float32 precision (the default model on an AVX-512 CPU: int4 ran at "
-                      "0.46x of that at batch 1); quantization='int8_activations' is the faster lossy mode there",
+        warnings.warn("quantization='int4' on a model whose layers are all 4-bit GGUF blocks: without it the row "
+                      "kernel reads those very codes at float32 precision (the default model on an AVX-512 CPU: int4 "
+                      "ran at 0.46x of that at batch 1); quantization='int8_activations' is the faster lossy mode "
+                      "there",
                       stacklevel=2)
     vocab, hidden = head.weight.shape
     if _shape_ok("bf16", vocab, hidden):

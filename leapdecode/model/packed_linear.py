@@ -109,7 +109,9 @@ static inline vec vfma(float a, vec b, vec c) {
   const __m256 s = _mm256_set1_ps(a);
   return {_mm256_fmadd_ps(s, b.a, c.a), _mm256_fmadd_ps(s, b.b, c.b)};
 }
-static inline vec vfmav(vec a, vec b, vec c) { return {_mm256_fmadd_ps(a.a, b.a, c.a), _mm256_fmadd_ps(a.b, b.b, c.b)}; }
+static inline vec vfmav(vec a, vec b, vec c) {
+  return {_mm256_fmadd_ps(a.a, b.a, c.a), _mm256_fmadd_ps(a.b, b.b, c.b)};
+}
 static inline vec vadd(vec a, vec b) { return {_mm256_add_ps(a.a, b.a), _mm256_add_ps(a.b, b.b)}; }
 static inline vec vmul(vec a, vec b) { return {_mm256_mul_ps(a.a, b.a), _mm256_mul_ps(a.b, b.b)}; }
 static inline __m256 widen8_i8(const void* p) {
@@ -590,8 +592,9 @@ torch::Tensor rows_linear_a8(torch::Tensor x, torch::Tensor codes, torch::Tensor
   const int64_t M = x.size(0), K = x.size(1), nb = codes.size(0), N = nb * L, G = K / GRID;
   const bool q4 = codes.size(1) * 8 == K;
   TORCH_CHECK(K % GRID == 0 && codes.scalar_type() == torch::kUInt8 && codes.dim() == 3
-              && (q4 || codes.size(1) * 4 == K) && codes.size(2) == 4 * L && codes.is_contiguous() && params.scalar_type() == torch::kHalf
-              && params.is_contiguous() && params.numel() == nb * G * 2 * L, "rows_linear_a8: codes, params");
+              && (q4 || codes.size(1) * 4 == K) && codes.size(2) == 4 * L && codes.is_contiguous()
+              && params.scalar_type() == torch::kHalf && params.is_contiguous() && params.numel() == nb * G * 2 * L,
+              "rows_linear_a8: codes, params");
   const float* b = optional(bias, N, "rows_linear_a8: bias");
   auto y = torch::empty({M, N}, x.options());
   thread_local std::vector<int8_t> qbuf;
@@ -758,7 +761,8 @@ def a8_form(codes: torch.Tensor, params: torch.Tensor) -> tuple[torch.Tensor, to
     nb, rows, _ = codes.shape
     if codes.dtype == torch.uint8:
         c = torch.stack([codes & 15, codes >> 4], 2).reshape(nb, rows // 4, 2, 4, BLOCK)   # [nb, K/8, lo/hi, t, j]
-        return (c[:, :, 0] | (c[:, :, 1] << 4)).transpose(2, 3).reshape(nb, rows // 4, 4 * BLOCK).contiguous(), params
+        byte = (c[:, :, 0] | (c[:, :, 1] << 4)).transpose(2, 3)                           # [nb, K/8, j, t]
+        return byte.reshape(nb, rows // 4, 4 * BLOCK).contiguous(), params
     byte = (codes.to(torch.int16) + 128).to(torch.uint8).reshape(nb, rows // 4, 4, BLOCK).transpose(2, 3)
     return byte.reshape(nb, rows // 4, 4 * BLOCK).contiguous(), torch.stack([params, params * -128], 2).contiguous()
 
