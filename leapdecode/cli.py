@@ -52,8 +52,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="a quantized KV cache keeps each sequence's N newest tokens at full precision (default: 0)")
     g.add_argument("--quantization", choices=["int4", "int8_activations"], default=None,
                    help="int4: LOSSY 4-bit weights with bfloat16 activations on a CPU (a 4-bit GGUF keeps its "
-                        "own weights); int8_activations: LOSSY int8 activations on a 4-bit GGUF's codes (AVX-512 "
-                        "VNNI), as llama.cpp computes them (default: off)")
+                        "own weights); int8_activations: LOSSY int8 activations on a 4- or 8-bit GGUF's codes "
+                        "(AVX-512 VNNI or AVX2), as llama.cpp computes them (default: off)")
     g.add_argument("--batch-invariant", action="store_true", default=None,
                    help="exact attention: each request's logits bit for bit the same whatever shares its step "
                         "(default: only with --quantization)")

@@ -66,8 +66,8 @@ class LLM:
         codes that path reads itself; its quality cost is measured in benchmarks/README.md (model/int4_linear.py).
         ``quantization="int8_activations"``: LOSSY, CPU only: a 4- or 8-bit GGUF's layers and head (Q4_0, Q4_1,
         Q8_0) multiply their own codes by each row's activations as int8 per group of 32 (llama.cpp's way; AVX-512
-        VNNI), exact attention as under ``int4``; its speed and quality cost are measured in benchmarks/README.md
-        (model/packed_linear.py, ``rows_linear_a8``).
+        VNNI, or AVX2), exact attention as under ``int4``; its speed and quality cost are measured in
+        benchmarks/README.md (model/packed_linear.py, ``rows_linear_a8``).
         ``batch_invariant``: exact attention, so a request's logits are bit for bit the same alone, batched with
         any others or verifying drafts (float32 SDPA differs in the last bits, which can flip a near-tie). None
         (the default): where it is free, i.e. decode and verification rows on a CPU with a float KV cache go

@@ -240,6 +240,18 @@ def test_int8_activations_are_lossless_for_speculation_and_close_to_the_float_ru
         LLM(tiny_dir("llama"), max_model_len=128, num_kv_blocks=64, quantization="int8_activations")
 
 
+_A8_LINEARS = """
+import gguf, torch
+from leapdecode.model import packed_linear
+g = torch.Generator().manual_seed(7)
+linears = []
+for qt in (gguf.GGMLQuantizationType.Q4_1, gguf.GGMLQuantizationType.Q8_0):
+    x = torch.randn(80, 96, generator=g).numpy()
+    w = torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(x, qt), qt).reshape(80, 96).copy())
+    rows = torch.randn(9, 96, generator=g) * 3
+    linears.append(packed_linear.PackedLinear(w, activations="int8")(rows).tolist())
+"""
+
 _AVX2_RUN = """
 import json, os, sys
 import torch
@@ -249,22 +261,30 @@ mod = packed_linear.rows_kernel()
 assert mod is not None and not mod.rows_wide(), "not the AVX2 form"
 assert packed_linear.PackedLinear(torch.randn(32, 64)).kernel == "oneDNN"     # float32 weights: oneDNN there
 args = json.loads(sys.argv[1])
-llm = LLM(args["path"], max_model_len=128, num_kv_blocks=64)
-kinds = sorted({m.kernel for m in llm.engine.runner.model.modules() if isinstance(m, packed_linear.PackedLinear)})
 params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=3)
-outs = [llm.generate([p], params, use_tqdm=False)[0].outputs[0] for p in args["prompts"]]
-json.dump({"kinds": kinds, "outs": [[o.token_ids, [{str(k): v for k, v in lp.items()} for lp in o.logprobs]]
-                                     for o in outs]}, open(args["out"], "w"))
+result = {}
+for quantization in (None, "int8_activations"):
+    llm = LLM(args["path"], max_model_len=128, num_kv_blocks=64, quantization=quantization)
+    kinds = sorted({m.kernel for m in llm.engine.runner.model.modules()
+                    if isinstance(m, packed_linear.PackedLinear)})
+    outs = [llm.generate([p], params, use_tqdm=False)[0].outputs[0] for p in args["prompts"]]
+    result[str(quantization)] = {"kinds": kinds, "outs": [[o.token_ids, [{str(k): v for k, v in lp.items()}
+                                                                         for lp in o.logprobs]] for o in outs]}
+names = {}
+exec(args["linears"], names)
+result["linears"] = names["linears"]
+json.dump(result, open(args["out"], "w"))
 """
 
 
 def test_avx2_form_of_the_row_kernel_gives_the_avx512_bits(tiny_dir, tmp_path):
     """On a machine without AVX-512 the row kernel runs its AVX2 form (two 8-lane halves per 16-output block; GGUF
-    grid weights only, float32 ones keep oneDNN) and the one-call layer with it. Built here without AVX-512
-    (``LEAPDECODE_CPU_ISA=avx2``, in a subprocess), a Q4_0 file decodes to the same tokens and logprobs, bit for
-    bit, as the AVX-512 build in this process: every output is one FMA chain over the inputs in order whatever the
-    vector width. Fails if the AVX2 form is missing (oneDNN over float weights gives other bits) or rebuilds or
-    sums a weight differently."""
+    grid weights only, float32 ones keep oneDNN) and the one-call layer with it, and int8 activations run through
+    vpmaddubsw instead of VNNI. Built here without AVX-512 (``LEAPDECODE_CPU_ISA=avx2``, in a subprocess), a Q4_0
+    file decodes to the same tokens and logprobs, bit for bit, as the AVX-512 build in this process, with float and
+    with int8 activations: every output is one FMA chain over the inputs in order whatever the vector width, and
+    the integer sums are exact either way. Fails if the AVX2 form is missing (oneDNN over float weights gives other
+    bits) or rebuilds, sums or scales a weight differently."""
     import json
     import subprocess
     import sys
@@ -274,20 +294,26 @@ def test_avx2_form_of_the_row_kernel_gives_the_avx512_bits(tiny_dir, tmp_path):
         pytest.skip("needs the AVX-512 row kernel here, to compare the AVX2 build with")
     path = write_gguf(tiny_dir("llama"), str(tmp_path / "avx2-Q4_0.gguf"), Q.Q4_0)
     prompts = [[3 + (7 * i + j) % 50 for j in range(12 + 9 * i)] for i in range(3)]
-    llm = LLM(path, max_model_len=128, num_kv_blocks=64)
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=3)
-    outs = [llm.generate([p], params, use_tqdm=False)[0].outputs[0] for p in prompts]
+    here = {}
+    for quantization in (None, "int8_activations"):
+        llm = LLM(path, max_model_len=128, num_kv_blocks=64, quantization=quantization)
+        here[str(quantization)] = [llm.generate([p], params, use_tqdm=False)[0].outputs[0] for p in prompts]
     out = tmp_path / "avx2.json"
     env = {**os.environ, "LEAPDECODE_CPU_ISA": "avx2"}
     run = subprocess.run([sys.executable, "-c", _AVX2_RUN, json.dumps({"path": path, "prompts": prompts,
-                                                                        "out": str(out)})],
+                                                                        "out": str(out), "linears": _A8_LINEARS})],
                          env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     got = json.loads(out.read_text())
-    assert got["kinds"] == ["rows_q4"] or set(got["kinds"]) <= {"rows_q4", "rows_q8"}, got["kinds"]
-    for o, (ids, lps) in zip(outs, got["outs"]):
-        assert o.token_ids == ids
-        assert [{str(k): v for k, v in lp.items()} for lp in o.logprobs] == lps
+    assert "rows_q4" in got["None"]["kinds"] and "rows_q4a8" in got["int8_activations"]["kinds"], got
+    for quantization, outs in here.items():
+        for o, (ids, lps) in zip(outs, got[quantization]["outs"]):
+            assert o.token_ids == ids, quantization
+            assert [{str(k): v for k, v in lp.items()} for lp in o.logprobs] == lps, quantization
+    names = {}
+    exec(_A8_LINEARS, names)                        # Q4_1 and Q8_0 (the offset codes' sign trick) linears alone
+    assert names["linears"] == got["linears"]
 
 
 def test_f32_gguf_equals_the_original_checkpoint(tiny_dir, tmp_path):

@@ -42,7 +42,9 @@ faster than these tiles at 64 rows. Same operations lane by lane, so the same bi
 (tests/test_gguf.py builds it with ``LEAPDECODE_CPU_ISA=avx2`` and compares). Emulated on the Intel VM (built
 without AVX-512, oneDNN held to AVX2 by ``ONEDNN_MAX_CPU_ISA=AVX2``; all linears of the default model): 1 row 10.2
 ms against oneDNN's 37.6, 5 rows 17.4 / 51.3, 17 rows 36.0 / 66.1, 64 rows 108 / 131, 512 rows 819 / 795;
-decoding at batch 1 18 -> 78 tok/s, batch 16 153 -> 261 (benchmarks/README.md).
+decoding at batch 1 18 -> 78 tok/s, batch 16 153 -> 261 (benchmarks/README.md). Int8 activations
+(``rows_linear_a8``) run there too, through vpmaddubsw instead of VNNI, with the same integer sums and so the same
+bits; emulated, all linears 1.6x the codes' float path at 1 row, 2.1x at 5, 1.7x at 512.
 
 Either way the results differ from MKL's in the last bits (different summation order; about 6e-5 on outputs of
 size ~10) and a row's result does not depend on how many rows share the call.
@@ -86,6 +88,7 @@ static inline vec vfma(float a, vec b, vec c) { return _mm512_fmadd_ps(_mm512_se
 static inline vec vfmav(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
 static inline vec vadd(vec a, vec b) { return _mm512_add_ps(a, b); }
 static inline vec vmul(vec a, vec b) { return _mm512_mul_ps(a, b); }
+static inline vec vsplat(float a) { return _mm512_set1_ps(a); }
 static inline vec widen_i8(const int8_t* p) {       // 16 int8 -> float
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 }
@@ -114,6 +117,7 @@ static inline vec vfmav(vec a, vec b, vec c) {
 }
 static inline vec vadd(vec a, vec b) { return {_mm256_add_ps(a.a, b.a), _mm256_add_ps(a.b, b.b)}; }
 static inline vec vmul(vec a, vec b) { return {_mm256_mul_ps(a.a, b.a), _mm256_mul_ps(a.b, b.b)}; }
+static inline vec vsplat(float a) { return {_mm256_set1_ps(a), _mm256_set1_ps(a)}; }
 static inline __m256 widen8_i8(const void* p) {
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 }
@@ -455,25 +459,116 @@ torch::Tensor rows_linear_grid(torch::Tensor x, torch::Tensor codes, torch::Tens
 // operands for the chunk's inputs 0-3 and 4-7. Q8 (w = code * step, code -127..127): codes + 128 as bytes [N/16,
 // K/4, 64], byte 4j + t input 4c + t of output j, and low = -128 * step (exact): the same sum with the 128 * sum(q)
 // the offset adds taken out by the level term.
+// The instruction set's pieces: a chunk of codes (16 outputs x 4 inputs, as the 64-byte layout holds them), the
+// integer sums of a group, dot4 (a chunk times 4 inputs of a row, added in), and the sums as 16 floats.
 #if defined(ROWS_SUPPORTED) && defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #define A8_SUPPORTED 1
+// AVX-512 VNNI: one register a chunk; dpbusd multiplies unsigned codes by signed inputs, four a lane, into int32.
+typedef __m512i codes16;
+typedef __m512i sums16;
+static inline sums16 sums_zero() { return _mm512_setzero_si512(); }
+static inline void chunk_q4(const uint8_t* p, codes16& w0, codes16& w1) {
+  const __m512i raw = _mm512_loadu_si512(p), nibble = _mm512_set1_epi8(15);
+  w0 = _mm512_and_si512(raw, nibble);
+  w1 = _mm512_and_si512(_mm512_srli_epi16(raw, 4), nibble);
+}
+static inline void chunk_q8(const uint8_t* p, codes16& w0, codes16& w1) {
+  w0 = _mm512_loadu_si512(p);
+  w1 = _mm512_loadu_si512(p + 64);
+}
+template <int BITS>
+static inline sums16 dot4(sums16 acc, const codes16& w, int32_t x4) {
+  return _mm512_dpbusd_epi32(acc, w, _mm512_set1_epi32(x4));
+}
+template <int BITS>
+static inline vec sums_float(const sums16& acc, int32_t) { return _mm512_cvtepi32_ps(acc); }
+static void a8_quantize_group(const float* xg, int8_t* q, float& d, float& s, int32_t& qs) {
+  const __m512 a = _mm512_loadu_ps(xg), b = _mm512_loadu_ps(xg + 16);
+  const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+  const float dg = amax / 127.0f, inv = dg != 0.0f ? 1.0f / dg : 0.0f;
+  const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, _mm512_set1_ps(inv)));
+  const __m512i qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, _mm512_set1_ps(inv)));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtepi32_epi8(qa));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16), _mm512_cvtepi32_epi8(qb));
+  qs = _mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));
+  d = dg;
+  s = dg * static_cast<float>(qs);
+}
+static constexpr int A8_ACC = 12, A8_NARROW = 3, A8_RMAX = 6, A8_PAIR = 2;   // tiles: R x V <= A8_ACC
+#elif defined(ROWS_SUPPORTED) && defined(__AVX2__)
+#define A8_SUPPORTED 1
+// AVX2: a chunk's two 8-output halves in two registers. vpmaddubsw adds two unsigned x signed products into int16: a
+// Q4 code (<= 15) times an input (|q| <= 127) lets a group's 8 such pairs (30,480) stay in int16 until vpmaddwd
+// widens them; a Q8 code is taken signed (byte - 128) with the sign trick (|w| x sign(q, w): one pair is at most
+// 32,258) and widened at once, and the 128 x sum(q) that dpbusd's offset codes add is added back at the end. The same
+// int32 sums as the AVX-512 form, so the same bits.
+struct codes16 { __m256i a, b; };
+struct sums16 { __m256i a, b; };
+static inline sums16 sums_zero() { return {_mm256_setzero_si256(), _mm256_setzero_si256()}; }
+static inline void chunk_q4(const uint8_t* p, codes16& w0, codes16& w1) {
+  const __m256i nibble = _mm256_set1_epi8(15);
+  const __m256i r0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  const __m256i r1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32));
+  w0 = {_mm256_and_si256(r0, nibble), _mm256_and_si256(r1, nibble)};
+  w1 = {_mm256_and_si256(_mm256_srli_epi16(r0, 4), nibble), _mm256_and_si256(_mm256_srli_epi16(r1, 4), nibble)};
+}
+static inline void chunk_q8(const uint8_t* p, codes16& w0, codes16& w1) {
+  const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));    // byte - 128, as a signed byte
+  auto at = [&](int off) {
+    return _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + off)), flip);
+  };
+  w0 = {at(0), at(32)};
+  w1 = {at(64), at(96)};
+}
+template <int BITS>
+static inline __m256i dot4_half(__m256i acc, __m256i w, __m256i x) {
+  if constexpr (BITS == 4) return _mm256_add_epi16(acc, _mm256_maddubs_epi16(w, x));
+  const __m256i pairs = _mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(x, w));
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+}
+template <int BITS>
+static inline sums16 dot4(sums16 acc, const codes16& w, int32_t x4) {
+  const __m256i x = _mm256_set1_epi32(x4);
+  return {dot4_half<BITS>(acc.a, w.a, x), dot4_half<BITS>(acc.b, w.b, x)};
+}
+template <int BITS>
+static inline vec sums_float(const sums16& acc, int32_t qs) {
+  if constexpr (BITS == 4) {
+    const __m256i one = _mm256_set1_epi16(1);
+    return {_mm256_cvtepi32_ps(_mm256_madd_epi16(acc.a, one)), _mm256_cvtepi32_ps(_mm256_madd_epi16(acc.b, one))};
+  }
+  const __m256i off = _mm256_set1_epi32(128 * qs);
+  return {_mm256_cvtepi32_ps(_mm256_add_epi32(acc.a, off)), _mm256_cvtepi32_ps(_mm256_add_epi32(acc.b, off))};
+}
+static void a8_quantize_group(const float* xg, int8_t* q, float& d, float& s, int32_t& qs) {
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  __m256 x[4], m = _mm256_setzero_ps();
+  for (int i = 0; i < 4; ++i) m = _mm256_max_ps(m, _mm256_andnot_ps(sign, x[i] = _mm256_loadu_ps(xg + 8 * i)));
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, m);
+  float amax = 0.0f;
+  for (float v : lanes) amax = std::max(amax, v);
+  const float dg = amax / 127.0f, inv = dg != 0.0f ? 1.0f / dg : 0.0f;
+  alignas(32) int32_t codes[32];
+  for (int i = 0; i < 4; ++i)
+    _mm256_store_si256(reinterpret_cast<__m256i*>(codes + 8 * i),
+                       _mm256_cvtps_epi32(_mm256_mul_ps(x[i], _mm256_set1_ps(inv))));
+  int32_t total = 0;
+  for (int i = 0; i < 32; ++i) q[i] = static_cast<int8_t>(codes[i]), total += codes[i];
+  qs = total;
+  d = dg;
+  s = dg * static_cast<float>(total);
+}
+static constexpr int A8_ACC = 2, A8_NARROW = 1, A8_RMAX = 2, A8_PAIR = 1;
+#endif
+
+#ifdef A8_SUPPORTED
 static constexpr int64_t A8_AHEAD = 4096;     // bytes ahead in a block's codes each tile prefetches
 
-static void a8_quantize(const float* x, int64_t M, int64_t K, int8_t* q, float* d, float* s) {
-  const int64_t G = K / GRID;
-  at::parallel_for(0, M * G, 256, [&](int64_t i0, int64_t i1) {
-    for (int64_t i = i0; i < i1; ++i) {
-      const float* xg = x + i * GRID;
-      const __m512 a = _mm512_loadu_ps(xg), b = _mm512_loadu_ps(xg + 16);
-      const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
-      const float dg = amax / 127.0f, inv = dg != 0.0f ? 1.0f / dg : 0.0f;
-      const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, _mm512_set1_ps(inv)));
-      const __m512i qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, _mm512_set1_ps(inv)));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(q + i * GRID), _mm512_cvtepi32_epi8(qa));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(q + i * GRID + 16), _mm512_cvtepi32_epi8(qb));
-      d[i] = dg;
-      s[i] = dg * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb)));
-    }
+// Each row's groups of GRID inputs as int8 codes q, with d, s = d * sum(q) and sum(q) itself (see above).
+static void a8_quantize(const float* x, int64_t M, int64_t K, int8_t* q, float* d, float* s, int32_t* qs) {
+  at::parallel_for(0, M * (K / GRID), 256, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) a8_quantize_group(x + i * GRID, q + i * GRID, d[i], s[i], qs[i]);
   });
 }
 
@@ -483,47 +578,40 @@ static inline int32_t four(const int8_t* p) {
   return v;
 }
 
-// y[r][n0 + 16v + j] for R rows and V blocks of 16 outputs: per group, the integer sums (dpbusd: unsigned codes x
-// signed inputs), then acc = (sum * (step * d)) + acc, acc = (low * s) + acc, each an FMA.
+// y[r][n0 + 16v + j] for R rows and V blocks of 16 outputs: per group, the integer sums (dot4), then
+// acc = (sum * (step * d)) + acc, acc = (low * s) + acc, each an FMA.
 template <int BITS, int R, int V>
 static inline void a8_tile(const int8_t* __restrict q, const float* __restrict d, const float* __restrict s,
-                           int64_t K, const uint8_t* __restrict c, const at::Half* __restrict p, float* __restrict y,
-                           int64_t N, int64_t n0, const float* bias) {
+                           const int32_t* __restrict qs, int64_t K, const uint8_t* __restrict c,
+                           const at::Half* __restrict p, float* __restrict y, int64_t N, int64_t n0,
+                           const float* bias) {
   const int64_t G = K / GRID, chunks = K * BITS / 32;     // 64-byte chunks a block
-  const __m512i nibble = _mm512_set1_epi8(15);
   vec acc[R][V];
   for (int r = 0; r < R; ++r)
     for (int v = 0; v < V; ++v) acc[r][v] = vzero();
   for (int64_t g = 0; g < G; ++g) {
-    __m512i sum[R][V];
+    sums16 sum[R][V];
     for (int r = 0; r < R; ++r)
-      for (int v = 0; v < V; ++v) sum[r][v] = _mm512_setzero_si512();
+      for (int v = 0; v < V; ++v) sum[r][v] = sums_zero();
     for (int64_t k = g * GRID; k < (g + 1) * GRID; k += 8)     // inputs k .. k+3 (w0), k+4 .. k+7 (w1)
       for (int v = 0; v < V; ++v) {
         const uint8_t* cv = c + v * chunks * 64 + k * BITS * 2;
         _mm_prefetch(reinterpret_cast<const char*>(cv + A8_AHEAD), _MM_HINT_T0);
-        __m512i w0, w1;
-        if constexpr (BITS == 4) {
-          const __m512i raw = _mm512_loadu_si512(cv);
-          w0 = _mm512_and_si512(raw, nibble);
-          w1 = _mm512_and_si512(_mm512_srli_epi16(raw, 4), nibble);
-        } else {
-          w0 = _mm512_loadu_si512(cv);
-          w1 = _mm512_loadu_si512(cv + 64);
-        }
+        codes16 w0, w1;
+        if constexpr (BITS == 4) chunk_q4(cv, w0, w1);
+        else chunk_q8(cv, w0, w1);
         for (int r = 0; r < R; ++r) {
           const int8_t* qr = q + r * K + k;
-          sum[r][v] = _mm512_dpbusd_epi32(sum[r][v], w0, _mm512_set1_epi32(four(qr)));
-          sum[r][v] = _mm512_dpbusd_epi32(sum[r][v], w1, _mm512_set1_epi32(four(qr + 4)));
+          sum[r][v] = dot4<BITS>(sum[r][v], w0, four(qr));
+          sum[r][v] = dot4<BITS>(sum[r][v], w1, four(qr + 4));
         }
       }
     for (int v = 0; v < V; ++v) {
       const at::Half* pv = p + (v * G + g) * 2 * L;
       const vec step = half16(pv), low = half16(pv + L);
       for (int r = 0; r < R; ++r) {
-        acc[r][v] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[r][v]),
-                                    _mm512_mul_ps(step, _mm512_set1_ps(d[r * G + g])), acc[r][v]);
-        acc[r][v] = _mm512_fmadd_ps(low, _mm512_set1_ps(s[r * G + g]), acc[r][v]);
+        acc[r][v] = vfmav(sums_float<BITS>(sum[r][v], qs[r * G + g]), vmul(step, vsplat(d[r * G + g])), acc[r][v]);
+        acc[r][v] = vfmav(low, vsplat(s[r * G + g]), acc[r][v]);
       }
     }
   }
@@ -532,45 +620,46 @@ static inline void a8_tile(const int8_t* __restrict q, const float* __restrict d
       vstore(y + r * N + n0 + v * L, bias ? vadd(acc[r][v], vload(bias + n0 + v * L)) : acc[r][v]);
 }
 
-// fn.template operator()<R>() for R == rows, 1 <= rows <= (V > 2 ? 3 : 6): two accumulators per row and block
-template <int V, typename F>
+// fn.template operator()<R>() for R == rows, R x V <= A8_ACC (two accumulators per row and block)
+template <int V, int R = 1, typename F>
 static inline void a8_rows(int64_t rows, F&& fn) {
-  switch (rows) {
-    case 1: fn.template operator()<1>(); return;
-    case 2: fn.template operator()<2>(); return;
-    case 3: fn.template operator()<3>(); return;
-  }
-  if constexpr (V <= 2) {
-    switch (rows) {
-      case 4: fn.template operator()<4>(); return;
-      case 5: fn.template operator()<5>(); return;
-      case 6: fn.template operator()<6>(); return;
+  if constexpr (R * V <= A8_ACC) {
+    if (rows == R) {
+      fn.template operator()<R>();
+      return;
     }
+    a8_rows<V, R + 1>(rows, fn);
+  } else {
+    TORCH_CHECK(false, "rows_linear_a8: no tile for ", rows, " rows over ", V, " blocks");
   }
 }
 
-// Up to 3 rows: one tile over the group's V blocks; more: tiles of up to 6 rows over pairs of blocks.
+// Up to A8_NARROW rows: one tile over the group's V blocks; more: tiles of up to A8_RMAX rows over A8_PAIR blocks.
 template <int BITS, int V>
-static void a8_blocks(const int8_t* q, const float* d, const float* s, int64_t M, int64_t K, const uint8_t* c,
-                      const at::Half* p, float* y, int64_t N, int64_t n0, const float* bias) {
+static void a8_blocks(const int8_t* q, const float* d, const float* s, const int32_t* qs, int64_t M, int64_t K,
+                      const uint8_t* c, const at::Half* p, float* y, int64_t N, int64_t n0, const float* bias) {
   const int64_t G = K / GRID;
-  if (M <= 3) {
-    a8_rows<V>(M, [&]<int R>() { a8_tile<BITS, R, V>(q, d, s, K, c, p, y, N, n0, bias); });
+  if (M <= A8_NARROW) {
+    a8_rows<V>(M, [&]<int R>() { a8_tile<BITS, R, V>(q, d, s, qs, K, c, p, y, N, n0, bias); });
     return;
   }
-  for (int v = 0; v < V; v += 2) {
+  for (int v = 0; v < V; v += A8_PAIR) {
     const uint8_t* cv = c + v * (K * BITS / 32) * 64;
     const at::Half* pv = p + v * G * 2 * L;
-    for (int64_t m = 0; m < M; m += 6) {
-      const int64_t rows = std::min<int64_t>(6, M - m);
-      if (v + 2 <= V)
-        a8_rows<2>(rows, [&]<int R>() {
-          a8_tile<BITS, R, 2>(q + m * K, d + m * G, s + m * G, K, cv, pv, y + m * N, N, n0 + v * L, bias);
+    for (int64_t m = 0; m < M; m += A8_RMAX) {
+      const int64_t rows = std::min<int64_t>(A8_RMAX, M - m);
+      auto run = [&]<int VN>() {
+        a8_rows<VN>(rows, [&]<int R>() {
+          a8_tile<BITS, R, VN>(q + m * K, d + m * G, s + m * G, qs + m * G, K, cv, pv, y + m * N, N, n0 + v * L,
+                               bias);
         });
-      else
-        a8_rows<1>(rows, [&]<int R>() {
-          a8_tile<BITS, R, 1>(q + m * K, d + m * G, s + m * G, K, cv, pv, y + m * N, N, n0 + v * L, bias);
-        });
+      };
+      if constexpr (A8_PAIR == 2) {
+        if (v + 2 <= V) run.template operator()<2>();
+        else run.template operator()<1>();
+      } else {
+        run.template operator()<1>();
+      }
     }
   }
 }
@@ -599,23 +688,25 @@ torch::Tensor rows_linear_a8(torch::Tensor x, torch::Tensor codes, torch::Tensor
   auto y = torch::empty({M, N}, x.options());
   thread_local std::vector<int8_t> qbuf;
   thread_local std::vector<float> dbuf, sbuf;
+  thread_local std::vector<int32_t> qsbuf;
   if (static_cast<int64_t>(qbuf.size()) < M * K) qbuf.resize(M * K);
-  if (static_cast<int64_t>(dbuf.size()) < M * G) dbuf.resize(M * G), sbuf.resize(M * G);
+  if (static_cast<int64_t>(dbuf.size()) < M * G) dbuf.resize(M * G), sbuf.resize(M * G), qsbuf.resize(M * G);
   int8_t* q = qbuf.data();
   float* d = dbuf.data();
   float* s = sbuf.data();
+  int32_t* qs = qsbuf.data();
   const uint8_t* cp = codes.data_ptr<uint8_t>();
   const at::Half* pp = params.data_ptr<at::Half>();
   float* yp = y.data_ptr<float>();
   pybind11::gil_scoped_release free_python;
-  a8_quantize(x.data_ptr<float>(), M, K, q, d, s);
+  a8_quantize(x.data_ptr<float>(), M, K, q, d, s, qs);
   over_block_groups(nb, [&]<int V>(int64_t blk) {
-    if (q4) a8_blocks<4, V>(q, d, s, M, K, cp + blk * (K / 8) * 64, pp + blk * G * 2 * L, yp, N, blk * L, b);
-    else a8_blocks<8, V>(q, d, s, M, K, cp + blk * (K / 4) * 64, pp + blk * G * 2 * L, yp, N, blk * L, b);
+    if (q4) a8_blocks<4, V>(q, d, s, qs, M, K, cp + blk * (K / 8) * 64, pp + blk * G * 2 * L, yp, N, blk * L, b);
+    else a8_blocks<8, V>(q, d, s, qs, M, K, cp + blk * (K / 4) * 64, pp + blk * G * 2 * L, yp, N, blk * L, b);
   });
   return y;
 #else
-  TORCH_CHECK(false, "rows_linear_a8: this CPU has no AVX-512 VNNI");
+  TORCH_CHECK(false, "rows_linear_a8: this CPU has neither AVX-512 VNNI nor AVX2");
   return x;
 #endif
 }
@@ -785,7 +876,7 @@ def float_rows():
 
 @functools.lru_cache(maxsize=1)
 def a8_kernel():
-    """The row kernel where it also runs int8 activations on grid codes here (AVX-512 VNNI), else None."""
+    """The row kernel where it also runs int8 activations on grid codes here (AVX-512 VNNI or AVX2), else None."""
     mod = rows_kernel()
     return mod if mod is not None and mod.a8_supported() else None
 
@@ -879,7 +970,8 @@ def pack_model(model: nn.Module, enable: bool | None = None, activations: str = 
     last bits of results, so it must not depend on a noisy measurement), True = the same, with a ValueError off a
     float32 CPU, False = nothing. ``activations="int8"`` (``quantization="int8_activations"``, LOSSY): the layers'
     and the head's 4- and 8-bit grid weights multiply int8 activations (``rows_linear_a8``); a ValueError where no
-    layer can (no 4- or 8-bit GGUF weights, no AVX-512 VNNI, packing off). Returns how many weights were packed."""
+    layer can (no 4- or 8-bit GGUF weights, no AVX-512 VNNI or AVX2, packing off). Returns how many weights were
+    packed."""
     from leapdecode.model.int8_linear import linear_names, replace_linears
     if activations not in ACTIVATIONS:
         raise ValueError(f"activations must be one of {ACTIVATIONS}, got {activations!r}")
@@ -903,7 +995,7 @@ def pack_model(model: nn.Module, enable: bool | None = None, activations: str = 
                     lambda m: PackedLinear(m.weight, getattr(m, "bias", None), activations=activations))
     if activations == "int8" and not any(str(getattr(m, "kernel", "")).endswith("a8") for m in model.layers.modules()):
         raise ValueError("quantization='int8_activations' runs a 4- or 8-bit GGUF's weights (Q4_0, Q4_1, Q8_0) on a "
-                         "CPU with AVX-512 VNNI: " + ("this CPU has none" if a8_kernel() is None
+                         "CPU with AVX-512 VNNI or AVX2: " + ("this CPU has neither" if a8_kernel() is None
                                                      else "this model has no such layer"))
     if head.packed_logits is not None:          # already given its own form (model/int4_linear.py: bfloat16)
         return len(names)
