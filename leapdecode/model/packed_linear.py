@@ -191,15 +191,16 @@ static inline void tile(const float* __restrict x, int64_t K, const W* __restric
     }
 }
 
-// fn.template operator()<R>() for R == M (a tile's rows are a compile-time count; at most ACC accumulators)
-template <int VN, int R = 1, typename F>
+// fn.template operator()<R>() for R == M (a tile's rows are a compile-time count; R x VN at most LIMIT, ACC
+// accumulators by default)
+template <int VN, int LIMIT = ACC, int R = 1, typename F>
 static inline void by_rows(int64_t M, F&& fn) {
-  if constexpr (R * VN <= ACC) {
+  if constexpr (R * VN <= LIMIT) {
     if (M == R) {
       fn.template operator()<R>();
       return;
     }
-    by_rows<VN, R + 1>(M, fn);
+    by_rows<VN, LIMIT, R + 1>(M, fn);
   } else {
     TORCH_CHECK(M == 0, "row kernel: no tile for ", M, " rows over ", VN, " blocks");   // (0: nothing to do)
   }
@@ -494,7 +495,7 @@ static void a8_quantize_group(const float* xg, int8_t* q, float& d, float& s, in
   d = dg;
   s = dg * static_cast<float>(qs);
 }
-static constexpr int A8_ACC = 12, A8_NARROW = 3, A8_RMAX = 6, A8_PAIR = 2;   // tiles: R x V <= A8_ACC
+static constexpr int A8_ACC = 12, A8_NARROW = 3, A8_RMAX = 6, A8_PAIR = 2;   // tiles: R x V <= A8_ACC (by_rows)
 #elif defined(ROWS_SUPPORTED) && defined(__AVX2__)
 #define A8_SUPPORTED 1
 // AVX2: a chunk's two 8-output halves in two registers. vpmaddubsw adds two unsigned x signed products into int16: a
@@ -620,27 +621,13 @@ static inline void a8_tile(const int8_t* __restrict q, const float* __restrict d
       vstore(y + r * N + n0 + v * L, bias ? vadd(acc[r][v], vload(bias + n0 + v * L)) : acc[r][v]);
 }
 
-// fn.template operator()<R>() for R == rows, R x V <= A8_ACC (two accumulators per row and block)
-template <int V, int R = 1, typename F>
-static inline void a8_rows(int64_t rows, F&& fn) {
-  if constexpr (R * V <= A8_ACC) {
-    if (rows == R) {
-      fn.template operator()<R>();
-      return;
-    }
-    a8_rows<V, R + 1>(rows, fn);
-  } else {
-    TORCH_CHECK(false, "rows_linear_a8: no tile for ", rows, " rows over ", V, " blocks");
-  }
-}
-
 // Up to A8_NARROW rows: one tile over the group's V blocks; more: tiles of up to A8_RMAX rows over A8_PAIR blocks.
 template <int BITS, int V>
 static void a8_blocks(const int8_t* q, const float* d, const float* s, const int32_t* qs, int64_t M, int64_t K,
                       const uint8_t* c, const at::Half* p, float* y, int64_t N, int64_t n0, const float* bias) {
   const int64_t G = K / GRID;
   if (M <= A8_NARROW) {
-    a8_rows<V>(M, [&]<int R>() { a8_tile<BITS, R, V>(q, d, s, qs, K, c, p, y, N, n0, bias); });
+    by_rows<V, A8_ACC>(M, [&]<int R>() { a8_tile<BITS, R, V>(q, d, s, qs, K, c, p, y, N, n0, bias); });
     return;
   }
   for (int v = 0; v < V; v += A8_PAIR) {
@@ -649,7 +636,7 @@ static void a8_blocks(const int8_t* q, const float* d, const float* s, const int
     for (int64_t m = 0; m < M; m += A8_RMAX) {
       const int64_t rows = std::min<int64_t>(A8_RMAX, M - m);
       auto run = [&]<int VN>() {
-        a8_rows<VN>(rows, [&]<int R>() {
+        by_rows<VN, A8_ACC>(rows, [&]<int R>() {     // (two accumulators per row and block: A8_ACC tiles)
           a8_tile<BITS, R, VN>(q + m * K, d + m * G, s + m * G, qs + m * G, K, cv, pv, y + m * N, N, n0 + v * L,
                                bias);
         });
