@@ -273,8 +273,9 @@ class EngineConfig:
     @property
     def exact_attention(self) -> str:
         """The torch attention backend's ``exact`` mode (attention/torch_ref.py): "always" with
-        ``batch_invariant=True`` or, by default, under ``quantization`` (whose bfloat16 activations make float32
-        SDPA's last bits visible); "off" with ``batch_invariant=False``; else "kernel" (exact where it is free)."""
+        ``batch_invariant=True`` or, by default, under ``quantization`` (whose bfloat16 or int8 activations make
+        float32 SDPA's last bits visible); "off" with ``batch_invariant=False``; else "kernel" (exact where it is
+        free)."""
         if self.batch_invariant or (self.batch_invariant is None and self.quantization is not None):
             return "always"
         return "off" if self.batch_invariant is False else "kernel"

@@ -92,7 +92,7 @@ static inline vec vsplat(float a) { return _mm512_set1_ps(a); }
 static inline vec widen_i8(const int8_t* p) {       // 16 int8 -> float
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 }
-static inline vec widen_f16(const void* p) {        // 16 float16 -> float
+static inline vec half16(const at::Half* p) {        // 16 float16 -> float
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 static inline void nibbles(const uint8_t* p, vec& lo, vec& hi) {   // 16 bytes -> their low and high nibbles
@@ -122,7 +122,7 @@ static inline __m256 widen8_i8(const void* p) {
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 }
 static inline vec widen_i8(const int8_t* p) { return {widen8_i8(p), widen8_i8(p + 8)}; }
-static inline vec widen_f16(const void* p) {
+static inline vec half16(const at::Half* p) {
   const __m128i* h = reinterpret_cast<const __m128i*>(p);
   return {_mm256_cvtph_ps(_mm_loadu_si128(h)), _mm256_cvtph_ps(_mm_loadu_si128(h + 1))};
 }
@@ -299,7 +299,6 @@ static torch::Tensor run_rows(const torch::Tensor& x, const torch::Tensor& w, co
 // rounding, as code * step is exact). Q8: an int8 code per weight, codes [N/16, K, 16]; a float16 step per group
 // and output, params [N/16, K/GRID, 16]: w = code * step (exact).
 static constexpr int64_t GRID = 32;
-static inline vec half16(const at::Half* p) { return widen_f16(p); }
 
 struct Q4 {
   const uint8_t* c;
@@ -564,7 +563,6 @@ static constexpr int A8_ACC = 2, A8_NARROW = 1, A8_RMAX = 2, A8_PAIR = 1;
 #endif
 
 #ifdef A8_SUPPORTED
-static constexpr int64_t A8_AHEAD = 4096;     // bytes ahead in a block's codes each tile prefetches
 
 // Each row's groups of GRID inputs as int8 codes q, with d, s = d * sum(q) and sum(q) itself (see above).
 static void a8_quantize(const float* x, int64_t M, int64_t K, int8_t* q, float* d, float* s, int32_t* qs) {
@@ -597,7 +595,7 @@ static inline void a8_tile(const int8_t* __restrict q, const float* __restrict d
     for (int64_t k = g * GRID; k < (g + 1) * GRID; k += 8)     // inputs k .. k+3 (w0), k+4 .. k+7 (w1)
       for (int v = 0; v < V; ++v) {
         const uint8_t* cv = c + v * chunks * 64 + k * BITS * 2;
-        _mm_prefetch(reinterpret_cast<const char*>(cv + A8_AHEAD), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(cv + AHEAD_BYTES), _MM_HINT_T0);
         codes16 w0, w1;
         if constexpr (BITS == 4) chunk_q4(cv, w0, w1);
         else chunk_q8(cv, w0, w1);
