@@ -1,6 +1,6 @@
 """Lossy CPU precisions against float32 activations on the real default model: 4-bit weights with bfloat16
-activations (``LLM(..., quantization="int4")``, model/int4_linear.py) and int8 activations on the GGUF's own 4-bit
-codes (``quantization="int8_activations"``, model/packed_linear.py): decode speed at batch 1 and 16 beside
+activations (``LLM(..., quantization="int4")``, model/int4_linear.py) and int8 activations on the GGUF's own 4- and
+8-bit codes (``quantization="int8_activations"``, model/packed_linear.py): decode speed at batch 1 and 16 beside
 transformers, the quality cost (perplexity on held-back text, greedy agreement), and what speculation is worth once
 a step is cheaper.
 
