@@ -25,8 +25,9 @@ def _cpu_flags() -> str:
         return ""
 
 
-def build(name: str, source: str, functions: Sequence[str], flags: Sequence[str] = ()):
-    """The compiled module of ``source`` exposing ``functions``, or None where it cannot be built.
+def build(name: str, source: str, functions: Sequence[str] | None, flags: Sequence[str] = ()):
+    """The compiled module of ``source`` exposing ``functions``, or None where it cannot be built. With
+    ``functions=None`` the source declares its own bindings (``PYBIND11_MODULE(TORCH_EXTENSION_NAME, m)``).
 
     With ``-fopenmp``: ``at::parallel_for`` is a header template that runs its loop on PyTorch's OpenMP threads
     only when the caller is compiled with OpenMP; without it every kernel ran on one thread (measured: a weight
@@ -43,7 +44,8 @@ def build(name: str, source: str, functions: Sequence[str], flags: Sequence[str]
         from torch.utils.cpp_extension import load_inline
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            return load_inline(name=f"leapdecode_{name}_{key}", cpp_sources=source, functions=list(functions),
+            return load_inline(name=f"leapdecode_{name}_{key}", cpp_sources=source,
+                               functions=None if functions is None else list(functions),
                                extra_cflags=cflags, extra_ldflags=["-fopenmp"], verbose=False)
     except Exception:       # no toolchain, or a build error: the caller's PyTorch path serves
         return None

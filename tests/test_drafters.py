@@ -14,6 +14,10 @@ from leapdecode.spec.ngram import NgramDrafter
 from leapdecode.spec.recycling import DEFAULT_RANK_PROBS, RecyclingDrafter, static_tree
 from leapdecode.spec.registry import METHODS, MODEL_METHODS, make_drafter
 from leapdecode.spec.suffix import SuffixDrafter, expand_continuations
+from leapdecode.spec.compiled import CompiledIndex, core
+
+needs_compiled = pytest.mark.skipif(core() is None, reason="the compiled suffix index does not build here")
+INDEXES = [NgramIndex, pytest.param(CompiledIndex, marks=needs_compiled)]
 
 
 def random_tokens(rng: random.Random, n: int, vocab: int) -> list[int]:
@@ -92,9 +96,10 @@ def simulate(drafter, prompt: list[int], output: list[int], k: int, seq_id: int 
 
 
 # -- NgramIndex ----------------------------------------------------------------------------------------------------
-def test_ngram_index_matches_brute_force_under_appends_breaks_and_eviction():
+@pytest.mark.parametrize("index_type", INDEXES)
+def test_ngram_index_matches_brute_force_under_appends_breaks_and_eviction(index_type):
     rng = random.Random(0)
-    index = NgramIndex((1, 2, 4))
+    index = index_type((1, 2, 4))
     for step in range(60):
         if step % 17 == 16:
             index.break_sequence()
@@ -108,13 +113,15 @@ def test_ngram_index_matches_brute_force_under_appends_breaks_and_eviction():
                 key = tuple(toks[s:s + n])
                 if SENTINEL not in key and toks[s + n] != SENTINEL:
                     expected.setdefault(key, []).append(base + s + n)
-            got = {key: list(index.occurrences(key)) for key in index._tables[n]}
+            got = {key: list(index.occurrences(key)) for key in index.grams(n)}
             assert got == expected, (step, n)
             for key, positions in expected.items():
                 for limit in (0, 1, 3):
                     assert index.occurrences(key, limit) == positions[max(0, len(positions) - limit):], (step, n, limit)
             assert index.occurrences((SENTINEL,) * n) == []
-        assert list(index.array) == toks
+        assert index.last == (toks[-1] if toks else None)
+        if index_type is NgramIndex:
+            assert list(index.array) == toks
 
 
 # -- NgramDrafter --------------------------------------------------------------------------------------------------
@@ -249,8 +256,38 @@ def test_suffix_global_cache_learns_outputs_and_evicts_oldest():
     assert drafter.propose([DraftRequest(101, [999_999] + old[:10], 1, 8)])[0].tokens == []   # evicted
     index = drafter._global
     for n in index.sizes:                                  # no stale positions survive eviction
-        for key in index._tables[n]:
+        for key in index.grams(n):
             assert all(index.base <= f < index.end for f in index.occurrences(key))
+
+
+@needs_compiled
+@pytest.mark.parametrize("options", [{}, {"tree": False}, {"max_spec_factor": 1.0, "min_token_prob": 0.0},
+                                     {"max_patterns": 1, "max_occurrences": 3, "max_spec_offset": 1.5},
+                                     {"max_match": 3, "min_token_prob": 0.3, "global_max_tokens": 300}])
+def test_compiled_suffix_drafts_equal_the_python_drafts(options):
+    """The compiled index and speculation (spec/compiled.py) give the Python code's drafts and offers, node for
+    node, probability for probability, over requests that copy from their prompt, from themselves (periodic) and
+    from earlier outputs (the global cache, evicting), and a sequence id reused with other tokens."""
+    rng = random.Random(len(str(options)))
+    python, compiled = SuffixDrafter(compiled=False, **options), SuffixDrafter(compiled=True, **options)
+    assert isinstance(compiled._global, CompiledIndex) and isinstance(python._global, NgramIndex)
+    phrases = [random_tokens(rng, rng.randrange(3, 12), 40) for _ in range(12)]
+    steps = drafted = 0
+    for seq in range(16):
+        prompt = [t for _ in range(rng.randrange(2, 8)) for t in rng.choice(phrases)]
+        tokens = list(prompt)
+        for _ in range(30):
+            req = DraftRequest(seq % 13, tokens, len(prompt), rng.choice([1, 3, 8, 16]))
+            want, got = python.propose([req])[0], compiled.propose([req])[0]
+            assert (got.tokens, got.parents, got.score) == (want.tokens, want.parents, want.score)
+            assert [vars(o) for o in compiled.offers(req)] == [vars(o) for o in python.offers(req)]
+            steps, drafted = steps + 1, drafted + bool(want.tokens)
+            tokens += rng.choice(phrases)[:rng.randrange(1, 6)] if rng.random() < 0.7 else random_tokens(rng, 2, 40)
+        if seq % 3:
+            python.finish(seq % 13, tokens, len(prompt))
+            compiled.finish(seq % 13, tokens, len(prompt))
+        assert compiled.memory_tokens() == python.memory_tokens()
+    assert drafted > steps // 2
 
 
 @pytest.mark.parametrize("cap", [1, 2, 7])
@@ -297,17 +334,22 @@ def test_recycling_topk_rows_overwrite_adjacency():
     assert drafter.adjacency[1].tolist() == [-1] * 4       # with top-k rows, committed tokens do not touch the matrix
 
 
-def test_recycling_learns_from_committed_tokens_without_topk():
-    drafter = RecyclingDrafter(vocab_size=20, num_successors=3, use_trigrams=False)
+COMPILED = [False, pytest.param(True, marks=needs_compiled)]
+
+
+@pytest.mark.parametrize("compiled", COMPILED)
+def test_recycling_learns_from_committed_tokens_without_topk(compiled):
+    drafter = RecyclingDrafter(vocab_size=20, num_successors=3, use_trigrams=False, compiled=compiled)
     drafter.observe(0, [1, 2, 1, 3, 1, 2, 1, 4], 0, None)
     assert drafter.adjacency[1].tolist() == [4, 2, 3]      # most recent successor first (move to front)
     draft = drafter.propose([DraftRequest(0, [1, 2, 1, 4, 1], 0, 1)])[0]
     assert draft.tokens == [4]
 
 
-def test_recycling_trigram_counts_equal_brute_force():
+@pytest.mark.parametrize("compiled", COMPILED)
+def test_recycling_trigram_counts_equal_brute_force(compiled):
     rng = random.Random(5)
-    drafter = RecyclingDrafter(vocab_size=8, trigram_slots=1 << 12, trigram_width=8)
+    drafter = RecyclingDrafter(vocab_size=8, trigram_slots=1 << 12, trigram_width=8, compiled=compiled)
     tokens = random_tokens(rng, 300, 4)
     drafter.observe(0, tokens, 0, None)
     counts = Counter(zip(tokens, tokens[1:], tokens[2:]))
@@ -317,6 +359,35 @@ def test_recycling_trigram_counts_equal_brute_force():
             got = drafter.trigram_successors(a, b)
             assert sorted(got) == sorted(expected)
             assert [n for _, n in got] == sorted([n for _, n in got], reverse=True)
+
+
+@needs_compiled
+@pytest.mark.parametrize("with_topk", [False, True])
+def test_compiled_recycling_learns_what_the_python_code_learns(with_topk):
+    """Token Recycling's learning in C++ (spec/compiled.py) leaves the Python code's tables, bit for bit: move to
+    front, tri-gram buckets that collide (a small table) and fill (space-saving), a count at its maximum halving
+    its bucket, a matrix that grows for tokens beyond ``vocab_size``, a sequence id reused; and drafts alike."""
+    rng = random.Random(11 + with_topk)
+    options = dict(vocab_size=16, num_successors=4, trigram_slots=1 << 6, trigram_width=3)
+    python, compiled = RecyclingDrafter(compiled=False, **options), RecyclingDrafter(compiled=True, **options)
+    assert compiled._compiled is not None and python._compiled is None
+    saturating = [1, 2, 3] * 70_000 + [1, 2, 5]               # (1, 2) -> 3 counted past 65,535, then a newcomer
+    for drafter in (python, compiled):
+        drafter.observe(99, saturating, 0, None)
+    assert compiled._tri_count == python._tri_count and 30_000 < max(python._tri_count) < 40_000   # halved
+    for seq in range(12):
+        tokens = random_tokens(rng, rng.randrange(1, 30), 40)
+        for _ in range(25):
+            tokens = tokens + random_tokens(rng, rng.randrange(1, 4), 40)
+            topk = [random_tokens(rng, 4, 40) for _ in range(2)] if with_topk and rng.random() < 0.5 else None
+            for drafter in (python, compiled):
+                drafter.observe(seq % 5, tokens, 1, topk)
+            want = python.propose([DraftRequest(seq % 5, tokens, 1, 8)])[0]
+            got = compiled.propose([DraftRequest(seq % 5, tokens, 1, 8)])[0]
+            assert (got.tokens, got.parents, got.score) == (want.tokens, want.parents, want.score)
+        for table in ("_adj", "_tri_key", "_tri_next", "_tri_count"):
+            assert getattr(compiled, table) == getattr(python, table), (seq, table)
+    assert len(python._adj) > 16 * 4                                            # grown
 
 
 def test_recycling_draft_follows_successors_and_memory_is_bounded():
@@ -526,8 +597,9 @@ def test_prepare_indexes_a_prompt_chunk_by_chunk(method, monkeypatch):
     for end in range(chunk, len(prompt), chunk):
         drafter.prepare(1, prompt[:end])
     sizes = []
-    original = index_module.NgramIndex._extend
-    monkeypatch.setattr(index_module.NgramIndex, "_extend", lambda self, new: (sizes.append(len(new)), original(self, new)))
+    for index_type in (index_module.NgramIndex, CompiledIndex):
+        monkeypatch.setattr(index_type, "_extend", lambda self, new, original=index_type._extend:
+                            (sizes.append(len(new)), original(self, new)))
     learned = []
     if method in ("recycling", "auto"):
         from leapdecode.spec.recycling import RecyclingDrafter

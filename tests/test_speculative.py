@@ -276,9 +276,11 @@ def test_long_prompt_is_indexed_during_prefill_not_in_the_first_decode_step(llam
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     plain = make_llm(llama_dir, max_num_batched_tokens=32)
     want = plain.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+    from leapdecode.spec.compiled import CompiledIndex
     sizes = []
-    original = index_module.NgramIndex._extend
-    monkeypatch.setattr(index_module.NgramIndex, "_extend", lambda self, new: (sizes.append(len(new)), original(self, new)))
+    for index_type in (index_module.NgramIndex, CompiledIndex):
+        monkeypatch.setattr(index_type, "_extend", lambda self, new, original=index_type._extend:
+                            (sizes.append(len(new)), original(self, new)))
     llm = make_llm(llama_dir, max_num_batched_tokens=32, speculative_config=spec("suffix"))
     got = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
     assert got == want

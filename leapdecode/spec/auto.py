@@ -72,13 +72,24 @@ def _depth(draft: Draft) -> int:
 
 
 def _accepted(draft: Draft, truth: Sequence[int]) -> int:
-    """``draft.tree.accepted_length(truth)``; a chain is compared directly."""
-    if draft.parents is None:
-        toks, n = draft.tokens, 0
+    """``draft.tree.accepted_length(truth)`` without building the tree: a chain is compared directly, a tree
+    walked from the root (its nodes are in topological order, so a node's children follow it; of duplicate
+    siblings the first is followed, as there)."""
+    toks, parents, n = draft.tokens, draft.parents, 0
+    if parents is None:
         while n < len(toks) and n < len(truth) and toks[n] == truth[n]:
             n += 1
         return n
-    return draft.tree.accepted_length(truth)
+    node = -1
+    while n < len(truth):
+        want = truth[n]
+        for i in range(node + 1, len(toks)):
+            if parents[i] == node and toks[i] == want:
+                node, n = i, n + 1
+                break
+        else:
+            break
+    return n
 
 
 @dataclass
@@ -200,7 +211,8 @@ class AutoDrafter:
     def _propose_in_order(self, requests: list[DraftRequest]):
         """``fallback``, per request: the first free drafter's draft that is not empty (a later drafter's score
         replaced by its first-token hit rate over all requests), its expected value, its drafter, and the drafts
-        of the drafters asked (for their records)."""
+        whose records someone reads (the later drafters', for that hit rate; all of them when a model drafter
+        compares its record with theirs). Without a model drafter the expected values are not computed (0)."""
         out, credit = [Draft() for _ in requests], [None] * len(requests)
         drafts: list[dict[str, Draft]] = [{} for _ in requests]
         todo = [i for i, req in enumerate(requests) if req.max_draft > 0]
@@ -209,8 +221,10 @@ class AutoDrafter:
             if name == self.costly or not todo:
                 continue
             left = []
+            keep = not first or self.costly is not None
             for i, d in zip(todo, drafter.propose([requests[i] for i in todo])):
-                drafts[i][name] = d
+                if keep:
+                    drafts[i][name] = d
                 if not d.tokens:
                     left.append(i)
                     continue
@@ -218,6 +232,8 @@ class AutoDrafter:
                     d.score = self._prior[name].first_hit
                 out[i], credit[i] = d, name
             todo, first = left, False
+        if self.costly is None:
+            return out, [0.0] * len(requests), credit, drafts
         promised = [self.expected_accepted(name, req.seq_id, d) if name is not None else 0.0
                     for req, name, d in zip(requests, credit, out)]
         return out, promised, credit, drafts

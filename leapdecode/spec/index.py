@@ -82,6 +82,11 @@ class NgramIndex:
         return len(self.tokens)
 
     @property
+    def last(self) -> int | None:
+        """The last stored token (None when empty)."""
+        return self.tokens[-1] if self.tokens else None
+
+    @property
     def end(self) -> int:
         """Absolute position one past the last token."""
         return self.base + len(self.tokens)
@@ -165,6 +170,10 @@ class NgramIndex:
         out.reverse()
         return out
 
+    def grams(self, n: int) -> list[tuple[int, ...]]:
+        """Every n-gram of size ``n`` held (for tests)."""
+        return list(self._tables[n])
+
     def evict_before(self, position: int) -> None:
         """Forget every token before absolute ``position`` and every n-gram that starts there."""
         position = min(position, self.end)
@@ -201,15 +210,17 @@ class NgramIndex:
 _NONE = array("q", (-1,))
 
 
-def sync_index(index: NgramIndex | None, token_ids: Sequence[int], sizes: Sequence[int]) -> NgramIndex:
-    """Bring a request's index up to date with its committed tokens, appending only what is new.
+def sync_index(index: NgramIndex | None, token_ids: Sequence[int], sizes: Sequence[int],
+               make: type = NgramIndex) -> NgramIndex:
+    """Bring a request's index up to date with its committed tokens, appending only what is new; a new index is a
+    ``make(sizes)`` (:class:`NgramIndex`, or the compiled one of spec/compiled.py).
 
     Committed tokens normally only grow; if they ever do not (a caller reusing a sequence id), the index is rebuilt
     rather than trusted. The check looks at the length and the last indexed token, so it is O(1).
     """
-    n = len(index.tokens) if index is not None else 0
-    if index is None or len(token_ids) < n or (n and int(token_ids[n - 1]) != index.tokens[-1]):
-        index = NgramIndex(sizes)
+    n = len(index) if index is not None else 0
+    if index is None or len(token_ids) < n or (n and int(token_ids[n - 1]) != index.last):
+        index = make(sizes)
         n = 0
     if len(token_ids) > n:
         index.extend(token_ids[n:])

@@ -1,0 +1,469 @@
+"""SuffixDecoding's hot path compiled: the n-gram index and :meth:`SuffixDrafter.speculate
+<leapdecode.spec.suffix.SuffixDrafter.speculate>` in C++, giving the drafts of the Python code to the bit.
+
+Why: in pure Python a step of the suffix drafter cost ~30-45 us of CPU on the default model's outputs (replay,
+``benchmarks/replay.py``): bringing the request's index up to date (tuples and dictionary updates for every new
+token and n-gram size) and two speculations (occurrence chains, match lengths, continuation rows, a best-first tree
+over them), each a few hundred Python operations. That is noise beside a CPU decode step, but at batch 64 on a GPU
+it is milliseconds a step, every step (issue 19 budgets 30 us a step).
+
+:class:`CompiledIndex` has :class:`~leapdecode.spec.index.NgramIndex`'s surface (``extend``, ``break_sequence``,
+``occurrences``, ``evict_before``, ``len``, ``base``, ``end``, ``last``, ``tokens`` as a copy) over the same layout
+(per n, a hash map from the n-gram to its newest follower, and a ``previous`` chain over the stream), so a drafter
+swaps one for the other. :func:`speculate` is the Python ``speculate`` statement for statement: the same occurrence
+choice, match lengths, pattern order and limits, continuation rows (periodic in the request's own index, cut at a
+sentinel in the global one) and the best-first tree with its tie-breaks (probability, then the newest occurrence,
+then push order), its probabilities computed in the same order (built with ``-ffp-contract=off``). Tokens are
+stored as int32 (a token id must be in [0, 2**31)).
+
+Built at first use by :func:`leapdecode.native.build` (~20 s, cached); where that fails, or with
+``LEAPDECODE_NO_CPU_KERNELS=1``, :func:`core` is None and the suffix drafter keeps its Python index and code.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Sequence
+
+from leapdecode.spec.index import as_int_list
+
+_SOURCE = r"""
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+#include <algorithm>
+#include <cstdint>
+#include <limits>
+#include <queue>
+#include <stdexcept>
+#include <unordered_map>
+#include <vector>
+
+namespace py = pybind11;
+using i64 = int64_t;
+
+struct Gram {                       // an n-gram of up to 4 tokens (unused slots 0; one map per n)
+  int32_t t[4];
+  bool operator==(const Gram& o) const {
+    return t[0] == o.t[0] && t[1] == o.t[1] && t[2] == o.t[2] && t[3] == o.t[3];
+  }
+};
+struct GramHash {
+  size_t operator()(const Gram& g) const {
+    uint64_t h = 0;
+    for (int i = 0; i < 4; ++i) h = (h ^ (uint32_t)g.t[i]) * 0x9E3779B97F4A7C15ull;
+    return (size_t)(h ^ (h >> 31));
+  }
+};
+
+struct Index {
+  std::vector<int> sizes;                                    // ascending
+  std::vector<int32_t> tokens;                               // from base on; -1 = a sentinel
+  i64 base = 0, floor_ = 0;                                  // n-grams start at or after floor_
+  std::vector<std::unordered_map<Gram, i64, GramHash>> tables;   // per size: n-gram -> newest follower
+  std::vector<std::vector<i64>> previous;                    // per size: previous[f - base] = older follower
+
+  explicit Index(std::vector<int> s) {
+    std::sort(s.begin(), s.end());
+    s.erase(std::unique(s.begin(), s.end()), s.end());
+    if (s.empty() || s.front() < 1 || s.back() > 4)
+      throw py::value_error("the compiled n-gram index holds sizes 1..4");
+    sizes = s;
+    tables.resize(s.size());
+    previous.resize(s.size());
+  }
+  i64 end() const { return base + (i64)tokens.size(); }
+  Gram gram(const int32_t* p, int n) const {
+    Gram g{{0, 0, 0, 0}};
+    for (int k = 0; k < n; ++k) g.t[k] = p[k];
+    return g;
+  }
+  int slot(int n) const {
+    for (size_t i = 0; i < sizes.size(); ++i) if (sizes[i] == n) return (int)i;
+    return -1;
+  }
+  void extend(const std::vector<i64>& add) {
+    for (i64 t : add)
+      if (t < 0 || t > std::numeric_limits<int32_t>::max())
+        throw py::value_error("token ids must be in [0, 2**31) for the compiled n-gram index");
+    size_t old = tokens.size();
+    tokens.insert(tokens.end(), add.begin(), add.end());
+    i64 start = base + (i64)old, e = end();
+    for (size_t si = 0; si < sizes.size(); ++si) {
+      int n = sizes[si];
+      auto& table = tables[si];
+      auto& prev = previous[si];
+      i64 first_f = std::min(std::max(start, floor_ + n), e);
+      for (i64 f = start; f < first_f; ++f) prev.push_back(-1);
+      for (i64 f = first_f; f < e; ++f) {
+        auto res = table.try_emplace(gram(&tokens[f - base - n], n), f);
+        if (res.second) prev.push_back(-1);
+        else { prev.push_back(res.first->second); res.first->second = f; }
+      }
+    }
+  }
+  void break_sequence() {
+    tokens.push_back(-1);
+    for (auto& prev : previous) prev.push_back(-1);
+    floor_ = end();
+  }
+  // followers of the n-gram at p (n tokens), oldest first; at most `limit` (the newest; < 0: all)
+  std::vector<i64> occurrences(const int32_t* p, int n, i64 limit) const {
+    std::vector<i64> out;
+    int si = slot(n);
+    if (si < 0) return out;
+    auto it = tables[si].find(gram(p, n));
+    i64 f = it == tables[si].end() ? -1 : it->second;
+    const auto& prev = previous[si];
+    while (f >= base + n && limit != 0) {
+      out.push_back(f);
+      f = prev[f - base];
+      --limit;
+    }
+    std::reverse(out.begin(), out.end());
+    return out;
+  }
+  void evict_before(i64 position) {
+    position = std::min(position, end());
+    i64 cut = position - base;
+    if (cut <= 0) return;
+    for (size_t si = 0; si < sizes.size(); ++si) {
+      int n = sizes[si];
+      auto& table = tables[si];
+      i64 stop = std::min(cut, (i64)tokens.size() - n);
+      for (i64 s = 0; s < stop; ++s) {
+        auto it = table.find(gram(&tokens[s], n));
+        if (it != table.end() && it->second < position + n) table.erase(it);
+      }
+      previous[si].erase(previous[si].begin(), previous[si].begin() + cut);
+    }
+    tokens.erase(tokens.begin(), tokens.begin() + cut);
+    base = position;
+    floor_ = std::max(floor_, position);
+  }
+};
+
+struct Tree {
+  std::vector<int32_t> tokens;
+  std::vector<int> parents;
+  std::vector<double> probs;
+  double expected = 0.0;      // the sum of probs, summed in order
+  int match_length = 0;
+};
+
+// what followed each occurrence, at most `limit` tokens: continued periodically past the end of the request's own
+// stream (`periodic`), cut at a sentinel in another source
+static std::vector<std::vector<int32_t>> rows_of(const Index& src, const std::vector<i64>& followers, i64 limit,
+                                                 bool periodic) {
+  std::vector<std::vector<int32_t>> rows;
+  const auto& toks = src.tokens;
+  i64 len = (i64)toks.size();
+  for (i64 f : followers) {
+    i64 start = f - src.base;
+    i64 stop = std::min(len, start + std::max<i64>(limit, 0));
+    std::vector<int32_t> row(toks.begin() + std::min(start, len), toks.begin() + std::max(stop, std::min(start, len)));
+    if (periodic) {
+      i64 period = len - start;
+      while (period > 0 && (i64)row.size() < limit) row.push_back(row[row.size() - period]);
+    } else {
+      auto s = std::find(row.begin(), row.end(), -1);
+      row.erase(s, row.end());
+    }
+    rows.push_back(std::move(row));
+  }
+  return rows;
+}
+
+struct Entry {
+  double p;
+  i64 latest, order;
+  int depth, parent, tok, members;    // members: index into the pool of member lists
+};
+struct Later {                         // the heap pops the highest p, then the newest, then the first pushed
+  bool operator()(const Entry& a, const Entry& b) const {
+    if (a.p != b.p) return a.p < b.p;
+    if (a.latest != b.latest) return a.latest < b.latest;
+    return a.order > b.order;
+  }
+};
+
+// the best-first tree over continuation rows (oldest first): SuffixDrafter's expand_continuations
+static Tree expand(const std::vector<std::vector<int32_t>>& rows, i64 max_nodes, double min_prob, bool tree) {
+  Tree out;
+  if (max_nodes <= 0 || rows.empty()) return out;
+  std::vector<int> distinct;            // row index of each distinct row, in order of first sight
+  std::vector<i64> counts, recency;
+  for (size_t i = 0; i < rows.size(); ++i) {
+    size_t d = 0;
+    for (; d < distinct.size(); ++d) if (rows[distinct[d]] == rows[i]) break;
+    if (d == distinct.size()) { distinct.push_back((int)i); counts.push_back(0); recency.push_back(0); }
+    counts[d] += 1;
+    recency[d] = (i64)i;
+  }
+  if (distinct.size() == 1) {
+    const auto& row = rows[distinct[0]];
+    for (i64 k = 0; k < (i64)row.size() && k < max_nodes; ++k) {
+      out.tokens.push_back(row[k]);
+      out.parents.push_back((int)k - 1);
+      out.probs.push_back(1.0);
+      out.expected += 1.0;
+    }
+    return out;
+  }
+  std::vector<std::vector<int>> pool;
+  std::priority_queue<Entry, std::vector<Entry>, Later> heap;
+  i64 order = 0;
+  struct Child { int tok; std::vector<int> members; i64 c, latest; };
+  auto push_children = [&](const std::vector<int>& group, int depth, double prob, int parent) {
+    if (group.size() == 1) {
+      const auto& row = rows[distinct[group[0]]];
+      if ((int)row.size() > depth && prob >= min_prob) {
+        pool.push_back(group);
+        heap.push(Entry{prob, recency[group[0]], order++, depth, parent, row[depth], (int)pool.size() - 1});
+      }
+      return;
+    }
+    i64 total = 0;
+    std::vector<Child> children;
+    for (int r : group) {
+      const auto& row = rows[distinct[r]];
+      i64 c = counts[r];
+      total += c;
+      if ((int)row.size() > depth) {
+        int tok = row[depth];
+        Child* child = nullptr;
+        for (auto& ch : children) if (ch.tok == tok) { child = &ch; break; }
+        if (!child) children.push_back(Child{tok, {r}, c, recency[r]});
+        else {
+          child->members.push_back(r);
+          child->c += c;
+          if (recency[r] > child->latest) child->latest = recency[r];
+        }
+      }
+    }
+    std::vector<double> ps;
+    for (auto& ch : children) ps.push_back(prob * (double)ch.c / (double)total);
+    size_t lo = 0, hi = children.size();
+    if (!tree && hi > 0) {               // the most likely child alone (ties: the newest)
+      size_t best = 0;
+      for (size_t k = 1; k < hi; ++k)
+        if (ps[k] > ps[best] || (ps[k] == ps[best] && children[k].latest > children[best].latest)) best = k;
+      lo = best; hi = best + 1;
+    }
+    for (size_t k = lo; k < hi; ++k) {
+      if (ps[k] >= min_prob) {
+        pool.push_back(std::move(children[k].members));
+        heap.push(Entry{ps[k], children[k].latest, order++, depth, parent, children[k].tok, (int)pool.size() - 1});
+      }
+    }
+  };
+  std::vector<int> all(distinct.size());
+  for (size_t d = 0; d < distinct.size(); ++d) all[d] = (int)d;
+  push_children(all, 0, 1.0, -1);
+  while (!heap.empty() && (i64)out.tokens.size() < max_nodes) {
+    Entry e = heap.top();
+    heap.pop();
+    out.tokens.push_back(e.tok);
+    out.parents.push_back(e.parent);
+    out.probs.push_back(e.p);
+    out.expected += e.p;
+    std::vector<int> members = pool[e.members];
+    push_children(members, e.depth + 1, e.p, (int)out.tokens.size() - 1);
+  }
+  return out;
+}
+
+// SuffixDrafter.speculate: (tokens, parents, probs, match_length, recent, recent_match)
+static py::tuple speculate(const Index& src, const Index& ctx, i64 max_draft, i64 max_match, double factor,
+                           double offset, double min_prob, bool tree, i64 max_occurrences, i64 max_patterns,
+                           bool recent) {
+  const auto& c = ctx.tokens;
+  i64 len = (i64)c.size();
+  std::vector<i64> followers;
+  int anchor = 0;
+  for (auto it = src.sizes.rbegin(); it != src.sizes.rend(); ++it) {
+    int n = *it;
+    if (n <= len) {
+      followers = src.occurrences(&c[len - n], n, max_occurrences);
+      if (!followers.empty()) { anchor = n; break; }
+    }
+  }
+  Tree best;
+  std::vector<int32_t> recent_row;
+  int recent_match = 0;
+  if (!followers.empty()) {
+    i64 limit_m = std::min(max_match, len);
+    std::vector<int> lengths;
+    for (i64 f : followers) {
+      i64 i = f - src.base - 1 - anchor, j = len - 1 - anchor, m = anchor;
+      while (m < limit_m && i >= 0 && src.tokens[i] == c[j]) { --i; --j; ++m; }
+      lengths.push_back((int)m);
+    }
+    std::vector<int> uniq(lengths);
+    std::sort(uniq.begin(), uniq.end(), std::greater<int>());
+    uniq.erase(std::unique(uniq.begin(), uniq.end()), uniq.end());
+    bool periodic = &src == &ctx;
+    size_t previous_count = 0;
+    for (size_t tried = 0; tried < uniq.size(); ++tried) {
+      int length = uniq[tried];
+      double v = factor * (double)length + offset;
+      i64 limit = v >= (double)max_draft ? max_draft : (i64)v;
+      if ((i64)tried == max_patterns || (double)limit <= best.expected) break;
+      std::vector<i64> chosen;
+      for (size_t k = 0; k < followers.size(); ++k) if (lengths[k] >= length) chosen.push_back(followers[k]);
+      if (chosen.size() == previous_count) continue;
+      previous_count = chosen.size();
+      Tree cand = expand(rows_of(src, chosen, limit, periodic), limit, min_prob, tree);
+      cand.match_length = length;
+      if (cand.expected > best.expected) best = std::move(cand);
+    }
+    if (recent) {
+      int longest = *std::max_element(lengths.begin(), lengths.end());
+      i64 newest = -1;
+      for (size_t k = 0; k < followers.size(); ++k) if (lengths[k] == longest) newest = std::max(newest, followers[k]);
+      recent_row = rows_of(src, {newest}, max_draft, periodic)[0];
+      recent_match = longest;
+    }
+  }
+  return py::make_tuple(best.tokens, best.parents, best.probs, best.match_length, recent_row, recent_match);
+}
+
+// Token Recycling's learning (RecyclingDrafter._move_to_front and _count_trigrams) on its own array.array tables,
+// in place: each token from `mtf_lo` on moves to the front of its predecessor's row of `adj` (k successors a row);
+// each tri-gram ending at a token from `tri_lo` on is counted in its pair's bucket (a negative lo: skipped)
+static void recycling_learn(py::buffer adj_buf, i64 k, py::buffer key_buf, py::buffer next_buf, py::buffer count_buf,
+                            i64 width, i64 mask, const std::vector<i64>& tokens, i64 mtf_lo, i64 tri_lo) {
+  py::buffer_info ai = adj_buf.request(true), ki = key_buf.request(true), ni = next_buf.request(true),
+                  ci = count_buf.request(true);
+  if (ai.itemsize != 4 || ki.itemsize != 8 || ni.itemsize != 4 || ci.itemsize != 2)
+    throw py::value_error("recycling_learn: unexpected table item sizes");
+  int32_t* adj = (int32_t*)ai.ptr;
+  i64 rows = (i64)ai.size / k;
+  i64 n = (i64)tokens.size();
+  for (i64 i = std::max<i64>(mtf_lo, 1); mtf_lo >= 0 && i < n; ++i) {
+    i64 prev = tokens[i - 1];
+    if (prev < 0 || prev >= rows) throw py::value_error("recycling_learn: token beyond the matrix");
+    int32_t* row = adj + prev * k;
+    int32_t succ = (int32_t)tokens[i];
+    if (row[0] == succ) continue;
+    i64 j = k - 1;
+    for (i64 x = 0; x < k; ++x) if (row[x] == succ) { j = x; break; }
+    for (i64 x = j; x > 0; --x) row[x] = row[x - 1];
+    row[0] = succ;
+  }
+  int64_t* keys = (int64_t*)ki.ptr;
+  int32_t* nxt = (int32_t*)ni.ptr;
+  uint16_t* counts = (uint16_t*)ci.ptr;
+  for (i64 i = std::max<i64>(tri_lo, 2); tri_lo >= 0 && i < n; ++i) {
+    i64 a = tokens[i - 2], b = tokens[i - 1];
+    int32_t c = (int32_t)tokens[i];
+    i64 slot = (a * 1000003 + b * 7919) & mask, key = (a << 32) | b, base = slot * width, j;
+    if (keys[slot] != key) {
+      keys[slot] = key;
+      for (i64 x = base; x < base + width; ++x) { nxt[x] = -1; counts[x] = 0; }
+      j = base;
+      nxt[j] = c;
+    } else {
+      j = -1;
+      for (i64 x = base; x < base + width; ++x) if (nxt[x] == c) { j = x; break; }
+      if (j < 0) {
+        j = base;
+        for (i64 x = base + 1; x < base + width; ++x) if (counts[x] < counts[j]) j = x;
+        nxt[j] = c;
+        counts[j] = 0;
+      }
+    }
+    if (counts[j] == 65535)
+      for (i64 x = base; x < base + width; ++x) counts[x] >>= 1;
+    counts[j] += 1;
+  }
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  py::class_<Index>(m, "Index")
+      .def(py::init<std::vector<int>>())
+      .def("extend", &Index::extend)
+      .def("break_sequence", &Index::break_sequence)
+      .def("occurrences", [](const Index& ix, const std::vector<int32_t>& key, i64 limit) {
+        if (ix.slot((int)key.size()) < 0) throw py::value_error("this index holds no n-grams of that size");
+        return ix.occurrences(key.data(), (int)key.size(), limit);
+      })
+      .def("evict_before", &Index::evict_before)
+      .def("size", [](const Index& ix) { return ix.tokens.size(); })
+      .def("end", &Index::end)
+      .def("base", [](const Index& ix) { return ix.base; })
+      .def("last", [](const Index& ix) { return ix.tokens.empty() ? (i64)-1 : (i64)ix.tokens.back(); })
+      .def("tokens", [](const Index& ix) { return ix.tokens; })
+      .def("sizes", [](const Index& ix) { return ix.sizes; })
+      .def("grams", [](const Index& ix, int n) {
+        std::vector<std::vector<int32_t>> out;
+        int si = ix.slot(n);
+        if (si >= 0)
+          for (const auto& kv : ix.tables[si]) out.emplace_back(kv.first.t, kv.first.t + n);
+        return out;
+      });
+  m.def("speculate", &speculate);
+  m.def("recycling_learn", &recycling_learn);
+}
+"""
+
+
+@functools.lru_cache(maxsize=1)
+def core():
+    """The compiled module, or None where it cannot be built (the suffix drafter then keeps its Python code)."""
+    from leapdecode.native import build
+    return build("drafting", _SOURCE, None, flags=["-ffp-contract=off"])
+
+
+class CompiledIndex:
+    """:class:`~leapdecode.spec.index.NgramIndex`'s surface over the compiled index (see the module doc)."""
+
+    def __init__(self, sizes: Sequence[int] = (1, 2, 3, 4)) -> None:
+        mod = core()
+        if mod is None:
+            raise RuntimeError("the compiled suffix index could not be built")
+        self.core = mod.Index(list(sizes))
+        self.sizes: tuple[int, ...] = tuple(self.core.sizes())
+
+    def __len__(self) -> int:
+        return self.core.size()
+
+    @property
+    def base(self) -> int:
+        return self.core.base()
+
+    @property
+    def end(self) -> int:
+        return self.core.end()
+
+    @property
+    def last(self) -> int | None:
+        """The last stored token (None when empty)."""
+        return self.core.last() if self.core.size() else None
+
+    @property
+    def tokens(self) -> list[int]:
+        """A copy of the stored tokens (from ``base`` on)."""
+        return self.core.tokens()
+
+    def extend(self, new_tokens: Sequence[int]) -> None:
+        new = as_int_list(new_tokens)
+        if new:
+            self._extend(new)
+
+    def _extend(self, new: list[int]) -> None:
+        self.core.extend(new)
+
+    def break_sequence(self) -> None:
+        self.core.break_sequence()
+
+    def occurrences(self, key: tuple[int, ...], limit: int | None = None) -> list[int]:
+        return self.core.occurrences(list(key), -1 if limit is None else limit)
+
+    def evict_before(self, position: int) -> None:
+        self.core.evict_before(position)
+
+    def grams(self, n: int) -> list[tuple[int, ...]]:
+        """Every n-gram of size ``n`` held (for tests)."""
+        return [tuple(g) for g in self.core.grams(n)]
+
+
+__all__ = ["CompiledIndex", "core"]
