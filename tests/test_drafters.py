@@ -390,6 +390,41 @@ def test_compiled_recycling_learns_what_the_python_code_learns(with_topk):
     assert len(python._adj) > 16 * 4                                            # grown
 
 
+@pytest.mark.parametrize("compiled", COMPILED)
+def test_lazy_recycling_drafts_what_eager_recycling_drafts(compiled):
+    """``lazy`` (auto in order sets it): a request's committed tokens are learned when it is next asked to draft,
+    and at its end, instead of in every observe. Requests one after another get the eager drafter's drafts and,
+    at each request's end, its tables; in between the lazy tables have not moved."""
+    rng = random.Random(21)
+    eager = RecyclingDrafter(vocab_size=64, trigram_slots=1 << 8, compiled=compiled)
+    lazy = RecyclingDrafter(vocab_size=64, trigram_slots=1 << 8, compiled=compiled)
+    lazy.lazy = True
+    deferred = 0
+    for seq in range(6):
+        tokens = random_tokens(rng, 20, 64)
+        for step in range(30):
+            tokens = tokens + random_tokens(rng, rng.randrange(1, 3), 64)
+            before = bytes(lazy._tri_count)
+            for drafter in (eager, lazy):
+                drafter.observe(seq, tokens, 0, None)
+            deferred += bytes(lazy._tri_count) == before and bytes(eager._tri_count) != before
+            if step % 3 == 0:
+                want = eager.propose([DraftRequest(seq, tokens, 20, 6)])[0]
+                got = lazy.propose([DraftRequest(seq, tokens, 20, 6)])[0]
+                assert (got.tokens, got.parents, got.score) == (want.tokens, want.parents, want.score)
+        for drafter in (eager, lazy):
+            drafter.finish(seq, tokens, 20)
+        assert (lazy._adj, lazy._tri_key, lazy._tri_next, lazy._tri_count) == \
+            (eager._adj, eager._tri_key, eager._tri_next, eager._tri_count)
+    assert deferred > 50
+
+
+def test_auto_in_order_makes_its_later_members_learn_lazily():
+    auto = make_drafter("auto", vocab_size=64, fallback=True)
+    assert auto.drafters["recycling"].lazy
+    assert not make_drafter("auto", vocab_size=64).drafters["recycling"].lazy
+
+
 def test_recycling_draft_follows_successors_and_memory_is_bounded():
     rng = random.Random(6)
     drafter = RecyclingDrafter(vocab_size=64, num_successors=8, trigram_slots=1 << 10, trigram_width=4)
@@ -508,8 +543,9 @@ def test_auto_in_order_takes_the_first_members_own_draft_and_asks_the_next_only_
     fresh = DraftRequest(2, text, len(text), 4)                          # its last token never came before in it
     auto = make_drafter("auto", vocab_size=400, fallback=True)
     suffix = make_drafter("suffix")
-    for t in range(40):                                   # recycling learns some successors
-        auto.observe(9, passage[:t + 2], 0)
+    for t in range(40):                                   # recycling learns some successors (when the request
+        auto.observe(9, passage[:t + 2], 0)               # ends: in order it learns lazily)
+    auto.finish(9, passage[:41], 0)
     asked = []
     recycling = auto.drafters["recycling"]
     real = recycling.propose

@@ -35,7 +35,8 @@ first-token table is keyed by score and shared with the first drafter's. Measure
 the default model's outputs, ``benchmarks/replay.py --machine cpu-smollm2``): the calibrated draft ran at 1.19-1.20x
 of plain decoding (geometric mean of eight task sets) where suffix alone ran at 1.24-1.25x, and at 1.18 with suffix
 as its only member, so the loss is the calibrated tree itself, not the merging; in order, 1.23-1.24x, at ~50 us a
-step instead of ~100.
+step instead of ~100 (~21 us since suffix's hot path is compiled and recycling, asked only where suffix has nothing,
+learns a request's tokens when it is asked and at the request's end rather than in every observe: ``lazy``).
 
 **A drafter that runs a model** (``costly``: draft_model, layer_skip or eagle, at most one) is not asked every step:
 its drafts cost a sizeable share of a step. It is asked only for the requests whose best model-free draft promises
@@ -136,6 +137,10 @@ class AutoDrafter:
             raise ValueError(f"min_accept_prob must be in [0, 1], got {min_accept_prob!r}")
         self.calibrate, self.min_accept_prob = bool(calibrate), float(min_accept_prob)
         self.fallback = bool(fallback)     # in order, the first draft that is not empty (the module doc)
+        if self.fallback:                  # a later member drafts rarely: it may learn when asked (RecyclingDrafter)
+            for name in list(self.drafters)[1:]:
+                if hasattr(self.drafters[name], "lazy"):
+                    self.drafters[name].lazy = True
         self.acceptance = AcceptanceModel()
         self._offers: dict[int, list[Offer]] = {}     # the offers of each request's latest calibrated draft
         self._prior = {name: _Stats() for name in self.drafters}

@@ -107,6 +107,11 @@ class RecyclingDrafter(PerRequestDrafter):
         if compiled and self._compiled is None:
             raise ValueError("compiled=True: the compiled drafting module could not be built here")
         self._learned: dict[int, int] = {}     # seq_id -> committed tokens already learned from
+        # learn a request's committed tokens when it is next asked to draft (and at its end), not in every observe:
+        # set by auto in order (spec/auto.py), where recycling drafts only for the requests suffix has nothing for.
+        # One request alone gets the same tables and drafts (its tokens are learned in the same order before each
+        # draft); requests decoding together teach the shared tables later and in another interleaving.
+        self.lazy = False
         self._topk_seen = False                # once the engine sends top-k rows, the matrix learns only from them
 
     # -- Drafter protocol (propose: PerRequestDrafter) --------------------------------------------------------------
@@ -128,12 +133,15 @@ class RecyclingDrafter(PerRequestDrafter):
                 pos = first + r
                 if 0 <= pos < len(token_ids):
                     self._set_row(int(token_ids[pos]), as_int_list(row))
-        self._learn(seq_id, token_ids)
+        if not self.lazy:
+            self._learn(seq_id, token_ids)
 
     def prepare(self, seq_id: int, token_ids: Sequence[int]) -> None:
         self._learn(seq_id, token_ids)
 
     def finish(self, seq_id: int, token_ids: Sequence[int], num_prompt_tokens: int) -> None:
+        if self.lazy:
+            self._learn(seq_id, token_ids)      # what it never was asked to draft from still teaches the tables
         self._learned.pop(seq_id, None)
 
     # -- learning --------------------------------------------------------------------------------------------------
