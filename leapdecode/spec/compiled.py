@@ -271,10 +271,19 @@ static Tree expand(const std::vector<std::vector<int32_t>>& rows, i64 max_nodes,
   return out;
 }
 
-// SuffixDrafter.speculate: (tokens, parents, probs, match_length, recent, recent_match)
-static py::tuple speculate(const Index& src, const Index& ctx, i64 max_draft, i64 max_match, double factor,
-                           double offset, double min_prob, bool tree, i64 max_occurrences, i64 max_patterns,
-                           bool recent) {
+struct Options {                       // SuffixDrafter's options, as speculate reads them
+  i64 max_match;
+  double factor, offset, min_prob;
+  bool tree;
+  i64 max_occurrences, max_patterns;
+};
+
+// SuffixDrafter.speculate: the best tree, and (`recent`) the newest longest match's continuation and its length
+static Tree best_tree(const Index& src, const Index& ctx, i64 max_draft, const Options& o, bool recent,
+                      std::vector<int32_t>& recent_row, int& recent_match) {
+  const i64 max_match = o.max_match, max_occurrences = o.max_occurrences, max_patterns = o.max_patterns;
+  const double factor = o.factor, offset = o.offset, min_prob = o.min_prob;
+  const bool tree = o.tree;
   const auto& c = ctx.tokens;
   i64 len = (i64)c.size();
   std::vector<i64> followers;
@@ -287,8 +296,6 @@ static py::tuple speculate(const Index& src, const Index& ctx, i64 max_draft, i6
     }
   }
   Tree best;
-  std::vector<int32_t> recent_row;
-  int recent_match = 0;
   if (!followers.empty()) {
     i64 limit_m = std::min(max_match, len);
     std::vector<int> lengths;
@@ -323,7 +330,41 @@ static py::tuple speculate(const Index& src, const Index& ctx, i64 max_draft, i6
       recent_match = longest;
     }
   }
+  return best;
+}
+
+// SuffixDrafter.speculate: (tokens, parents, probs, match_length, recent, recent_match)
+static py::tuple speculate(const Index& src, const Index& ctx, i64 max_draft, i64 max_match, double factor,
+                           double offset, double min_prob, bool tree, i64 max_occurrences, i64 max_patterns,
+                           bool recent) {
+  std::vector<int32_t> recent_row;
+  int recent_match = 0;
+  Options o{max_match, factor, offset, min_prob, tree, max_occurrences, max_patterns};
+  Tree best = best_tree(src, ctx, max_draft, o, recent, recent_row, recent_match);
   return py::make_tuple(best.tokens, best.parents, best.probs, best.match_length, recent_row, recent_match);
+}
+
+// SuffixDrafter.draft_one after its index is brought up to date: the better of the local and (when it holds
+// anything) the global tree, ties to the local one; (tokens, parents or None for a chain, first-token probability)
+static py::tuple draft(const Index& local, const Index& global, i64 max_draft, i64 max_match, double factor,
+                       double offset, double min_prob, bool tree, i64 max_occurrences, i64 max_patterns) {
+  std::vector<int32_t> unused_row;
+  int unused_match = 0;
+  Options o{max_match, factor, offset, min_prob, tree, max_occurrences, max_patterns};
+  Tree best = best_tree(local, local, max_draft, o, false, unused_row, unused_match);
+  if (!global.tokens.empty()) {
+    Tree other = best_tree(global, local, max_draft, o, false, unused_row, unused_match);
+    if (other.expected > best.expected) best = std::move(other);
+  }
+  if (best.tokens.empty()) return py::make_tuple(py::list(), py::none(), 0.0);
+  bool chain = true;
+  double first = 0.0;
+  for (size_t i = 0; i < best.parents.size(); ++i) {
+    if (best.parents[i] != (int)i - 1) chain = false;
+    if (best.parents[i] == -1) first += best.probs[i];
+  }
+  py::object parents = chain ? py::object(py::none()) : py::object(py::cast(best.parents));
+  return py::make_tuple(best.tokens, parents, first > 1.0 ? 1.0 : first);
 }
 
 // Token Recycling's learning (RecyclingDrafter._move_to_front and _count_trigrams) on its own array.array tables,
@@ -401,6 +442,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         return out;
       });
   m.def("speculate", &speculate);
+  m.def("draft", &draft);
   m.def("recycling_learn", &recycling_learn);
 }
 """

@@ -201,6 +201,13 @@ class SuffixDrafter(PerRequestDrafter):
 
     # -- Drafter protocol (propose and observe: PerRequestDrafter) --------------------------------------------------
     def draft_one(self, req: DraftRequest) -> Draft:
+        if self._index_type is CompiledIndex:       # the same choice, made in one compiled call
+            local = sync_index(self._local.get(req.seq_id), req.token_ids, self._local_sizes, CompiledIndex)
+            self._local[req.seq_id] = local
+            tokens, parents, score = core().draft(
+                local.core, self._global.core, req.max_draft, self.max_match, self.max_spec_factor,
+                self.max_spec_offset, self.min_token_prob, self.tree, self.max_occurrences, self.max_patterns)
+            return Draft(tokens, parents, score) if tokens else Draft()
         best = max(self._trees(req, recent=False), key=lambda t: t.expected_accepted)   # ties: the local tree
         if not best.tokens:
             return Draft()
