@@ -14,7 +14,8 @@ swaps one for the other. :func:`speculate` is the Python ``speculate`` statement
 choice, match lengths, pattern order and limits, continuation rows (periodic in the request's own index, cut at a
 sentinel in the global one) and the best-first tree with its tie-breaks (probability, then the newest occurrence,
 then push order), its probabilities computed in the same order (built with ``-ffp-contract=off``). Tokens are
-stored as int32 (a token id must be in [0, 2**31)).
+stored as int32 (a token id must be in [0, 2**31)). Memory: ~245 bytes per indexed token with n-gram sizes 1-4 (the
+Python index: ~465; resident set growth over 200,000 tokens of 5,000 distinct ids).
 
 Built at first use by :func:`leapdecode.native.build` (~20 s, cached); where that fails, or with
 ``LEAPDECODE_NO_CPU_KERNELS=1``, :func:`core` is None and the suffix drafter keeps its Python index and code.
