@@ -101,8 +101,8 @@ class RecyclingDrafter(PerRequestDrafter):
         self._tri_next = array("i", [-1]) * (trigram_slots * trigram_width)
         self._tri_count = array("H", [0]) * (trigram_slots * trigram_width)
         self._tri_empty = (array("i", [-1]) * trigram_width, array("H", [0]) * trigram_width)
-        # learning from committed tokens in C++ (spec/compiled.py: the same tables, ~5x less CPU a step); None:
-        # the Python code below. compiled=None: where the module builds; True: required
+        # learning from committed tokens in C++ (spec/compiled.py: the same tables; an 8,000-token prompt in ~0.7 ms
+        # instead of ~10); None: the Python code below. compiled=None: where the module builds; True: required
         self._compiled = core() if compiled is not False else None
         if compiled and self._compiled is None:
             raise ValueError("compiled=True: the compiled drafting module could not be built here")
