@@ -158,9 +158,9 @@ static std::vector<std::vector<int32_t>> rows_of(const Index& src, const std::ve
   const auto& toks = src.tokens;
   i64 len = (i64)toks.size();
   for (i64 f : followers) {
-    i64 start = f - src.base;
+    i64 start = std::min(f - src.base, len);           // (a follower always has a token after it: start < len)
     i64 stop = std::min(len, start + std::max<i64>(limit, 0));
-    std::vector<int32_t> row(toks.begin() + std::min(start, len), toks.begin() + std::max(stop, std::min(start, len)));
+    std::vector<int32_t> row(toks.begin() + start, toks.begin() + stop);
     if (periodic) {
       i64 period = len - start;
       while (period > 0 && (i64)row.size() < limit) row.push_back(row[row.size() - period]);
