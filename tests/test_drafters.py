@@ -125,10 +125,12 @@ def test_ngram_index_matches_brute_force_under_appends_breaks_and_eviction(index
 
 
 # -- NgramDrafter --------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=needs_compiled)])
 @pytest.mark.parametrize("n_min,n_max", [(1, 4), (2, 3), (1, 1)])
-def test_ngram_equals_naive_search_incrementally(n_min, n_max):
+def test_ngram_equals_naive_search_incrementally(n_min, n_max, compiled):
     rng = random.Random(n_min * 10 + n_max)
-    drafter = NgramDrafter(n_min=n_min, n_max=n_max)
+    drafter = NgramDrafter(n_min=n_min, n_max=n_max, compiled=compiled)
+    assert drafter._index_type is (CompiledIndex if compiled else NgramIndex)
     tokens = random_tokens(rng, 5, 6)
     for _ in range(150):
         k = rng.randrange(0, 7)
@@ -145,6 +147,27 @@ def test_continuation_repeats_past_the_end():
         f, k = rng.randrange(0, len(tokens)), rng.randrange(0, 12)
         assert continuation(tokens, f, k) == naive_continuation(tokens, f, k)
     assert continuation([7, 3, 3], 1, 5) == [3, 3, 3, 3, 3]
+
+
+@needs_compiled
+@pytest.mark.parametrize("options", [{}, {"num_branches": 3, "branch_len": 2}, {"n_min": 2, "n_max": 3,
+                                                                              "scan_occurrences": 2}])
+def test_compiled_ngram_drafts_equal_the_python_drafts(options):
+    """Prompt lookup's compiled match (spec/compiled.py) gives the Python code's drafts, trees and scores."""
+    rng = random.Random(len(str(options)))
+    python, compiled = NgramDrafter(compiled=False, **options), NgramDrafter(compiled=True, **options)
+    phrases = [random_tokens(rng, rng.randrange(2, 9), 30) for _ in range(8)]
+    drafted = trees = 0
+    for seq in range(6):
+        tokens = [t for _ in range(3) for t in rng.choice(phrases)]
+        for _ in range(40):
+            req = DraftRequest(seq, tokens, 3, rng.choice([1, 4, 8]))
+            want, got = python.propose([req])[0], compiled.propose([req])[0]
+            assert (got.tokens, got.parents, got.score) == (want.tokens, want.parents, want.score)
+            drafted, trees = drafted + bool(want.tokens), trees + (want.parents is not None)
+            tokens = tokens + (rng.choice(phrases)[:3] if rng.random() < 0.7 else random_tokens(rng, 1, 30))
+    assert isinstance(compiled._indexes[5], CompiledIndex) and drafted > 120
+    assert trees > 20 if "num_branches" in options else trees == 0
 
 
 def test_ngram_tree_contains_primary_and_alternatives():

@@ -1,5 +1,6 @@
-"""SuffixDecoding's hot path compiled: the n-gram index and :meth:`SuffixDrafter.speculate
-<leapdecode.spec.suffix.SuffixDrafter.speculate>` in C++, giving the drafts of the Python code to the bit.
+"""The model-free drafters' hot paths compiled: the n-gram index, :meth:`SuffixDrafter.speculate
+<leapdecode.spec.suffix.SuffixDrafter.speculate>` and its draft choice, prompt lookup's match (spec/ngram.py) and
+Token Recycling's learning (spec/recycling.py), in C++, giving the Python code's drafts and tables to the bit.
 
 Why: in pure Python a step of the suffix drafter cost ~30-45 us of CPU on the default model's outputs (replay,
 ``benchmarks/replay.py``): bringing the request's index up to date (tuples and dictionary updates for every new
@@ -368,6 +369,26 @@ static py::tuple draft(const Index& local, const Index& global, i64 max_draft, i
   return py::make_tuple(best.tokens, parents, first > 1.0 ? 1.0 : first);
 }
 
+// NgramDrafter's lookup: the longest suffix of `ix` (n_max down to n_min tokens, shorter than the stream) with an
+// earlier occurrence, and its `scan` most recent occurrences' continuations (periodic, `max_draft` tokens), newest
+// first (only the newest unless `all`); (n, how many of those occurrences continue with the newest's first token,
+// how many there are, continuations), or None
+static py::object ngram_match(const Index& ix, int n_min, int n_max, i64 scan, i64 max_draft, bool all) {
+  i64 len = (i64)ix.tokens.size();
+  for (i64 n = std::min<i64>(n_max, len - 1); n >= n_min; --n) {
+    std::vector<i64> followers = ix.occurrences(&ix.tokens[len - n], (int)n, scan);
+    if (followers.empty()) continue;
+    std::reverse(followers.begin(), followers.end());
+    std::vector<i64> wanted(followers.begin(), all ? followers.end() : followers.begin() + 1);
+    auto conts = rows_of(ix, wanted, max_draft, true);
+    int32_t first = conts[0].empty() ? -1 : conts[0][0];
+    i64 agree = 0;
+    for (i64 f : followers) agree += ix.tokens[f - ix.base] == first;
+    return py::make_tuple(n, agree, (i64)followers.size(), conts);
+  }
+  return py::none();
+}
+
 // Token Recycling's learning (RecyclingDrafter._move_to_front and _count_trigrams) on its own array.array tables,
 // in place: each token from `mtf_lo` on moves to the front of its predecessor's row of `adj` (k successors a row);
 // each tri-gram ending at a token from `tri_lo` on is counted in its pair's bucket (a negative lo: skipped)
@@ -445,6 +466,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("speculate", &speculate);
   m.def("draft", &draft);
   m.def("recycling_learn", &recycling_learn);
+  m.def("ngram_match", &ngram_match);
 }
 """
 

@@ -9,13 +9,15 @@ The search is incremental. :class:`~leapdecode.spec.index.NgramIndex` keeps, per
 n-gram of the context to the positions right after its occurrences. A step appends the newly committed tokens
 (``len(sizes)`` dictionary updates per token) and a lookup costs ``len(sizes)`` dictionary probes (plus
 ``scan_occurrences`` steps), independent of the context length. The index is shared with the suffix drafter
-(:mod:`leapdecode.spec.suffix`), which builds on the same occurrence lists.
+(:mod:`leapdecode.spec.suffix`), which builds on the same occurrence lists. Where the C++ module builds, the index
+and the lookup are compiled (:mod:`leapdecode.spec.compiled`: the same drafts).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Sequence
 
+from leapdecode.spec.compiled import CompiledIndex, core
 from leapdecode.spec.drafter import Draft, DraftRequest, PerRequestDrafter
 from leapdecode.spec.index import NgramIndex, continuation, sync_index
 from leapdecode.spec.tree import DraftTree
@@ -42,7 +44,7 @@ class NgramDrafter(PerRequestDrafter):
     """
 
     def __init__(self, n_min: int = 1, n_max: int = 4, num_branches: int = 1, branch_len: int = 2,
-                 scan_occurrences: int = 8) -> None:
+                 scan_occurrences: int = 8, compiled: bool | None = None) -> None:
         if not (isinstance(n_min, int) and isinstance(n_max, int) and 1 <= n_min <= n_max):
             raise ValueError(f"need integers 1 <= n_min <= n_max, got n_min={n_min!r}, n_max={n_max!r}")
         if not (isinstance(num_branches, int) and num_branches >= 1):
@@ -55,18 +57,26 @@ class NgramDrafter(PerRequestDrafter):
         self.num_branches, self.branch_len = num_branches, branch_len
         self.scan_occurrences = scan_occurrences
         self._sizes = tuple(range(n_min, n_max + 1))
+        # the index and the lookup compiled (spec/compiled.py: the same drafts): where the module builds and the
+        # n-grams are at most 4 tokens (compiled=None), or required (True)
+        if compiled is not False and core() is not None and n_max <= 4:
+            self._index_type: type = CompiledIndex
+        elif compiled:
+            raise ValueError("compiled=True: the compiled index could not be built here (or n_max > 4)")
+        else:
+            self._index_type = NgramIndex
         self._indexes: dict[int, NgramIndex] = {}
 
     # -- Drafter protocol (propose and observe: PerRequestDrafter) --------------------------------------------------
     min_context = 2          # a match needs an earlier occurrence
 
     def draft_one(self, req: DraftRequest) -> Draft:
-        index = sync_index(self._indexes.get(req.seq_id), req.token_ids, self._sizes)
+        index = sync_index(self._indexes.get(req.seq_id), req.token_ids, self._sizes, self._index_type)
         self._indexes[req.seq_id] = index
         return self._draft(index, req.max_draft)
 
     def prepare(self, seq_id: int, token_ids: Sequence[int]) -> None:
-        self._indexes[seq_id] = sync_index(self._indexes.get(seq_id), token_ids, self._sizes)
+        self._indexes[seq_id] = sync_index(self._indexes.get(seq_id), token_ids, self._sizes, self._index_type)
 
     def finish(self, seq_id: int, token_ids: Sequence[int], num_prompt_tokens: int) -> None:
         self._indexes.pop(seq_id, None)
@@ -83,31 +93,39 @@ class NgramDrafter(PerRequestDrafter):
         return None
 
     def _draft(self, index: NgramIndex, max_draft: int) -> Draft:
-        match = self.longest_match(index)
-        if match is None:
-            return Draft()
-        toks = index.tokens
-        recent = match.followers[::-1]   # newest first
-        primary = continuation(toks, recent[0], max_draft)
-        agree = sum(1 for f in recent if toks[f] == primary[0]) / len(recent)
-        score = agree * match.length / (match.length + 1.0)
-        if self.num_branches == 1 or len(recent) == 1:
-            return Draft(tokens=primary, score=score)
-        return self._tree(toks, recent, primary, max_draft, score)
+        tree = self.num_branches > 1
+        if isinstance(index, CompiledIndex):
+            found = core().ngram_match(index.core, self.n_min, self.n_max, self.scan_occurrences, max_draft, tree)
+            if found is None:
+                return Draft()
+            length, agree, count, conts = found
+        else:
+            match = self.longest_match(index)
+            if match is None:
+                return Draft()
+            toks = index.tokens
+            recent = match.followers[::-1]   # newest first
+            conts = [continuation(toks, f, max_draft) for f in (recent if tree else recent[:1])]
+            length, agree, count = match.length, sum(1 for f in recent if toks[f] == conts[0][0]), len(recent)
+        score = agree / count * length / (length + 1.0)
+        if not tree or count == 1:
+            return Draft(tokens=conts[0], score=score)
+        return self._tree(conts, max_draft, score)
 
-    def _tree(self, toks: list[int], recent: list[int], primary: list[int], max_draft: int, score: float) -> Draft:
-        """Primary chain plus side branches where older occurrences continue differently.
+    def _tree(self, conts: list[list[int]], max_draft: int, score: float) -> Draft:
+        """The newest occurrence's continuation (``conts[0]``, the primary chain) plus side branches where older
+        occurrences (``conts[1:]``, newest first) continue differently.
 
         Each older occurrence whose continuation leaves the paths drafted so far contributes its next
         ``branch_len`` tokens from the point of divergence. The primary chain gives up its tail to make room for
         them; the paths are merged into a prefix-shared tree cut at ``max_draft`` nodes.
         """
+        primary = conts[0]
         paths = [primary]
         side_tokens = 0
-        for f in recent[1:]:
+        for cont in conts[1:]:
             if len(paths) >= self.num_branches:
                 break
-            cont = continuation(toks, f, max_draft)
             depth = _divergence(cont, paths)
             if depth < len(cont):
                 path = cont[:depth + self.branch_len]
