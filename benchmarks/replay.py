@@ -378,7 +378,12 @@ def main() -> None:
                          "fixed k vs plain decoding (simulated tokens/s at batch 1)")
     ap.add_argument("--noise", type=float, default=0.0, help="--machine: lognormal sigma of each step's time")
     ap.add_argument("--seeds", type=int, default=1, help="--machine: runs with seeds 0..N-1 (median and min)")
+    ap.add_argument("--python", action="store_true", help="our drafters in pure Python (no compiled hot paths, "
+                    "leapdecode/spec/compiled.py): the same drafts, their CPU cost without the C++")
     args = ap.parse_args()
+    if args.python:
+        os.environ["LEAPDECODE_NO_CPU_KERNELS"] = "1"      # before anything builds the drafting module
+    from leapdecode.spec.compiled import core
 
     from rich.console import Console
     from rich.table import Table
@@ -412,7 +417,8 @@ def main() -> None:
     out_tokens = sum(len(r.output) for r in records)
     console.print(f"data: {', '.join(args.data)} | model: {', '.join(models)} | {len(records)} records, "
                   f"{out_tokens} output tokens | datasets: {', '.join(datasets)} | top-k rows: "
-                  f"{'yes' if has_topk else 'no'} | CPU: {os.cpu_count()} cores, us = thread CPU time")
+                  f"{'yes' if has_topk else 'no'} | CPU: {os.cpu_count()} cores, us = thread CPU time | our drafters: "
+                  f"{'compiled' if core() is not None else 'pure Python'}")
 
     if args.machine:
         table = Table(title=f"controller replay on the fabricated '{args.machine}' machine, batch 1, noise "
