@@ -21,6 +21,9 @@ $(VENV)/.installed: pyproject.toml requirements-model.txt
 	@# convert the GGUF once now (config, tokenizer, dequantized weights into ~/.cache/leapdecode), so the
 	@# first `leapdecode chat` / `generate` starts in seconds
 	-$(PY) -m leapdecode.cli generate --max-tokens 1 --no-echo --quiet "Hi" > /dev/null
+	@# and build the model-free drafters' compiled paths (leapdecode/spec/compiled.py), which the first engine
+	@# with speculation would otherwise build (~30 s here)
+	-$(PY) -c "from leapdecode.spec.compiled import core; core()"
 	touch $@
 
 # A short scripted conversation with the default model through `leapdecode chat` (stdin is not a terminal,
