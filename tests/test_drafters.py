@@ -385,19 +385,23 @@ def test_recycling_trigram_counts_equal_brute_force(compiled):
 
 
 @needs_compiled
-@pytest.mark.parametrize("with_topk", [False, True])
-def test_compiled_recycling_learns_what_the_python_code_learns(with_topk):
-    """Token Recycling's learning in C++ (spec/compiled.py) leaves the Python code's tables, bit for bit: move to
-    front, tri-gram buckets that collide (a small table) and fill (space-saving), a count at its maximum halving
-    its bucket, a matrix that grows for tokens beyond ``vocab_size``, a sequence id reused; and drafts alike."""
-    rng = random.Random(11 + with_topk)
-    options = dict(vocab_size=16, num_successors=4, trigram_slots=1 << 6, trigram_width=3)
+@pytest.mark.parametrize("with_topk,extra", [(False, {}), (True, {}), (False, {"trigram_min_count": 2}),
+                                             (True, {"use_trigrams": False})])
+def test_compiled_recycling_learns_what_the_python_code_learns(with_topk, extra):
+    """Token Recycling's learning and drafting in C++ (spec/compiled.py) leave the Python code's tables, bit for
+    bit: move to front, tri-gram buckets that collide (a small table) and fill (space-saving), a count at its
+    maximum halving its bucket, a matrix that grows for tokens beyond ``vocab_size``, a sequence id reused; and
+    give its drafts and offers (successors ranked by tri-gram counts, then the matrix row)."""
+    rng = random.Random(11 + with_topk + len(extra))
+    options = dict(vocab_size=16, num_successors=4, trigram_slots=1 << 6, trigram_width=3, **extra)
     python, compiled = RecyclingDrafter(compiled=False, **options), RecyclingDrafter(compiled=True, **options)
     assert compiled._compiled is not None and python._compiled is None
     saturating = [1, 2, 3] * 70_000 + [1, 2, 5]               # (1, 2) -> 3 counted past 65,535, then a newcomer
     for drafter in (python, compiled):
         drafter.observe(99, saturating, 0, None)
-    assert compiled._tri_count == python._tri_count and 30_000 < max(python._tri_count) < 40_000   # halved
+    assert compiled._tri_count == python._tri_count
+    assert 30_000 < max(python._tri_count) < 40_000 if python.use_trigrams else max(python._tri_count) == 0  # halved
+    trees = 0
     for seq in range(12):
         tokens = random_tokens(rng, rng.randrange(1, 30), 40)
         for _ in range(25):
@@ -405,12 +409,14 @@ def test_compiled_recycling_learns_what_the_python_code_learns(with_topk):
             topk = [random_tokens(rng, 4, 40) for _ in range(2)] if with_topk and rng.random() < 0.5 else None
             for drafter in (python, compiled):
                 drafter.observe(seq % 5, tokens, 1, topk)
-            want = python.propose([DraftRequest(seq % 5, tokens, 1, 8)])[0]
-            got = compiled.propose([DraftRequest(seq % 5, tokens, 1, 8)])[0]
+            req = DraftRequest(seq % 5, tokens, 1, rng.choice([1, 8, 12]))
+            want, got = python.propose([req])[0], compiled.propose([req])[0]
             assert (got.tokens, got.parents, got.score) == (want.tokens, want.parents, want.score)
+            assert [vars(o) for o in compiled.offers(req)] == [vars(o) for o in python.offers(req)]
+            trees += want.parents is not None
         for table in ("_adj", "_tri_key", "_tri_next", "_tri_count"):
             assert getattr(compiled, table) == getattr(python, table), (seq, table)
-    assert len(python._adj) > 16 * 4                                            # grown
+    assert len(python._adj) > 16 * 4 and trees > 50                             # grown; trees drafted
 
 
 @pytest.mark.parametrize("compiled", COMPILED)
@@ -446,6 +452,34 @@ def test_auto_in_order_makes_its_later_members_learn_lazily():
     auto = make_drafter("auto", vocab_size=64, fallback=True)
     assert auto.drafters["recycling"].lazy
     assert not make_drafter("auto", vocab_size=64).drafters["recycling"].lazy
+
+
+@needs_compiled
+@pytest.mark.parametrize("min_count", [1, 2])
+def test_compiled_recycling_fill_ranks_successors_as_the_python_code(min_count):
+    """The compiled fill ranks a pair's successors as ``RecyclingDrafter.ranked`` does: tri-grams seen at least
+    ``trigram_min_count`` times, most counted first (ties in bucket order), then the matrix row, then the rarer
+    tri-grams, no repeats; over a tiny vocabulary (counts vary, short rows leave room for the rare ones)."""
+    rng = random.Random(31 + min_count)
+    options = dict(vocab_size=6, num_successors=2, trigram_slots=1 << 8, trigram_width=4, trigram_min_count=min_count,
+                   rank_probs=(0.5, 0.3))
+    python, compiled = RecyclingDrafter(compiled=False, **options), RecyclingDrafter(compiled=True, **options)
+    tokens = [rng.randrange(6) for _ in range(400)]
+    for drafter in (python, compiled):
+        drafter.observe(0, tokens, 0, None)
+    for b in range(0, 6, 2):                  # a short row (as a top-k row may be) leaves room for the rare ones
+        row = [rng.randrange(6)]
+        python._set_row(b, row)
+        compiled._set_row(b, row)
+    rare = confident = 0
+    for a in range(-1, 6):
+        for b in range(6):
+            ranked = python.ranked(a, b)
+            rare += any(0 < c < min_count for _, c in ranked)
+            confident += len([c for _, c in ranked if c >= min_count]) > 1
+            for n in (1, 4, 16):
+                assert compiled._fill(a, b, n) == tuple(python._fill(a, b, n)), (a, b, n)
+    assert confident > 10 and (rare > 5 if min_count > 1 else True)
 
 
 def test_recycling_draft_follows_successors_and_memory_is_bounded():

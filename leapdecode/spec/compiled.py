@@ -1,6 +1,6 @@
 """The model-free drafters' hot paths compiled: the n-gram index, :meth:`SuffixDrafter.speculate
 <leapdecode.spec.suffix.SuffixDrafter.speculate>` and its draft choice, prompt lookup's match (spec/ngram.py) and
-Token Recycling's learning (spec/recycling.py), in C++, giving the Python code's drafts and tables to the bit.
+Token Recycling's learning and drafts (spec/recycling.py), in C++, giving the Python code's drafts and tables to the bit.
 
 Why: in pure Python a step of the suffix drafter cost ~30-45 us of CPU on the default model's outputs (replay,
 ``benchmarks/replay.py``): bringing the request's index up to date (tuples and dictionary updates for every new
@@ -440,6 +440,79 @@ static void recycling_learn(py::buffer adj_buf, i64 k, py::buffer key_buf, py::b
   }
 }
 
+// Token Recycling's draft (RecyclingDrafter._fill): the static tree `shape` ((parent, rank) per node, breadth
+// first) filled from the pair (before, last): a node's token is its parent's successor of the node's rank, the
+// successors of a pair ranked as RecyclingDrafter.ranked does (tri-grams seen at least `min_count` times, most
+// counted first; the matrix row; the rarer tri-grams; no repeats). (tokens, parents, ranks, tri-gram counts)
+static py::tuple recycling_fill(py::buffer adj_buf, i64 k, py::buffer key_buf, py::buffer next_buf,
+                                py::buffer count_buf, i64 width, i64 mask, bool trigrams, i64 min_count,
+                                i64 before, i64 last, const std::vector<std::pair<int, int>>& shape) {
+  py::buffer_info ai = adj_buf.request(), ki = key_buf.request(), ni = next_buf.request(), ci = count_buf.request();
+  const int32_t* adj = (const int32_t*)ai.ptr;
+  const int64_t* keys = (const int64_t*)ki.ptr;
+  const int32_t* nxt = (const int32_t*)ni.ptr;
+  const uint16_t* counts = (const uint16_t*)ci.ptr;
+  i64 rows = (i64)ai.size / k;
+  auto ranked = [&](i64 a, i64 b, std::vector<std::pair<int32_t, i64>>& out) {
+    out.clear();
+    if (!trigrams) {                   // the matrix row as it is
+      if (b >= 0 && b < rows)
+        for (i64 j = 0; j < k; ++j) if (adj[b * k + j] >= 0) out.emplace_back(adj[b * k + j], 0);
+      return;
+    }
+    std::vector<std::pair<int32_t, i64>> tri;
+    if (a >= 0) {
+      i64 slot = (a * 1000003 + b * 7919) & mask, key = (a << 32) | b, base = slot * width;
+      if (keys[slot] == key)
+        for (i64 x = base; x < base + width; ++x) if (counts[x] > 0) tri.emplace_back(nxt[x], (i64)counts[x]);
+      std::stable_sort(tri.begin(), tri.end(), [](const auto& p, const auto& q) { return p.second > q.second; });
+    }
+    auto count_of = [&](int32_t t) -> i64 {
+      for (const auto& p : tri) if (p.first == t) return p.second;
+      return 0;
+    };
+    auto add = [&](int32_t t) {
+      for (const auto& p : out) if (p.first == t) return;
+      out.emplace_back(t, count_of(t));
+    };
+    for (const auto& p : tri) if (p.second >= min_count) add(p.first);
+    if (b >= 0 && b < rows)
+      for (i64 j = 0; j < k; ++j) if (adj[b * k + j] >= 0) add(adj[b * k + j]);
+    for (const auto& p : tri) if (p.second < min_count) add(p.first);
+  };
+  std::vector<int32_t> tokens;
+  std::vector<int> parents, ranks, node_of_shape;
+  std::vector<i64> tri_counts;
+  std::vector<std::pair<int32_t, i64>> succ;
+  std::vector<std::tuple<i64, i64, std::vector<std::pair<int32_t, i64>>>> cache;
+  for (const auto& [parent_shape, rank] : shape) {
+    i64 a, b;
+    int parent;
+    if (parent_shape == -1) { a = before; b = last; parent = -1; }
+    else {
+      parent = node_of_shape[parent_shape];
+      if (parent < 0) { node_of_shape.push_back(-1); continue; }
+      int grand = parents[parent];
+      a = grand >= 0 ? tokens[grand] : last;
+      b = tokens[parent];
+    }
+    const std::vector<std::pair<int32_t, i64>>* found = nullptr;
+    for (const auto& [ca, cb, cs] : cache) if (ca == a && cb == b) { found = &cs; break; }
+    if (!found) {
+      ranked(a, b, succ);
+      cache.emplace_back(a, b, succ);
+      found = &std::get<2>(cache.back());
+    }
+    if (rank >= (int)found->size()) { node_of_shape.push_back(-1); continue; }
+    tokens.push_back((*found)[rank].first);
+    tri_counts.push_back((*found)[rank].second);
+    parents.push_back(parent);
+    ranks.push_back(rank);
+    node_of_shape.push_back((int)tokens.size() - 1);
+  }
+  return py::make_tuple(tokens, parents, ranks, tri_counts);
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<Index>(m, "Index")
       .def(py::init<std::vector<int>>())
@@ -467,6 +540,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("draft", &draft);
   m.def("recycling_learn", &recycling_learn);
   m.def("ngram_match", &ngram_match);
+  m.def("recycling_fill", &recycling_fill);
 }
 """
 

@@ -101,8 +101,8 @@ class RecyclingDrafter(PerRequestDrafter):
         self._tri_next = array("i", [-1]) * (trigram_slots * trigram_width)
         self._tri_count = array("H", [0]) * (trigram_slots * trigram_width)
         self._tri_empty = (array("i", [-1]) * trigram_width, array("H", [0]) * trigram_width)
-        # learning from committed tokens in C++ (spec/compiled.py: the same tables; an 8,000-token prompt in ~0.7 ms
-        # instead of ~10); None: the Python code below. compiled=None: where the module builds; True: required
+        # learning from committed tokens and drafting in C++ (spec/compiled.py: the same tables and drafts; an
+        # 8,000-token prompt learned in ~0.7 ms instead of ~10); None: the Python code below. compiled=None: where the module builds; True: required
         self._compiled = core() if compiled is not False else None
         if compiled and self._compiled is None:
             raise ValueError("compiled=True: the compiled drafting module could not be built here")
@@ -293,6 +293,10 @@ class RecyclingDrafter(PerRequestDrafter):
         """Fill the static tree breadth-first: a node's token is its parent's successor of the node's rank.
         Returns tokens, parents, each node's rank and its tri-gram count."""
         shape = static_tree(max_draft, self.rank_probs)
+        if self._compiled is not None:        # the same fill in C++ (spec/compiled.py), over the same tables
+            return self._compiled.recycling_fill(self._adj, self.k, self._tri_key, self._tri_next, self._tri_count,
+                                                 self._tri_width, self._tri_mask, self.use_trigrams,
+                                                 self.trigram_min_count, before, last, list(shape))
         tokens: list[int] = []
         parents: list[int] = []
         ranks: list[int] = []
