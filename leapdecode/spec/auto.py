@@ -35,8 +35,9 @@ first-token table is keyed by score and shared with the first drafter's. Measure
 the default model's outputs, ``benchmarks/replay.py --machine cpu-smollm2``): the calibrated draft ran at 1.19-1.20x
 of plain decoding (geometric mean of eight task sets) where suffix alone ran at 1.24-1.25x, and at 1.18 with suffix
 as its only member, so the loss is the calibrated tree itself, not the merging; in order, 1.23-1.24x, at ~50 us a
-step instead of ~100 (~21 us since suffix's hot path is compiled and recycling, asked only where suffix has nothing,
-learns a request's tokens when it is asked and at the request's end rather than in every observe: ``lazy``).
+step instead of ~100 (~15 us since the drafters' hot paths are compiled, spec/compiled.py, and recycling, asked only
+where suffix has nothing, learns a request's tokens when it is asked and at the request's end rather than in every
+observe: ``lazy``).
 
 **A drafter that runs a model** (``costly``: draft_model, layer_skip or eagle, at most one) is not asked every step:
 its drafts cost a sizeable share of a step. It is asked only for the requests whose best model-free draft promises
