@@ -18,6 +18,7 @@ from leapdecode.spec.compiled import CompiledIndex, core
 
 needs_compiled = pytest.mark.skipif(core() is None, reason="the compiled suffix index does not build here")
 INDEXES = [NgramIndex, pytest.param(CompiledIndex, marks=needs_compiled)]
+COMPILED = [False, pytest.param(True, marks=needs_compiled)]
 
 
 def random_tokens(rng: random.Random, n: int, vocab: int) -> list[int]:
@@ -125,7 +126,7 @@ def test_ngram_index_matches_brute_force_under_appends_breaks_and_eviction(index
 
 
 # -- NgramDrafter --------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=needs_compiled)])
+@pytest.mark.parametrize("compiled", COMPILED)
 @pytest.mark.parametrize("n_min,n_max", [(1, 4), (2, 3), (1, 1)])
 def test_ngram_equals_naive_search_incrementally(n_min, n_max, compiled):
     rng = random.Random(n_min * 10 + n_max)
@@ -355,9 +356,6 @@ def test_recycling_topk_rows_overwrite_adjacency():
     assert drafter.adjacency[4].tolist() == [5, 1, -1, -1]
     assert drafter.adjacency[5].tolist() == [6, 10, 11, 12]
     assert drafter.adjacency[1].tolist() == [-1] * 4       # with top-k rows, committed tokens do not touch the matrix
-
-
-COMPILED = [False, pytest.param(True, marks=needs_compiled)]
 
 
 @pytest.mark.parametrize("compiled", COMPILED)

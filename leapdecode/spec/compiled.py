@@ -389,17 +389,34 @@ static py::object ngram_match(const Index& ix, int n_min, int n_max, i64 scan, i
   return py::none();
 }
 
+// Token Recycling's tables as RecyclingDrafter holds them (array.array buffers): the successor matrix (k a row),
+// and the tri-gram buckets' pair keys, next tokens and counts
+struct RecyclingTables {
+  py::buffer_info ai, ki, ni, ci;
+  RecyclingTables(py::buffer adj, py::buffer key, py::buffer next, py::buffer count, bool writable)
+      : ai(adj.request(writable)), ki(key.request(writable)), ni(next.request(writable)), ci(count.request(writable)) {
+    if (ai.itemsize != 4 || ki.itemsize != 8 || ni.itemsize != 4 || ci.itemsize != 2)
+      throw py::value_error("Token Recycling's tables: unexpected item sizes");
+  }
+  int32_t* adj() const { return (int32_t*)ai.ptr; }
+  int64_t* keys() const { return (int64_t*)ki.ptr; }
+  int32_t* next() const { return (int32_t*)ni.ptr; }
+  uint16_t* counts() const { return (uint16_t*)ci.ptr; }
+  i64 rows(i64 k) const { return (i64)ai.size / k; }
+};
+
+// a pair's tri-gram bucket and its key (RecyclingDrafter._slot)
+static inline i64 tri_slot(i64 a, i64 b, i64 mask) { return (a * 1000003 + b * 7919) & mask; }
+static inline i64 tri_key(i64 a, i64 b) { return (a << 32) | b; }
+
 // Token Recycling's learning (RecyclingDrafter._move_to_front and _count_trigrams) on its own array.array tables,
 // in place: each token from `mtf_lo` on moves to the front of its predecessor's row of `adj` (k successors a row);
 // each tri-gram ending at a token from `tri_lo` on is counted in its pair's bucket (a negative lo: skipped)
 static void recycling_learn(py::buffer adj_buf, i64 k, py::buffer key_buf, py::buffer next_buf, py::buffer count_buf,
                             i64 width, i64 mask, const std::vector<i64>& tokens, i64 mtf_lo, i64 tri_lo) {
-  py::buffer_info ai = adj_buf.request(true), ki = key_buf.request(true), ni = next_buf.request(true),
-                  ci = count_buf.request(true);
-  if (ai.itemsize != 4 || ki.itemsize != 8 || ni.itemsize != 4 || ci.itemsize != 2)
-    throw py::value_error("recycling_learn: unexpected table item sizes");
-  int32_t* adj = (int32_t*)ai.ptr;
-  i64 rows = (i64)ai.size / k;
+  const RecyclingTables t(adj_buf, key_buf, next_buf, count_buf, true);
+  int32_t* adj = t.adj();
+  i64 rows = t.rows(k);
   i64 n = (i64)tokens.size();
   for (i64 i = std::max<i64>(mtf_lo, 1); mtf_lo >= 0 && i < n; ++i) {
     i64 prev = tokens[i - 1];
@@ -412,13 +429,13 @@ static void recycling_learn(py::buffer adj_buf, i64 k, py::buffer key_buf, py::b
     for (i64 x = j; x > 0; --x) row[x] = row[x - 1];
     row[0] = succ;
   }
-  int64_t* keys = (int64_t*)ki.ptr;
-  int32_t* nxt = (int32_t*)ni.ptr;
-  uint16_t* counts = (uint16_t*)ci.ptr;
+  int64_t* keys = t.keys();
+  int32_t* nxt = t.next();
+  uint16_t* counts = t.counts();
   for (i64 i = std::max<i64>(tri_lo, 2); tri_lo >= 0 && i < n; ++i) {
     i64 a = tokens[i - 2], b = tokens[i - 1];
     int32_t c = (int32_t)tokens[i];
-    i64 slot = (a * 1000003 + b * 7919) & mask, key = (a << 32) | b, base = slot * width, j;
+    i64 slot = tri_slot(a, b, mask), key = tri_key(a, b), base = slot * width, j;
     if (keys[slot] != key) {
       keys[slot] = key;
       for (i64 x = base; x < base + width; ++x) { nxt[x] = -1; counts[x] = 0; }
@@ -447,12 +464,12 @@ static void recycling_learn(py::buffer adj_buf, i64 k, py::buffer key_buf, py::b
 static py::tuple recycling_fill(py::buffer adj_buf, i64 k, py::buffer key_buf, py::buffer next_buf,
                                 py::buffer count_buf, i64 width, i64 mask, bool trigrams, i64 min_count,
                                 i64 before, i64 last, const std::vector<std::pair<int, int>>& shape) {
-  py::buffer_info ai = adj_buf.request(), ki = key_buf.request(), ni = next_buf.request(), ci = count_buf.request();
-  const int32_t* adj = (const int32_t*)ai.ptr;
-  const int64_t* keys = (const int64_t*)ki.ptr;
-  const int32_t* nxt = (const int32_t*)ni.ptr;
-  const uint16_t* counts = (const uint16_t*)ci.ptr;
-  i64 rows = (i64)ai.size / k;
+  const RecyclingTables t(adj_buf, key_buf, next_buf, count_buf, false);
+  const int32_t* adj = t.adj();
+  const int64_t* keys = t.keys();
+  const int32_t* nxt = t.next();
+  const uint16_t* counts = t.counts();
+  i64 rows = t.rows(k);
   auto ranked = [&](i64 a, i64 b, std::vector<std::pair<int32_t, i64>>& out) {
     out.clear();
     if (!trigrams) {                   // the matrix row as it is
@@ -462,8 +479,8 @@ static py::tuple recycling_fill(py::buffer adj_buf, i64 k, py::buffer key_buf, p
     }
     std::vector<std::pair<int32_t, i64>> tri;
     if (a >= 0) {
-      i64 slot = (a * 1000003 + b * 7919) & mask, key = (a << 32) | b, base = slot * width;
-      if (keys[slot] == key)
+      i64 slot = tri_slot(a, b, mask), base = slot * width;
+      if (keys[slot] == tri_key(a, b))
         for (i64 x = base; x < base + width; ++x) if (counts[x] > 0) tri.emplace_back(nxt[x], (i64)counts[x]);
       std::stable_sort(tri.begin(), tri.end(), [](const auto& p, const auto& q) { return p.second > q.second; });
     }

@@ -166,10 +166,9 @@ class RecyclingDrafter(PerRequestDrafter):
             if tri_lo >= 0:
                 self._count_trigrams(tokens, tri_lo)
         else:       # the same updates in C++ (spec/compiled.py), on the same tables
-            if mtf_lo >= 0 and max(mtf_lo, 1) < len(tokens):     # the predecessors' rows, as _move_to_front
-                self._ensure_vocab(max(tokens[max(mtf_lo, 1) - 1:-1]))
-            self._compiled.recycling_learn(self._adj, self.k, self._tri_key, self._tri_next, self._tri_count,
-                                           self._tri_width, self._tri_mask, tokens, mtf_lo, tri_lo)
+            if mtf_lo >= 0:
+                self._predecessor_rows(tokens, mtf_lo)
+            self._compiled.recycling_learn(*self._tables(), tokens, mtf_lo, tri_lo)
         self._learned[seq_id] = len(token_ids)
 
     @property
@@ -182,6 +181,19 @@ class RecyclingDrafter(PerRequestDrafter):
         if token >= rows:
             self._adj.extend(array("i", [-1]) * ((max(token + 1, 2 * rows) - rows) * self.k))
 
+    def _tables(self) -> tuple:
+        """The tables as the compiled learning and drafting take them (read when called: the matrix may grow)."""
+        return (self._adj, self.k, self._tri_key, self._tri_next, self._tri_count, self._tri_width, self._tri_mask)
+
+    def _predecessor_rows(self, tokens: list[int], lo: int) -> bool:
+        """Grow the matrix to hold the rows of the predecessors of ``tokens[lo:]`` (``lo`` at least 1); False when
+        there are none."""
+        lo = max(lo, 1)
+        if lo >= len(tokens):
+            return False
+        self._ensure_vocab(max(tokens[lo - 1:-1]))
+        return True
+
     def _set_row(self, token: int, successors: list[int]) -> None:
         self._ensure_vocab(token)
         k, n = self.k, min(self.k, len(successors))
@@ -190,10 +202,9 @@ class RecyclingDrafter(PerRequestDrafter):
     def _move_to_front(self, tokens: list[int], lo: int) -> None:
         """Each token of ``tokens[lo:]`` moves to the front of its predecessor's row (the least recent successor
         drops out of a full row)."""
-        lo = max(lo, 1)
-        if lo >= len(tokens):
+        if not self._predecessor_rows(tokens, lo):
             return
-        self._ensure_vocab(max(tokens[lo - 1:-1]))          # the predecessors' rows
+        lo = max(lo, 1)
         adj, k = self._adj, self.k
         for i in range(lo, len(tokens)):
             successor, base = tokens[i], tokens[i - 1] * k
@@ -294,9 +305,8 @@ class RecyclingDrafter(PerRequestDrafter):
         Returns tokens, parents, each node's rank and its tri-gram count."""
         shape = static_tree(max_draft, self.rank_probs)
         if self._compiled is not None:        # the same fill in C++ (spec/compiled.py), over the same tables
-            return self._compiled.recycling_fill(self._adj, self.k, self._tri_key, self._tri_next, self._tri_count,
-                                                 self._tri_width, self._tri_mask, self.use_trigrams,
-                                                 self.trigram_min_count, before, last, list(shape))
+            return self._compiled.recycling_fill(*self._tables(), self.use_trigrams, self.trigram_min_count, before,
+                                                 last, list(shape))
         tokens: list[int] = []
         parents: list[int] = []
         ranks: list[int] = []

@@ -204,9 +204,7 @@ class SuffixDrafter(PerRequestDrafter):
         if self._index_type is CompiledIndex:       # the same choice, made in one compiled call
             local = sync_index(self._local.get(req.seq_id), req.token_ids, self._local_sizes, CompiledIndex)
             self._local[req.seq_id] = local
-            tokens, parents, score = core().draft(
-                local.core, self._global.core, req.max_draft, self.max_match, self.max_spec_factor,
-                self.max_spec_offset, self.min_token_prob, self.tree, self.max_occurrences, self.max_patterns)
+            tokens, parents, score = core().draft(local.core, self._global.core, req.max_draft, *self._core_options)
             return Draft(tokens, parents, score) if tokens else Draft()
         best = max(self._trees(req, recent=False), key=lambda t: t.expected_accepted)   # ties: the local tree
         if not best.tokens:
@@ -269,6 +267,12 @@ class SuffixDrafter(PerRequestDrafter):
             self._global.evict_before(self._global_starts[0] - 1)   # keep the sentinel before the oldest kept
 
     # -- speculation -----------------------------------------------------------------------------------------------
+    @property
+    def _core_options(self) -> tuple:
+        """The options as the compiled ``speculate`` and ``draft`` take them, after the draft budget."""
+        return (self.max_match, self.max_spec_factor, self.max_spec_offset, self.min_token_prob, self.tree,
+                self.max_occurrences, self.max_patterns)
+
     def speculate(self, source: NgramIndex, context: NgramIndex, max_draft: int,
                   recent: bool = False) -> SpeculationTree:
         """Best draft for ``context`` (a request's tokens) from the continuations recorded in ``source``;
@@ -276,8 +280,7 @@ class SuffixDrafter(PerRequestDrafter):
         indexes are served by the compiled code, which is this method statement for statement."""
         if isinstance(source, CompiledIndex):
             tokens, parents, probs, match, newest, newest_match = core().speculate(
-                source.core, context.core, max_draft, self.max_match, self.max_spec_factor, self.max_spec_offset,
-                self.min_token_prob, self.tree, self.max_occurrences, self.max_patterns, recent)
+                source.core, context.core, max_draft, *self._core_options, recent)
             return SpeculationTree(tokens, parents, probs, match, newest, newest_match)
         ctx = context.tokens
         followers: list[int] = []
