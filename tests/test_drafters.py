@@ -21,6 +21,24 @@ INDEXES = [NgramIndex, pytest.param(CompiledIndex, marks=needs_compiled)]
 COMPILED = [False, pytest.param(True, marks=needs_compiled)]
 
 
+class CountingCore:
+    """The compiled module with a count of calls per function, to assert that a compiled path actually ran (a
+    test comparing it with the Python code would pass as well with it switched off)."""
+
+    def __init__(self) -> None:
+        self.real, self.calls = core(), Counter()
+
+    def __getattr__(self, name: str):
+        attr = getattr(self.real, name)
+        if name == "Index":
+            return attr
+
+        def call(*args):
+            self.calls[name] += 1
+            return attr(*args)
+        return call
+
+
 def random_tokens(rng: random.Random, n: int, vocab: int) -> list[int]:
     return [rng.randrange(vocab) for _ in range(n)]
 
@@ -153,8 +171,11 @@ def test_continuation_repeats_past_the_end():
 @needs_compiled
 @pytest.mark.parametrize("options", [{}, {"num_branches": 3, "branch_len": 2}, {"n_min": 2, "n_max": 3,
                                                                               "scan_occurrences": 2}])
-def test_compiled_ngram_drafts_equal_the_python_drafts(options):
+def test_compiled_ngram_drafts_equal_the_python_drafts(options, monkeypatch):
     """Prompt lookup's compiled match (spec/compiled.py) gives the Python code's drafts, trees and scores."""
+    from leapdecode.spec import ngram as ngram_module
+    counting = CountingCore()
+    monkeypatch.setattr(ngram_module, "core", lambda: counting)
     rng = random.Random(len(str(options)))
     python, compiled = NgramDrafter(compiled=False, **options), NgramDrafter(compiled=True, **options)
     phrases = [random_tokens(rng, rng.randrange(2, 9), 30) for _ in range(8)]
@@ -169,6 +190,7 @@ def test_compiled_ngram_drafts_equal_the_python_drafts(options):
             tokens = tokens + (rng.choice(phrases)[:3] if rng.random() < 0.7 else random_tokens(rng, 1, 30))
     assert isinstance(compiled._indexes[5], CompiledIndex) and drafted > 120
     assert trees > 20 if "num_branches" in options else trees == 0
+    assert counting.calls["ngram_match"] >= drafted
 
 
 def test_ngram_tree_contains_primary_and_alternatives():
@@ -288,10 +310,13 @@ def test_suffix_global_cache_learns_outputs_and_evicts_oldest():
 @pytest.mark.parametrize("options", [{}, {"tree": False}, {"max_spec_factor": 1.0, "min_token_prob": 0.0},
                                      {"max_patterns": 1, "max_occurrences": 3, "max_spec_offset": 1.5},
                                      {"max_match": 3, "min_token_prob": 0.3, "global_max_tokens": 300}])
-def test_compiled_suffix_drafts_equal_the_python_drafts(options):
+def test_compiled_suffix_drafts_equal_the_python_drafts(options, monkeypatch):
     """The compiled index and speculation (spec/compiled.py) give the Python code's drafts and offers, node for
     node, probability for probability, over requests that copy from their prompt, from themselves (periodic) and
     from earlier outputs (the global cache, evicting), and a sequence id reused with other tokens."""
+    from leapdecode.spec import suffix as suffix_module
+    counting = CountingCore()
+    monkeypatch.setattr(suffix_module, "core", lambda: counting)
     rng = random.Random(len(str(options)))
     python, compiled = SuffixDrafter(compiled=False, **options), SuffixDrafter(compiled=True, **options)
     assert isinstance(compiled._global, CompiledIndex) and isinstance(python._global, NgramIndex)
@@ -312,6 +337,7 @@ def test_compiled_suffix_drafts_equal_the_python_drafts(options):
             compiled.finish(seq % 13, tokens, len(prompt))
         assert compiled.memory_tokens() == python.memory_tokens()
     assert drafted > steps // 2
+    assert counting.calls["draft"] == steps and counting.calls["speculate"] >= steps      # (offers: speculate)
 
 
 @pytest.mark.parametrize("cap", [1, 2, 7])
@@ -394,6 +420,7 @@ def test_compiled_recycling_learns_what_the_python_code_learns(with_topk, extra)
     options = dict(vocab_size=16, num_successors=4, trigram_slots=1 << 6, trigram_width=3, **extra)
     python, compiled = RecyclingDrafter(compiled=False, **options), RecyclingDrafter(compiled=True, **options)
     assert compiled._compiled is not None and python._compiled is None
+    compiled._compiled = counting = CountingCore()
     saturating = [1, 2, 3] * 70_000 + [1, 2, 5]               # (1, 2) -> 3 counted past 65,535, then a newcomer
     for drafter in (python, compiled):
         drafter.observe(99, saturating, 0, None)
@@ -415,6 +442,7 @@ def test_compiled_recycling_learns_what_the_python_code_learns(with_topk, extra)
         for table in ("_adj", "_tri_key", "_tri_next", "_tri_count"):
             assert getattr(compiled, table) == getattr(python, table), (seq, table)
     assert len(python._adj) > 16 * 4 and trees > 50                             # grown; trees drafted
+    assert counting.calls["recycling_learn"] > 100 and counting.calls["recycling_fill"] > 100
 
 
 @pytest.mark.parametrize("compiled", COMPILED)
@@ -462,6 +490,7 @@ def test_compiled_recycling_fill_ranks_successors_as_the_python_code(min_count):
     options = dict(vocab_size=6, num_successors=2, trigram_slots=1 << 8, trigram_width=4, trigram_min_count=min_count,
                    rank_probs=(0.5, 0.3))
     python, compiled = RecyclingDrafter(compiled=False, **options), RecyclingDrafter(compiled=True, **options)
+    compiled._compiled = counting = CountingCore()
     tokens = [rng.randrange(6) for _ in range(400)]
     for drafter in (python, compiled):
         drafter.observe(0, tokens, 0, None)
@@ -478,6 +507,7 @@ def test_compiled_recycling_fill_ranks_successors_as_the_python_code(min_count):
             for n in (1, 4, 16):
                 assert compiled._fill(a, b, n) == tuple(python._fill(a, b, n)), (a, b, n)
     assert confident > 10 and (rare > 5 if min_count > 1 else True)
+    assert counting.calls["recycling_fill"] == 7 * 6 * 3
 
 
 def test_recycling_draft_follows_successors_and_memory_is_bounded():
