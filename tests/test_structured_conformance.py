@@ -703,10 +703,36 @@ def test_hostile_recursive_schema_compiles_fast_and_blocks_nothing(tokenizer: An
     backend.shutdown()
 
 
+def test_compile_workers_are_kept_then_leave_when_idle() -> None:
+    """Compilations run on kept threads (never more than the pool's size at once), which exit after their idle
+    time; a call submitted after that starts a thread again."""
+    import threading
+    import time as _time
+
+    from leapdecode.structured.backend import Workers
+
+    workers = Workers(2, name="test-workers", idle_s=0.2)
+    seen: list[str] = []
+    done = threading.Event()
+    for i in range(5):
+        workers.submit(lambda i=i: (seen.append(threading.current_thread().name), i == 4 and done.set()))
+    assert done.wait(5) and len(seen) == 5 and workers.threads <= 2
+    deadline = _time.monotonic() + 5
+    def alive() -> bool:
+        return any(t.name == "test-workers" for t in threading.enumerate())
+
+    while (workers.threads or alive()) and _time.monotonic() < deadline:
+        _time.sleep(0.05)
+    assert workers.threads == 0 and not alive()
+    again = threading.Event()
+    workers.submit(again.set)
+    assert again.wait(5) and workers.threads == 1
+
+
 def test_compile_deadline_is_cooperative_and_frees_the_worker(tokenizer: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """A compile whose own Python pass runs long (here: the anchor walk with its visit bound lifted, on a diamond
-    of 40 levels, 2**40 instance paths) stops at the deadline with a ValueError, is not cached, leaves no thread
-    running, and a full pool refuses new work at once instead of queueing it."""
+    of 40 levels, 2**40 instance paths) stops at the deadline with a ValueError, is not cached, frees its worker
+    for the next compilation, and a full pool refuses new work at once instead of queueing it."""
     import threading
     import time as _time
 
@@ -721,11 +747,15 @@ def test_compile_deadline_is_cooperative_and_frees_the_worker(tokenizer: Any, mo
     with pytest.raises(ValueError, match="exceeded the time limit of 1 s"):
         backend.compile(_schema_spec(diamond))
     assert _time.perf_counter() - start < 3.0
-    deadline = _time.monotonic() + 3.0
-    while any(t.name == "grammar-compile" for t in threading.enumerate()) and _time.monotonic() < deadline:
-        _time.sleep(0.05)
-    assert not any(t.name == "grammar-compile" for t in threading.enumerate())
-    assert _produce(backend, backend.compile(_schema_spec({"type": "integer"})), tokenizer, "12")
+    deadline = _time.monotonic() + 3.0      # the worker stops at its own deadline and takes new work
+    while True:
+        try:
+            compiled = backend.compile(_schema_spec({"type": "integer"}))
+            break
+        except ValueError as e:
+            assert "already running" in str(e) and _time.monotonic() < deadline, e
+            _time.sleep(0.05)
+    assert _produce(backend, compiled, tokenizer, "12")
     # A timeout is never cached: the same schema is compiled afresh (and times out again) ...
     future = backend.compile_async(_schema_spec(diamond))
     # ... and while it holds the only slot, another miss is refused at once with a clear error.
@@ -1265,6 +1295,68 @@ def test_small_closed_objects_take_any_order_in_the_grammar(backend: GrammarBack
                 assert _produce(backend, compiled, tokenizer, text) == ("a" in keys), text
     for text in ('[{"a":1,"a":2}]', '[{"b":"x","a":1,"b":"y"}]', '[{"a":1,"d":2}]', '[{}]'):
         assert not _produce(backend, compiled, tokenizer, text), text
+
+
+def test_relaxed_names_sharing_a_subschema_share_one_pattern(backend: GrammarBackend, tokenizer: Any) -> None:
+    """Free-order objects give llguidance one pattern property per distinct subschema (annotations aside), not
+    one per name: it checks every pair of patterns for overlap (64 names: ~25 ms to compile, ~1 ms grouped).
+    Any order is still taken, and each name still gets its own subschema."""
+    from leapdecode.structured.guard import free_order_sites
+    from leapdecode.structured.lowering import lower
+
+    props = {"a": {"type": "string", "description": "first"}, "b": {"type": "integer"},
+             "c": {"type": "string", "description": "third"}, "d": {"type": "integer", "title": "D"},
+             "e.f": {"type": "boolean"}}
+    schema = {"type": "object", "properties": props, "required": ["a", "d"], "additionalProperties": False}
+    sites = free_order_sites(schema)
+    lowered = lower(schema, lambda regex: True, [], relax=sites.keys())
+    assert list(lowered["patternProperties"]) == ["^(?:a|c)$", "^(?:b|d)$", "^e\\.f$"]
+    compiled = backend.compile(_schema_spec(schema))
+    for text in ('{"d":1,"a":"x"}', '{"c":"y","e.f":true,"d":2,"a":"x","b":3}', '{"a":"x","d":1,"c":"z"}'):
+        assert _produce(backend, compiled, tokenizer, text), text
+    for text in ('{"a":1,"d":1}', '{"a":"x","d":"1"}', '{"a":"x","d":1,"c":2}', '{"a":"x","d":1,"b":"2"}',
+                 '{"a":"x","d":1,"ef":true}', '{"a":"x","d":1,"a":"y"}', '{"a":"x"}'):
+        assert not _produce(backend, compiled, tokenizer, text), text
+
+
+def test_expanded_objects_reference_their_property_subschemas_once(backend: GrammarBackend, tokenizer: Any) -> None:
+    """The anyOf of a small closed object's property orders refers to each property's subschema through the
+    root's `$defs` (llguidance compiles a `$ref` target once, a subschema as often as it is written: six times
+    for three properties), keeps the root's own definitions, and is exact; below a nested `$id`, where "#/..."
+    means another document, nothing moves."""
+    import itertools
+
+    from leapdecode.structured.guard import free_order_sites
+    from leapdecode.structured.lowering import lower
+
+    point = {"type": "object", "properties": {"x": {"type": "integer", "minimum": 0}, "y": {"type": "integer"}},
+             "required": ["x", "y"], "additionalProperties": False}
+    item = {"type": "object", "additionalProperties": False, "required": ["p"],
+            "properties": {"p": {"$ref": "#/$defs/point"}, "tag": {"enum": ["u", "v"]}, "n": {"type": "null"}}}
+    schema = {"$defs": {"point": point, "leapdecode-shared-0": {"type": "string"}}, "type": "array", "items": item}
+    sites = free_order_sites(schema)
+    lowered = lower(schema, lambda regex: True, [], expand=sites.expanded)
+    branches = lowered["items"]["anyOf"]
+    assert len(branches) == 6 and "point" in lowered["$defs"]
+    refs = {name: {json.dumps(b["properties"][name]) for b in branches} for name in ("p", "tag", "n")}
+    assert refs["p"] == {'{"$ref": "#/$defs/point"}'}          # a bare $ref stays as it is
+    (tag,) = refs["tag"]
+    (n,) = refs["n"]
+    assert tag != n and all(r.startswith('{"$ref": "#/$defs/leapdecode-shared-') for r in (tag, n))
+    assert lowered["$defs"]["leapdecode-shared-0"] == {"type": "string"}   # the user's own entry is kept
+    assert lowered["$defs"][json.loads(tag)["$ref"].rsplit("/", 1)[1]] == {"enum": ["u", "v"]}
+    compiled = backend.compile(_schema_spec(schema))
+    values = {"p": {"y": -1, "x": 2}, "tag": "v", "n": None}
+    for keys in itertools.permutations(values):
+        assert _produce(backend, compiled, tokenizer, json.dumps([{k: values[k] for k in keys}], separators=(",", ":")))
+    for text in ('[{"tag":"w","p":{"x":1,"y":1}}]', '[{"n":0,"p":{"x":1,"y":1}}]', '[{"p":{"x":-1,"y":1}}]',
+                 '[{"tag":"u"}]'):
+        assert not _produce(backend, compiled, tokenizer, text), text
+    nested = {"type": "array", "items": {"$id": "http://example.com/item", **item}, "$defs": {"point": point}}
+    nested_sites = free_order_sites(nested)
+    assert nested_sites.expanded
+    moved = lower(nested, lambda regex: True, [], expand=nested_sites.expanded)["$defs"]
+    assert list(moved) == ["point"]
 
 
 def test_universal_types_are_sound_and_found() -> None:

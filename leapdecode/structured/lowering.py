@@ -6,6 +6,7 @@ is a loop over it. Values of `DATA_KEYWORDS` are instances, not subschemas, and 
 
 from __future__ import annotations
 
+import json
 import itertools
 import threading
 import time
@@ -158,9 +159,35 @@ def other_names_regex(names: list[str], kind: str = "") -> str:
     return "^" + other(trie, "+" not in kind and "" not in trie) + "$"
 
 
-def exact_name_regex(name: str) -> str:
-    """A regex matching exactly the string `name` (in the library's regex syntax: every metacharacter escaped)."""
-    return "^" + _literal(name) + "$"
+def names_regex(names: list[str]) -> str:
+    """A regex matching exactly the strings `names` (in the library's regex syntax: every metacharacter escaped)."""
+    if len(names) == 1:
+        return "^" + _literal(names[0]) + "$"
+    return "^(?:" + "|".join(_literal(name) for name in names) + ")$"
+
+
+def _by_subschema(props: dict[str, Any]) -> list[tuple[list[str], Any]]:
+    """The properties grouped by equal subschemas, in first-appearance order. llguidance checks every pair of
+    pattern properties for disjointness (quadratic: 64 exact names cost ~25 ms to compile, ~1 ms as the
+    alternation they are when their values share one subschema), so names sharing a subschema share a regex."""
+    groups: dict[str, tuple[list[str], Any]] = {}
+    for name, sub in props.items():
+        key = json.dumps(_meaning(sub), sort_keys=True)
+        groups.setdefault(key, ([], sub))[0].append(name)
+    return list(groups.values())
+
+
+def _meaning(node: Any, names: bool = False) -> Any:
+    """A subschema without its annotations (descriptions differ where the constraints do not); `names`: `node` is
+    a map from names to subschemas (`properties`, `$defs`, ...), whose keys are not keywords."""
+    if isinstance(node, list):
+        return [_meaning(item) for item in node]
+    if not isinstance(node, dict):
+        return node
+    if names:
+        return {key: _meaning(sub) for key, sub in node.items()}
+    return {key: value if key in DATA_KEYWORDS else _meaning(value, key in _SCHEMA_MAPS)
+            for key, value in node.items() if key not in ANNOTATIONS}
 
 
 def _literal(text: str) -> str:
@@ -222,7 +249,7 @@ def lower(schema: Any, regex_ok: Callable[[str], bool], dropped: list[str], rela
                 extra = patterns[regex]
                 props = {name: sub if extra in ({}, True) else {"allOf": [sub, extra]} for name, sub in props.items()}
                 patterns = {other_names_regex(list(props), every): extra}
-            names = {exact_name_regex(name): sub for name, sub in props.items()}
+            names = {names_regex(group): sub for group, sub in _by_subschema(props)}
             exact.update(names)
             node["patternProperties"] = {**names, **patterns}
             # conditionals beside (or in an allOf member of) such an object: llguidance does not implement them
@@ -243,10 +270,11 @@ def lower(schema: Any, regex_ok: Callable[[str], bool], dropped: list[str], rela
         node = memo.get(key)
         if isinstance(node, dict):
             node.pop("required", None)
+    shared = _Definitions(schema) if expand else None
     for key in expand:
         node = memo.get(key)
         if isinstance(node, dict) and len(node.get("properties", ())) > 1:
-            props = node.pop("properties")
+            props = {name: shared.ref(sub) for name, sub in node.pop("properties").items()}
             rest = {k: v for k, v in node.items() if k not in _STAY_OUTSIDE}   # definitions, ids stay where they are
             for moved in rest:
                 del node[moved]
@@ -288,6 +316,35 @@ def lower(schema: Any, regex_ok: Callable[[str], bool], dropped: list[str], rela
                 else:
                     dropped.append("patternProperties (regex not supported by the library)")
     return schema
+
+
+class _Definitions:
+    """Subschemas moved to the root's `$defs` and referenced, so that a subschema written in several places (the
+    branches of an expanded object) reaches the library once: llguidance compiles a `$ref` target once, a
+    subschema each time it is written (the six orders of three properties compiled each property six times)."""
+
+    PREFIX = "leapdecode-shared-"
+
+    def __init__(self, root: Any) -> None:
+        # a nested $id changes what "#/..." means below it: then nothing is moved
+        self.enabled = isinstance(root, dict) and not any(
+            isinstance(node.get(key), str) for node in iter_subschemas(root) if node is not root for key in ("$id", "id"))
+        self.root = root
+        self.refs: dict[int, dict[str, str]] = {}
+
+    def ref(self, sub: Any) -> Any:
+        if not self.enabled or not isinstance(sub, dict) or not sub.keys() - {"$ref"} - ANNOTATIONS:
+            return sub
+        known = self.refs.get(id(sub))
+        if known is None:
+            defs = self.root.setdefault("$defs", {})
+            name, n = f"{self.PREFIX}{len(self.refs)}", len(self.refs)
+            while name in defs:
+                n += 1
+                name = f"{self.PREFIX}{n}"
+            defs[name] = sub
+            known = self.refs[id(sub)] = {"$ref": f"#/$defs/{name}"}
+        return dict(known)
 
 
 def without_lookaround(regex: str) -> str:
