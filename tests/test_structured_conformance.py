@@ -291,6 +291,23 @@ def test_json_schema(backend: GrammarBackend, tokenizer: Any) -> None:
     assert backend.compile(ordered).exact and not backend.compile(ordered).guard.active
 
 
+def test_one_of_is_noted_and_checked_where_each_value_closes(backend: GrammarBackend, tokenizer: Any) -> None:
+    """llguidance takes oneOf as anyOf; the lowering notes it, so the guard refuses the token that closes an array
+    element matching both branches (no dead end: without the note, only the end of the document was checked)."""
+    spec = _schema_spec({"type": "array", "items": {"oneOf": [{"type": "integer", "minimum": 0},
+                                                              {"type": "integer", "maximum": 10}]}})
+    compiled = backend.compile(spec)
+    assert "oneOf (compiled as anyOf)" in compiled.dropped
+    row = allocate_token_bitmask(1, backend.vocab_size)
+    for prefix, closes in (("[5", False), ("[20", True), ("[-3", True)):
+        matcher = backend.matcher(compiled)
+        assert matcher.accept_tokens(_encode(tokenizer, prefix)) == len(_encode(tokenizer, prefix))
+        matcher.fill_bitmask(row, 0)
+        allowed = bitmask_to_bool(row[0], backend.vocab_size)
+        assert bool(allowed[_encode(tokenizer, "]")[0]]) == closes, prefix
+    assert _accepts(backend, tokenizer, spec, "[20,-3]") and not _accepts(backend, tokenizer, spec, "[20,5]")
+
+
 def test_regex_grammar_choice(backend: GrammarBackend, tokenizer: Any) -> None:
     regex = {"type": "regex", "regex": r"[0-9]{3}-[a-c]+"}
     assert _accepts(backend, tokenizer, regex, "123-abca")

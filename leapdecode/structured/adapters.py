@@ -16,7 +16,7 @@ from typing import Any, Protocol
 
 import torch
 
-from leapdecode.structured.lowering import all_keys, contains_key, drop_keyword, lower
+from leapdecode.structured.lowering import all_keys, drop_keyword, lower
 from leapdecode.structured.spec import StructuredSpec
 
 __all__ = ["LIBRARIES", "LibState", "Library", "make_library"]
@@ -160,8 +160,6 @@ class _LLGuidance:
             if schema is False:
                 raise ValueError("the schema is `false`: no instance is valid")
             schema = lower(schema, self._regex_ok, dropped, relax=relax, expand=expand, unions=unions)
-            if contains_key(schema, "oneOf"):
-                dropped.append("oneOf (compiled as anyOf)")
         options = {**_LLG_JSON_OPTIONS, "whitespace_flexible": spec.whitespace == "flexible"}
         if spec.whitespace == "flexible":
             options["whitespace_pattern"] = FLEXIBLE_WHITESPACE

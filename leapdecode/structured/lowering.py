@@ -14,7 +14,7 @@ from contextlib import contextmanager
 from typing import Any, Callable, Iterable, Iterator
 
 __all__ = [
-    "DATA_KEYWORDS", "CompileTimeout", "check_deadline", "deadline", "iter_subschemas", "all_keys", "contains_key",
+    "DATA_KEYWORDS", "CompileTimeout", "check_deadline", "deadline", "iter_subschemas", "all_keys",
     "drop_keyword", "lower",
 ]
 
@@ -101,10 +101,6 @@ def _copy(value: Any, copies: dict[int, Any]) -> Any:
 def all_keys(schema: Any) -> set[str]:
     """Every keyword used anywhere in a schema (property names included; only used for over-reporting)."""
     return {key for node in iter_subschemas(schema) for key in node}
-
-
-def contains_key(schema: Any, key: str) -> bool:
-    return any(key in node for node in iter_subschemas(schema))
 
 
 def drop_keyword(schema: Any, keyword: str) -> Any:
@@ -195,6 +191,8 @@ def _literal(text: str) -> str:
     return "".join("\\" + c if c in _REGEX_META else c for c in text)
 
 
+ONE_OF = "oneOf (compiled as anyOf)"
+"""The note `lower` leaves in `dropped` for a schema using oneOf: the library's lenient mode takes it as anyOf."""
 _SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas", "dependencies")
 """Keywords whose value maps names (or regexes) to subschemas."""
 ANNOTATIONS = frozenset({"title", "description", "default", "examples", "$comment", "deprecated", "readOnly",
@@ -211,6 +209,7 @@ def lower(schema: Any, regex_ok: Callable[[str], bool], dropped: list[str], rela
     """Rewrite `schema` into a form the library takes, without changing which instances are valid, except where
     noted in `dropped` (then the guard re-checks):
 
+    * `oneOf` is left for the library to take as `anyOf` (noted as `ONE_OF`);
     * the root schema `true` becomes `{}`; counts written as 2.0 become 2 (same meaning in JSON Schema);
     * `minProperties`/`maxProperties` beside optional `properties` are removed (llguidance would count only the
       additional properties);
@@ -287,6 +286,8 @@ def lower(schema: Any, regex_ok: Callable[[str], bool], dropped: list[str], rela
         for key in _SCHEMA_MAPS:
             if isinstance(node.get(key), dict):
                 names_to_schemas.add(id(node[key]))
+        if "oneOf" in node and ONE_OF not in dropped:
+            dropped.append(ONE_OF)
         for key in _INTEGER_KEYWORDS:
             value = node.get(key)
             if isinstance(value, float) and value.is_integer():
