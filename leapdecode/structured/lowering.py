@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import itertools
+import re
 import threading
 import time
 from contextlib import contextmanager
@@ -423,13 +424,23 @@ _ONLY_REFUSES = {
 """Keywords that constrain values of one type only (a value of another type passes them)."""
 
 
+def siblings_ignored_beside_ref(root: Any) -> bool:
+    """Does the schema's draft ignore every keyword beside a `$ref` (drafts 3 to 7, by its `$schema`)? From
+    2019-09 on they apply together with the reference, as llguidance always applies them."""
+    declared = root.get("$schema") if isinstance(root, dict) else None
+    return isinstance(declared, str) and re.search(r"json-schema\.org/draft-0[3-7]/schema", declared) is not None
+
+
 def redundant_beside_ref(node: dict[str, Any], root: Any) -> set[str]:
-    """The keywords beside a local $ref that change nothing: a `type` the target's already implies, and keywords
+    """The keywords beside a local $ref that change nothing: all of them in drafts 3 to 7
+    (`siblings_ignored_beside_ref`), else a `type` the target's already implies, and keywords
     for a type the target's `type` rules out (CloudFormation writes `{"$ref": "#/definitions/Tag", "maxItems":
     20}` as array items, `{"$ref": ..., "type": "object"}` everywhere). llguidance intersects a $ref with what is
     beside it, and the intersection of a closed object whose keys may come in any order with anything refused
     every key: dropped from the grammar, they leave the $ref alone (`lower`; `guard._joined` agrees)."""
     ref = node.get("$ref")
+    if isinstance(ref, str) and siblings_ignored_beside_ref(root):
+        return set(node) - {"$ref", "definitions", "$defs"}     # (the locations stay: pointers go through them)
     target = resolve_local_ref(root, ref) if isinstance(ref, str) else None
     kinds = target.get("type") if isinstance(target, dict) else None
     if isinstance(kinds, str):
