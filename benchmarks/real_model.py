@@ -17,7 +17,8 @@ batch 32      32 chat-templated GSM8K questions submitted together, --batch-toke
               generated tokens / wall time; transformers: one left-padded ``generate`` call over the 32.
 speculation   per task type (MT-Bench turn 2 after the model's own turn-1 answer, GSM8K, HumanEval as "complete this
               function", code edits: record_outputs.py's EDIT_TASKS, rewrites that copy most of their input;
-              summarization and document QA over sections of the Python language reference, ``doc_tasks``),
+              summarization, document QA and translation into French over sections of the Python language
+              reference, ``doc_tasks``),
               --prompts-per-task prompts at batch 1, up to --spec-tokens tokens (stopping at EOS), for plain
               decoding and each drafter (ngram, suffix, recycling, auto), all five LLMs alive and run back to back
               per prompt in a rotating order: tok/s (generated tokens / wall time), tokens per step
@@ -46,7 +47,7 @@ for _path in (REPO, HERE):                         # the package, and record_out
         sys.path.insert(0, _path)
 
 import torch  # noqa: E402
-from record_outputs import EDIT_TASKS, doc_prompts  # noqa: E402
+from record_outputs import EDIT_TASKS, doc_prompts, translation_prompts  # noqa: E402
 
 BENCH = os.environ.get("LEAPDECODE_BENCH_DATA", os.path.join(os.path.dirname(REPO), "shared", "bench"))
 METHODS = ("ngram", "suffix", "recycling", "auto")
@@ -224,11 +225,13 @@ def spec_tasks(llm, tok, k: int, n: int) -> dict[str, list[list[int]]]:
 
 
 def doc_tasks(tok, k: int) -> dict[str, list[list[int]]]:
-    """Summarization and retrieval-augmented question answering over sections of the Python language reference
-    (record_outputs.py's ``doc_prompts``: the same prompts as its ``summarize`` and ``docqa`` records)."""
+    """Summarization, retrieval-augmented question answering and translation over sections of the Python language
+    reference (record_outputs.py's ``doc_prompts`` and ``translation_prompts``: the same prompts as its
+    ``summarize``, ``docqa`` and ``translate`` records)."""
     summaries, questions = doc_prompts(k)
     return {"Summarization": [chat_ids(tok, user(t)) for t in summaries],
-            "Document QA": [chat_ids(tok, user(t)) for t in questions]}
+            "Document QA": [chat_ids(tok, user(t)) for t in questions],
+            "Translation": [chat_ids(tok, user(t)) for t in translation_prompts(k)]}
 
 
 def speculation(path: str, tok, tasks: dict[str, list[list[int]]], n: int, kv: str, k_spec: int) -> list[dict]:

