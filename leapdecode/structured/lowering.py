@@ -16,7 +16,7 @@ from typing import Any, Callable, Iterable, Iterator
 
 __all__ = [
     "DATA_KEYWORDS", "CompileTimeout", "check_deadline", "deadline", "iter_subschemas", "all_keys",
-    "drop_keyword", "lower",
+    "drop_keyword", "lower", "objects_spelled_out",
 ]
 
 DATA_KEYWORDS = ("enum", "const", "default", "examples")  # values, not subschemas
@@ -102,6 +102,48 @@ def _copy(value: Any, copies: dict[int, Any]) -> Any:
 def all_keys(schema: Any) -> set[str]:
     """Every keyword used anywhere in a schema (property names included; only used for over-reporting)."""
     return {key for node in iter_subschemas(schema) for key in node}
+
+
+def objects_spelled_out(schema: Any) -> Any:
+    """`schema` with each object value of a `const` or `enum` written as the object schema it stands for (every key
+    required with its value, no other key; nested objects likewise), edited in place and returned. A grammar
+    writes a constant as its text, keys in the schema's order; spelled out, the object's keys take any order like
+    every other object's (`guard.free_order_sites`). Left as they are: constants beside other constraining
+    keywords, and every constant of a schema that uses unevaluatedProperties/Items (the spelled-out keys would
+    count as evaluated there)."""
+    if not isinstance(schema, dict) or any(k in node for node in iter_subschemas(schema) for k in _UNEVALUATED):
+        return schema
+    maps: set[int] = set()   # ids of the maps from names to subschemas (their keys are not keywords)
+    for node in iter_subschemas(schema):
+        if id(node) in maps:
+            continue
+        maps.update(id(node[key]) for key in _SCHEMA_MAPS if isinstance(node.get(key), dict))
+        others = node.keys() - {"const", "enum", "type"} - ANNOTATIONS - _NOT_CONSTRAINING
+        kind = node.get("type", "object")
+        if others or not (kind == "object" or isinstance(kind, list) and "object" in kind):
+            continue
+        if isinstance(node.get("const"), dict) and "enum" not in node:
+            spelled = _object_schema(node.pop("const"))
+        elif isinstance(node.get("enum"), list) and "const" not in node and any(isinstance(v, dict) for v in node["enum"]):
+            values = node.pop("enum")
+            rest = [v for v in values if not isinstance(v, dict)]
+            spelled = {"anyOf": [_object_schema(v) for v in values if isinstance(v, dict)] + ([{"enum": rest}] if rest else [])}
+        else:
+            continue
+        node.pop("type", None)
+        node.update(spelled)
+    return schema
+
+
+def _object_schema(value: dict[str, Any]) -> dict[str, Any]:
+    """The schema whose only instance is the JSON object `value` (up to key order; `objects_spelled_out`'s walk
+    then spells out the objects among its values)."""
+    return {"type": "object", "additionalProperties": False, "required": list(value),
+            "properties": {k: {"const": v} for k, v in value.items()}}
+
+
+_UNEVALUATED = ("unevaluatedProperties", "unevaluatedItems")
+_NOT_CONSTRAINING = frozenset({"$schema", "$id", "id", "$anchor", "$defs", "definitions"})
 
 
 def drop_keyword(schema: Any, keyword: str) -> Any:
