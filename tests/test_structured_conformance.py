@@ -1371,11 +1371,25 @@ def test_expanded_objects_reference_their_property_subschemas_once(backend: Gram
     assert list(moved) == ["point"]
 
 
+def test_draft7_keywords_beside_a_ref_are_ignored(backend: GrammarBackend, tokenizer: Any) -> None:
+    """Drafts 3 to 7 ignore every keyword beside a `$ref` (2019-09 on applies them): neither the grammar nor the
+    guard's analysis may read them there, while in 2020-12 they hold."""
+    inner = {"type": "object", "properties": {"q": {"type": "integer"}, "r": {"type": "string"}}, "required": ["q"]}
+    for draft, applies in (("http://json-schema.org/draft-07/schema#", False),
+                           ("https://json-schema.org/draft/2020-12/schema", True)):
+        schema = {"$schema": draft, "definitions": {"a": {"type": "object"}}, "$ref": "#/definitions/a",
+                  "properties": {"x": inner}, "maxProperties": 1}
+        compiled = backend.compile(_schema_spec(schema))
+        assert _produce(backend, compiled, tokenizer, '{"x":{"q":1}}')
+        for text in ('{"x":{"r":"s"}}', '{"x":5}', '{"x":{"q":1},"y":2}'):
+            assert _produce(backend, compiled, tokenizer, text) == (not applies), (draft, text)
+
+
 def test_constant_objects_take_any_key_order(backend: GrammarBackend, tokenizer: Any) -> None:
     """Object values of const and enum are spelled out as object schemas (each key required with its value, no
     other key), so their keys come in any order like any object's; everything else about them stays exact. Not
     where the schema uses unevaluatedProperties (the spelled-out keys would count as evaluated there)."""
-    from leapdecode.structured.lowering import objects_spelled_out
+    from leapdecode.structured.lowering import prepared
 
     schema = {"type": "object", "properties": {
         "mode": {"enum": [{"kind": "fast", "level": 1}, {"kind": "slow", "opts": {"a": True, "b": None}}, "off"]},
@@ -1393,9 +1407,9 @@ def test_constant_objects_take_any_key_order(backend: GrammarBackend, tokenizer:
     assert not _produce(backend, ordered, tokenizer, '{"mode":{"level":1,"kind":"fast"}}')
     assert _produce(backend, ordered, tokenizer, '{"mode":{"kind":"fast","level":1}}')
     kept = {"properties": {"c": {"const": {"a": 1, "b": 2}}}, "unevaluatedProperties": False}
-    assert objects_spelled_out(copy.deepcopy(kept)) == kept
+    assert prepared(copy.deepcopy(kept)) == kept
     named = {"properties": {"const": {"type": "object"}}}     # a property named "const", not the keyword
-    assert objects_spelled_out(copy.deepcopy(named)) == named
+    assert prepared(copy.deepcopy(named)) == named
 
 
 def test_universal_types_are_sound_and_found() -> None:

@@ -29,7 +29,7 @@ import torch
 
 from leapdecode.structured.adapters import LIBRARIES, Library, make_library
 from leapdecode.structured.guard import FreeOrder, SchemaGuard, TokenMarks, free_order_sites
-from leapdecode.structured.lowering import CompileTimeout, deadline, objects_spelled_out
+from leapdecode.structured.lowering import CompileTimeout, deadline, prepared
 from leapdecode.structured.matcher import Matcher
 from leapdecode.structured.spec import StructuredSpec, check_spec, parse_structured
 
@@ -212,8 +212,8 @@ class GrammarBackend:
         start = time.perf_counter()
         self._check(spec)
         schema = spec.schema if spec.kind in ("json_object", "json_schema") else None
-        if spec.kind == "json_schema" and spec.key_order == "any":
-            schema = objects_spelled_out(schema)    # constant objects' keys in any order too (a fresh parse: edited)
+        if spec.kind == "json_schema":       # (a fresh parse: edited in place)
+            schema = prepared(schema, spell_out_constants=spec.key_order == "any")
         free_order = FreeOrder({}, [])
         if self.guard and spec.kind == "json_schema" and spec.key_order == "any":
             free_order = free_order_sites(schema)  # the guard checks what the relaxed grammar lets through

@@ -16,7 +16,7 @@ from typing import Any, Callable, Iterable, Iterator
 
 __all__ = [
     "DATA_KEYWORDS", "CompileTimeout", "check_deadline", "deadline", "iter_subschemas", "all_keys",
-    "drop_keyword", "lower", "objects_spelled_out",
+    "drop_keyword", "lower", "prepared",
 ]
 
 DATA_KEYWORDS = ("enum", "const", "default", "examples")  # values, not subschemas
@@ -104,46 +104,66 @@ def all_keys(schema: Any) -> set[str]:
     return {key for node in iter_subschemas(schema) for key in node}
 
 
-def objects_spelled_out(schema: Any) -> Any:
-    """`schema` with each object value of a `const` or `enum` written as the object schema it stands for (every key
-    required with its value, no other key; nested objects likewise), edited in place and returned. A grammar
-    writes a constant as its text, keys in the schema's order; spelled out, the object's keys take any order like
-    every other object's (`guard.free_order_sites`). Left as they are: constants beside other constraining
-    keywords, and every constant of a schema that uses unevaluatedProperties/Items (the spelled-out keys would
-    count as evaluated there)."""
-    if not isinstance(schema, dict) or any(k in node for node in iter_subschemas(schema) for k in _UNEVALUATED):
+def prepared(schema: Any, spell_out_constants: bool = True) -> Any:
+    """`schema` as every later pass reads it (the free-order analysis, the lowering, the guard), edited in place
+    and returned, in one walk:
+
+    * in drafts 3 to 7 (`siblings_ignored_beside_ref`) the keywords beside a `$ref`, which those drafts ignore,
+      are removed (llguidance would apply them; the guard's analysis would read them);
+    * with `spell_out_constants`, each object value of a `const` or `enum` becomes the object schema it stands
+      for (every key required with its value, no other key; nested objects likewise): a grammar writes a
+      constant as its text, keys in the schema's order, while spelled out its keys take any order like every
+      other object's (`guard.free_order_sites`). Left as they are: constants beside other constraining keywords,
+      and every constant of a schema that uses unevaluatedProperties/Items (the spelled-out keys would count as
+      evaluated there)."""
+    if not isinstance(schema, dict):
+        return schema
+    ref_alone = siblings_ignored_beside_ref(schema)
+    spell = spell_out_constants and not any(k in node for node in iter_subschemas(schema) for k in _UNEVALUATED)
+    if not ref_alone and not spell:
         return schema
     maps: set[int] = set()   # ids of the maps from names to subschemas (their keys are not keywords)
     for node in iter_subschemas(schema):
         if id(node) in maps:
             continue
         maps.update(id(node[key]) for key in _SCHEMA_MAPS if isinstance(node.get(key), dict))
-        others = node.keys() - {"const", "enum", "type"} - ANNOTATIONS - _NOT_CONSTRAINING
-        kind = node.get("type", "object")
-        if others or not (kind == "object" or isinstance(kind, list) and "object" in kind):
-            continue
-        if isinstance(node.get("const"), dict) and "enum" not in node:
-            spelled = _object_schema(node.pop("const"))
-        elif isinstance(node.get("enum"), list) and "const" not in node and any(isinstance(v, dict) for v in node["enum"]):
-            values = node.pop("enum")
-            rest = [v for v in values if not isinstance(v, dict)]
-            spelled = {"anyOf": [_object_schema(v) for v in values if isinstance(v, dict)] + ([{"enum": rest}] if rest else [])}
-        else:
-            continue
-        node.pop("type", None)
-        node.update(spelled)
+        if ref_alone and isinstance(node.get("$ref"), str):
+            for key in node.keys() - _BESIDE_REF:
+                del node[key]
+        elif spell:
+            _spell_out(node)
     return schema
 
 
+def _spell_out(node: dict[str, Any]) -> None:
+    """`prepared`'s rewrite of a constant object (see there), in place."""
+    others = node.keys() - {"const", "enum", "type"} - ANNOTATIONS - _NOT_CONSTRAINING
+    kind = node.get("type", "object")
+    if others or not (kind == "object" or isinstance(kind, list) and "object" in kind):
+        return
+    if isinstance(node.get("const"), dict) and "enum" not in node:
+        spelled = _object_schema(node.pop("const"))
+    elif isinstance(node.get("enum"), list) and "const" not in node and any(isinstance(v, dict) for v in node["enum"]):
+        values = node.pop("enum")
+        rest = [v for v in values if not isinstance(v, dict)]
+        spelled = {"anyOf": [_object_schema(v) for v in values if isinstance(v, dict)] + ([{"enum": rest}] if rest else [])}
+    else:
+        return
+    node.pop("type", None)
+    node.update(spelled)
+
+
 def _object_schema(value: dict[str, Any]) -> dict[str, Any]:
-    """The schema whose only instance is the JSON object `value` (up to key order; `objects_spelled_out`'s walk
-    then spells out the objects among its values)."""
+    """The schema whose only instance is the JSON object `value` (up to key order; `prepared`'s walk then spells
+    out the objects among its values)."""
     return {"type": "object", "additionalProperties": False, "required": list(value),
             "properties": {k: {"const": v} for k, v in value.items()}}
 
 
 _UNEVALUATED = ("unevaluatedProperties", "unevaluatedItems")
 _NOT_CONSTRAINING = frozenset({"$schema", "$id", "id", "$anchor", "$defs", "definitions"})
+_BESIDE_REF = frozenset({"$ref", "$schema", "$defs", "definitions"})
+"""What stays beside a `$ref` in drafts 3 to 7: the locations pointers go through, and the draft's name."""
 
 
 def drop_keyword(schema: Any, keyword: str) -> Any:
@@ -474,15 +494,12 @@ def siblings_ignored_beside_ref(root: Any) -> bool:
 
 
 def redundant_beside_ref(node: dict[str, Any], root: Any) -> set[str]:
-    """The keywords beside a local $ref that change nothing: all of them in drafts 3 to 7
-    (`siblings_ignored_beside_ref`), else a `type` the target's already implies, and keywords
+    """The keywords beside a local $ref that change nothing: a `type` the target's already implies, and keywords
     for a type the target's `type` rules out (CloudFormation writes `{"$ref": "#/definitions/Tag", "maxItems":
     20}` as array items, `{"$ref": ..., "type": "object"}` everywhere). llguidance intersects a $ref with what is
     beside it, and the intersection of a closed object whose keys may come in any order with anything refused
     every key: dropped from the grammar, they leave the $ref alone (`lower`; `guard._joined` agrees)."""
     ref = node.get("$ref")
-    if isinstance(ref, str) and siblings_ignored_beside_ref(root):
-        return set(node) - {"$ref", "definitions", "$defs"}     # (the locations stay: pointers go through them)
     target = resolve_local_ref(root, ref) if isinstance(ref, str) else None
     kinds = target.get("type") if isinstance(target, dict) else None
     if isinstance(kinds, str):
