@@ -1331,6 +1331,22 @@ def test_relaxed_names_sharing_a_subschema_share_one_pattern(backend: GrammarBac
         assert not _produce(backend, compiled, tokenizer, text), text
 
 
+def test_grouped_names_of_intersected_objects_fall_back_to_one_name_a_pattern(backend: GrammarBackend,
+                                                                            tokenizer: Any) -> None:
+    """Two relaxed objects joined by allOf group their names differently ((a|b), c against a, (c|d)), and llguidance
+    refuses the overlap of their intersection: the schema is lowered again with one name a pattern, and nothing is
+    dropped from the grammar (before the fallback, patternProperties went, and CMake's presets schema refused every
+    document)."""
+    first = {"type": "object", "properties": {"a": {"type": "string"}, "b": {"type": "string"}, "c": {"type": "integer"}}}
+    second = {"type": "object", "properties": {"a": {"type": "string"}, "c": {"type": "integer"}, "d": {"type": "integer"}}}
+    compiled = backend.compile(_schema_spec({"type": "array", "items": {"allOf": [first, second]}}))
+    assert compiled.dropped == () and compiled.guard.objects
+    for text in ('[{"d":1,"a":"x","c":2}]', '[{"b":"y","a":"x"}]', '[{}]'):
+        assert _produce(backend, compiled, tokenizer, text), text
+    for text in ('[{"a":1}]', '[{"d":"x"}]', '[{"a":"x","a":"y"}]'):
+        assert not _produce(backend, compiled, tokenizer, text), text
+
+
 def test_expanded_objects_reference_their_property_subschemas_once(backend: GrammarBackend, tokenizer: Any) -> None:
     """The anyOf of a small closed object's property orders refers to each property's subschema through the
     root's `$defs` (llguidance compiles a `$ref` target once, a subschema as often as it is written: six times
@@ -1364,6 +1380,12 @@ def test_expanded_objects_reference_their_property_subschemas_once(backend: Gram
     for text in ('[{"tag":"w","p":{"x":1,"y":1}}]', '[{"n":0,"p":{"x":1,"y":1}}]', '[{"p":{"x":-1,"y":1}}]',
                  '[{"tag":"u"}]'):
         assert not _produce(backend, compiled, tokenizer, text), text
+    # a property no value satisfies (a string $ref beside "type": "object", as CloudFormation writes one): as a $defs
+    # entry llguidance refuses the schema, written in place it rules the property out; the lowering falls back
+    never = {"$defs": {"arn": {"type": "string"}}, "type": "object", "additionalProperties": False,
+             "properties": {"on": {"type": "boolean"}, "arn": {"$ref": "#/$defs/arn", "type": "object"}}}
+    compiled = backend.compile(_schema_spec(never))
+    assert _produce(backend, compiled, tokenizer, '{"on":true}') and not _produce(backend, compiled, tokenizer, '{"arn":"x"}')
     nested = {"type": "array", "items": {"$id": "http://example.com/item", **item}, "$defs": {"point": point}}
     nested_sites = free_order_sites(nested)
     assert nested_sites.expanded

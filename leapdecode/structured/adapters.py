@@ -16,7 +16,7 @@ from typing import Any, Protocol
 
 import torch
 
-from leapdecode.structured.lowering import all_keys, drop_keyword, lower
+from leapdecode.structured.lowering import SHARED_PREFIX, all_keys, drop_keyword, lower
 from leapdecode.structured.spec import StructuredSpec
 
 __all__ = ["LIBRARIES", "LibState", "Library", "make_library"]
@@ -71,7 +71,8 @@ _LLG_JSON_OPTIONS = {
 FLEXIBLE_WHITESPACE = r"[\x20\x09]{0,16}(?:\x0D?\x0A[\x20\x09]{0,48}){0,2}"
 # (keyword, part of llguidance's error): refusals we lower by dropping the keyword from the grammar. A dropped
 # patternProperties makes its keys fall to additionalProperties: over- or under-approximate, never unchecked.
-_DROPPABLE_ON_ERROR = (("multipleOf", "multipleOf"), ("patternProperties", "are not disjoint"),
+_OVERLAP = "are not disjoint"   # llguidance's refusal of overlapping pattern properties
+_DROPPABLE_ON_ERROR = (("multipleOf", "multipleOf"), ("patternProperties", _OVERLAP),
                        ("pattern", "Unable to determine if regex is empty"))
 _UNIMPLEMENTED_RE = re.compile(r"Unimplemented keys: \[(.*?)\]")
 _MIN_MAX_PROPERTIES = "min/maxProperties only supported"
@@ -155,11 +156,13 @@ class _LLGuidance:
         properties may come in any order (`lowering.lower`; the guard checks required and duplicate keys); unions:
         ids of the unions of such objects, whose own `required` the guard checks (`lowering.lower`)."""
         dropped: list[str] = []
+        original, compact = None, False     # (compact: lowered with `lowering.lower`'s compact pieces)
         if spec.kind in ("json_object", "json_schema"):
             schema = spec.schema if schema is None else schema
             if schema is False:
                 raise ValueError("the schema is `false`: no instance is valid")
-            schema = lower(schema, self._regex_ok, dropped, relax=relax, expand=expand, unions=unions)
+            original, compact = schema, True
+            schema = lower(original, self._regex_ok, dropped, relax=relax, expand=expand, unions=unions)
         options = {**_LLG_JSON_OPTIONS, "whitespace_flexible": spec.whitespace == "flexible"}
         if spec.whitespace == "flexible":
             options["whitespace_pattern"] = FLEXIBLE_WHITESPACE
@@ -168,6 +171,16 @@ class _LLGuidance:
             matcher = self._llg.LLMatcher(self.tokenizer, grammar, log_level=0, limits=self.limits)
             if matcher.is_error():
                 error = matcher.get_error()
+                if compact and (SHARED_PREFIX in error or _OVERLAP in error):
+                    # the compact lowering's two failures (`lowering.lower`): grouped names of two intersected
+                    # objects overlap; a `$defs` entry no value satisfies (`{"$ref": <a string>, "type": "object"}`),
+                    # which in place only rules its optional property out. Lowered again, one name a pattern, each
+                    # subschema in place.
+                    dropped.clear()
+                    compact = False
+                    schema = lower(original, self._regex_ok, dropped, relax=relax, expand=expand, unions=unions,
+                                   compact=False)
+                    continue
                 # A few refusals have a safe fallback: drop the keyword from the grammar, the guard checks it.
                 keyword = next((k for k, why in _DROPPABLE_ON_ERROR if why in error), None)
                 if schema is None or keyword is None or keyword in dropped:

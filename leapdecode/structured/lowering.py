@@ -16,7 +16,7 @@ from typing import Any, Callable, Iterable, Iterator
 
 __all__ = [
     "DATA_KEYWORDS", "CompileTimeout", "check_deadline", "deadline", "iter_subschemas", "all_keys",
-    "drop_keyword", "lower", "prepared",
+    "drop_keyword", "lower", "prepared", "SHARED_PREFIX",
 ]
 
 DATA_KEYWORDS = ("enum", "const", "default", "examples")  # values, not subschemas
@@ -268,7 +268,7 @@ _STAY_OUTSIDE = frozenset({"$defs", "definitions", "$schema", "$id", "id", "$anc
 
 
 def lower(schema: Any, regex_ok: Callable[[str], bool], dropped: list[str], relax: Iterable[int] = (),
-          expand: Iterable[int] = (), unions: Iterable[int] = ()) -> Any:
+          expand: Iterable[int] = (), unions: Iterable[int] = (), compact: bool = True) -> Any:
     """Rewrite `schema` into a form the library takes, without changing which instances are valid, except where
     noted in `dropped` (then the guard re-checks):
 
@@ -286,6 +286,11 @@ def lower(schema: Any, regex_ok: Callable[[str], bool], dropped: list[str], rela
       repeated key and closes the object only with every required key (over-approximation, checked);
     * the (small, closed) object subschemas whose ids are in `expand` become the anyOf of their properties in
       every order (llguidance keeps each branch's order): any order, exactly, with no guard;
+    * with `compact`, fewer and smaller pieces for the library to compile: a relaxed object's names that share a
+      subschema share one pattern property (`_by_subschema`), and an expanded object's property subschemas are
+      written once, under the root's `$defs` (`_Definitions`). Where llguidance intersects two relaxed objects
+      (allOf, a `$ref` beside keywords) their groups differ and overlap, which it refuses, and it refuses a `$defs`
+      entry no value satisfies that it takes in place: the adapter then lowers again without `compact`;
     * the unions of objects whose ids are in `unions` (anyOf/oneOf with relaxed branches) lose their own
       `required`: llguidance writes such keys first, before the branch's; the guard validates the whole union
       when its value closes (over-approximation, checked).
@@ -311,7 +316,8 @@ def lower(schema: Any, regex_ok: Callable[[str], bool], dropped: list[str], rela
                 extra = patterns[regex]
                 props = {name: sub if extra in ({}, True) else {"allOf": [sub, extra]} for name, sub in props.items()}
                 patterns = {other_names_regex(list(props), every): extra}
-            names = {names_regex(group): sub for group, sub in _by_subschema(props)}
+            groups = _by_subschema(props) if compact else [([name], sub) for name, sub in props.items()]
+            names = {names_regex(group): sub for group, sub in groups}
             exact.update(names)
             node["patternProperties"] = {**names, **patterns}
             # conditionals beside (or in an allOf member of) such an object: llguidance does not implement them
@@ -332,7 +338,7 @@ def lower(schema: Any, regex_ok: Callable[[str], bool], dropped: list[str], rela
         node = memo.get(key)
         if isinstance(node, dict):
             node.pop("required", None)
-    shared = _Definitions(schema) if expand else None
+    shared = _Definitions(schema if compact else None) if expand else None
     for key in expand:
         node = memo.get(key)
         if isinstance(node, dict) and len(node.get("properties", ())) > 1:
@@ -382,12 +388,14 @@ def lower(schema: Any, regex_ok: Callable[[str], bool], dropped: list[str], rela
     return schema
 
 
+SHARED_PREFIX = "leapdecode-shared-"
+"""The names `_Definitions` gives the subschemas it moves under the root's `$defs`."""
+
+
 class _Definitions:
     """Subschemas moved to the root's `$defs` and referenced, so that a subschema written in several places (the
     branches of an expanded object) reaches the library once: llguidance compiles a `$ref` target once, a
     subschema each time it is written (the six orders of three properties compiled each property six times)."""
-
-    PREFIX = "leapdecode-shared-"
 
     def __init__(self, root: Any) -> None:
         # a nested $id changes what "#/..." means below it: then nothing is moved
@@ -402,10 +410,10 @@ class _Definitions:
         known = self.refs.get(id(sub))
         if known is None:
             defs = self.root.setdefault("$defs", {})
-            name, n = f"{self.PREFIX}{len(self.refs)}", len(self.refs)
+            name, n = f"{SHARED_PREFIX}{len(self.refs)}", len(self.refs)
             while name in defs:
                 n += 1
-                name = f"{self.PREFIX}{n}"
+                name = f"{SHARED_PREFIX}{n}"
             defs[name] = sub
             known = self.refs[id(sub)] = {"$ref": f"#/$defs/{name}"}
         return dict(known)
