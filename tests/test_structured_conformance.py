@@ -1318,13 +1318,13 @@ def test_relaxed_names_sharing_a_subschema_share_one_pattern(backend: GrammarBac
 
     props = {"a": {"type": "string", "description": "first"}, "b": {"type": "integer"},
              "c": {"type": "string", "description": "third"}, "d": {"type": "integer", "title": "D"},
-             "e.f": {"type": "boolean"}}
+             "e.f": {"type": "boolean"}, "g": {"type": "null"}}
     schema = {"type": "object", "properties": props, "required": ["a", "d"], "additionalProperties": False}
     sites = free_order_sites(schema)
     lowered = lower(schema, lambda regex: True, [], relax=sites.keys())
-    assert list(lowered["patternProperties"]) == ["^(?:a|c)$", "^(?:b|d)$", "^e\\.f$"]
+    assert list(lowered["patternProperties"]) == ["^(?:a|c)$", "^(?:b|d)$", "^e\\.f$", "^g$"]
     compiled = backend.compile(_schema_spec(schema))
-    for text in ('{"d":1,"a":"x"}', '{"c":"y","e.f":true,"d":2,"a":"x","b":3}', '{"a":"x","d":1,"c":"z"}'):
+    for text in ('{"d":1,"a":"x"}', '{"c":"y","e.f":true,"d":2,"g":null,"a":"x","b":3}', '{"a":"x","d":1,"c":"z"}'):
         assert _produce(backend, compiled, tokenizer, text), text
     for text in ('{"a":1,"d":1}', '{"a":"x","d":"1"}', '{"a":"x","d":1,"c":2}', '{"a":"x","d":1,"b":"2"}',
                  '{"a":"x","d":1,"ef":true}', '{"a":"x","d":1,"a":"y"}', '{"a":"x"}'):
@@ -1333,17 +1333,17 @@ def test_relaxed_names_sharing_a_subschema_share_one_pattern(backend: GrammarBac
 
 def test_grouped_names_of_intersected_objects_fall_back_to_one_name_a_pattern(backend: GrammarBackend,
                                                                             tokenizer: Any) -> None:
-    """Two relaxed objects joined by allOf group their names differently ((a|b), c against a, (c|d)), and llguidance
-    refuses the overlap of their intersection: the schema is lowered again with one name a pattern, and nothing is
-    dropped from the grammar (before the fallback, patternProperties went, and CMake's presets schema refused every
-    document)."""
-    first = {"type": "object", "properties": {"a": {"type": "string"}, "b": {"type": "string"}, "c": {"type": "integer"}}}
-    second = {"type": "object", "properties": {"a": {"type": "string"}, "c": {"type": "integer"}, "d": {"type": "integer"}}}
+    """Two relaxed objects joined by allOf group their names differently, and llguidance refuses the overlap of
+    their intersection: the schema is lowered again with one name a pattern, and nothing is dropped from the
+    grammar (before the fallback, patternProperties went, and CMake's presets schema refused every document)."""
+    s, i, b = {"type": "string"}, {"type": "integer"}, {"type": "boolean"}
+    first = {"type": "object", "properties": {"a": s, "b": s, "c": i, "d": i, "e": b, "f": b}}       # (a|b) (c|d) (e|f)
+    second = {"type": "object", "properties": {"a": s, "b": i, "c": i, "d": b, "e": b, "f": s}}      # (a|f) (b|c) (d|e)
     compiled = backend.compile(_schema_spec({"type": "array", "items": {"allOf": [first, second]}}))
     assert compiled.dropped == () and compiled.guard.objects
-    for text in ('[{"d":1,"a":"x","c":2}]', '[{"b":"y","a":"x"}]', '[{}]'):
+    for text in ('[{"e":true,"a":"x","c":2}]', '[{"c":1,"a":"x"}]', '[{}]'):
         assert _produce(backend, compiled, tokenizer, text), text
-    for text in ('[{"a":1}]', '[{"d":"x"}]', '[{"a":"x","a":"y"}]'):
+    for text in ('[{"a":1}]', '[{"b":"y"}]', '[{"b":1}]', '[{"a":"x","a":"y"}]'):
         assert not _produce(backend, compiled, tokenizer, text), text
 
 

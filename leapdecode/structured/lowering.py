@@ -298,11 +298,14 @@ def lower(schema: Any, regex_ok: Callable[[str], bool], dropped: list[str], rela
     memo: dict[int, Any] = {}
     original = schema
     schema = {} if schema is True else _copy(schema, memo)
+    nested_id = False    # an `$id` below the root changes what "#/..." means there (`_Definitions`)
     for node in iter_subschemas(original):         # keywords beside a $ref that change nothing (before a target
         for key in redundant_beside_ref(node, original):   # is rewritten below)
             copied = memo.get(id(node))
             if isinstance(copied, dict):
                 copied.pop(key, None)
+        nested_id = nested_id or node is not original and (isinstance(node.get("$id"), str)
+                                                             or isinstance(node.get("id"), str))
     exact: set[str] = set()  # the exact-name regexes written here: every library takes them, no check needed
     for key in relax:
         node = memo.get(key)
@@ -338,7 +341,7 @@ def lower(schema: Any, regex_ok: Callable[[str], bool], dropped: list[str], rela
         node = memo.get(key)
         if isinstance(node, dict):
             node.pop("required", None)
-    shared = _Definitions(schema if compact else None) if expand else None
+    shared = _Definitions(schema if compact and not nested_id else None) if expand else None
     for key in expand:
         node = memo.get(key)
         if isinstance(node, dict) and len(node.get("properties", ())) > 1:
@@ -398,9 +401,9 @@ class _Definitions:
     subschema each time it is written (the six orders of three properties compiled each property six times)."""
 
     def __init__(self, root: Any) -> None:
-        # a nested $id changes what "#/..." means below it: then nothing is moved
-        self.enabled = isinstance(root, dict) and not any(
-            isinstance(node.get(key), str) for node in iter_subschemas(root) if node is not root for key in ("$id", "id"))
+        """``root``: the lowered schema, or None to move nothing (`lower` passes None where an `$id` below the
+        root changes what "#/..." means there)."""
+        self.enabled = isinstance(root, dict)
         self.root = root
         self.refs: dict[int, dict[str, str]] = {}
 
