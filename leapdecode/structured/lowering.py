@@ -119,18 +119,22 @@ def prepared(schema: Any, spell_out_constants: bool = True) -> Any:
     if not isinstance(schema, dict):
         return schema
     ref_alone = siblings_ignored_beside_ref(schema)
-    spell = spell_out_constants and not any(k in node for node in iter_subschemas(schema) for k in _UNEVALUATED)
-    if not ref_alone and not spell:
-        return schema
     maps: set[int] = set()   # ids of the maps from names to subschemas (their keys are not keywords)
+    constants: list[dict[str, Any]] = []
+    unevaluated = False
     for node in iter_subschemas(schema):
         if id(node) in maps:
             continue
         maps.update(id(node[key]) for key in _SCHEMA_MAPS if isinstance(node.get(key), dict))
         if ref_alone and isinstance(node.get("$ref"), str):
-            for key in node.keys() - _BESIDE_REF:
+            for key in node.keys() - _BESIDE_REF:      # (removed before the walk reads the node's children)
                 del node[key]
-        elif spell:
+            continue
+        unevaluated = unevaluated or any(key in node for key in _UNEVALUATED)
+        if spell_out_constants and (isinstance(node.get("const"), dict) or isinstance(node.get("enum"), list)):
+            constants.append(node)
+    if not unevaluated:
+        for node in constants:
             _spell_out(node)
     return schema
 
@@ -154,10 +158,10 @@ def _spell_out(node: dict[str, Any]) -> None:
 
 
 def _object_schema(value: dict[str, Any]) -> dict[str, Any]:
-    """The schema whose only instance is the JSON object `value` (up to key order; `prepared`'s walk then spells
-    out the objects among its values)."""
+    """The schema whose only instance is the JSON object `value` (up to key order, here and in the objects among
+    its values)."""
     return {"type": "object", "additionalProperties": False, "required": list(value),
-            "properties": {k: {"const": v} for k, v in value.items()}}
+            "properties": {k: _object_schema(v) if isinstance(v, dict) else {"const": v} for k, v in value.items()}}
 
 
 _UNEVALUATED = ("unevaluatedProperties", "unevaluatedItems")
@@ -413,10 +417,10 @@ class _Definitions:
         known = self.refs.get(id(sub))
         if known is None:
             defs = self.root.setdefault("$defs", {})
-            name, n = f"{SHARED_PREFIX}{len(self.refs)}", len(self.refs)
-            while name in defs:
+            n = len(self.refs)
+            while f"{SHARED_PREFIX}{n}" in defs:     # (a name of the user's own)
                 n += 1
-                name = f"{SHARED_PREFIX}{n}"
+            name = f"{SHARED_PREFIX}{n}"
             defs[name] = sub
             known = self.refs[id(sub)] = {"$ref": f"#/$defs/{name}"}
         return dict(known)
