@@ -729,10 +729,11 @@ def test_compile_workers_are_kept_then_leave_when_idle() -> None:
     for i in range(5):
         workers.submit(lambda i=i: (seen.append(threading.current_thread().name), i == 4 and done.set()))
     assert done.wait(5) and len(seen) == 5 and workers.threads <= 2
-    deadline = _time.monotonic() + 5
+
     def alive() -> bool:
         return any(t.name == "test-workers" for t in threading.enumerate())
 
+    deadline = _time.monotonic() + 5
     while (workers.threads or alive()) and _time.monotonic() < deadline:
         _time.sleep(0.05)
     assert workers.threads == 0 and not alive()
