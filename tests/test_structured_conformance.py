@@ -740,6 +740,25 @@ def test_compile_workers_are_kept_then_leave_when_idle() -> None:
     again = threading.Event()
     workers.submit(again.set)
     assert again.wait(5) and workers.threads == 1
+    # a forked child inherits the count but none of the threads: it starts its own
+    import multiprocessing
+
+    def child(out: Any) -> None:
+        ran = threading.Event()
+        workers.submit(ran.set)
+        out.put(ran.wait(5))
+
+    busy = threading.Event()
+    workers.submit(busy.wait, 10)       # the parent's thread is busy, its count at 1 of 2
+    workers.submit(busy.wait, 10)       # ... 2 of 2: a child that trusted the count would start none
+    out = multiprocessing.get_context("fork").Queue()
+    process = multiprocessing.get_context("fork").Process(target=child, args=(out,))
+    process.start()
+    try:
+        assert out.get(timeout=20) is True
+    finally:
+        busy.set()
+        process.join(10)
 
 
 def test_compile_deadline_is_cooperative_and_frees_the_worker(tokenizer: Any, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -16,6 +16,7 @@ the per-keyword list.
 
 from __future__ import annotations
 
+import os
 import queue
 import threading
 import time
@@ -281,17 +282,24 @@ class Workers:
     """Up to `size` daemon threads that run submitted calls, started on demand; each exits after `idle_s` without
     work. Threads are kept between compilations because a thread per compilation cost ~0.3 ms of CPU more
     (llguidance's thread-local state built and torn down each time, the teardown running on after the result was
-    out); they hold no reference to the backend while idle, so a dropped backend's threads go too."""
+    out); they hold no reference to the backend while idle, so a dropped backend's threads go too. A forked child
+    (which inherits the count but none of the threads) starts its own."""
 
     def __init__(self, size: int, *, name: str, idle_s: float = 60.0) -> None:
         self.size, self.name, self.idle_s = size, name, idle_s
+        self._start()
+
+    def _start(self) -> None:
         self._jobs: queue.SimpleQueue[tuple[Callable[..., None], tuple[Any, ...]]] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self.threads = 0
+        self._pid = os.getpid()
 
     def submit(self, fn: Callable[..., None], *args: Any) -> None:
         """Queue `fn(*args)`; a new thread starts while fewer than `size` run (the caller bounds the work in
         flight to `size`, so a queued call never waits behind a busy thread for long)."""
+        if os.getpid() != self._pid:    # a forked child has none of its parent's threads: start afresh
+            self._start()
         with self._lock:
             if self.threads < self.size:
                 threading.Thread(target=self._loop, name=self.name, daemon=True).start()
