@@ -1351,6 +1351,27 @@ def test_relaxed_names_sharing_a_subschema_share_one_pattern(backend: GrammarBac
         assert not _produce(backend, compiled, tokenizer, text), text
 
 
+def test_lowering_does_not_depend_on_the_order_of_its_id_sets() -> None:
+    """`relax` and `expand` are sets of ids, whose order changes from run to run: the lowered schema must not
+    (names were grouped by their subschemas before or after those were relaxed, depending on it, and the shared
+    definitions were numbered in it)."""
+    from leapdecode.structured.guard import free_order_sites
+    from leapdecode.structured.lowering import lower
+
+    inner = {"type": "object", "properties": {"p": {"type": "integer"}, "q": {"type": "string"},
+                                               "r": {"type": "boolean"}, "s": {"type": "null"}}}
+    small = {"type": "object", "additionalProperties": False,
+             "properties": {"u": {"type": "integer", "minimum": 1}, "v": {"enum": ["a", "b"]}}}
+    schema = {"type": "object", "properties": {"x": copy.deepcopy(inner), "y": copy.deepcopy(inner),
+                                               "m": copy.deepcopy(small), "n": copy.deepcopy(small)}}
+    sites = free_order_sites(schema)
+    relax, expand = list(sites.keys()), list(sites.expanded)
+    assert len(relax) == 3 and len(expand) == 2
+    outputs = {json.dumps(lower(schema, lambda regex: True, [], relax=r, expand=e, unions=sites.union_ids()))
+               for r in (relax, relax[::-1]) for e in (expand, expand[::-1])}
+    assert len(outputs) == 1
+
+
 def test_grouped_names_of_intersected_objects_fall_back_to_one_name_a_pattern(backend: GrammarBackend,
                                                                             tokenizer: Any) -> None:
     """Two relaxed objects joined by allOf group their names differently, and llguidance refuses the overlap of

@@ -23,7 +23,7 @@ import jsonschema
 import jsonschema.validators
 import numpy as np
 
-from leapdecode.structured.lowering import ANNOTATIONS, catch_all, check_deadline, iter_subschemas, \
+from leapdecode.structured.lowering import ANNOTATIONS, LOCATIONS, catch_all, check_deadline, iter_subschemas, \
     redundant_beside_ref, resolve_local_ref
 
 if TYPE_CHECKING:
@@ -1422,9 +1422,9 @@ def _joined(root: dict[str, Any], nodes: dict[int, Any], relaxed: bool = False) 
     """ids of the subschemas llguidance intersects with another one: allOf members and their holder, and the two
     ends of a $ref that has other keywords beside it (but those `redundant_beside_ref`). ``relaxed``: as the
     grammar is given for relaxed objects, where allOf members holding only conditionals are lowered away
-    (`_conditional_only`) and annotations and `_NOT_JOINING` keywords beside a $ref join nothing. (`nodes` holds
+    (`_conditional_only`) and annotations and `LOCATIONS` keywords beside a $ref join nothing. (`nodes` holds
     every subschema reached, $ref targets and allOf members included, so each allOf is seen at its holder.)"""
-    inert = ANNOTATIONS | _NOT_JOINING if relaxed else frozenset()
+    inert = ANNOTATIONS | LOCATIONS if relaxed else frozenset()
     out: set[int] = set()
     for i, node in nodes.items():
         all_of = node.get("allOf")
@@ -1484,10 +1484,6 @@ def _conditional_only(node: Any) -> bool:
     (`lowering.lower`), so it joins nothing."""
     return isinstance(node, dict) and bool(node.keys() & {"if", "then", "else"}) \
         and node.keys() <= {"if", "then", "else"} | ANNOTATIONS
-
-
-_NOT_JOINING = frozenset({"$defs", "definitions", "$schema", "$id", "id", "$anchor", "$dynamicAnchor"})
-"""Keywords beside a $ref that hold or name schemas without applying anything to the instance."""
 
 
 def _pointed_through_properties(root: dict[str, Any]) -> set[int]:

@@ -16,7 +16,7 @@ from typing import Any, Callable, Iterable, Iterator
 
 __all__ = [
     "DATA_KEYWORDS", "CompileTimeout", "check_deadline", "deadline", "iter_subschemas", "all_keys",
-    "drop_keyword", "lower", "prepared", "SHARED_PREFIX",
+    "drop_keyword", "lower", "prepared", "keyword_nodes", "LOCATIONS", "SHARED_PREFIX",
 ]
 
 DATA_KEYWORDS = ("enum", "const", "default", "examples")  # values, not subschemas
@@ -75,6 +75,18 @@ def iter_subschemas(schema: Any) -> Iterator[dict[str, Any]]:
         stack.extend(reversed(children))
 
 
+def keyword_nodes(schema: Any) -> Iterator[dict[str, Any]]:
+    """`iter_subschemas` without the maps from names to subschemas (`properties`, `$defs`, ...), whose keys are
+    names, not keywords (a property named "minProperties" in JSON Schema's own meta-schema). The caller may edit
+    the node it was just given, as with `iter_subschemas`."""
+    maps: set[int] = set()
+    for node in iter_subschemas(schema):
+        if id(node) in maps:
+            continue
+        maps.update(id(node[key]) for key in _SCHEMA_MAPS if isinstance(node.get(key), dict))
+        yield node
+
+
 def _collect(items: list[Any], out: list[Any]) -> None:
     """The objects in a (possibly nested) list, in order."""
     for item in items:
@@ -119,13 +131,11 @@ def prepared(schema: Any, spell_out_constants: bool = True) -> Any:
     if not isinstance(schema, dict):
         return schema
     ref_alone = siblings_ignored_beside_ref(schema)
-    maps: set[int] = set()   # ids of the maps from names to subschemas (their keys are not keywords)
+    if not ref_alone and not spell_out_constants:
+        return schema
     constants: list[dict[str, Any]] = []
     unevaluated = False
-    for node in iter_subschemas(schema):
-        if id(node) in maps:
-            continue
-        maps.update(id(node[key]) for key in _SCHEMA_MAPS if isinstance(node.get(key), dict))
+    for node in keyword_nodes(schema):
         if ref_alone and isinstance(node.get("$ref"), str):
             for key in node.keys() - _BESIDE_REF:      # (removed before the walk reads the node's children)
                 del node[key]
@@ -141,7 +151,7 @@ def prepared(schema: Any, spell_out_constants: bool = True) -> Any:
 
 def _spell_out(node: dict[str, Any]) -> None:
     """`prepared`'s rewrite of a constant object (see there), in place."""
-    others = node.keys() - {"const", "enum", "type"} - ANNOTATIONS - _NOT_CONSTRAINING
+    others = node.keys() - {"const", "enum", "type"} - ANNOTATIONS - LOCATIONS
     kind = node.get("type", "object")
     if others or not (kind == "object" or isinstance(kind, list) and "object" in kind):
         return
@@ -165,7 +175,8 @@ def _object_schema(value: dict[str, Any]) -> dict[str, Any]:
 
 
 _UNEVALUATED = ("unevaluatedProperties", "unevaluatedItems")
-_NOT_CONSTRAINING = frozenset({"$schema", "$id", "id", "$anchor", "$defs", "definitions"})
+LOCATIONS = frozenset({"$defs", "definitions", "$schema", "$id", "id", "$anchor", "$dynamicAnchor"})
+"""Keywords that hold or name schemas without applying anything to the instance."""
 _BESIDE_REF = frozenset({"$ref", "$schema", "$defs", "definitions"})
 """What stays beside a `$ref` in drafts 3 to 7: the locations pointers go through, and the draft's name."""
 
@@ -267,8 +278,7 @@ ANNOTATIONS = frozenset({"title", "description", "default", "examples", "$commen
 """Keywords that constrain nothing."""
 _REGEX_META = frozenset("\\.+*?()|[]{}^$#&-~")
 # Keywords of an expanded object that stay on it rather than move into its anyOf branches (`lower`'s `expand`).
-_STAY_OUTSIDE = frozenset({"$defs", "definitions", "$schema", "$id", "id", "$anchor", "$dynamicAnchor", "$comment",
-                           "title", "description", "examples", "default"})
+_STAY_OUTSIDE = LOCATIONS | {"$comment", "title", "description", "examples", "default"}
 
 
 def lower(schema: Any, regex_ok: Callable[[str], bool], dropped: list[str], relax: Iterable[int] = (),
@@ -311,7 +321,10 @@ def lower(schema: Any, regex_ok: Callable[[str], bool], dropped: list[str], rela
         nested_id = nested_id or node is not original and (isinstance(node.get("$id"), str)
                                                              or isinstance(node.get("id"), str))
     exact: set[str] = set()  # the exact-name regexes written here: every library takes them, no check needed
-    for key in relax:
+    # the copies in document order (`relax` and `expand` are sets of ids: their own order changes from run to run)
+    rank = {key: i for i, key in enumerate(memo)}
+    relaxed: list[tuple[dict[str, Any], dict[str, Any], dict[str, Any]]] = []   # (node, its names, other patterns)
+    for key in sorted(relax, key=lambda key: rank.get(key, -1)):
         node = memo.get(key)
         if isinstance(node, dict):
             props = node.pop("properties")
@@ -323,10 +336,7 @@ def lower(schema: Any, regex_ok: Callable[[str], bool], dropped: list[str], rela
                 extra = patterns[regex]
                 props = {name: sub if extra in ({}, True) else {"allOf": [sub, extra]} for name, sub in props.items()}
                 patterns = {other_names_regex(list(props), every): extra}
-            groups = _by_subschema(props) if compact else [([name], sub) for name, sub in props.items()]
-            names = {names_regex(group): sub for group, sub in groups}
-            exact.update(names)
-            node["patternProperties"] = {**names, **patterns}
+            relaxed.append((node, props, patterns))     # (their patterns are written below)
             # conditionals beside (or in an allOf member of) such an object: llguidance does not implement them
             # and drops them, but with them there it refused every key of the relaxed object (Ray's cluster
             # config `auth`); removed here, noted as dropped, checked by the guard as before
@@ -345,23 +355,28 @@ def lower(schema: Any, regex_ok: Callable[[str], bool], dropped: list[str], rela
         node = memo.get(key)
         if isinstance(node, dict):
             node.pop("required", None)
-    shared = _Definitions(schema if compact and not nested_id else None) if expand else None
-    for key in expand:
+    # (below a nested $id "#/..." means another document: nothing is moved then)
+    shared = _Definitions(schema) if compact and not nested_id else None
+    for key in sorted(expand, key=lambda key: rank.get(key, -1)):
         node = memo.get(key)
         if isinstance(node, dict) and len(node.get("properties", ())) > 1:
-            props = {name: shared.ref(sub) for name, sub in node.pop("properties").items()}
+            props = node.pop("properties")
+            if shared is not None:
+                props = {name: shared.ref(sub) for name, sub in props.items()}
             rest = {k: v for k, v in node.items() if k not in _STAY_OUTSIDE}   # definitions, ids stay where they are
             for moved in rest:
                 del node[moved]
             node["anyOf"] = [{**rest, "properties": {name: props[name] for name in order}}
                              for order in itertools.permutations(props)]
-    names_to_schemas: set[int] = set()   # ids of the maps `properties`, `$defs`... (their keys are names)
-    for node in iter_subschemas(schema):
-        if id(node) in names_to_schemas:
-            continue     # a property named "minProperties" is not the keyword (JSON Schema's own meta-schema)
-        for key in _SCHEMA_MAPS:
-            if isinstance(node.get(key), dict):
-                names_to_schemas.add(id(node[key]))
+    # the relaxed objects' names as patterns; compact: names sharing a subschema share one, judged once every
+    # rewrite above is done (the subschemas' final forms: a relaxed object and an equal one kept in order differ),
+    # inner objects before the ones holding them
+    for node, props, patterns in reversed(relaxed):
+        groups = _by_subschema(props) if compact else [([name], sub) for name, sub in props.items()]
+        names = {names_regex(group): sub for group, sub in groups}
+        exact.update(names)
+        node["patternProperties"] = {**names, **patterns}
+    for node in keyword_nodes(schema):
         if "oneOf" in node and ONE_OF not in dropped:
             dropped.append(ONE_OF)
         for key in _INTEGER_KEYWORDS:
@@ -404,15 +419,12 @@ class _Definitions:
     branches of an expanded object) reaches the library once: llguidance compiles a `$ref` target once, a
     subschema each time it is written (the six orders of three properties compiled each property six times)."""
 
-    def __init__(self, root: Any) -> None:
-        """``root``: the lowered schema, or None to move nothing (`lower` passes None where an `$id` below the
-        root changes what "#/..." means there)."""
-        self.enabled = isinstance(root, dict)
+    def __init__(self, root: dict[str, Any]) -> None:
         self.root = root
         self.refs: dict[int, dict[str, str]] = {}
 
     def ref(self, sub: Any) -> Any:
-        if not self.enabled or not isinstance(sub, dict) or not sub.keys() - {"$ref"} - ANNOTATIONS:
+        if not isinstance(sub, dict) or not sub.keys() - {"$ref"} - ANNOTATIONS:
             return sub
         known = self.refs.get(id(sub))
         if known is None:
