@@ -11,6 +11,9 @@ Schema sets
              `openai` package's models). Their instances are generated from the schema by a small seeded
              generator and judged by `jsonschema` (valid ones are kept as valid, mutated ones that `jsonschema`
              refuses as invalid), so "valid" always means valid for `jsonschema`.
+  schemastore  SchemaStore's schemas as vendored by the `check-jsonschema` package (CI configs, compose, renovate,
+             GitHub workflows, ...: pip install check-jsonschema; skipped when absent), each whole and each of its
+             definitions as a schema of its own (the document's definitions beside it), dense instances as below.
   dense      every schema of `realistic` with every CloudFormation resource (not a sample), plus the real-world
              schemas this machine holds elsewhere when present (CMake presets, Ray's cluster config, speedscope's
              file format, Rust's target spec, JSON Schema's own draft-4/7 meta-schemas); instances with most
@@ -34,7 +37,8 @@ Columns
   paired             mask times over only the valid compact instances that every row compiled and accepted whole
                      (the same schemas and the same tokens for each row: the fair comparison of cost)
 
-Usage: python benchmarks/structured_backends.py [--tokenizer DIR] [--sets suite,realistic,dense] [--limit N]
+Usage: python benchmarks/structured_backends.py [--tokenizer DIR] [--sets suite,realistic,dense,schemastore]
+       [--limit N] [--failures FILE]
 """
 
 from __future__ import annotations
@@ -49,7 +53,7 @@ import re
 import statistics
 import sys
 import time
-from typing import Any
+from typing import Any, Iterator
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -107,6 +111,78 @@ def dense_schemas() -> list[tuple[str, Any]]:
             except (OSError, ValueError):
                 pass
     return found
+
+
+def schemastore_schemas() -> list[tuple[str, Any]]:
+    """SchemaStore's schemas vendored by check-jsonschema: each document, and each entry of its `definitions` /
+    `$defs` as a schema that refers to it (`{"$ref": "#/definitions/x", "definitions": ...}`), as JSONSchemaBench
+    cuts real-world documents into subschemas."""
+    found: list[tuple[str, Any]] = []
+    for root in _site_packages():
+        paths = sorted(glob.glob(f"{root}/check_jsonschema/builtin_schemas/vendor/*.json"))
+        if paths:
+            break
+    else:
+        return found
+    for path in paths:
+        try:
+            doc = json.loads(pathlib.Path(path).read_text())
+        except (OSError, ValueError):
+            continue
+        if not isinstance(doc, dict):
+            continue
+        name = pathlib.Path(path).stem
+        found.append((f"schemastore: {name}", doc))
+        for key in ("definitions", "$defs"):
+            defs = doc.get(key)
+            if not isinstance(defs, dict):
+                continue
+            for entry in _self_contained(defs, key):
+                found.append((f"schemastore: {name}#{entry}",
+                              {k: doc[k] for k in ("$schema", "definitions", "$defs") if k in doc}
+                              | {"$ref": f"#/{key}/{entry.replace('~', '~0').replace('/', '~1')}"}))
+    return found
+
+
+def _self_contained(defs: dict[str, Any], key: str) -> list[str]:
+    """The entries of `defs` whose local `$ref`s, followed through `defs`, all stay inside it (a definition that
+    refers to the document's root or its properties means something else once cut out)."""
+    prefix = f"#/{key}/"
+
+    def refs(node: Any) -> Iterator[str]:
+        if isinstance(node, dict):
+            if isinstance(node.get("$ref"), str):
+                yield node["$ref"]
+            for v in node.values():
+                yield from refs(v)
+        elif isinstance(node, list):
+            for v in node:
+                yield from refs(v)
+
+    direct = {}
+    for entry, sub in defs.items():
+        targets = set()
+        for ref in refs(sub):
+            if ref.startswith(prefix):
+                targets.add(ref[len(prefix):].split("/")[0].replace("~1", "/").replace("~0", "~"))
+            elif ref.startswith("#"):
+                targets.add(None)       # the root or elsewhere in the document
+        direct[entry] = targets
+    out = []
+    for entry, sub in defs.items():
+        seen, todo, ok = set(), [entry], isinstance(sub, dict)
+        while todo and ok:
+            e = todo.pop()
+            if e in seen:
+                continue
+            seen.add(e)
+            if e is None or e not in direct:
+                ok = False
+            else:
+                todo += direct[e]
+        if ok:
+            out.append(entry)
+    return out
 
 
 def realistic_schemas(limit_cfn: int) -> list[tuple[str, Any]]:
@@ -233,7 +309,8 @@ class _Gen:
             fmt = s.get("format")
             fixed = {"date-time": "2024-05-01T12:30:00Z", "date": "2024-05-01", "email": "a@example.com",
                      "uri": "https://example.com/x", "uuid": "123e4567-e89b-12d3-a456-426614174000",
-                     "ipv4": "10.0.0.1", "hostname": "example.com"}
+                     "ipv4": "10.0.0.1", "hostname": "example.com", "duration": "P3DT4H", "time": "12:30:00Z",
+                     "ipv6": "2001:db8::1", "uri-reference": "../x", "json-pointer": "/a/b", "regex": "^a+$"}
             if fmt in fixed:
                 return fixed[fmt]
             lo = int(s.get("minLength", 0) or 0)
@@ -291,10 +368,15 @@ def _matches(regex: str, key: str) -> bool:
         return False
 
 
-def realistic_cases(limit_cfn: int, per_schema: int, seed: int = 0,
-                    dense: bool = False) -> list[tuple[str, Any, list[tuple[Any, bool]]]]:
+def realistic_cases(limit_cfn: int, per_schema: int, seed: int = 0, dense: bool = False,
+                    schemas: list[tuple[str, Any]] | None = None,
+                    max_chars: int = 0) -> list[tuple[str, Any, list[tuple[Any, bool]]]]:
+    """Generated instances of each schema; `max_chars`: keep only instances this short as compact JSON (the
+    generator's recursion through a recursive schema can write megabytes)."""
     cases = []
-    for name, schema in (dense_schemas() if dense else realistic_schemas(limit_cfn)):
+    if schemas is None:
+        schemas = dense_schemas() if dense else realistic_schemas(limit_cfn)
+    for name, schema in schemas:
         try:
             cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
             validator = cls(schema)
@@ -310,6 +392,8 @@ def realistic_cases(limit_cfn: int, per_schema: int, seed: int = 0,
                 bad_ok = validator.is_valid(bad)
             except Exception:  # noqa: BLE001 - unresolvable refs etc.
                 break
+            if max_chars and len(json.dumps(value)) > max_chars:
+                continue
             if ok and len(valid) < per_schema and value not in valid:
                 valid.append(value)
             if not bad_ok and len(invalid) < per_schema and bad not in invalid:
@@ -375,11 +459,13 @@ class RawLLGuidance:
         return m.is_accepting() and m.consume_token(self.eos)
 
 
-def measure(cases: list, runners: list, tokenizer: Any, mask_tokens_cap: int) -> dict[str, dict[str, Any]]:
+def measure(cases: list, runners: list, tokenizer: Any, mask_tokens_cap: int,
+            failures: list[dict[str, Any]] | None = None) -> dict[str, dict[str, Any]]:
+    """Each runner on each case; `failures` collects the first runner's wrong answers (for --failures)."""
     stats = {r.name: {"compiled": 0, "valid_c": 0, "valid_i": 0, "invalid": 0, "valid_n": 0, "invalid_n": 0,
                       "compile": [], "mask": []} for r in runners}
     totals = {"schemas": len(cases), "valid": 0, "invalid": 0}
-    for _, schema, instances in cases:
+    for name, schema, instances in cases:
         totals["valid"] += sum(v for _, v in instances)
         totals["invalid"] += sum(not v for _, v in instances)
         encoded = []
@@ -392,19 +478,22 @@ def measure(cases: list, runners: list, tokenizer: Any, mask_tokens_cap: int) ->
             start = time.process_time()
             try:
                 compiled = runner.compile(schema)
-            except ValueError:
-                continue
-            except Exception:  # noqa: BLE001 - a library crash counts as a refusal
+            except Exception as e:  # noqa: BLE001 - a library crash counts as a refusal
+                if failures is not None and runner is runners[0]:
+                    failures.append({"name": name, "compile_error": str(e)[:300]})
                 continue
             st["compile"].append(time.process_time() - start)
             st["compiled"] += 1
-            for (compact, indented), valid in encoded:
+            for ((compact, indented), valid), (value, _) in zip(encoded, instances):
                 times = [] if valid and len(compact) <= mask_tokens_cap else None
                 got_c = runner.walk(compiled, compact, times)
                 if times is not None:
                     st["mask"] += times
                     walked.setdefault(runner.name, []).append((got_c, times))
                 got_i = runner.walk(compiled, indented, None)
+                if failures is not None and runner is runners[0] and (got_c, got_i) != (valid, valid):
+                    failures.append({"name": name, "valid": valid, "compact": got_c, "indented": got_i,
+                                     "instance": value, "schema": schema})
                 st["valid_n" if valid else "invalid_n"] += 1
                 if valid:
                     st["valid_c"] += got_c
@@ -468,6 +557,7 @@ def main() -> None:
     parser.add_argument("--mask-tokens-cap", type=int, default=400, help="time masks only on instances this short")
     parser.add_argument("--no-fixed", action="store_true", help="skip the compact + schema-order row")
     parser.add_argument("--json", default="", help="also write the raw numbers here")
+    parser.add_argument("--failures", default="", help="write leapdecode's refusals and wrong answers here (jsonl)")
     args = parser.parse_args()
     tokenizer = PreTrainedTokenizerFast.from_pretrained(args.tokenizer)
     runners: list[Any] = [Ours("leapdecode", tokenizer, {})]
@@ -477,18 +567,27 @@ def main() -> None:
     print(f"tokenizer {args.tokenizer} (vocab {runners[0].backend.vocab_size}); CPU, torch threads 1; "
           f"{os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}", flush=True)
     out = {}
+    failures: list[dict[str, Any]] = []
     for name in args.sets.split(","):
-        cases = suite_cases(pathlib.Path(args.suite)) if name == "suite" else \
-            realistic_cases(args.cfn, args.per_schema, dense=name == "dense")
+        if name == "suite":
+            cases = suite_cases(pathlib.Path(args.suite))
+        elif name == "schemastore":
+            cases = realistic_cases(0, args.per_schema, dense=True, schemas=schemastore_schemas(), max_chars=20000)
+        else:
+            cases = realistic_cases(args.cfn, args.per_schema, dense=name == "dense")
         if args.limit:
             cases = cases[: args.limit]
         started = time.time()
-        result = measure(cases, runners, tokenizer, args.mask_tokens_cap)
+        result = measure(cases, runners, tokenizer, args.mask_tokens_cap, failures)
         out[name] = result
         title = ("JSON-Schema-Test-Suite draft2020-12 + draft7 (incl. optional/)" if name == "suite"
                  else "Realistic schemas (configs, API specs, CloudFormation, openai pydantic models)" if name == "realistic"
+                 else "SchemaStore's schemas (check-jsonschema's vendored copies), whole and by definition, dense"
+                 if name == "schemastore"
                  else "Dense instances of every realistic schema and the real-world schemas found on this machine")
         print(table(title, result) + f"\n({time.time() - started:.0f} s)\n", flush=True)
+    if args.failures:
+        pathlib.Path(args.failures).write_text("".join(json.dumps(f, ensure_ascii=False) + "\n" for f in failures))
     if args.json:
         pathlib.Path(args.json).write_text(json.dumps(
             {k: {n: ({kk: vv for kk, vv in st.items() if kk not in ("compile", "mask", "paired_mask")} if n != "totals" else st)

@@ -1469,10 +1469,77 @@ def test_constant_objects_take_any_key_order(backend: GrammarBackend, tokenizer:
     ordered = backend.compile({**_schema_spec(schema), "key_order": "schema"})      # the narrowed form: as written
     assert not _produce(backend, ordered, tokenizer, '{"mode":{"level":1,"kind":"fast"}}')
     assert _produce(backend, ordered, tokenizer, '{"mode":{"kind":"fast","level":1}}')
+    # properties named like the keywords whose values are data: subschemas all the same (walked, spelled out)
+    data_names = backend.compile(_schema_spec({"type": "object", "properties": {"default": {"const": {"a": 1, "b": 2}},
+                                                                                  "enum": {"enum": [{"c": 1, "d": 2}]}}}))
+    assert _produce(backend, data_names, tokenizer, '{"enum":{"d":2,"c":1},"default":{"b":2,"a":1}}')
     kept = {"properties": {"c": {"const": {"a": 1, "b": 2}}}, "unevaluatedProperties": False}
     assert prepared(copy.deepcopy(kept)) == kept
     named = {"properties": {"const": {"type": "object"}}}     # a property named "const", not the keyword
     assert prepared(copy.deepcopy(named)) == named
+
+
+def test_pointers_through_properties_do_not_fix_the_key_order(backend: GrammarBackend, tokenizer: Any) -> None:
+    """A `$ref` into another object's `properties` (SchemaStore's buildkite: `"identifier": {"$ref":
+    "#/definitions/waitStep/properties/key"}`) had kept that object in schema order (relaxing it moves its
+    properties where the pointer looks): the pointed subschemas now move under `$defs`, re-aimed pointers
+    included, so the object takes any order, and stays exact. Also a pointer through two objects' properties,
+    and a property named "properties" (a name on the pointer, not the keyword)."""
+    from leapdecode.structured.lowering import POINTED_PREFIX, prepared
+
+    schema = {"$schema": "http://json-schema.org/draft-07/schema#", "$ref": "#/definitions/step", "definitions": {
+        "step": {"type": "object", "additionalProperties": False, "properties": {
+            "key": {"type": "string", "maxLength": 3},
+            "identifier": {"$ref": "#/definitions/step/properties/key"},
+            "wait": {"type": ["string", "null"]},
+            "name": {"$ref": "#/definitions/step/properties/wait"},
+            "opts": {"type": "object", "properties": {"depth": {"type": "integer", "minimum": 0},
+                                                      "properties": {"type": "boolean"}}},
+            "depth": {"$ref": "#/definitions/step/properties/opts/properties/depth"},
+            "flag": {"$ref": "#/definitions/step/properties/opts/properties/properties"}}}}}
+    compiled = backend.compile(_schema_spec(schema))
+    for text in ('{"wait":"","identifier":"d"}', '{"identifier":"d","wait":""}', '{"name":null,"key":"abc"}',
+                 '{"flag":true,"depth":3,"opts":{"properties":false,"depth":1},"wait":null}'):
+        for form in (text, json.dumps(json.loads(text), indent=2)):
+            assert _produce(backend, compiled, tokenizer, form), form
+    for text in ('{"identifier":"dddd"}', '{"wait":1}', '{"zz":1}', '{"depth":-1}', '{"flag":1}',
+                 '{"opts":{"depth":"x"}}', '{"key":"a","key":"b"}'):
+        assert not _produce(backend, compiled, tokenizer, text), text
+    moved = prepared(copy.deepcopy(schema))
+    assert not [ref for ref in _refs(moved) if "/properties/" in ref]
+    assert sorted(moved["$defs"]) == [f"{POINTED_PREFIX}{i}" for i in range(5)]  # key, wait, opts, its depth and flag
+    assert prepared(copy.deepcopy(schema), any_order=False) == schema     # the narrowed form reads it as written
+
+
+def _refs(node: Any) -> list[str]:
+    if isinstance(node, dict):
+        return ([node["$ref"]] if isinstance(node.get("$ref"), str) else []) + [r for v in node.values() for r in _refs(v)]
+    return [r for v in node for r in _refs(v)] if isinstance(node, list) else []
+
+
+def test_unreached_definitions_are_pruned() -> None:
+    """`prepared` removes the definitions nothing reaches (a schema cut from a large document otherwise costs
+    every pass a walk over all of them), keeps every node on a pointer (into a definition's own definitions),
+    and keeps everything when a reached subschema refers other than by a plain pointer (an anchor, another
+    document) or names itself (`$anchor`, a nested `$id`)."""
+    from leapdecode.structured.lowering import prepared
+
+    defs = {"a": {"type": "object", "properties": {"b": {"$ref": "#/definitions/b"}}}, "b": {"type": "integer"},
+            "unused": {"type": "string", "x": {"$ref": "#/definitions/b"}},
+            "outer": {"definitions": {"inner": {"type": "boolean"}, "spare": {"type": "null"}}, "type": "object"},
+            "self": {"items": {"$ref": "#/definitions/self"}}}
+    schema = {"anyOf": [{"$ref": "#/definitions/a"}, {"$ref": "#/definitions/outer/definitions/inner"},
+                        {"$ref": "#/definitions/self"}], "definitions": defs}
+    pruned = prepared(copy.deepcopy(schema))
+    assert set(pruned["definitions"]) == {"a", "b", "outer", "self"}
+    named = {"properties": {"examples": {"$ref": "#/$defs/e"}}, "$defs": {"e": {"type": "integer"}, "f": {}}}
+    assert set(prepared(copy.deepcopy(named))["$defs"]) == {"e"}     # a property named "examples" is a subschema
+    assert set(pruned["definitions"]["outer"]["definitions"]) == {"inner", "spare"}   # kept whole: on a pointer
+    for other in ({"$anchor": "here"}, {"$ref": "other.json#/definitions/b"}, {"$ref": "#here"}, {"$id": "x.json"}):
+        whole = copy.deepcopy({**schema, "anyOf": [*schema["anyOf"], other]})
+        assert prepared(copy.deepcopy(whole)) == whole, other
+        unreached = copy.deepcopy({**schema, "definitions": {**defs, "extra": other}})    # what is never met: gone
+        assert "extra" not in prepared(unreached)["definitions"]
 
 
 def test_universal_types_are_sound_and_found() -> None:

@@ -214,7 +214,7 @@ class GrammarBackend:
         self._check(spec)
         schema = spec.schema if spec.kind in ("json_object", "json_schema") else None
         if spec.kind == "json_schema":       # (a fresh parse: edited in place)
-            schema = prepared(schema, spell_out_constants=spec.key_order == "any")
+            schema = prepared(schema, any_order=spec.key_order == "any")
         free_order = FreeOrder({}, [])
         if self.guard and spec.kind == "json_schema" and spec.key_order == "any":
             free_order = free_order_sites(schema)  # the guard checks what the relaxed grammar lets through

@@ -16,7 +16,7 @@ from typing import Any, Callable, Iterable, Iterator
 
 __all__ = [
     "DATA_KEYWORDS", "CompileTimeout", "check_deadline", "deadline", "iter_subschemas", "all_keys",
-    "drop_keyword", "lower", "prepared", "keyword_nodes", "LOCATIONS", "SHARED_PREFIX",
+    "drop_keyword", "lower", "prepared", "keyword_nodes", "LOCATIONS", "SHARED_PREFIX", "POINTED_PREFIX",
 ]
 
 DATA_KEYWORDS = ("enum", "const", "default", "examples")  # values, not subschemas
@@ -53,6 +53,7 @@ def iter_subschemas(schema: Any) -> Iterator[dict[str, Any]]:
     in document order, each once. A node's children are read after the caller resumes the generator, so the
     caller may edit the node it was just given (what `lower` does) and the walk sees the edited node."""
     seen: set[int] = set()
+    maps: set[int] = set()      # the name -> subschema maps met so far: a property named "default" is walked
     stack: list[Any] = [schema]
     visited = 0
     while stack:
@@ -65,11 +66,14 @@ def iter_subschemas(schema: Any) -> Iterator[dict[str, Any]]:
         seen.add(id(node))
         yield node
         children: list[Any] = []
+        names = id(node) in maps
         for key, value in node.items():
-            if key in DATA_KEYWORDS:
+            if key in DATA_KEYWORDS and not names:
                 continue
             if isinstance(value, dict):
                 children.append(value)
+                if key in _SCHEMA_MAPS and not names:
+                    maps.add(id(value))
             elif isinstance(value, list):
                 _collect(value, children)
         stack.extend(reversed(children))
@@ -116,37 +120,192 @@ def all_keys(schema: Any) -> set[str]:
     return {key for node in iter_subschemas(schema) for key in node}
 
 
-def prepared(schema: Any, spell_out_constants: bool = True) -> Any:
+def prepared(schema: Any, any_order: bool = True) -> Any:
     """`schema` as every later pass reads it (the free-order analysis, the lowering, the guard), edited in place
     and returned, in one walk:
 
     * in drafts 3 to 7 (`siblings_ignored_beside_ref`) the keywords beside a `$ref`, which those drafts ignore,
       are removed (llguidance would apply them; the guard's analysis would read them);
-    * with `spell_out_constants`, each object value of a `const` or `enum` becomes the object schema it stands
-      for (every key required with its value, no other key; nested objects likewise): a grammar writes a
-      constant as its text, keys in the schema's order, while spelled out its keys take any order like every
-      other object's (`guard.free_order_sites`). Left as they are: constants beside other constraining keywords,
-      and every constant of a schema that uses unevaluatedProperties/Items (the spelled-out keys would count as
-      evaluated there)."""
+    * with `any_order` (objects will take their keys in any order), each object value of a `const` or `enum`
+      becomes the object schema it stands for (every key required with its value, no other key; nested objects
+      likewise): a grammar writes a constant as its text, keys in the schema's order, while spelled out its keys
+      take any order like every other object's (`guard.free_order_sites`). Left as they are: constants beside
+      other constraining keywords, and every constant of a schema that uses unevaluatedProperties/Items (the
+      spelled-out keys would count as evaluated there);
+    * with `any_order`, a `$ref` whose pointer goes through an object's `properties` is re-aimed (`_Reaimed`), so
+      that the object can take its keys in any order (which moves its properties where the pointer no longer
+      finds them).
+
+    Before that walk, the definitions no `$ref` reaches are removed (`_prune_unreached`): every later pass, and
+    the library, then read only what applies."""
     if not isinstance(schema, dict):
         return schema
+    _prune_unreached(schema)
     ref_alone = siblings_ignored_beside_ref(schema)
-    if not ref_alone and not spell_out_constants:
+    if not ref_alone and not any_order:
         return schema
     constants: list[dict[str, Any]] = []
-    unevaluated = False
+    through_properties: list[dict[str, Any]] = []
+    unevaluated = nested_id = False
     for node in keyword_nodes(schema):
-        if ref_alone and isinstance(node.get("$ref"), str):
+        ref = node.get("$ref")
+        if isinstance(ref, str) and "/properties/" in ref:
+            through_properties.append(node)
+        nested_id = nested_id or node is not schema and (isinstance(node.get("$id"), str)
+                                                         or isinstance(node.get("id"), str))
+        if ref_alone and isinstance(ref, str):
             for key in node.keys() - _BESIDE_REF:      # (removed before the walk reads the node's children)
                 del node[key]
             continue
         unevaluated = unevaluated or any(key in node for key in _UNEVALUATED)
-        if spell_out_constants and (isinstance(node.get("const"), dict) or isinstance(node.get("enum"), list)):
+        if any_order and (isinstance(node.get("const"), dict) or isinstance(node.get("enum"), list)):
             constants.append(node)
     if not unevaluated:
         for node in constants:
             _spell_out(node)
+    if any_order and through_properties and not nested_id:   # (below a nested $id, "#/..." means another document)
+        _Reaimed(schema).run(through_properties)
     return schema
+
+
+def _prune_unreached(root: dict[str, Any]) -> None:
+    """Remove, in place, the entries of `$defs` / `definitions` that nothing reaches from the root: a schema cut
+    from a large document (a SchemaStore file's one definition beside its hundreds) otherwise costs every pass a
+    walk over all of them. Definitions are entered only through `$ref`s, and every node on a `$ref`'s pointer is
+    kept. Left whole when a reference is not a plain local pointer (an anchor, another document, `$dynamicRef`)
+    or a subschema names itself (`$id`, `$anchor`): what those reach is not found by following pointers."""
+    reached: set[int] = set()
+    kept: set[int] = set()
+    maps: list[dict[str, Any]] = []
+    names: set[int] = set()     # the maps of names to subschemas (`properties`, ...): a property named "examples"
+    stack: list[Any] = [root]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, list):
+            stack.extend(node)
+            continue
+        if not isinstance(node, dict) or id(node) in reached:
+            continue
+        reached.add(id(node))
+        if len(reached) & 255 == 0:
+            check_deadline()
+        if id(node) in names:                   # a map: every value is a subschema
+            stack.extend(v for v in node.values() if isinstance(v, dict))
+            continue
+        if node.keys() & _NAMING or node is not root and ("$id" in node or isinstance(node.get("id"), str)):
+            return
+        ref = node.get("$ref")
+        if ref is not None:
+            path = _pointer_path(root, ref)
+            if path is None:
+                return
+            kept.update(map(id, path))
+            stack.append(path[-1])
+        for key, value in node.items():
+            if key in DATA_KEYWORDS:
+                continue
+            if key in ("$defs", "definitions") and isinstance(value, dict):
+                maps.append(value)
+            elif isinstance(value, (dict, list)):
+                stack.append(value)
+                if key in _SCHEMA_MAPS and isinstance(value, dict):
+                    names.add(id(value))
+    for defs in maps:
+        for name in [name for name, sub in defs.items() if id(sub) not in reached and id(sub) not in kept]:
+            del defs[name]
+
+
+_NAMING = frozenset({"$anchor", "$dynamicAnchor", "$dynamicRef", "$recursiveRef", "$recursiveAnchor"})
+
+
+def _pointer_path(root: Any, ref: Any) -> list[Any] | None:
+    """The nodes a local JSON pointer ("#/a/b") passes through, root first and its target last; None for any other
+    reference."""
+    if ref == "#":
+        return [root]
+    if not isinstance(ref, str) or not ref.startswith("#/") or "%" in ref:
+        return None
+    path = [root]
+    for part in ref[2:].split("/"):
+        here = path[-1]
+        part = part.replace("~1", "/").replace("~0", "~")
+        if isinstance(here, dict) and part in here:
+            path.append(here[part])
+        elif isinstance(here, list) and part.isdigit() and int(part) < len(here):
+            path.append(here[int(part)])
+        else:
+            return None
+    return path
+
+
+POINTED_PREFIX = "leapdecode-pointed-"
+"""The names `_Reaimed` gives the subschemas it moves under the root's `$defs`."""
+
+
+class _Reaimed:
+    """Pointers through `properties` re-aimed: for a `$ref` such as SchemaStore's buildkite
+    `{"$ref": "#/definitions/waitStep/properties/wait"}`, the property subschema it reaches moves under the root's
+    `$defs`, a `$ref` to it takes its place, and every pointer into it is re-aimed there. Same instances, but the
+    object (`waitStep`) is no longer pointed through, so `guard.free_order_sites` may let it take any key order,
+    which it must refuse otherwise (the lowering turns `properties` into pattern properties). Repeated while a
+    pointer still goes through some `properties` (a moved subschema may hold pointed ones). A pointer written
+    with percent-escapes is left alone (its object keeps schema order)."""
+
+    def __init__(self, root: dict[str, Any]) -> None:
+        self.root = root
+
+    def run(self, refs: list[dict[str, Any]]) -> None:
+        defs = self.root.get("$defs", {})
+        if not isinstance(defs, dict):
+            return
+        moved = 0
+        while True:
+            check_deadline()
+            found = next((hit for node in refs if (hit := self._through(node["$ref"])) is not None), None)
+            if found is None or moved >= 4096:
+                return
+            holder, name, prefix = found
+            while f"{POINTED_PREFIX}{moved}" in defs:     # (a name of the user's own)
+                moved += 1
+            home = f"#/$defs/{POINTED_PREFIX}{moved}"
+            defs = self.root.setdefault("$defs", defs)
+            defs[f"{POINTED_PREFIX}{moved}"] = holder[name]
+            holder[name] = stand_in = {"$ref": home}
+            moved += 1
+            for node in refs:
+                ref = node["$ref"]
+                if ref == prefix or ref.startswith(prefix + "/"):
+                    node["$ref"] = home + ref[len(prefix):]
+            refs.append(stand_in)
+
+    def _through(self, ref: str) -> tuple[dict[str, Any], str, str] | None:
+        """(the `properties` map, the name, the pointer's prefix up to that name) where `ref` first goes through
+        an object's properties, else None. Tracks what each step lands on (a schema, a map of names to schemas,
+        a list), so that a property named "properties" is a name, not the keyword."""
+        if not ref.startswith("#/") or "%" in ref:
+            return None
+        parts = ref[2:].split("/")
+        here, kind, map_of = self.root, "schema", None
+        for i, raw in enumerate(parts):
+            part = raw.replace("~1", "/").replace("~0", "~")
+            if isinstance(here, list):
+                if not part.isdigit() or int(part) >= len(here):
+                    return None
+                here, kind = here[int(part)], "schema"
+                continue
+            if not isinstance(here, dict) or part not in here:
+                return None
+            if kind == "map":
+                if map_of == "properties":
+                    return here, part, "#/" + "/".join(parts[:i + 1])
+                here, kind = here[part], "schema"
+            elif part in DATA_KEYWORDS:
+                return None
+            elif part in _SCHEMA_MAPS:
+                here, kind, map_of = here[part], "map", part
+            else:
+                here = here[part]
+        return None
 
 
 def _spell_out(node: dict[str, Any]) -> None:
