@@ -1542,6 +1542,25 @@ def test_unreached_definitions_are_pruned() -> None:
         assert "extra" not in prepared(unreached)["definitions"]
 
 
+def test_properties_named_like_keywords_stay_properties(backend: GrammarBackend, tokenizer: Any) -> None:
+    """A property named "format" (buildkite's text field), "pattern" or "multipleOf" is a name, not a keyword: the
+    guard's check for dropped formats read a properties map as a schema and failed (TypeError: its "format" was
+    a subschema), and dropping a keyword the library refused removed such properties too."""
+    from leapdecode.structured.lowering import drop_keyword
+
+    schema = {"type": "object", "properties": {"format": {"type": "string", "format": "regex"},
+                                               "key": {"type": "string"}}, "additionalProperties": False}
+    compiled = backend.compile(_schema_spec(schema))
+    assert _produce(backend, compiled, tokenizer, '{"key":"k","format":"a+"}')
+    assert not _produce(backend, compiled, tokenizer, '{"format":1}')
+    named = {"properties": {"pattern": {"type": "string", "pattern": "a"}, "multipleOf": {"multipleOf": 2}},
+             "pattern": "b"}
+    assert drop_keyword(named, "pattern") == {"properties": {"pattern": {"type": "string"},
+                                                             "multipleOf": {"multipleOf": 2}}}
+    assert drop_keyword(named, "multipleOf")["properties"] == {"pattern": named["properties"]["pattern"],
+                                                               "multipleOf": {}}
+
+
 def test_universal_types_are_sound_and_found() -> None:
     """`universal_types` names the JSON types every value of which a subschema accepts (such values need no
     jsonschema call); checked against jsonschema on sample values of each type, and on what it must find."""

@@ -24,7 +24,7 @@ import jsonschema.validators
 import numpy as np
 
 from leapdecode.structured.lowering import ANNOTATIONS, LOCATIONS, catch_all, check_deadline, iter_subschemas, \
-    redundant_beside_ref, resolve_local_ref
+    keyword_nodes, redundant_beside_ref, resolve_local_ref
 
 if TYPE_CHECKING:
     from leapdecode.structured.backend import GrammarBackend
@@ -1063,7 +1063,7 @@ def _find_anchors(schema: Any, validator: Any, dropped: tuple[str, ...]) -> list
         return bool(used) and not (used == {"format"} and node.get("format") in useless)
 
     if formats is not None and all(note.lower().startswith("unknown format") for note in dropped) and not any(
-        isinstance(node, dict) and guarded(node) for node in iter_subschemas(schema)
+        guarded(node) for node in keyword_nodes(schema)      # (not the name maps: a property named "format")
     ):
         return []  # only unchecked formats were dropped: nothing for rules B/C to check (rule A stays)
     relevant = _relevant_nodes(schema, keys)

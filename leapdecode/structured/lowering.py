@@ -341,9 +341,9 @@ _BESIDE_REF = frozenset({"$ref", "$schema", "$defs", "definitions"})
 
 
 def drop_keyword(schema: Any, keyword: str) -> Any:
-    """A copy of `schema` without `keyword` anywhere (outside data values)."""
+    """A copy of `schema` without `keyword` anywhere (outside data values; a property of that name stays)."""
     schema = _copy(schema, {})
-    for node in iter_subschemas(schema):
+    for node in keyword_nodes(schema):
         node.pop(keyword, None)
     return schema
 
