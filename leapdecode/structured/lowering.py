@@ -136,11 +136,12 @@ def prepared(schema: Any, any_order: bool = True) -> Any:
       that the object can take its keys in any order (which moves its properties where the pointer no longer
       finds them).
 
-    Before that walk, the definitions no `$ref` reaches are removed (`_prune_unreached`): every later pass, and
-    the library, then read only what applies."""
+    Before that walk, in a schema with root definitions, the definitions no `$ref` reaches are removed
+    (`_prune_unreached`): every later pass, and the library, then read only what applies."""
     if not isinstance(schema, dict):
         return schema
-    _prune_unreached(schema)
+    if "$defs" in schema or "definitions" in schema:
+        _prune_unreached(schema)
     ref_alone = siblings_ignored_beside_ref(schema)
     if not ref_alone and not any_order:
         return schema
@@ -190,32 +191,37 @@ def _prune_unreached(root: dict[str, Any]) -> None:
         if len(reached) & 255 == 0:
             check_deadline()
         if id(node) in names:                   # a map: every value is a subschema
-            stack.extend(v for v in node.values() if isinstance(v, dict))
+            stack.extend(node.values())
             continue
-        if node.keys() & _NAMING or node is not root and ("$id" in node or isinstance(node.get("id"), str)):
-            return
-        ref = node.get("$ref")
-        if ref is not None:
-            path = _pointer_path(root, ref)
-            if path is None:
-                return
-            kept.update(map(id, path))
-            stack.append(path[-1])
         for key, value in node.items():
-            if key in DATA_KEYWORDS:
-                continue
-            if key in ("$defs", "definitions") and isinstance(value, dict):
-                maps.append(value)
-            elif isinstance(value, (dict, list)):
-                stack.append(value)
-                if key in _SCHEMA_MAPS and isinstance(value, dict):
-                    names.add(id(value))
+            if key not in _PRUNE_SPECIAL:
+                if isinstance(value, dict):
+                    stack.append(value)
+                    if key in _SCHEMA_MAPS:
+                        names.add(id(value))
+                elif isinstance(value, list):
+                    stack.append(value)
+            elif key == "$ref":
+                path = _pointer_path(root, value)
+                if path is None:
+                    return
+                kept.update(map(id, path))
+                stack.append(path[-1])
+            elif key in _DEFINITIONS:
+                if isinstance(value, dict):
+                    maps.append(value)
+            elif key in _NAMING or key == "$id" and node is not root or key == "id" and isinstance(value, str) \
+                    and node is not root:
+                return
     for defs in maps:
         for name in [name for name, sub in defs.items() if id(sub) not in reached and id(sub) not in kept]:
             del defs[name]
 
 
 _NAMING = frozenset({"$anchor", "$dynamicAnchor", "$dynamicRef", "$recursiveRef", "$recursiveAnchor"})
+_DEFINITIONS = frozenset({"$defs", "definitions"})
+_PRUNE_SPECIAL = _NAMING | _DEFINITIONS | set(DATA_KEYWORDS) | {"$ref", "$id", "id"}
+"""The keys `_prune_unreached` does more with than walk into (data values: nothing)."""
 
 
 def _pointer_path(root: Any, ref: Any) -> list[Any] | None:
