@@ -1561,6 +1561,20 @@ def test_properties_named_like_keywords_stay_properties(backend: GrammarBackend,
                                                                "multipleOf": {}}
 
 
+def test_property_names_beside_properties_take_any_order(backend: GrammarBackend, tokenizer: Any) -> None:
+    """`propertyNames` (checked by the guard on each key as it closes) no longer keeps the object's declared
+    properties first: an additional key may come before them, and every name is still checked, declared ones
+    included, as is every declared property's value."""
+    schema = {"type": "object", "properties": {"ab": {"type": "string", "maxLength": 3}, "long_name": {}},
+              "propertyNames": {"maxLength": 4}}
+    compiled = backend.compile(_schema_spec(schema))
+    for text in ('{"%":[],"ab":""}', '{"x":1,"ab":"abc","y":null}', '{"ab":"","%":[]}'):
+        assert _produce(backend, compiled, tokenizer, text), text
+        assert _produce(backend, compiled, tokenizer, json.dumps(json.loads(text), indent=2)), text
+    for text in ('{"%":[],"ab":"abcd"}', '{"abcde":1}', '{"long_name":1}', '{"ab":"","ab":""}'):
+        assert not _produce(backend, compiled, tokenizer, text), text
+
+
 def test_universal_types_are_sound_and_found() -> None:
     """`universal_types` names the JSON types every value of which a subschema accepts (such values need no
     jsonschema call); checked against jsonschema on sample values of each type, and on what it must find."""

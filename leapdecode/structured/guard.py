@@ -1101,7 +1101,7 @@ def _find_anchors(schema: Any, validator: Any, dropped: tuple[str, ...]) -> list
 # `properties` make llguidance intersect or branch schemas, and `unevaluatedProperties` depends on them.
 _ORDER_BLOCKERS = frozenset({
     "anyOf", "oneOf", "$ref", "$dynamicRef", "$recursiveRef", "not",
-    "dependentSchemas", "dependencies", "unevaluatedProperties", "propertyNames",
+    "dependentSchemas", "dependencies", "unevaluatedProperties",
 })   # (`dependentRequired`, and `dependencies` of names only, are the object rule's: `_dependent_required`)
 
 
