@@ -1575,6 +1575,36 @@ def test_property_names_beside_properties_take_any_order(backend: GrammarBackend
         assert not _produce(backend, compiled, tokenizer, text), text
 
 
+def test_closed_objects_in_an_all_of_take_any_order(backend: GrammarBackend, tokenizer: Any) -> None:
+    """allOf members merge into the subschema holding them where that means the same, so a closed object in
+    `{"allOf": [S]}`, beside `{"type": "object"}` or beside `{"required": [...]}` takes its keys in any order
+    (intersected, it had to keep schema order); members whose keywords read each other's stay apart (a closed
+    object's additionalProperties does not see another member's properties), and so does a `$ref` member."""
+    from leapdecode.structured.lowering import prepared
+
+    closed = {"type": "object", "properties": {"p": {"type": "integer"}, "q": {"type": "string"}, "r": {"type": "boolean"},
+                                               "s": {"type": "null"}, "u": {"type": "integer"}},
+              "required": ["p"], "additionalProperties": False}
+    for wrapper, required in (({"allOf": [closed]}, ["p"]), ({"allOf": [closed, {"type": "object"}]}, ["p"]),
+                              ({"allOf": [closed, {"required": ["q"], "description": "d"}]}, ["p", "q"])):
+        schema = {"type": "object", "properties": {"f": wrapper}}
+        compiled = backend.compile(_schema_spec(schema))
+        for text in ('{"f":{"q":"a","p":1}}', '{"f":{"u":2,"s":null,"r":true,"q":"a","p":1}}'):
+            assert _produce(backend, compiled, tokenizer, text), (wrapper, text)
+        for text in ('{"f":{"q":"a","p":1,"x":0}}', '{"f":{"q":1,"p":1}}', '{"f":{"p":1,"p":1,"q":"a"}}'):
+            assert not _produce(backend, compiled, tokenizer, text), (wrapper, text)
+        assert _produce(backend, compiled, tokenizer, '{"f":{"p":1}}') == (required == ["p"])
+        assert prepared(copy.deepcopy(schema))["properties"]["f"].get("required") == required
+    apart = {"allOf": [{"type": "object", "properties": {"a": {}}, "additionalProperties": False},
+                       {"properties": {"b": {"type": "integer"}}}]}
+    assert prepared(copy.deepcopy(apart))["allOf"] == apart["allOf"][1:]      # the first one merged, not the second
+    compiled = backend.compile(_schema_spec(apart))
+    assert _produce(backend, compiled, tokenizer, '{"a":1}') and not _produce(backend, compiled, tokenizer, '{"b":1}')
+    by_ref = {"allOf": [{"$ref": "#/$defs/c"}, {"required": ["q"]}], "$defs": {"c": closed}}
+    assert len(prepared(copy.deepcopy(by_ref))["allOf"]) == 1       # the `required` merged, the `$ref` kept
+    assert prepared(copy.deepcopy(wrapper), any_order=False) == wrapper
+
+
 def test_universal_types_are_sound_and_found() -> None:
     """`universal_types` names the JSON types every value of which a subschema accepts (such values need no
     jsonschema call); checked against jsonschema on sample values of each type, and on what it must find."""

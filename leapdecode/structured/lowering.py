@@ -134,7 +134,9 @@ def prepared(schema: Any, any_order: bool = True) -> Any:
       spelled-out keys would count as evaluated there);
     * with `any_order`, a `$ref` whose pointer goes through an object's `properties` is re-aimed (`_Reaimed`), so
       that the object can take its keys in any order (which moves its properties where the pointer no longer
-      finds them).
+      finds them);
+    * with `any_order`, allOf members are merged into the subschema that holds them where that means the same
+      (`_merge_all_of`), so that a closed object in an allOf can take its keys in any order.
 
     Before that walk, in a schema with root definitions, the definitions no `$ref` reaches are removed
     (`_prune_unreached`): every later pass, and the library, then read only what applies."""
@@ -147,11 +149,13 @@ def prepared(schema: Any, any_order: bool = True) -> Any:
         return schema
     constants: list[dict[str, Any]] = []
     through_properties: list[dict[str, Any]] = []
-    unevaluated = nested_id = False
+    joined: list[dict[str, Any]] = []
+    unevaluated = nested_id = into_all_of = False
     for node in keyword_nodes(schema):
         ref = node.get("$ref")
         if isinstance(ref, str) and "/properties/" in ref:
             through_properties.append(node)
+        into_all_of = into_all_of or isinstance(ref, str) and "/allOf/" in ref
         nested_id = nested_id or node is not schema and (isinstance(node.get("$id"), str)
                                                          or isinstance(node.get("id"), str))
         if ref_alone and isinstance(ref, str):
@@ -161,12 +165,80 @@ def prepared(schema: Any, any_order: bool = True) -> Any:
         unevaluated = unevaluated or any(key in node for key in _UNEVALUATED)
         if any_order and (isinstance(node.get("const"), dict) or isinstance(node.get("enum"), list)):
             constants.append(node)
+        if any_order and isinstance(node.get("allOf"), list):
+            joined.append(node)
     if not unevaluated:
         for node in constants:
             _spell_out(node)
+        if not into_all_of:
+            for node in reversed(joined):       # inner ones first
+                _merge_all_of(node)
     if any_order and through_properties and not nested_id:   # (below a nested $id, "#/..." means another document)
         _Reaimed(schema).run(through_properties)
     return schema
+
+
+def _merge_all_of(node: dict[str, Any]) -> None:
+    """`prepared`'s merge of allOf members into the node that holds them, in place, where that means the same:
+    a member whose keywords are not the node's (or are `type`, intersected, and `required`, joined), with no
+    keyword that reads its neighbours split from them (`_NEIGHBOURS`: properties with additionalProperties, items
+    with prefixItems, ...) and nothing that names or points (`$ref`, `$id`, definitions). llguidance intersects an
+    allOf, and a closed object intersected with anything (`{"allOf": [{closed object}, {"type": "object"}]}`,
+    `{"allOf": [{closed object}]}`) must keep its keys in schema order (`guard._mixed_intersections`); merged, it
+    is an object like any other."""
+    members = node["allOf"]
+    kept = []
+    for member in members:
+        if not isinstance(member, dict) or not _mergeable(node, member):
+            kept.append(member)
+            continue
+        for key, value in member.items():
+            if key == "required" and "required" in node:
+                node["required"] = list(dict.fromkeys([*node["required"], *value]))
+            elif key == "type" and "type" in node:
+                node["type"] = _type_meet(node["type"], value)
+            elif key not in ANNOTATIONS or key not in node:
+                node[key] = value
+    if kept:
+        node["allOf"] = kept
+    else:
+        del node["allOf"]
+
+
+def _mergeable(node: dict[str, Any], member: dict[str, Any]) -> bool:
+    if member.keys() & _NOT_MERGED:
+        return False
+    for key in member.keys() & node.keys():
+        if key == "required":
+            if not (isinstance(member[key], list) and isinstance(node[key], list)):
+                return False
+        elif key == "type":
+            if not _type_meet(node[key], member[key]):
+                return False
+        elif key not in ANNOTATIONS:
+            return False
+    return not any(member.keys() & group and (node.keys() - {"allOf"}) & group for group in _NEIGHBOURS)
+
+
+def _type_meet(a: Any, b: Any) -> Any:
+    """The types both `type` values allow ("integer" within "number"), as a `type` value; None when none (or
+    not plain type names)."""
+    a = [a] if isinstance(a, str) else a
+    b = [b] if isinstance(b, str) else b
+    if not (isinstance(a, list) and isinstance(b, list) and all(isinstance(t, str) for t in [*a, *b])):
+        return None
+    both = [t for t in a if t in b or t == "integer" and "number" in b] + \
+        [t for t in b if t == "integer" and "number" in a and t not in a]
+    return (both[0] if len(both) == 1 else both) if both else None
+
+
+_NOT_MERGED = frozenset({"$ref", "$id", "id", "$anchor", "$dynamicRef", "$dynamicAnchor", "$recursiveRef",
+                         "$recursiveAnchor", "$defs", "definitions", "$schema", "unevaluatedProperties",
+                         "unevaluatedItems"})
+_NEIGHBOURS = (frozenset({"properties", "patternProperties", "additionalProperties"}),
+               frozenset({"items", "prefixItems", "additionalItems"}), frozenset({"if", "then", "else"}),
+               frozenset({"contains", "minContains", "maxContains"}))
+"""Keywords whose meaning reads the others of their group in the same subschema."""
 
 
 def _prune_unreached(root: dict[str, Any]) -> None:
