@@ -761,6 +761,26 @@ def test_compile_workers_are_kept_then_leave_when_idle() -> None:
         process.join(10)
 
 
+def test_internal_errors_are_reported_as_ours_and_not_cached(tokenizer: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An exception of our own passes (here the guard's set-up) is a ValueError that says it is an internal error,
+    not the library's refusal nor the schema's fault, and is not cached: once the bug is gone the same schema
+    compiles."""
+    import leapdecode.structured.backend as backend_module
+
+    class Broken:
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            raise TypeError("a bug")
+
+    backend = GrammarBackend(tokenizer)
+    spec = _schema_spec({"type": "object", "properties": {"a": {"type": "integer"}}})
+    with monkeypatch.context() as patch:
+        patch.setattr(backend_module, "SchemaGuard", Broken)
+        with pytest.raises(ValueError, match="internal error .*TypeError"):
+            backend.compile(spec)
+    assert _produce(backend, backend.compile(spec), tokenizer, '{"a":1}')
+    backend.shutdown()
+
+
 def test_compile_deadline_is_cooperative_and_frees_the_worker(tokenizer: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """A compile whose own Python pass runs long (here: the anchor walk with its visit bound lifted, on a diamond
     of 40 levels, 2**40 instance paths) stops at the deadline with a ValueError, is not cached, frees its worker

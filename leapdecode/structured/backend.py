@@ -149,9 +149,10 @@ class GrammarBackend:
             error = ValueError(self._timeout_message(spec, self.compile_timeout_s))
         except ValueError as e:  # the schema is refused: cached, so a resubmission fails fast
             error = e
-        except BaseException as e:  # a library bug: reported, not cached
+        except BaseException as e:  # a bug (ours, or the library's outside its compile call): reported, not cached
             self._forget(spec, future)
-            error = ValueError(f"{_describe(spec)}: {self.library} failed to compile it: {e!r}")
+            error = ValueError(f"{_describe(spec)}: compilation failed on an internal error (not the schema's "
+                               f"fault; please report it): {e!r}")
         finally:
             self._slots.release()  # before the future resolves, so whoever waits on it finds the slot free
         if error is not None:
