@@ -46,6 +46,8 @@ def _container(inner: st.SearchStrategy[dict[str, Any]]) -> st.SearchStrategy[di
         extra = draw(st.sampled_from([None, False, {"type": "integer"}]))
         if extra is not None:
             schema["additionalProperties"] = extra
+        if draw(st.integers(0, 5)) == 0:
+            schema["propertyNames"] = {"maxLength": 4}
         return schema
 
     @st.composite
@@ -58,7 +60,10 @@ def _container(inner: st.SearchStrategy[dict[str, Any]]) -> st.SearchStrategy[di
         return schema
 
     nullable = inner.map(lambda s: {"anyOf": [s, {"type": "null"}]})
-    return st.one_of(obj(), arr(), nullable)
+    # allOf wrappers (merged into their holder where that means the same; an object intersected otherwise)
+    joined = st.one_of(obj().map(lambda s: {"allOf": [s]}), obj().map(lambda s: {"allOf": [s, {"type": "object"}]}),
+                       obj().map(lambda s: {"allOf": [s, {"required": sorted(s["properties"])[:1]}]}))
+    return st.one_of(obj(), arr(), nullable, joined)
 
 
 SCHEMAS = st.recursive(_leaf(), _container, max_leaves=6)
@@ -70,6 +75,8 @@ def _instance(schema: Any, rng: random.Random, depth: int = 0) -> Any:
         return rng.choice(schema["enum"])
     if "anyOf" in schema:
         return _instance(rng.choice(schema["anyOf"]), rng, depth)
+    if "allOf" in schema:
+        return _instance(schema["allOf"][0], rng, depth)
     kind = schema.get("type")
     if kind == "object":
         props = schema["properties"]
