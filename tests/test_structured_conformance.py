@@ -1598,8 +1598,8 @@ def test_property_names_beside_properties_take_any_order(backend: GrammarBackend
 def test_closed_objects_in_an_all_of_take_any_order(backend: GrammarBackend, tokenizer: Any) -> None:
     """allOf members merge into the subschema holding them where that means the same, so a closed object in
     `{"allOf": [S]}`, beside `{"type": "object"}` or beside `{"required": [...]}` takes its keys in any order
-    (intersected, it had to keep schema order); members whose keywords read each other's stay apart (a closed
-    object's additionalProperties does not see another member's properties), and so does a `$ref` member."""
+    (intersected, it had to keep schema order), and so does a `$ref` member's target; members whose keywords read
+    each other's stay apart (a closed object's additionalProperties does not see another member's properties)."""
     from leapdecode.structured.lowering import prepared
 
     closed = {"type": "object", "properties": {"p": {"type": "integer"}, "q": {"type": "string"}, "r": {"type": "boolean"},
@@ -1620,8 +1620,19 @@ def test_closed_objects_in_an_all_of_take_any_order(backend: GrammarBackend, tok
     assert prepared(copy.deepcopy(apart))["allOf"] == apart["allOf"][1:]      # the first one merged, not the second
     compiled = backend.compile(_schema_spec(apart))
     assert _produce(backend, compiled, tokenizer, '{"a":1}') and not _produce(backend, compiled, tokenizer, '{"b":1}')
-    by_ref = {"allOf": [{"$ref": "#/$defs/c"}, {"required": ["q"]}], "$defs": {"c": closed}}
-    assert len(prepared(copy.deepcopy(by_ref))["allOf"]) == 1       # the `required` merged, the `$ref` kept
+    # a `$ref` member merges its target's keywords (GitLab's job inputs: allOf [$ref, {"required": [...]}]); the
+    # target stays for its other references
+    by_ref = {"type": "object", "properties": {"f": {"allOf": [{"$ref": "#/$defs/c"}, {"required": ["q"]}]},
+                                               "g": {"$ref": "#/$defs/c"}}, "$defs": {"c": closed}}
+    merged = prepared(copy.deepcopy(by_ref))
+    assert "allOf" not in merged["properties"]["f"] and merged["properties"]["f"]["required"] == ["p", "q"]
+    assert merged["$defs"]["c"] == closed
+    compiled = backend.compile(_schema_spec(by_ref))
+    for text, ok in (('{"f":{"q":"a","p":1},"g":{"p":2}}', True), ('{"g":{"r":true,"p":2},"f":{"u":1,"q":"","p":0}}', True),
+                     ('{"f":{"p":1}}', False), ('{"g":{"q":"a"}}', False), ('{"f":{"q":"a","p":1,"z":0}}', False)):
+        assert _produce(backend, compiled, tokenizer, text) == ok, text
+    keeps_ref = {"allOf": [{"$ref": "#/$defs/c"}, {"properties": {"z": {}}}], "$defs": {"c": closed}}
+    assert prepared(copy.deepcopy(keeps_ref))["allOf"] == keeps_ref["allOf"][1:]      # the target merged, not z
     assert prepared(copy.deepcopy(wrapper), any_order=False) == wrapper
 
 

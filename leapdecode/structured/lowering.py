@@ -172,25 +172,32 @@ def prepared(schema: Any, any_order: bool = True) -> Any:
             _spell_out(node)
         if not into_all_of:
             for node in reversed(joined):       # inner ones first
-                _merge_all_of(node)
+                _merge_all_of(node, schema)
     if any_order and through_properties and not nested_id:   # (below a nested $id, "#/..." means another document)
         _Reaimed(schema).run(through_properties)
     return schema
 
 
-def _merge_all_of(node: dict[str, Any]) -> None:
+def _merge_all_of(node: dict[str, Any], root: dict[str, Any]) -> None:
     """`prepared`'s merge of allOf members into the node that holds them, in place, where that means the same:
     a member whose keywords are not the node's (or are `type`, intersected, and `required`, joined), with no
     keyword that reads its neighbours split from them (`_NEIGHBOURS`: properties with additionalProperties, items
-    with prefixItems, ...) and nothing that names or points (`$ref`, `$id`, definitions). llguidance intersects an
-    allOf, and a closed object intersected with anything (`{"allOf": [{closed object}, {"type": "object"}]}`,
-    `{"allOf": [{closed object}]}`) must keep its keys in schema order (`guard._mixed_intersections`); merged, it
-    is an object like any other."""
+    with prefixItems, ...) and nothing that names or points (`$ref`, `$id`, definitions). A member that is only a
+    local `$ref` (and annotations) merges its target's keywords on the same terms (the target stays where it is,
+    for its other references; its subschemas are shared, not copied). llguidance intersects an allOf, and a closed
+    object intersected with anything (`{"allOf": [{closed object}, {"type": "object"}]}`, `{"allOf": [{"$ref":
+    <closed object>}, {"required": [...]}]}`) must keep its keys in schema order (`guard._mixed_intersections`);
+    merged, it is an object like any other."""
     members = node["allOf"]
     kept = []
-    for member in members:
+    for original in members:
+        member = original
+        if isinstance(member, dict) and isinstance(member.get("$ref"), str) and member.keys() - ANNOTATIONS == {"$ref"}:
+            target = resolve_local_ref(root, member["$ref"])
+            if isinstance(target, dict) and target is not node and target is not root:
+                member = target
         if not isinstance(member, dict) or not _mergeable(node, member):
-            kept.append(member)
+            kept.append(original)
             continue
         for key, value in member.items():
             if key == "required" and "required" in node:
