@@ -53,7 +53,7 @@ import re
 import statistics
 import sys
 import time
-from typing import Any, Iterator
+from typing import Any
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -66,6 +66,7 @@ import jsonschema  # noqa: E402
 from transformers import PreTrainedTokenizerFast  # noqa: E402
 
 from leapdecode.structured.backend import GrammarBackend  # noqa: E402
+from leapdecode.structured.lowering import iter_subschemas  # noqa: E402
 
 DRAFTS = {"draft2020-12": "https://json-schema.org/draft/2020-12/schema", "draft7": "http://json-schema.org/draft-07/schema#"}
 
@@ -148,21 +149,10 @@ def _self_contained(defs: dict[str, Any], key: str) -> list[str]:
     """The entries of `defs` whose local `$ref`s, followed through `defs`, all stay inside it (a definition that
     refers to the document's root or its properties means something else once cut out)."""
     prefix = f"#/{key}/"
-
-    def refs(node: Any) -> Iterator[str]:
-        if isinstance(node, dict):
-            if isinstance(node.get("$ref"), str):
-                yield node["$ref"]
-            for v in node.values():
-                yield from refs(v)
-        elif isinstance(node, list):
-            for v in node:
-                yield from refs(v)
-
     direct = {}
     for entry, sub in defs.items():
         targets = set()
-        for ref in refs(sub):
+        for ref in (n["$ref"] for n in iter_subschemas(sub) if isinstance(n.get("$ref"), str)):
             if ref.startswith(prefix):
                 targets.add(ref[len(prefix):].split("/")[0].replace("~1", "/").replace("~0", "~"))
             elif ref.startswith("#"):

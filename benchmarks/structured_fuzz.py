@@ -30,8 +30,7 @@ warnings.filterwarnings("ignore")
 import jsonschema  # noqa: E402
 from transformers import PreTrainedTokenizerFast  # noqa: E402
 
-from leapdecode.structured import allocate_token_bitmask  # noqa: E402
-from leapdecode.structured.backend import GrammarBackend  # noqa: E402
+from structured_backends import Ours  # noqa: E402  (this directory)
 
 NAMES = ["id", "name", "tags", "a", "b", "count", "x_y", "val", "type", "items", "é", "a b", "Z9", "data"]
 PATTERNS = ["^[a-z]+$", "^[0-9]{2,4}$", "^x", "[A-Z]", "^(foo|bar)$", "^\\S+$", "^[a-z0-9_-]{1,8}$"]
@@ -187,21 +186,16 @@ def valid_instances(schema: dict[str, Any], n: int, seed: int) -> list[Any]:
 
 
 class Judge:
+    """Our backend as `structured_backends.py` runs it (`Ours`), judging texts."""
+
     def __init__(self, tokenizer: Any) -> None:
-        self.tok = tokenizer
-        self.backend = GrammarBackend(tokenizer, compile_timeout_s=30.0)
-        self.eos = tokenizer.eos_token_id
-        self.row = allocate_token_bitmask(1, self.backend.vocab_size)
+        self.tok, self.ours = tokenizer, Ours("leapdecode", tokenizer, {})
 
     def compile(self, schema: Any) -> Any:
-        return self.backend.compile({"type": "json_schema", "json_schema": {"name": "f", "schema": schema}})
+        return self.ours.compile(schema)
 
     def produces(self, compiled: Any, text: str) -> bool:
-        matcher = self.backend.matcher(compiled)
-        for token in self.tok.encode(text, add_special_tokens=False) + [self.eos]:
-            if not matcher.accept(token):
-                return False
-        return matcher.is_terminated()
+        return self.ours.walk(compiled, self.tok.encode(text, add_special_tokens=False), None)
 
 
 def dump(value: Any, form: str) -> str:

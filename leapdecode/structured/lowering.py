@@ -281,7 +281,7 @@ def _prune_unreached(root: dict[str, Any]) -> None:
                 elif isinstance(value, list):
                     stack.append(value)
             elif key == "$ref":
-                path = _pointer_path(root, value)
+                path = _pointer_path(root, value) if "%" not in str(value) else None   # (%-escapes: not followed)
                 if path is None:
                     return
                 kept.update(map(id, path))
@@ -305,10 +305,10 @@ _PRUNE_SPECIAL = _NAMING | _DEFINITIONS | set(DATA_KEYWORDS) | {"$ref", "$id", "
 
 def _pointer_path(root: Any, ref: Any) -> list[Any] | None:
     """The nodes a local JSON pointer ("#/a/b") passes through, root first and its target last; None for any other
-    reference."""
+    reference (and for a pointer that leads nowhere)."""
     if ref == "#":
         return [root]
-    if not isinstance(ref, str) or not ref.startswith("#/") or "%" in ref:
+    if not isinstance(ref, str) or not ref.startswith("#/"):
         return None
     path = [root]
     for part in ref[2:].split("/"):
@@ -321,6 +321,15 @@ def _pointer_path(root: Any, ref: Any) -> list[Any] | None:
         else:
             return None
     return path
+
+
+def _add_definition(defs: dict[str, Any], prefix: str, n: int, sub: Any) -> tuple[str, int]:
+    """Put `sub` in the root's `$defs` map `defs` under the first free name `prefix` + n, n + 1, ... (the user's
+    own names stay); returns its pointer and the number after the one used."""
+    while f"{prefix}{n}" in defs:
+        n += 1
+    defs[f"{prefix}{n}"] = sub
+    return f"#/$defs/{prefix}{n}", n + 1
 
 
 POINTED_PREFIX = "leapdecode-pointed-"
@@ -350,13 +359,8 @@ class _Reaimed:
             if found is None or moved >= 4096:
                 return
             holder, name, prefix = found
-            while f"{POINTED_PREFIX}{moved}" in defs:     # (a name of the user's own)
-                moved += 1
-            home = f"#/$defs/{POINTED_PREFIX}{moved}"
-            defs = self.root.setdefault("$defs", defs)
-            defs[f"{POINTED_PREFIX}{moved}"] = holder[name]
+            home, moved = _add_definition(self.root.setdefault("$defs", defs), POINTED_PREFIX, moved, holder[name])
             holder[name] = stand_in = {"$ref": home}
-            moved += 1
             for node in refs:
                 ref = node["$ref"]
                 if ref == prefix or ref.startswith(prefix + "/"):
@@ -672,13 +676,8 @@ class _Definitions:
             return sub
         known = self.refs.get(id(sub))
         if known is None:
-            defs = self.root.setdefault("$defs", {})
-            n = len(self.refs)
-            while f"{SHARED_PREFIX}{n}" in defs:     # (a name of the user's own)
-                n += 1
-            name = f"{SHARED_PREFIX}{n}"
-            defs[name] = sub
-            known = self.refs[id(sub)] = {"$ref": f"#/$defs/{name}"}
+            pointer, _ = _add_definition(self.root.setdefault("$defs", {}), SHARED_PREFIX, len(self.refs), sub)
+            known = self.refs[id(sub)] = {"$ref": pointer}
         return dict(known)
 
 
@@ -729,20 +728,8 @@ def without_lookaround(regex: str) -> str:
 
 def resolve_local_ref(root: Any, ref: str) -> Any:
     """Resolve "#/a/b" inside `root` (JSON pointer); None when it is not a plain local pointer."""
-    if ref == "#":
-        return root
-    if not ref.startswith("#/"):
-        return None
-    node = root
-    for part in ref[2:].split("/"):
-        part = part.replace("~1", "/").replace("~0", "~")
-        if isinstance(node, dict) and part in node:
-            node = node[part]
-        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
-            node = node[int(part)]
-        else:
-            return None
-    return node
+    path = _pointer_path(root, ref)
+    return None if path is None else path[-1]
 
 
 _ONLY_REFUSES = {

@@ -203,9 +203,9 @@ def _fast_check(schema: Any, cls: Any) -> bool:
             return False
     except Exception:  # noqa: BLE001 - whatever it cannot handle, jsonschema judges
         return False
-    from leapdecode.structured.lowering import iter_subschemas
+    from leapdecode.structured.lowering import keyword_nodes
 
-    for node in iter_subschemas(schema):
+    for node in keyword_nodes(schema):     # (not the name maps: a property named "patternProperties")
         patterns = [node["pattern"]] if isinstance(node.get("pattern"), str) else []
         if isinstance(node.get("patternProperties"), dict):
             patterns += list(node["patternProperties"])
