@@ -392,6 +392,39 @@ def test_batch_invariant_logprobs_are_bit_identical_alone_batched_and_drafted(ti
     assert run(True, {"drafter": drafter, "num_speculative_tokens": 4, "adaptive": False}) == alone
 
 
+@pytest.mark.parametrize("invariant", [True, None])
+def test_exact_logprobs_do_not_depend_on_prompt_chunks_or_the_prefix_cache(tiny_dir, invariant):
+    """Exact attention reads prompt chunks of any length with the kernel too, so a request's log-probabilities are
+    bit for bit the same whether its prompt ran as one long chunk, as many short ones, or mostly from the prefix
+    cache (its tail then runs alone). With long chunks through SDPA (float32, or float64 under
+    ``batch_invariant=True``) the cached run's last bits differed, and under int8 activations its tokens too."""
+    from leapdecode.attention import cpu_exact
+    if cpu_exact.kernel() is None:
+        pytest.skip("no C++ toolchain to build attention/cpu_exact.py: long chunks then run SDPA")
+    path = tiny_dir("llama", hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2)
+    prompts = random_prompts(4, lo=150, hi=300, seed=9)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=1)
+
+    def logprobs(outs):
+        return [[(t, lp[t]) for t, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)] for o in outs]
+
+    def run(**kw):
+        llm = make_llm(path, batch_invariant=invariant, max_model_len=512, **kw)
+        outs = [llm.generate([p], params, use_tqdm=False)[0] for p in prompts]
+        again = [llm.generate([p], params, use_tqdm=False)[0] for p in prompts]   # hits if caching is on
+        hits = llm.engine.block_manager.hits
+        llm.close()
+        return logprobs(outs), logprobs(again), hits
+
+    whole, whole_again, _ = run(enable_prefix_caching=False)            # each prompt one chunk
+    assert whole_again == whole
+    chunked, _, _ = run(enable_prefix_caching=False, max_num_batched_tokens=40)
+    assert chunked == whole
+    cold, cached, hits = run(enable_prefix_caching=True)
+    assert hits >= len(prompts) * 128                                   # most of every prompt from the cache
+    assert cold == whole and cached == whole
+
+
 def test_batch_invariant_bad_values_are_clear_errors(llama_dir):
     from leapdecode.attention.backend import get_backend
     from leapdecode.config import EngineConfig

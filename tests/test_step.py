@@ -304,6 +304,35 @@ def test_exact_torch_attention_gives_a_row_the_same_bits_in_any_step(path, d, mo
         assert torch.equal(alone, verify[i:i + 1]) and torch.equal(padded[:1], alone), i
 
 
+@pytest.mark.parametrize("exact,context,length", [("always", 100, 300), ("kernel", 0, 700), ("kernel", 37, 45)])
+def test_exact_attention_gives_a_long_prompt_chunk_its_rows_bits_alone(exact, context, length):
+    """Exact attention reads prompt chunks of any length with the kernel (row slabs above 32 rows), so each row of
+    a long chunk gets the bits it gets as a decode alone: a prompt's keys and values, and its first token, do not
+    depend on how it was chunked or how much of it came from the prefix cache. (Through SDPA, float32 or float64,
+    long chunks got other last bits.)"""
+    from leapdecode.attention import cpu_exact
+    from leapdecode.attention.torch_ref import TorchAttention
+    from leapdecode.engine.input_batch import InputBuffers
+    if cpu_exact.kernel() is None:
+        pytest.skip("no C++ toolchain to build attention/cpu_exact.py")
+    bs, hkv, group, d = 16, 3, 3, 64
+    nb = -(-(context + length) // bs)
+    own = tuple(reversed(range(nb)))
+    gen = torch.Generator().manual_seed(1)
+    cache = torch.randn(2, nb, bs, hkv, d, generator=gen)
+    q = torch.randn(length, hkv * group, d, generator=gen)
+    backend = TorchAttention(exact=exact)
+
+    def attend(seq, rows):
+        meta = InputBuffers(torch.device("cpu")).build(lay_out(0, bs, [seq]), None).meta
+        return backend.attend(rows, cache, meta, 0.125)
+
+    chunk = attend(ScheduledSeq(0, context, tuple([5] * length), own, samples=True), q)
+    for i in sorted({0, 1, 31, 32, 33, length // 2, length - 2, length - 1}):
+        alone = attend(ScheduledSeq(0, context + i, (5,), own, samples=True), q[i:i + 1])
+        assert torch.equal(alone, chunk[i:i + 1]), i
+
+
 @pytest.mark.parametrize("dtype,d", [(torch.float32, 40), (torch.bfloat16, 40), (torch.float32, 36),
                                      (torch.float32, 64), (torch.bfloat16, 128)])
 def test_exact_kernel_matches_float64_attention(dtype, d):

@@ -24,8 +24,15 @@ open): at 4k / 8k tokens on the real model that made fp8 decoding 3.9x / 5.7x an
 dequantizing the gathered blocks before SDPA (benchmarks/README.md). Where the CPU has AVX2 and F16C a row is
 decoded eight lanes at a time (bytes, nibbles and float16 grids converted by the CPU's own instructions, fp8
 through a gather from its 256 values; int4's salient tokens keep the scalar path): at 8k keys that took an int8
-layer's attention from 1.7x the float cache's time to 0.8x, since it reads a quarter of the bytes. Long prefill
-chunks (where SDPA's blocked matrix products win) use the fallback.
+layer's attention from 1.7x the float cache's time to 0.8x, since it reads a quarter of the bytes.
+
+Prompt chunks of any length are read by it too, so a prompt's keys, values and first token have the bits its rows
+get one at a time: the same whether it ran as one chunk, as many, or mostly from the prefix cache (through SDPA,
+float32 or float64, a cached prompt's first token had other last bits, and under int8 activations other tokens
+in 4 of 6 document prompts). Above 32 rows a sequence's rows go in slabs (``SLAB_FLOATS``), so the per-chunk
+partial results (a 2,048-token chunk's are ~150 MB) stay in cache and only the chunks a slab sees are visited:
+a 2,048-token chunk's causal attention over 2,048 keys takes 55 ms a layer (166 ms before the slabs; float32 SDPA
+~250, float64 ~400, this 2-core VM), and time to first token is float32 SDPA's (benchmarks/README.md).
 """
 from __future__ import annotations
 
@@ -52,6 +59,8 @@ _SOURCE = r"""
 // query row m of sequence s sees key j where mask[s, m, j], and key j of sequence s lives in block table[s, j / bs]
 // at offset j % bs.
 constexpr int64_t CHUNK = 64;   // keys per task: chunks start at fixed key positions (multiples of CHUNK)
+constexpr int64_t SLAB_ROWS = 32;           // query rows per sequence up to which all are done in one pass (run)
+constexpr int64_t SLAB_FLOATS = 1 << 20;    // else rows in slabs whose partial results take about this many floats
 constexpr int W = 8;            // lanes of a vector (GCC's vector extension: AVX, AVX-512's halves, NEON pairs)
 constexpr int G = CHUNK / W;    // lane groups of a chunk: key j is always lane j % W of group (j % CHUNK) / W
 typedef float vf __attribute__((vector_size(W * sizeof(float))));
@@ -356,10 +365,27 @@ void run(const Src& src, const float* q, const bool* mask, float* out, int64_t S
          int64_t D_, int64_t max_k, float scale) {
   constexpr int MAXV = Head<DT>::MAXV;
   const int64_t D = DT ? DT : D_, NB = D / W, DV = (D + W - 1) / W;
-  const int64_t group = H / Hkv, nc = (max_k + CHUNK - 1) / CHUNK, R = S * M;
-  // every (row, chunk, head) slot is written by its task (a chunk a row does not see, as empty): not zeroed first
+  const int64_t group = H / Hkv, nc = (max_k + CHUNK - 1) / CHUNK;
+  // Rows in slabs of Ms per sequence (all M of them for decodes, verifications and short chunks): each slab's
+  // partial results per (row, chunk, head) stay small enough to sit in cache (a 2,048-token prefill chunk's would
+  // be ~150 MB, written and read back once per layer), and only the chunks some row of the slab sees are visited.
+  // Which slab a row is in changes no sum: a row's partials and their merge are computed as for any other M.
+  const int64_t Ms = M <= SLAB_ROWS ? M
+                     : std::min(M, std::max(SLAB_ROWS, SLAB_FLOATS / std::max<int64_t>(1, S * nc * H * (D + 2))));
+  const int64_t R = S * Ms;
+  // every (row, chunk, head) slot the merge reads is written by its task (a chunk a row does not see, as empty)
   std::unique_ptr<float[]> pm(new float[R * nc * H]), pl(new float[R * nc * H]), pacc(new float[R * nc * H * D]);
-  at::parallel_for(0, S * nc * Hkv, 1, [&](int64_t begin, int64_t end) {   // a task per kv head too (a 440-token
+  for (int64_t m0 = 0; m0 < M; m0 += Ms) {
+  const int64_t m1 = std::min(M, m0 + Ms);
+  int64_t last = -1;   // the last key a row of the slab sees (rows in reverse: causal rows see the most last)
+  for (int64_t s = 0; s < S; ++s)
+    for (int64_t m = m1 - 1; m >= m0; --m) {
+      const bool* row = mask + (s * M + m) * max_k;
+      for (int64_t j = max_k - 1; j > last; --j)
+        if (row[j]) { last = j; break; }
+    }
+  const int64_t ncs = (last + CHUNK) / CHUNK;   // chunks the slab's rows see: 0 .. ncs - 1
+  at::parallel_for(0, S * ncs * Hkv, 1, [&](int64_t begin, int64_t end) {   // a task per kv head too (a 440-token
     // context's 7 chunks split 4 / 3 over two threads, its 21 tasks 11 / 10)
     // (the tile is written before it is read: converted rows fill their padding; no zeroing of its 32 KB per call)
     std::unique_ptr<float[]> tile(new float[2 * CHUNK * DV * W]);
@@ -367,11 +393,11 @@ void run(const Src& src, const float* q, const bool* mask, float* out, int64_t S
     const float* rows[2][CHUNK];
     bool seen[CHUNK];
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t s = task / (nc * Hkv), c = task / Hkv % nc, g = task % Hkv, j0 = c * CHUNK;
+      const int64_t s = task / (ncs * Hkv), c = task / Hkv % ncs, g = task % Hkv, j0 = c * CHUNK;
       const int64_t n = std::min(max_k, j0 + CHUNK) - j0;
       for (int64_t jj = 0; jj < CHUNK; ++jj) {
         seen[jj] = false;
-        for (int64_t m = 0; jj < n && m < M && !seen[jj]; ++m) seen[jj] = mask[(s * M + m) * max_k + j0 + jj];
+        for (int64_t m = m0; jj < n && m < m1 && !seen[jj]; ++m) seen[jj] = mask[(s * M + m) * max_k + j0 + jj];
       }
       const bool divergent = src.divergent(s, j0);
       auto load_rows = [&](int64_t m, const bool* want) {
@@ -401,8 +427,8 @@ void run(const Src& src, const float* q, const bool* mask, float* out, int64_t S
         }
       };
       if (!divergent) load_rows(0, seen);         // every row of the sequence reads these keys
-      for (int64_t m = 0; m < M; ++m) {
-        const int64_t r = s * M + m, idx = (r * nc + c) * H;
+      for (int64_t m = m0; m < m1; ++m) {
+        const int64_t r = s * M + m, idx = ((s * Ms + m - m0) * nc + c) * H;
         const bool* mk = mask + r * max_k + j0;
         alignas(64) int vis[CHUNK];
         bool any[G];
@@ -418,11 +444,10 @@ void run(const Src& src, const float* q, const bool* mask, float* out, int64_t S
         }
         bool none = true;
         for (int gi = 0; gi < G; ++gi) none = none && !any[gi];
-        if (none) {                                  // no visible key in this chunk
+        if (none) {                                  // no visible key in this chunk (the merge skips it)
           for (int64_t h = g * group; h < (g + 1) * group; ++h) {
             pm[idx + h] = -std::numeric_limits<float>::infinity();
             pl[idx + h] = 0.f;
-            for (int64_t d = 0; d < D; ++d) pacc[(idx + h) * D + d] = 0.f;
           }
           continue;
         }
@@ -459,17 +484,19 @@ void run(const Src& src, const float* q, const bool* mask, float* out, int64_t S
   });
   // the chunks merged per (row, head): on the calling thread where that is little work (a decode or a short
   // verification: a parallel region's fork and join cost more than its few thousand multiply-adds)
-  at::parallel_for(0, R * H, std::max<int64_t>(1, 32768 / std::max<int64_t>(1, nc * D)), [&](int64_t begin,
-                                                                                             int64_t end) {
+  // (chunks past ncs: no row of the slab sees a key there, as if written empty)
+  at::parallel_for(0, S * (m1 - m0) * H, std::max<int64_t>(1, 32768 / std::max<int64_t>(1, ncs * D)),
+                   [&](int64_t begin, int64_t end) {
     std::vector<float> acc(D);
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t r = task / H, h = task % H;
+      const int64_t s = task / ((m1 - m0) * H), mm = task / H % (m1 - m0), h = task % H;
+      const int64_t p = s * Ms + mm, r = s * M + m0 + mm;   // the row's partials, the row
       float mx = -std::numeric_limits<float>::infinity();
-      for (int64_t c = 0; c < nc; ++c) mx = std::max(mx, pm[(r * nc + c) * H + h]);
+      for (int64_t c = 0; c < ncs; ++c) mx = std::max(mx, pm[(p * nc + c) * H + h]);
       float total = 0.f;
       for (int64_t d = 0; d < D; ++d) acc[d] = 0.f;
-      for (int64_t c = 0; c < nc; ++c) {
-        const int64_t idx = (r * nc + c) * H + h;
+      for (int64_t c = 0; c < ncs; ++c) {
+        const int64_t idx = (p * nc + c) * H + h;
         if (pl[idx] == 0.f) continue;                 // no visible key in this chunk
         const float f = std::exp(pm[idx] - mx);
         total += pl[idx] * f;
@@ -481,6 +508,7 @@ void run(const Src& src, const float* q, const bool* mask, float* out, int64_t S
       for (int64_t d = 0; d < D; ++d) o[d] = acc[d] * inv;
     }
   });
+  }
 }
 
 template <typename Src>

@@ -82,13 +82,14 @@ class TorchAttention(AttentionBackend):
         float32 SDPA blocks its work by query length and padded key length, so a row's last bits differ between
         plain decoding (one query), verification (several) and other batch partners: a near-tie can flip, and
         bfloat16 activations (``quantization="int4"``) turn such bits into different tokens (greedy speculation
-        matched plain decoding on 10 of 12 documents). "kernel": decode and verification rows on a CPU float or
-        quantized cache go through the C++ kernel of attention/cpu_exact.py, which computes each row alone (exact by
-        construction, and no slower than gather + SDPA; a quantized cache is dequantized row by row as the kernel
-        reads it, 2-6x faster than dequantizing the gathered blocks), everything else through float32 SDPA;
-        "always": the same, and what the kernel cannot serve (long prefill chunks, no compiler) runs
-        SDPA in float64, where those differences sit ~29 bits below float32's last bit and rounding almost never
-        shows them; "off": SDPA."""
+        matched plain decoding on 10 of 12 documents). "kernel": every row on a CPU float or quantized cache -
+        decodes, verifications and prompt chunks of any length - goes through the C++ kernel of
+        attention/cpu_exact.py, which computes each row alone (exact by construction, so a prompt's keys, values and
+        first token do not depend on how it was chunked or how much of it came from the prefix cache; no slower than
+        gather + SDPA, and a quantized cache is dequantized row by row as the kernel reads it, 2-6x faster than
+        dequantizing the gathered blocks), float32 SDPA where the kernel is unavailable (no compiler, a GPU);
+        "always": the same, with that fallback in float64, where those differences sit ~29 bits below float32's
+        last bit and rounding almost never shows them; "off": SDPA."""
         if exact not in EXACT_MODES:
             raise ValueError(f"exact must be one of {EXACT_MODES}, got {exact!r}")
         self.sparse = sparse
@@ -197,7 +198,7 @@ class TorchAttention(AttentionBackend):
                 out[g.out_index] = g.attend(q, kv_cache, scale, layer).to(out.dtype)
                 continue
             o = None
-            if self.exact != "off" and g.q_index.shape[1] <= BATCH_MAX_QUERY:   # long prefill chunks: SDPA's GEMMs
+            if self.exact != "off":                   # every row alone, long prompt chunks too (in row slabs)
                 if isinstance(kv_cache, torch.Tensor) and kv_cache.device.type == "cpu":
                     t = g.by_slot
                     if t is not None:
