@@ -33,6 +33,9 @@ _EMPTY = torch.empty(0, dtype=torch.int64)
 # Sequences with at most this many query tokens (decodes, verification, short prefills) share one padded batch;
 # longer prefill chunks run alone so padding never multiplies their cost.
 BATCH_MAX_QUERY = 32
+# The longest query run of a group the exact kernel reads (None: any). benchmarks/prefill_exact.py sets
+# BATCH_MAX_QUERY to measure long prompt chunks through SDPA, as they ran before the kernel took them.
+KERNEL_MAX_QUERY: int | None = None
 # A padded batch is split where a sequence's context is more than PAD_RATIO times the shortest in its group (and
 # the group has MIN_GROUP rows): decode attention is a memory-bound read of every gathered key, padding included
 # (64 decodes of 100-1,000 tokens padded to 1,000 read ~4x the keys they attend).
@@ -198,7 +201,7 @@ class TorchAttention(AttentionBackend):
                 out[g.out_index] = g.attend(q, kv_cache, scale, layer).to(out.dtype)
                 continue
             o = None
-            if self.exact != "off":                   # every row alone, long prompt chunks too (in row slabs)
+            if self.exact != "off" and (KERNEL_MAX_QUERY is None or g.q_index.shape[1] <= KERNEL_MAX_QUERY):
                 if isinstance(kv_cache, torch.Tensor) and kv_cache.device.type == "cpu":
                     t = g.by_slot
                     if t is not None:
