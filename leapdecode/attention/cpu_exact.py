@@ -376,142 +376,142 @@ void run(const Src& src, const float* q, const bool* mask, float* out, int64_t S
   // every (row, chunk, head) slot the merge reads is written by its task (a chunk a row does not see, as empty)
   std::unique_ptr<float[]> pm(new float[R * nc * H]), pl(new float[R * nc * H]), pacc(new float[R * nc * H * D]);
   for (int64_t m0 = 0; m0 < M; m0 += Ms) {
-  const int64_t m1 = std::min(M, m0 + Ms);
-  int64_t last = -1;   // the last key a row of the slab sees (rows in reverse: causal rows see the most last)
-  for (int64_t s = 0; s < S; ++s)
-    for (int64_t m = m1 - 1; m >= m0; --m) {
-      const bool* row = mask + (s * M + m) * max_k;
-      for (int64_t j = max_k - 1; j > last; --j)
-        if (row[j]) { last = j; break; }
-    }
-  const int64_t ncs = (last + CHUNK) / CHUNK;   // chunks the slab's rows see: 0 .. ncs - 1
-  at::parallel_for(0, S * ncs * Hkv, 1, [&](int64_t begin, int64_t end) {   // a task per kv head too (a 440-token
-    // context's 7 chunks split 4 / 3 over two threads, its 21 tasks 11 / 10)
-    // (the tile is written before it is read: converted rows fill their padding; no zeroing of its 32 KB per call)
-    std::unique_ptr<float[]> tile(new float[2 * CHUNK * DV * W]);
-    std::vector<float> zero(DV * W, 0.f), qpad(DV * W, 0.f), weights(group * CHUNK);
-    const float* rows[2][CHUNK];
-    bool seen[CHUNK];
-    for (int64_t task = begin; task < end; ++task) {
-      // chunks in the order 0, last, 1, last - 1, ...: a thread's contiguous run of tasks then holds early and
-      // late chunks alike, which causal rows see more and fewer of (a 256-row prompt chunk's first half of tasks
-      // was 70% of the work); each task writes its own partials, so the order changes no sum
-      const int64_t s = task / (ncs * Hkv), k = task / Hkv % ncs, g = task % Hkv;
-      const int64_t c = k % 2 == 0 ? k / 2 : ncs - 1 - k / 2, j0 = c * CHUNK;
-      const int64_t n = std::min(max_k, j0 + CHUNK) - j0;
-      for (int64_t jj = 0; jj < CHUNK; ++jj) {
-        seen[jj] = false;
-        for (int64_t m = m0; jj < n && m < m1 && !seen[jj]; ++m) seen[jj] = mask[(s * M + m) * max_k + j0 + jj];
+    const int64_t m1 = std::min(M, m0 + Ms);
+    int64_t last = -1;   // the last key a row of the slab sees (rows in reverse: causal rows see the most last)
+    for (int64_t s = 0; s < S; ++s)
+      for (int64_t m = m1 - 1; m >= m0; --m) {
+        const bool* row = mask + (s * M + m) * max_k;
+        for (int64_t j = max_k - 1; j > last; --j)
+          if (row[j]) { last = j; break; }
       }
-      const bool divergent = src.divergent(s, j0);
-      auto load_rows = [&](int64_t m, const bool* want) {
-        for (int pass = 0; pass < 2; ++pass)
-          chunk_rows(src, pass, s, m, j0, g, want, D, DV, tile.get() + pass * CHUNK * DV * W, zero.data(),
-                     rows[pass]);
-      };
-      // heads i0 .. i0 + NH - 1 of kv head g (their weights in ``weights``): the weighted sums of the chunk's values
-      auto weigh = [&]<int NH>(int64_t i0, const int* vis, int64_t idx) {
-        vf acc[NH][MAXV];
-        for (int i = 0; i < NH; ++i)
-          for (int64_t b = 0; b < DV; ++b) acc[i][b] = splat(0.f);
-        for (int64_t jj = 0; jj < n; ++jj) {
-          if (!vis[jj]) continue;
-          vf pj[NH];
-          for (int i = 0; i < NH; ++i) pj[i] = splat(weights[(i0 + i) * CHUNK + jj]);
-          const float* v = rows[1][jj];
-          for (int64_t b = 0; b < DV; ++b) {
-            const vf vb = load(v + b * W);
-            for (int i = 0; i < NH; ++i) acc[i][b] += pj[i] * vb;
-          }
-        }
-        for (int i = 0; i < NH; ++i) {
-          float* acc_out = pacc.get() + (idx + g * group + i0 + i) * D;
-          for (int64_t b = 0; b < NB; ++b) store(acc_out + b * W, acc[i][b]);
-          for (int64_t d = NB * W; d < D; ++d) acc_out[d] = acc[i][NB][d - NB * W];
-        }
-      };
-      if (!divergent) load_rows(0, seen);         // every row of the sequence reads these keys
-      for (int64_t m = m0; m < m1; ++m) {
-        const int64_t r = s * M + m, idx = ((s * Ms + m - m0) * nc + c) * H;
-        const bool* mk = mask + r * max_k + j0;
-        alignas(64) int vis[CHUNK];
-        bool any[G];
-        for (int gi = 0; gi < G; ++gi) any[gi] = false;
+    const int64_t ncs = (last + CHUNK) / CHUNK;   // chunks the slab's rows see: 0 .. ncs - 1
+    at::parallel_for(0, S * ncs * Hkv, 1, [&](int64_t begin, int64_t end) {   // a task per kv head too (a 440-token
+      // context's 7 chunks split 4 / 3 over two threads, its 21 tasks 11 / 10)
+      // (the tile is written before it is read: converted rows fill their padding; no zeroing of its 32 KB per call)
+      std::unique_ptr<float[]> tile(new float[2 * CHUNK * DV * W]);
+      std::vector<float> zero(DV * W, 0.f), qpad(DV * W, 0.f), weights(group * CHUNK);
+      const float* rows[2][CHUNK];
+      bool seen[CHUNK];
+      for (int64_t task = begin; task < end; ++task) {
+        // chunks in the order 0, last, 1, last - 1, ...: a thread's contiguous run of tasks then holds early and
+        // late chunks alike, which causal rows see more and fewer of (a 256-row prompt chunk's first half of tasks
+        // was 70% of the work); each task writes its own partials, so the order changes no sum
+        const int64_t s = task / (ncs * Hkv), k = task / Hkv % ncs, g = task % Hkv;
+        const int64_t c = k % 2 == 0 ? k / 2 : ncs - 1 - k / 2, j0 = c * CHUNK;
+        const int64_t n = std::min(max_k, j0 + CHUNK) - j0;
         for (int64_t jj = 0; jj < CHUNK; ++jj) {
-          vis[jj] = jj < n && mk[jj] ? -1 : 0;
-          any[jj / W] = any[jj / W] || vis[jj];
+          seen[jj] = false;
+          for (int64_t m = m0; jj < n && m < m1 && !seen[jj]; ++m) seen[jj] = mask[(s * M + m) * max_k + j0 + jj];
         }
-        if (divergent) {                             // this row's own keys (a tree node's ancestors)
-          bool want[CHUNK];
-          for (int64_t jj = 0; jj < CHUNK; ++jj) want[jj] = vis[jj] != 0;
-          load_rows(m, want);
-        }
-        bool none = true;
-        for (int gi = 0; gi < G; ++gi) none = none && !any[gi];
-        if (none) {                                  // no visible key in this chunk (the merge skips it)
-          for (int64_t h = g * group; h < (g + 1) * group; ++h) {
-            pm[idx + h] = -std::numeric_limits<float>::infinity();
-            pl[idx + h] = 0.f;
-          }
-          continue;
-        }
-        // each head's scores and weights, then its weighted values, up to three heads at once: each key row and
-        // each value row is read once for them, and their sums run side by side (each head's own, in the same order
-        // as alone; the values' sums fill 24 registers)
-        auto heads = [&]<int NH>(int64_t i) {
-          vf qv[NH][MAXV];
-          const vf* qs[NH];
-          for (int j = 0; j < NH; ++j) {
-            const float* qrow = q + (r * H + g * group + i + j) * D;
-            if (D % W) { std::memcpy(qpad.data(), qrow, D * sizeof(float)); qrow = qpad.data(); }
-            for (int64_t b = 0; b < DV; ++b) qv[j][b] = load(qrow + b * W);
-            qs[j] = qv[j];
-          }
-          vf a[NH][G][W];
-          dots<NH>(qs, DV, rows[0], any, a);
-          for (int j = 0; j < NH; ++j) {
-            const int64_t h = g * group + i + j;
-            vf sc[G];
-            finish_scores(a[j], vis, any, scale, sc, weights.data() + (i + j) * CHUNK, pm[idx + h], pl[idx + h]);
-          }
-          weigh.template operator()<NH>(i, vis, idx);
+        const bool divergent = src.divergent(s, j0);
+        auto load_rows = [&](int64_t m, const bool* want) {
+          for (int pass = 0; pass < 2; ++pass)
+            chunk_rows(src, pass, s, m, j0, g, want, D, DV, tile.get() + pass * CHUNK * DV * W, zero.data(),
+                       rows[pass]);
         };
-        for (int64_t i = 0; i < group;) {
-          const int64_t left = std::min<int64_t>(group - i, DV <= 8 ? 3 : 1);
-          if (left == 3) heads.template operator()<3>(i);
-          else if (left == 2) heads.template operator()<2>(i);
-          else heads.template operator()<1>(i);
-          i += left;
+        // heads i0 .. i0 + NH - 1 of kv head g (their weights in ``weights``): the weighted sums of the chunk's values
+        auto weigh = [&]<int NH>(int64_t i0, const int* vis, int64_t idx) {
+          vf acc[NH][MAXV];
+          for (int i = 0; i < NH; ++i)
+            for (int64_t b = 0; b < DV; ++b) acc[i][b] = splat(0.f);
+          for (int64_t jj = 0; jj < n; ++jj) {
+            if (!vis[jj]) continue;
+            vf pj[NH];
+            for (int i = 0; i < NH; ++i) pj[i] = splat(weights[(i0 + i) * CHUNK + jj]);
+            const float* v = rows[1][jj];
+            for (int64_t b = 0; b < DV; ++b) {
+              const vf vb = load(v + b * W);
+              for (int i = 0; i < NH; ++i) acc[i][b] += pj[i] * vb;
+            }
+          }
+          for (int i = 0; i < NH; ++i) {
+            float* acc_out = pacc.get() + (idx + g * group + i0 + i) * D;
+            for (int64_t b = 0; b < NB; ++b) store(acc_out + b * W, acc[i][b]);
+            for (int64_t d = NB * W; d < D; ++d) acc_out[d] = acc[i][NB][d - NB * W];
+          }
+        };
+        if (!divergent) load_rows(0, seen);         // every row of the sequence reads these keys
+        for (int64_t m = m0; m < m1; ++m) {
+          const int64_t r = s * M + m, idx = ((s * Ms + m - m0) * nc + c) * H;
+          const bool* mk = mask + r * max_k + j0;
+          alignas(64) int vis[CHUNK];
+          bool any[G];
+          for (int gi = 0; gi < G; ++gi) any[gi] = false;
+          for (int64_t jj = 0; jj < CHUNK; ++jj) {
+            vis[jj] = jj < n && mk[jj] ? -1 : 0;
+            any[jj / W] = any[jj / W] || vis[jj];
+          }
+          if (divergent) {                             // this row's own keys (a tree node's ancestors)
+            bool want[CHUNK];
+            for (int64_t jj = 0; jj < CHUNK; ++jj) want[jj] = vis[jj] != 0;
+            load_rows(m, want);
+          }
+          bool none = true;
+          for (int gi = 0; gi < G; ++gi) none = none && !any[gi];
+          if (none) {                                  // no visible key in this chunk (the merge skips it)
+            for (int64_t h = g * group; h < (g + 1) * group; ++h) {
+              pm[idx + h] = -std::numeric_limits<float>::infinity();
+              pl[idx + h] = 0.f;
+            }
+            continue;
+          }
+          // each head's scores and weights, then its weighted values, up to three heads at once: each key row and
+          // each value row is read once for them, and their sums run side by side (each head's own, in the same order
+          // as alone; the values' sums fill 24 registers)
+          auto heads = [&]<int NH>(int64_t i) {
+            vf qv[NH][MAXV];
+            const vf* qs[NH];
+            for (int j = 0; j < NH; ++j) {
+              const float* qrow = q + (r * H + g * group + i + j) * D;
+              if (D % W) { std::memcpy(qpad.data(), qrow, D * sizeof(float)); qrow = qpad.data(); }
+              for (int64_t b = 0; b < DV; ++b) qv[j][b] = load(qrow + b * W);
+              qs[j] = qv[j];
+            }
+            vf a[NH][G][W];
+            dots<NH>(qs, DV, rows[0], any, a);
+            for (int j = 0; j < NH; ++j) {
+              const int64_t h = g * group + i + j;
+              vf sc[G];
+              finish_scores(a[j], vis, any, scale, sc, weights.data() + (i + j) * CHUNK, pm[idx + h], pl[idx + h]);
+            }
+            weigh.template operator()<NH>(i, vis, idx);
+          };
+          for (int64_t i = 0; i < group;) {
+            const int64_t left = std::min<int64_t>(group - i, DV <= 8 ? 3 : 1);
+            if (left == 3) heads.template operator()<3>(i);
+            else if (left == 2) heads.template operator()<2>(i);
+            else heads.template operator()<1>(i);
+            i += left;
+          }
         }
       }
-    }
-  });
-  // the chunks merged per (row, head): on the calling thread where that is little work (a decode or a short
-  // verification: a parallel region's fork and join cost more than its few thousand multiply-adds)
-  // (chunks past ncs: no row of the slab sees a key there, as if written empty)
-  at::parallel_for(0, S * (m1 - m0) * H, std::max<int64_t>(1, 32768 / std::max<int64_t>(1, ncs * D)),
-                   [&](int64_t begin, int64_t end) {
-    std::vector<float> acc(D);
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t s = task / ((m1 - m0) * H), mm = task / H % (m1 - m0), h = task % H;
-      const int64_t p = s * Ms + mm, r = s * M + m0 + mm;   // the row's partials, the row
-      float mx = -std::numeric_limits<float>::infinity();
-      for (int64_t c = 0; c < ncs; ++c) mx = std::max(mx, pm[(p * nc + c) * H + h]);
-      float total = 0.f;
-      for (int64_t d = 0; d < D; ++d) acc[d] = 0.f;
-      for (int64_t c = 0; c < ncs; ++c) {
-        const int64_t idx = (p * nc + c) * H + h;
-        if (pl[idx] == 0.f) continue;                 // no visible key in this chunk
-        const float f = std::exp(pm[idx] - mx);
-        total += pl[idx] * f;
-        const float* a = pacc.get() + idx * D;
-        for (int64_t d = 0; d < D; ++d) acc[d] += a[d] * f;
+    });
+    // the chunks merged per (row, head): on the calling thread where that is little work (a decode or a short
+    // verification: a parallel region's fork and join cost more than its few thousand multiply-adds)
+    // (chunks past ncs: no row of the slab sees a key there, as if written empty)
+    at::parallel_for(0, S * (m1 - m0) * H, std::max<int64_t>(1, 32768 / std::max<int64_t>(1, ncs * D)),
+                     [&](int64_t begin, int64_t end) {
+      std::vector<float> acc(D);
+      for (int64_t task = begin; task < end; ++task) {
+        const int64_t s = task / ((m1 - m0) * H), mm = task / H % (m1 - m0), h = task % H;
+        const int64_t p = s * Ms + mm, r = s * M + m0 + mm;   // the row's partials, the row
+        float mx = -std::numeric_limits<float>::infinity();
+        for (int64_t c = 0; c < ncs; ++c) mx = std::max(mx, pm[(p * nc + c) * H + h]);
+        float total = 0.f;
+        for (int64_t d = 0; d < D; ++d) acc[d] = 0.f;
+        for (int64_t c = 0; c < ncs; ++c) {
+          const int64_t idx = (p * nc + c) * H + h;
+          if (pl[idx] == 0.f) continue;                 // no visible key in this chunk
+          const float f = std::exp(pm[idx] - mx);
+          total += pl[idx] * f;
+          const float* a = pacc.get() + idx * D;
+          for (int64_t d = 0; d < D; ++d) acc[d] += a[d] * f;
+        }
+        float* o = out + (r * H + h) * D;
+        const float inv = total > 0.f ? 1.f / total : 0.f;
+        for (int64_t d = 0; d < D; ++d) o[d] = acc[d] * inv;
       }
-      float* o = out + (r * H + h) * D;
-      const float inv = total > 0.f ? 1.f / total : 0.f;
-      for (int64_t d = 0; d < D; ++d) o[d] = acc[d] * inv;
-    }
-  });
+    });
   }
 }
 
