@@ -53,7 +53,8 @@ BENCH = os.environ.get("LEAPDECODE_BENCH_DATA", os.path.join(os.path.dirname(REP
 METHODS = ("ngram", "suffix", "recycling", "auto")
 # --methods names beyond the drafters': (method, options); auto_ls / auto_eagle = auto over the suffix drafter and
 # layer skipping (the target's own layers from int8 weights, spec/layer_skip.py) / the EAGLE head (spec/eagle.py),
-# picked per request by measured goodput
+# picked per request by measured goodput; "NAME@K" caps any of them at K draft tokens (else each method's default,
+# or --num-speculative-tokens when given)
 VARIANTS = {"auto_fill": ("auto", {"calibrate": False}),
             "auto_ls": ("auto", {"methods": ["suffix", "layer_skip"]}),
             "auto_eagle": ("auto", {"methods": ["suffix", "eagle"]})}
@@ -282,7 +283,7 @@ def speculation(path: str, tok, tasks: dict[str, list[list[int]]], n: int, kv: s
     return rows
 
 
-def spec_batches(path: str, tasks: dict[str, list[list[int]]], batches: list[int], n: int, kv: str, k_spec: int,
+def spec_batches(path: str, tasks: dict[str, list[list[int]]], batches: list[int], n: int, kv: str, k_spec: int | None,
                  repeats: int, methods: tuple[str, ...], per_task_b1: int = 2,
                  quantization: str | None = None) -> list[dict]:
     """Issue 19's end-to-end check: plain decoding and each drafter (adaptive controller on) at each batch size,
@@ -296,8 +297,11 @@ def spec_batches(path: str, tasks: dict[str, list[list[int]]], batches: list[int
     configs = ("plain", *methods)
     llms = {}
     for method in configs:
-        base, options = VARIANTS.get(method, (method, {}))
-        spec = None if method == "plain" else {"method": base, "num_speculative_tokens": k_spec, "options": options}
+        name, _, k_own = method.partition("@")          # "suffix@4": suffix with at most 4 draft tokens
+        base, options = VARIANTS.get(name, (name, {}))
+        k = int(k_own) if k_own else k_spec
+        spec = None if method == "plain" else {"method": base, "options": options,
+                                               **({} if k is None else {"num_speculative_tokens": k})}
         llms[method] = LLM(path, kv_cache_memory=kv, speculative_config=spec, max_num_seqs=max(batches),
                            quantization=quantization)
         llms[method].generate([next(iter(tasks.values()))[0][:8]], SamplingParams(max_tokens=2), use_tqdm=False)
@@ -458,13 +462,11 @@ def main() -> None:
 
 def spec_batches_main(args) -> None:
     from leapdecode import LLM
-    from leapdecode.config import SpeculativeConfig
     from leapdecode.llm import resolve_model
     path = resolve_model(args.model)
     batches = [int(x) for x in args.spec_batches.split(",")]
     n = {int(k): int(v) for k, v in (x.split(":") for x in args.tokens_by_batch.split(","))}
-    k_spec = args.num_speculative_tokens if "--num-speculative-tokens" in sys.argv else \
-        SpeculativeConfig().num_speculative_tokens
+    k_spec = args.num_speculative_tokens if "--num-speculative-tokens" in sys.argv else None   # each method's own
     load0 = os.getloadavg()[0]
     llm = LLM(path, kv_cache_memory=args.kv_cache_memory, max_num_seqs=args.batch_prompts)
     tok = llm.get_tokenizer()
@@ -481,7 +483,8 @@ def spec_batches_main(args) -> None:
     rows = spec_batches(path, tasks, batches, {b: n.get(b, 32) for b in batches}, args.kv_cache_memory, k_spec,
                         args.repeats, tuple(args.methods.split(",")), args.prompts_per_task, args.quantization)
     print(f"\nmodel: {path}; machine: {platform.machine()}, {os.cpu_count()} CPUs, load average {load0:.1f} -> "
-          f"{os.getloadavg()[0]:.1f}; {args.threads} threads; k={k_spec}; {args.repeats} interleaved repeats; "
+          f"{os.getloadavg()[0]:.1f}; {args.threads} threads; k={k_spec or 'each method default'}; "
+          f"{args.repeats} interleaved repeats; "
           f"weights {args.quantization or 'as loaded (float32)'}\n")
     print("| batch | task | method | tok/s wall | wall ratio to plain (median of repeats; pooled) | per repeat | "
           "tok per CPU-s | CPU-time ratio (median) | per repeat | tokens/step | verified/output token | "
