@@ -436,10 +436,16 @@ void run(const Src& src, const float* q, const bool* mask, float* out, int64_t S
           const bool* mk = mask + r * max_k + j0;
           alignas(64) int vis[CHUNK];
           bool any[G];
-          for (int gi = 0; gi < G; ++gi) any[gi] = false;
-          for (int64_t jj = 0; jj < CHUNK; ++jj) {
-            vis[jj] = jj < n && mk[jj] ? -1 : 0;
-            any[jj / W] = any[jj / W] || vis[jj];
+          if (n == CHUNK) {                            // (branch-free, so the compiler widens it: ~8% of a prompt
+            for (int64_t jj = 0; jj < CHUNK; ++jj)     // chunk's time went to this loop)
+              vis[jj] = -static_cast<int>(static_cast<unsigned char>(mk[jj]) != 0);
+          } else {
+            for (int64_t jj = 0; jj < CHUNK; ++jj) vis[jj] = jj < n && mk[jj] ? -1 : 0;
+          }
+          for (int gi = 0; gi < G; ++gi) {
+            int v = 0;
+            for (int w = 0; w < W; ++w) v |= vis[gi * W + w];
+            any[gi] = v != 0;
           }
           if (divergent) {                             // this row's own keys (a tree node's ancestors)
             bool want[CHUNK];
