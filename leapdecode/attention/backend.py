@@ -127,7 +127,7 @@ def get_backend(name: str = "auto", device: torch.device | None = None,
     what only the torch backend does (``sparse`` decoding); elsewhere the torch backend.
     LEAPDECODE_ATTENTION_BACKEND=torch|triton overrides "auto".
     ``sparse``: lossy sparse decoding's settings (attention/sparse.py), which only the torch backend implements.
-    ``exact``: batch-invariant attention ("kernel" where it is free, "always"; ``TorchAttention``), which only the
+    ``exact``: batch-invariant attention ("kernel" on the CPU by default, "always"; ``TorchAttention``), which only the
     torch backend does; "always" picks it on CUDA too."""
     import os
     if name == "auto":

@@ -31,8 +31,12 @@ get one at a time: the same whether it ran as one chunk, as many, or mostly from
 float32 or float64, a cached prompt's first token had other last bits, and under int8 activations other tokens
 in 4 of 6 document prompts). Above 32 rows a sequence's rows go in slabs (``SLAB_FLOATS``), so the per-chunk
 partial results (a 2,048-token chunk's are ~150 MB) stay in cache and only the chunks a slab sees are visited:
-a 2,048-token chunk's causal attention over 2,048 keys takes 55 ms a layer (166 ms before the slabs; float32 SDPA
-~250, float64 ~400, this 2-core VM), and time to first token is float32 SDPA's (benchmarks/README.md).
+a 2,048-token chunk from key 0 takes 53 ms a layer (166 ms before the slabs; through the engine's SDPA path 59 ms
+in float32, 156 in float64, this 2-core VM). After earlier keys, where nearly every key is seen, float32 SDPA's
+matrix products are 10-18% faster than these per-row sums over 8-lane vectors: by default the later chunks of a
+long prompt, or a new turn after a cached conversation, prefill 16-20% slower than through float32 SDPA (the price
+of exactness there; under quantization, whose fallback was float64 SDPA, every prompt got 1.4-1.9x faster;
+benchmarks/README.md, "Prompt chunks through the exact kernel too").
 """
 from __future__ import annotations
 
