@@ -198,8 +198,9 @@ class EngineConfig:
                                               # kernel or oneDNN (model/packed_linear.py); None: where available
     quantization: str | None = None           # "int4": LOSSY 4-bit weights on the CPU (model/int4_linear.py)
     batch_invariant: bool | None = None       # exact attention: a request's logits are bit for bit the same
-                                              # whatever shares its step (attention/cpu_exact.py); None: where it
-                                              # is (nearly) free (every CPU row), everywhere with quantization
+                                              # whatever shares its step (attention/cpu_exact.py); None: every
+                                              # CPU row (prompt chunks after earlier keys 10-18% dearer than
+                                              # SDPA), everywhere with quantization
     max_graph_batch: int = 256                # CUDA graphs are captured for decode batches up to this size
 
     def __post_init__(self) -> None:

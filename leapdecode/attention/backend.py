@@ -127,8 +127,8 @@ def get_backend(name: str = "auto", device: torch.device | None = None,
     what only the torch backend does (``sparse`` decoding); elsewhere the torch backend.
     LEAPDECODE_ATTENTION_BACKEND=torch|triton overrides "auto".
     ``sparse``: lossy sparse decoding's settings (attention/sparse.py), which only the torch backend implements.
-    ``exact``: batch-invariant attention ("kernel" on the CPU by default, "always"; ``TorchAttention``), which only the
-    torch backend does; "always" picks it on CUDA too."""
+    ``exact``: batch-invariant attention ("kernel", the CPU's default, or "always"; ``TorchAttention``), which only
+    the torch backend does; "always" picks it on CUDA too."""
     import os
     if name == "auto":
         on_cuda = device is not None and torch.device(device).type == "cuda"
