@@ -19,6 +19,11 @@ def tokens(outs):
     return [o.outputs[0].token_ids for o in outs]
 
 
+def token_logprobs(outs):
+    """Each output's (token, its log-probability) pairs: what bit-for-bit comparisons compare."""
+    return [[(t, lp[t]) for t, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)] for o in outs]
+
+
 def hf_model(path):
     import transformers
     return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
@@ -101,10 +106,6 @@ def test_preemption_keeps_every_request_complete_and_identical(llama_dir):
     default) that chunk's rows get the bits they got as decodes, so even the log-probabilities are the same."""
     prompts = random_prompts(12, lo=10, hi=40, seed=5)
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, logprobs=1)
-
-    def signature(outs):
-        return [[(t, lp[t]) for t, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)] for o in outs]
-
     ref = make_llm(llama_dir).generate(prompts, params, use_tqdm=False)
     small = make_llm(llama_dir, num_kv_blocks=16, block_size=8, max_model_len=128)   # 128 tokens of KV in all
     outs = small.generate(prompts, params, use_tqdm=False)
@@ -113,7 +114,7 @@ def test_preemption_keeps_every_request_complete_and_identical(llama_dir):
     assert all(len(t) == 40 for t in tokens(outs))
     from leapdecode.attention import cpu_exact
     if cpu_exact.kernel() is not None:
-        assert signature(outs) == signature(ref)
+        assert token_logprobs(outs) == token_logprobs(ref)
     assert_pool_free(small)
 
 
@@ -392,7 +393,7 @@ def test_batch_invariant_logprobs_are_bit_identical_alone_batched_and_drafted(ti
             assert llm.engine.stats["accepted_tokens"] > 0
         assert llm.engine.runner.backend.exact == ("always" if invariant else "kernel")
         llm.close()
-        return [[(t, lp[t]) for t, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)] for o in outs]
+        return token_logprobs(outs)
 
     alone = run(False)
     assert run(True) == alone
@@ -413,17 +414,13 @@ def test_exact_logprobs_do_not_depend_on_prompt_chunks_or_the_prefix_cache(tiny_
     path = tiny_dir("llama", hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2)
     prompts = random_prompts(4, lo=150, hi=300, seed=9)
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=1)
-
-    def logprobs(outs):
-        return [[(t, lp[t]) for t, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)] for o in outs]
-
     def run(**kw):
         llm = make_llm(path, batch_invariant=invariant, max_model_len=512, **kw)
         outs = [llm.generate([p], params, use_tqdm=False)[0] for p in prompts]
         again = [llm.generate([p], params, use_tqdm=False)[0] for p in prompts]   # hits if caching is on
         hits = llm.engine.block_manager.hits
         llm.close()
-        return logprobs(outs), logprobs(again), hits
+        return token_logprobs(outs), token_logprobs(again), hits
 
     whole, whole_again, _ = run(enable_prefix_caching=False)            # each prompt one chunk
     assert whole_again == whole
