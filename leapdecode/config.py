@@ -199,8 +199,8 @@ class EngineConfig:
     quantization: str | None = None           # "int4": LOSSY 4-bit weights on the CPU (model/int4_linear.py)
     batch_invariant: bool | None = None       # exact attention: a request's logits are bit for bit the same
                                               # whatever shares its step (attention/cpu_exact.py); None: every
-                                              # CPU row (prompt chunks after earlier keys 10-18% dearer than
-                                              # SDPA), everywhere with quantization
+                                              # CPU row (prompts prefill at 0.95-1.17x float32 SDPA's speed),
+                                              # everywhere with quantization
     max_graph_batch: int = 256                # CUDA graphs are captured for decode batches up to this size
 
     def __post_init__(self) -> None:
@@ -276,8 +276,8 @@ class EngineConfig:
         """The torch attention backend's ``exact`` mode (attention/torch_ref.py): "always" with
         ``batch_invariant=True`` or, by default, under ``quantization`` (whose bfloat16 or int8 activations make
         float32 SDPA's last bits visible; float64 SDPA where the kernel cannot run); "off" with
-        ``batch_invariant=False``; else "kernel" (every row on a CPU: decode rows at no cost, prompt chunks after
-        earlier keys 10-18% slower than float32 SDPA)."""
+        ``batch_invariant=False``; else "kernel" (every row on a CPU: decode rows at no cost, prompts at 0.95-1.17x
+        float32 SDPA's speed)."""
         if self.batch_invariant or (self.batch_invariant is None and self.quantization is not None):
             return "always"
         return "off" if self.batch_invariant is False else "kernel"

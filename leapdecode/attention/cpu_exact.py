@@ -6,14 +6,18 @@ different last bits as a plain decode, as a row of a verification or beside a pa
 with overwhelming probability but copies every gathered key and value to float64 (0.70-0.73x SDPA's speed at
 batch 16). This kernel reads each row's keys straight from the paged cache (no gather copy) in chunks of 64 fixed
 key positions, skipping keys no row sees, and merges the chunks in ascending order; every sum has one fixed order.
-Within a chunk it works eight keys at a time in vector lanes (GCC's vector extensions, which any x86 or Arm target
-lowers to its own registers): key j is always lane j % 8, its dot product is summed over the head in one order and
-the eight lanes are reduced in one tree, and the exponential is a polynomial computed the same way in every lane.
-A row's result therefore depends on nothing but its query and its visible keys: the same alone, padded, batched or
-verifying, by construction. Measured (benchmarks/README.md, "cpu_int4.py"): the kernel alone is 1.7-4x faster than
-the scalar one it replaced (16 decode rows over 300 keys, SmolLM2's heads: 684 -> 260 us a layer); whole
-``generate`` 1.06x float32 SDPA's speed at batch 1 on 600-1,000-token contexts and 1.29x at batch 16 (1.00x and
-1.29x under int4).
+Within a chunk the keys of one kv head are transposed once (sixteen keys in the lanes of a vector), so a query's
+score of a key is one chain of fused multiply-adds over the head's elements in order, sixteen keys at a time, and
+its weighted values one chain over the visible keys in order per element; the exponential is a polynomial computed
+the same way in every lane, and the fused multiply-adds are written as such (no compiler choice between contracting
+and not). Every row runs the same code, so a row's result depends on nothing but its query and its visible keys:
+the same alone, padded, batched, verifying or in a prompt chunk, by construction. Measured (benchmarks/README.md,
+"cpu_int4.py"): the kernel alone is 1.7-4x faster than the scalar one it replaced (16 decode rows over 300 keys,
+SmolLM2's heads: 684 -> 260 us a layer); whole ``generate`` 1.06x float32 SDPA's speed at batch 1 on
+600-1,000-token contexts and 1.29x at batch 16 (1.00x and 1.29x under int4). (Those were taken with the kernel's
+first form, eight keys in lanes with each dot product summed over the head in lanes and the lanes reduced in a
+tree; the transposed form, 2026-12-07, decodes at the same speed and reads prompt chunks and verifications
+1.1-1.35x faster; benchmarks/README.md, "The exact kernel transposed".)
 
 Compiled at first use (leapdecode/native.py: g++ and ninja, ``-march=native``, cached under
 ``TORCH_EXTENSIONS_DIR``, ~20 s the first time); :func:`kernel` returns None where that fails, and the backend
@@ -31,12 +35,13 @@ get one at a time: the same whether it ran as one chunk, as many, or mostly from
 float32 or float64, a cached prompt's first token had other last bits, and under int8 activations other tokens
 in 4 of 6 document prompts). Above 32 rows a sequence's rows go in slabs (``SLAB_FLOATS``), so the per-chunk
 partial results (a 2,048-token chunk's are ~150 MB) stay in cache and only the chunks a slab sees are visited:
-a 2,048-token chunk from key 0 takes 53 ms a layer (166 ms before the slabs; through the engine's SDPA path 59 ms
-in float32, 156 in float64, this 2-core VM). After earlier keys, where nearly every key is seen, float32 SDPA's
-matrix products are 10-18% faster than these per-row sums over 8-lane vectors: by default the later chunks of a
-long prompt, or a new turn after a cached conversation, prefill 16-20% slower than through float32 SDPA (the price
-of exactness there; under quantization, whose fallback was float64 SDPA, every prompt got 1.4-1.9x faster;
-benchmarks/README.md, "Prompt chunks through the exact kernel too").
+a 2,048-token chunk from key 0 takes 39 ms a layer (166 ms before the slabs; through the engine's SDPA path 63 ms
+in float32, 162 in float64, this 2-core VM), and after earlier keys it is 1.10-1.25x float32 SDPA's speed. So
+exactness costs prompts at most ~5% by default (time to the first token of a 7,000-token prompt 1.00x,
+of 300 new tokens after a cached 1,792-token conversation 0.95x, of first chunks up to ~2,000 tokens 1.09-1.17x
+float32 SDPA's; with the kernel's first, per-key form those were 0.80x, 0.84x and 1.03-1.06x), and under
+quantization, whose fallback was float64 SDPA, prompts prefill 1.55-2.2x faster (benchmarks/README.md, "Prompt
+chunks through the exact kernel too" and "The exact kernel transposed").
 """
 from __future__ import annotations
 
@@ -100,39 +105,137 @@ inline float lane_total(vf x) {
 
 // exp(x) for -87.3 < x <= 0, else exp(-87.3) (Cody-Waite reduction, Cephes' degree-5 polynomial, ~1 ulp), lane by lane with the same
 // operations in every lane, so a value's result never depends on its lane or its neighbours.
-inline vf exp_neg(vf x) {
-  x = x < splat(-87.3f) ? splat(-87.3f) : x;
-  const vf n = __builtin_convertvector(__builtin_convertvector(x * splat(1.44269504088896341f) - splat(0.5f), vi), vf);
-  vf r = x - n * splat(0.693359375f);
-  r = r - n * splat(-2.12194440e-4f);
-  vf p = splat(1.9875691500e-4f);
-  p = p * r + splat(1.3981999507e-3f);
-  p = p * r + splat(8.3334519073e-3f);
-  p = p * r + splat(4.1665795894e-2f);
-  p = p * r + splat(1.6666665459e-1f);
-  p = p * r + splat(5.0000001201e-1f);
-  p = p * r * r + r + splat(1.0f);
-  const vi e = (__builtin_convertvector(n, vi) + 127) << 23;
-  vf scale_;
-  std::memcpy(&scale_, &e, sizeof(vf));
+template <typename V, typename VI>
+inline V exp_neg_of(V x) {
+  const V lo = V{} - 87.3f;
+  x = x < lo ? lo : x;
+  const V n = __builtin_convertvector(__builtin_convertvector(x * 1.44269504088896341f - 0.5f, VI), V);
+  V r = x - n * 0.693359375f;
+  r = r - n * -2.12194440e-4f;
+  V p = V{} + 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const VI e = (__builtin_convertvector(n, VI) + 127) << 23;
+  V scale_;
+  std::memcpy(&scale_, &e, sizeof(V));
   return p * scale_;
 }
+inline vf exp_neg(vf x) { return exp_neg_of<vf, vi>(x); }
 
-// A head row of D floats as DV vectors (the last one zero-padded when W does not divide D).
+// A head row of D floats as DV vectors (the last one zero-padded when W does not divide D); MAXV16: as vectors of
+// 16 lanes (the exact kernel's).
 template <int DT>
 struct Head {
   static constexpr int MAXV = DT ? (DT + W - 1) / W : 64;
+  static constexpr int MAXV16 = DT ? (DT + 15) / 16 : 32;
 };
 
-// Two phases. (1) One task per (sequence, chunk of CHUNK keys, kv head): the chunk's key and value rows of that
-// head (read in place from a float32 cache, else converted once); per (query row, head) the scores of the chunk's
-// keys, eight keys at a time (key j in lane j % W, its dot product summed over the head in one fixed order), their
-// max, the exponentials, their sum and the weighted values (a kv head's query heads share each value row's read).
-// (2) One task per (row, head): the chunks merged in ascending order. Every sum has one fixed order and chunk
-// boundaries are fixed key positions, so a row's result depends only on its query and its visible keys: not on
-// padding, on how many rows its sequence verifies, or on other sequences.
+// Sixteen lanes: the exact kernel's vectors (an AVX-512 register, two AVX ones). Its dot products and weighted sums
+// are chains of fused multiply-adds written as such (fma16), so no compiler choice between contracting or not can
+// give one call other bits than another.
+constexpr int WV = 16;
+typedef float v16 __attribute__((vector_size(WV * sizeof(float))));
+typedef float v16_u __attribute__((vector_size(WV * sizeof(float)), aligned(alignof(float))));
+typedef int vi16 __attribute__((vector_size(WV * sizeof(int))));
+inline v16 load16(const float* p) { return *reinterpret_cast<const v16_u*>(p); }
+inline void store16(float* p, v16 x) { *reinterpret_cast<v16_u*>(p) = x; }
+// (v16{} + x would add a zero: one more instruction, and -0 becomes +0; a broadcast reads x from memory)
+inline v16 splat16(float x) { return v16{x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
+#if defined(__AVX512F__)
+#include <immintrin.h>
+inline v16 fma16(v16 a, v16 b, v16 c) { return (v16)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c); }
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+inline v16 fma16(v16 a, v16 b, v16 c) {
+  typedef float h8 __attribute__((vector_size(8 * sizeof(float))));
+  h8 ah, al, bh, bl, ch, cl;
+  std::memcpy(&al, &a, sizeof al); std::memcpy(&ah, reinterpret_cast<const char*>(&a) + sizeof al, sizeof ah);
+  std::memcpy(&bl, &b, sizeof bl); std::memcpy(&bh, reinterpret_cast<const char*>(&b) + sizeof bl, sizeof bh);
+  std::memcpy(&cl, &c, sizeof cl); std::memcpy(&ch, reinterpret_cast<const char*>(&c) + sizeof cl, sizeof ch);
+  const h8 lo = (h8)_mm256_fmadd_ps((__m256)al, (__m256)bl, (__m256)cl);
+  const h8 hi = (h8)_mm256_fmadd_ps((__m256)ah, (__m256)bh, (__m256)ch);
+  v16 r;
+  std::memcpy(&r, &lo, sizeof lo);
+  std::memcpy(reinterpret_cast<char*>(&r) + sizeof lo, &hi, sizeof hi);
+  return r;
+}
+#else
+inline v16 fma16(v16 a, v16 b, v16 c) {
+  for (int l = 0; l < WV; ++l) c[l] = __builtin_fmaf(a[l], b[l], c[l]);
+  return c;
+}
+#endif
+
+#if defined(__clang__)
+#define SHUFFLE16(x, y, ...) __builtin_shufflevector(x, y, __VA_ARGS__)
+#else
+#define SHUFFLE16(x, y, ...) __builtin_shuffle(x, y, vi16{__VA_ARGS__})
+#endif
+
+// r[i][l] <- r[l][i]: a 16 x 16 transpose in four rounds of two-vector shuffles (at stride s, rows i and i + s swap
+// their s x s blocks off the diagonal). Data movement only: no value changes.
+inline void transpose16(v16* r) {
+  for (int i = 0; i < 8; ++i) {
+    const v16 a = r[i], b = r[i + 8];
+    r[i] = SHUFFLE16(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23);
+    r[i + 8] = SHUFFLE16(a, b, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  }
+  for (int i = 0; i < 16; ++i) {
+    if (i & 4) continue;
+    const v16 a = r[i], b = r[i + 4];
+    r[i] = SHUFFLE16(a, b, 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27);
+    r[i + 4] = SHUFFLE16(a, b, 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31);
+  }
+  for (int i = 0; i < 16; ++i) {
+    if (i & 2) continue;
+    const v16 a = r[i], b = r[i + 2];
+    r[i] = SHUFFLE16(a, b, 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29);
+    r[i + 2] = SHUFFLE16(a, b, 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31);
+  }
+  for (int i = 0; i < 16; i += 2) {
+    const v16 a = r[i], b = r[i + 1];
+    r[i] = SHUFFLE16(a, b, 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30);
+    r[i + 1] = SHUFFLE16(a, b, 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31);
+  }
+}
+
+// The largest of x's sixteen lanes, in every lane (four shuffles and maxima instead of fifteen scalar ones).
+inline v16 lane_max16(v16 x) {
+  v16 y = SHUFFLE16(x, x, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
+  x = x > y ? x : y;
+  y = SHUFFLE16(x, x, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
+  x = x > y ? x : y;
+  y = SHUFFLE16(x, x, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
+  x = x > y ? x : y;
+  y = SHUFFLE16(x, x, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
+  return x > y ? x : y;
+}
+
+// The sum of x's sixteen lanes, always in the same tree order.
+inline float lane_total16(v16 x) {
+  const v16 h = SHUFFLE16(x, x, 0, 2, 4, 6, 8, 10, 12, 14, 0, 2, 4, 6, 8, 10, 12, 14)
+                + SHUFFLE16(x, x, 1, 3, 5, 7, 9, 11, 13, 15, 1, 3, 5, 7, 9, 11, 13, 15);
+  float t[8];
+  for (int l = 0; l < 8; ++l) t[l] = h[l];
+  return ((t[0] + t[1]) + (t[2] + t[3])) + ((t[4] + t[5]) + (t[6] + t[7]));
+}
+
+// Two phases. (1) One task per (sequence, chunk of CHUNK keys, kv head): the chunk's key rows of that head
+// transposed once (``transpose_keys``: read in place from a float32 cache, else converted first) and its value
+// rows; per (query row, head) the scores of the chunk's keys, sixteen keys at a time, each score one chain of
+// fused multiply-adds over the head's elements in order (key j in lane j % 16); their max, the exponentials, their
+// sum in one tree, and the weighted values, one chain of fused multiply-adds over the visible keys in order per
+// element (a kv head's query heads share each key and value read, up to three heads side by side). (2) One task
+// per (row, head): the chunks merged in ascending order. Every sum has one fixed order, chunk boundaries are fixed
+// key positions and every row runs the same code, so a row's result depends only on its query and its visible
+// keys: not on padding, on how many rows its sequence has in the call (a decode, a verification, a prompt chunk)
+// or on other sequences.
 // Where a key's or value's row comes from: ``row(pass, s, j, g, dst)`` (pass 0 keys, 1 values; sequence s, key j,
-// kv head g) returns a pointer to its D floats, in the cache itself where they are float32 and D % W == 0, else
+// kv head g) returns a pointer to its D floats, in the cache itself where they are float32 and D % 16 == 0, else
 // written into ``dst`` (converted, or dequantized).
 
 // Key j's block and offset for a block size bs: a shift and a mask where bs is a power of two (the engine's 16)
@@ -160,7 +263,7 @@ struct Paged {
                            : table[s * table_stride + block_of(j, bs)] * block_stride + offset_of(j, bs) * Hkv * D;
     const T* src = (pass == 0 ? kc : vc) + at + g * D;
     if constexpr (std::is_same<T, float>::value) {
-      if (D % W == 0) return src;
+      if (D % WV == 0) return src;
     }
     for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<float>(src[d]);
     return dst;
@@ -259,7 +362,7 @@ struct Quant {
       const int64_t wb = wmap[s * wmap_stride + b];
       if (wb >= 0) {
         const float* src = window + (((pass * nw + wb) * bs + off) * Hkv + g) * D;
-        if (D % W == 0) return src;
+        if (D % WV == 0) return src;
         std::memcpy(dst, src, D * sizeof(float));
         return dst;
       }
@@ -364,11 +467,28 @@ inline void score_chunk(const vf* qv, int64_t DV, const float* const* rows, cons
   finish_scores(a[0], vis, any, scale, sc, e, mx, l);
 }
 
+// The chunk's keys of one kv head transposed, kt[d * CHUNK + jj] = key jj's element d, so that a query's scores of
+// sixteen keys are one chain of multiply-adds over d in vector lanes (key j in lane j % 16).
+inline void transpose_keys(const float* const* rows, int64_t D, float* kt) {
+  if (D % WV == 0) {
+    v16 r[WV];
+    for (int64_t j0 = 0; j0 < CHUNK; j0 += WV)
+      for (int64_t d0 = 0; d0 < D; d0 += WV) {
+        for (int i = 0; i < WV; ++i) r[i] = load16(rows[j0 + i] + d0);
+        transpose16(r);
+        for (int i = 0; i < WV; ++i) store16(kt + (d0 + i) * CHUNK + j0, r[i]);
+      }
+    return;
+  }
+  for (int64_t jj = 0; jj < CHUNK; ++jj)
+    for (int64_t d = 0; d < D; ++d) kt[d * CHUNK + jj] = rows[jj][d];
+}
+
 template <typename Src, int DT>
 void run(const Src& src, const float* q, const bool* mask, float* out, int64_t S, int64_t M, int64_t H, int64_t Hkv,
          int64_t D_, int64_t max_k, float scale) {
-  constexpr int MAXV = Head<DT>::MAXV;
-  const int64_t D = DT ? DT : D_, NB = D / W, DV = (D + W - 1) / W;
+  constexpr int MAXV = Head<DT>::MAXV16;
+  const int64_t D = DT ? DT : D_, NB = D / WV, DV = (D + WV - 1) / WV, DV8 = DV * WV / W;
   const int64_t group = H / Hkv, nc = (max_k + CHUNK - 1) / CHUNK;
   // Rows in slabs of Ms per sequence (all M of them for decodes, verifications and short chunks): each slab's
   // partial results per (row, chunk, head) stay small enough to sit in cache (a 2,048-token prefill chunk's would
@@ -392,8 +512,9 @@ void run(const Src& src, const float* q, const bool* mask, float* out, int64_t S
     at::parallel_for(0, S * ncs * Hkv, 1, [&](int64_t begin, int64_t end) {   // a task per kv head too (a 440-token
       // context's 7 chunks split 4 / 3 over two threads, its 21 tasks 11 / 10)
       // (the tile is written before it is read: converted rows fill their padding; no zeroing of its 32 KB per call)
-      std::unique_ptr<float[]> tile(new float[2 * CHUNK * DV * W]);
-      std::vector<float> zero(DV * W, 0.f), qpad(DV * W, 0.f), weights(group * CHUNK);
+      std::unique_ptr<float[]> tile(new float[2 * CHUNK * DV * WV]), transposed(new float[D * CHUNK]);
+      float* kt = transposed.get();
+      std::vector<float> zero(DV * WV, 0.f), weights(group * CHUNK);
       const float* rows[2][CHUNK];
       bool seen[CHUNK];
       for (int64_t task = begin; task < end; ++task) {
@@ -410,54 +531,23 @@ void run(const Src& src, const float* q, const bool* mask, float* out, int64_t S
         const bool divergent = src.divergent(s, j0);
         auto load_rows = [&](int64_t m, const bool* want) {
           for (int pass = 0; pass < 2; ++pass)
-            chunk_rows(src, pass, s, m, j0, g, want, D, DV, tile.get() + pass * CHUNK * DV * W, zero.data(),
+            chunk_rows(src, pass, s, m, j0, g, want, D, DV8, tile.get() + pass * CHUNK * DV * WV, zero.data(),
                        rows[pass]);
-        };
-        // heads i0 .. i0 + NH - 1 of kv head g (their weights in ``weights``): the weighted sums of the chunk's values
-        auto weigh = [&]<int NH>(int64_t i0, const int* vis, int64_t idx) {
-          vf acc[NH][MAXV];
-          for (int i = 0; i < NH; ++i)
-            for (int64_t b = 0; b < DV; ++b) acc[i][b] = splat(0.f);
-          for (int64_t jj = 0; jj < n; ++jj) {
-            if (!vis[jj]) continue;
-            vf pj[NH];
-            for (int i = 0; i < NH; ++i) pj[i] = splat(weights[(i0 + i) * CHUNK + jj]);
-            const float* v = rows[1][jj];
-            for (int64_t b = 0; b < DV; ++b) {
-              const vf vb = load(v + b * W);
-              for (int i = 0; i < NH; ++i) acc[i][b] += pj[i] * vb;
-            }
-          }
-          for (int i = 0; i < NH; ++i) {
-            float* acc_out = pacc.get() + (idx + g * group + i0 + i) * D;
-            for (int64_t b = 0; b < NB; ++b) store(acc_out + b * W, acc[i][b]);
-            for (int64_t d = NB * W; d < D; ++d) acc_out[d] = acc[i][NB][d - NB * W];
-          }
+          transpose_keys(rows[0], D, kt);
         };
         if (!divergent) load_rows(0, seen);         // every row of the sequence reads these keys
         for (int64_t m = m0; m < m1; ++m) {
           const int64_t r = s * M + m, idx = ((s * Ms + m - m0) * nc + c) * H;
           const bool* mk = mask + r * max_k + j0;
           alignas(64) int vis[CHUNK];
-          bool any[G];
           if (n == CHUNK) {                            // (branch-free, so the compiler widens it: ~8% of a prompt
             for (int64_t jj = 0; jj < CHUNK; ++jj)     // chunk's time went to this loop)
               vis[jj] = -static_cast<int>(static_cast<unsigned char>(mk[jj]) != 0);
           } else {
             for (int64_t jj = 0; jj < CHUNK; ++jj) vis[jj] = jj < n && mk[jj] ? -1 : 0;
           }
-          for (int gi = 0; gi < G; ++gi) {
-            int v = 0;
-            for (int w = 0; w < W; ++w) v |= vis[gi * W + w];
-            any[gi] = v != 0;
-          }
-          if (divergent) {                             // this row's own keys (a tree node's ancestors)
-            bool want[CHUNK];
-            for (int64_t jj = 0; jj < CHUNK; ++jj) want[jj] = vis[jj] != 0;
-            load_rows(m, want);
-          }
           bool none = true;
-          for (int gi = 0; gi < G; ++gi) none = none && !any[gi];
+          for (int64_t jj = 0; jj < CHUNK; ++jj) none = none && !vis[jj];
           if (none) {                                  // no visible key in this chunk (the merge skips it)
             for (int64_t h = g * group; h < (g + 1) * group; ++h) {
               pm[idx + h] = -std::numeric_limits<float>::infinity();
@@ -465,26 +555,69 @@ void run(const Src& src, const float* q, const bool* mask, float* out, int64_t S
             }
             continue;
           }
-          // each head's scores and weights, then its weighted values, up to three heads at once: each key row and
-          // each value row is read once for them, and their sums run side by side (each head's own, in the same order
-          // as alone; the values' sums fill 24 registers)
+          if (divergent) {                             // this row's own keys (a tree node's ancestors)
+            bool want[CHUNK];
+            for (int64_t jj = 0; jj < CHUNK; ++jj) want[jj] = vis[jj] != 0;
+            load_rows(m, want);
+          }
+          // heads i .. i + NH - 1 of kv head g: their scores (NH x 4 chains over d), weights, and weighted values
           auto heads = [&]<int NH>(int64_t i) {
-            vf qv[NH][MAXV];
-            const vf* qs[NH];
-            for (int j = 0; j < NH; ++j) {
-              const float* qrow = q + (r * H + g * group + i + j) * D;
-              if (D % W) { std::memcpy(qpad.data(), qrow, D * sizeof(float)); qrow = qpad.data(); }
-              for (int64_t b = 0; b < DV; ++b) qv[j][b] = load(qrow + b * W);
-              qs[j] = qv[j];
+            constexpr int KG = CHUNK / WV;
+            const float* qs[NH];
+            for (int j = 0; j < NH; ++j) qs[j] = q + (r * H + g * group + i + j) * D;
+            v16 a[NH][KG];
+            for (int j = 0; j < NH; ++j)
+              for (int kg = 0; kg < KG; ++kg) a[j][kg] = v16{};
+            for (int64_t d = 0; d < D; ++d) {
+              const float* kd = kt + d * CHUNK;
+              for (int j = 0; j < NH; ++j) {
+                const v16 qd = splat16(qs[j][d]);
+                for (int kg = 0; kg < KG; ++kg) a[j][kg] = fma16(qd, load16(kd + kg * WV), a[j][kg]);
+              }
             }
-            vf a[NH][G][W];
-            dots<NH>(qs, DV, rows[0], any, a);
+            // the heads' softmax phase by phase, each over all NH x KG vectors, so their latency chains (the
+            // maxima's shuffles, the exponentials' polynomials) run side by side
+            const v16 ninf = splat16(-std::numeric_limits<float>::infinity());
+            vi16 vm[KG];
+            for (int kg = 0; kg < KG; ++kg) vm[kg] = *reinterpret_cast<const vi16*>(vis + kg * WV);
+            v16 mxs[NH];
+            for (int j = 0; j < NH; ++j) {
+              v16 mxv = ninf;
+              for (int kg = 0; kg < KG; ++kg) {
+                a[j][kg] = vm[kg] ? a[j][kg] * scale : ninf;
+                mxv = mxv > a[j][kg] ? mxv : a[j][kg];
+              }
+              mxs[j] = lane_max16(mxv);
+            }
+            for (int j = 0; j < NH; ++j)
+              for (int kg = 0; kg < KG; ++kg) {
+                const v16 x = exp_neg_of<v16, vi16>(a[j][kg] - mxs[j]);
+                a[j][kg] = vm[kg] ? x : v16{};
+                store16(weights.data() + (i + j) * CHUNK + kg * WV, a[j][kg]);
+              }
             for (int j = 0; j < NH; ++j) {
               const int64_t h = g * group + i + j;
-              vf sc[G];
-              finish_scores(a[j], vis, any, scale, sc, weights.data() + (i + j) * CHUNK, pm[idx + h], pl[idx + h]);
+              pm[idx + h] = mxs[j][0];
+              pl[idx + h] = lane_total16((a[j][0] + a[j][1]) + (a[j][2] + a[j][3]));
             }
-            weigh.template operator()<NH>(i, vis, idx);
+            v16 acc[NH][MAXV];
+            for (int j = 0; j < NH; ++j)
+              for (int64_t b = 0; b < DV; ++b) acc[j][b] = v16{};
+            for (int64_t jj = 0; jj < n; ++jj) {
+              if (!vis[jj]) continue;
+              v16 pj[NH];
+              for (int j = 0; j < NH; ++j) pj[j] = splat16(weights[(i + j) * CHUNK + jj]);
+              const float* v = rows[1][jj];
+              for (int64_t b = 0; b < DV; ++b) {
+                const v16 vb = load16(v + b * WV);
+                for (int j = 0; j < NH; ++j) acc[j][b] = fma16(pj[j], vb, acc[j][b]);
+              }
+            }
+            for (int j = 0; j < NH; ++j) {
+              float* acc_out = pacc.get() + (idx + g * group + i + j) * D;
+              for (int64_t b = 0; b < NB; ++b) store16(acc_out + b * WV, acc[j][b]);
+              for (int64_t d = NB * WV; d < D; ++d) acc_out[d] = acc[j][NB][d - NB * WV];
+            }
           };
           for (int64_t i = 0; i < group;) {
             const int64_t left = std::min<int64_t>(group - i, DV <= 8 ? 3 : 1);
