@@ -292,7 +292,9 @@ def spec_batches(path: str, tasks: dict[str, list[list[int]]], batches: list[int
     at once, after one untimed run of a batch per configuration. Per repeat the ratio to plain is taken against
     plain's run in the same repeat; the table gives the median over repeats and the pooled ratio, by wall time and
     by the process's CPU time (with one torch thread, CPU time is the work done: on a machine shared with other
-    jobs it is far less noisy than wall time, which also counts the time spent waiting for a core)."""
+    jobs it is far less noisy than wall time, which also counts the time spent waiting for a core), and by the
+    requests' time per output token after their first (TPOT: the part of a request speculation can speed up; its
+    prompt's prefill is the same work either way, and on long prompts at batch 1 it is most of the wall time)."""
     from leapdecode import LLM, SamplingParams
     configs = ("plain", *methods)
     llms = {}
@@ -326,7 +328,8 @@ def spec_batches(path: str, tasks: dict[str, list[list[int]]], batches: list[int
     rows = []
     for b, task, per_rep in jobs:
         params = SamplingParams(temperature=0.0, max_tokens=n[b])
-        runs = {m: [] for m in configs}        # per repeat: (tokens, wall, steps, accepted, drafted, ids, cpu)
+        # per repeat: (tokens, wall, steps, accepted, drafted, ids, cpu, decode seconds, decode tokens)
+        runs = {m: [] for m in configs}
         if b > 1:
             # an untimed run of the batch for each configuration first: a configuration's first batch of b paid
             # one-off costs (its KV pool's pages touched for the first time, the allocator growing), which put
@@ -345,7 +348,7 @@ def spec_batches(path: str, tasks: dict[str, list[list[int]]], batches: list[int
                     # outputs that an earlier repeat produced for the same prompt (greedy outputs repeat exactly)
                     spec.drafter = spec.new_drafter()
                     d0, s0 = spec.drafter_seconds, spec.num_proposals
-                tok = wall = cpu = steps = acc = drafted = 0
+                tok = wall = cpu = steps = acc = drafted = dec_s = dec_tok = 0
                 ids = []
                 for g in groups:
                     t, c = time.perf_counter(), time.process_time()
@@ -358,7 +361,11 @@ def spec_batches(path: str, tasks: dict[str, list[list[int]]], batches: list[int
                         acc += o.metrics.num_accepted_tokens
                         drafted += o.metrics.num_draft_tokens
                         ids.append(o.outputs[0].token_ids)
-                runs[method].append((tok, wall, steps, acc, drafted, ids, cpu))
+                        # after the first token: the part of a request speculation can speed up (its prompt's
+                        # prefill is the same work with or without it)
+                        dec_s += o.metrics.finished_time - o.metrics.first_token_time
+                        dec_tok += len(o.outputs[0].token_ids) - 1
+                runs[method].append((tok, wall, steps, acc, drafted, ids, cpu, dec_s, dec_tok))
                 if spec is not None:
                     print(f"    rep {rep} batch {b} {task} {method}: {(steps + acc) / max(steps, 1):.2f} tok/step, "
                           f"drafter {1000 * (spec.drafter_seconds - d0):.0f} ms over "
@@ -371,6 +378,7 @@ def spec_batches(path: str, tasks: dict[str, list[list[int]]], batches: list[int
             r = runs[method]
             ratios = [(x[0] / x[1]) / (p[0] / p[1]) for x, p in zip(r, plain)]
             cpu_ratios = [(x[0] / x[6]) / (p[0] / p[6]) for x, p in zip(r, plain)]
+            tpot_ratios = [(p[7] / max(p[8], 1)) / (x[7] / max(x[8], 1)) for x, p in zip(r, plain)]
             tok = sum(x[0] for x in r)
             wall = sum(x[1] for x in r)
             steps = sum(x[2] for x in r)
@@ -380,13 +388,15 @@ def spec_batches(path: str, tasks: dict[str, list[list[int]]], batches: list[int
             row = {"batch": b, "task": task, "method": method, "tok/s": tok / wall,
                    "ratio median": statistics.median(ratios), "ratios": ratios,
                    "cpu ratio median": statistics.median(cpu_ratios), "cpu ratios": cpu_ratios,
+                   "tpot ratio median": statistics.median(tpot_ratios), "tpot ratios": tpot_ratios,
                    "cpu tok/s": sum(x[0] for x in r) / sum(x[6] for x in r),
                    "ratio pooled": (tok / wall) / (sum(p[0] for p in plain) / sum(p[1] for p in plain)),
                    "tokens/step": (steps + acc) / max(steps, 1), "verified/out": (steps + drafted) / max(tok, 1),
                    "identical": f"{same}/{sum(len(x[5]) for x in r)}"}
             rows.append(row)
             print(f"  batch {b:3d} {task:16s} {method:10s} {row['tok/s']:7.1f} tok/s  x{row['ratio median']:.3f} "
-                  f"(runs {' '.join(f'{x:.2f}' for x in ratios)})  cpu x{row['cpu ratio median']:.3f} "
+                  f"(runs {' '.join(f'{x:.2f}' for x in ratios)})  decode x{row['tpot ratio median']:.3f}  "
+                  f"cpu x{row['cpu ratio median']:.3f} "
                   f"(runs {' '.join(f'{x:.2f}' for x in cpu_ratios)})  {row['tokens/step']:.2f} tok/step  "
                   f"verified/out {row['verified/out']:.2f}  identical {row['identical']}", file=sys.stderr,
                   flush=True)
@@ -487,11 +497,13 @@ def spec_batches_main(args) -> None:
           f"{args.repeats} interleaved repeats; "
           f"weights {args.quantization or 'as loaded (float32)'}\n")
     print("| batch | task | method | tok/s wall | wall ratio to plain (median of repeats; pooled) | per repeat | "
+          "decode ratio (TPOT, median) | per repeat | "
           "tok per CPU-s | CPU-time ratio (median) | per repeat | tokens/step | verified/output token | "
-          "identical greedy |\n|---|---|---|---:|---:|---|---:|---:|---|---:|---:|---:|")
+          "identical greedy |\n|---|---|---|---:|---:|---|---:|---|---:|---:|---|---:|---:|---:|")
     for r in rows:
         print(f"| {r['batch']} | {r['task']} | {r['method']} | {r['tok/s']:.1f} | {r['ratio median']:.2f}; "
-              f"{r['ratio pooled']:.2f} | {' '.join(f'{x:.2f}' for x in r['ratios'])} | {r['cpu tok/s']:.1f} | "
+              f"{r['ratio pooled']:.2f} | {' '.join(f'{x:.2f}' for x in r['ratios'])} | "
+              f"{r['tpot ratio median']:.2f} | {' '.join(f'{x:.2f}' for x in r['tpot ratios'])} | {r['cpu tok/s']:.1f} | "
               f"{r['cpu ratio median']:.2f} | {' '.join(f'{x:.2f}' for x in r['cpu ratios'])} | "
               f"{r['tokens/step']:.2f} | {r['verified/out']:.2f} | {r['identical']} |")
     if args.json:

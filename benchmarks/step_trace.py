@@ -114,12 +114,13 @@ def _instrument(engine, out: list) -> None:
         keep = draft_lengths(props, other, charge, num_seqs, **kw)
         st, chosen, c = ctl.step_time, sum(keep), ctl.last_choice
         t0, t1 = st(other, num_seqs), st(other + max(chosen, 1), num_seqs)
-        claimed = c["gain"] * len(props) * (t1 + (charge if chosen else 0.0)) / t0 - len(props) if chosen else 0.0
+        gain = c.get("gain", float("nan"))       # (a decision taken before any pricing records no gain)
+        claimed = gain * len(props) * (t1 + (charge if chosen else 0.0)) / t0 - len(props) if chosen else 0.0
         out.append(f"  {'probe ' if probing[0] else 'decide'}   requests {len(props)}  base {other}"
                    f"  offered {sum(p[1] for p in props)}"
                    f"  chosen {chosen}"
                    f"  T(base) {1000 * t0:.0f} ms  T(base+chosen) {1000 * t1:.0f} ms  claimed ~{claimed:.1f}"
-                   f"  gain {c['gain']:.2f}  explored {c['explored']}  discount {c['realized']:.2f}")
+                   f"  gain {gain:.2f}  explored {c.get('explored')}  discount {c.get('realized', float('nan')):.2f}")
         return keep
     ctl.draft_lengths = decide
 

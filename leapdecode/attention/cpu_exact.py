@@ -408,6 +408,8 @@ inline void chunk_rows(const Src& src, int pass, int64_t s, int64_t m, int64_t j
   }
 }
 
+// The kernel's first, per-key form (eight keys in lanes, each dot product a vector of lane partials reduced in a
+// tree), kept for the scores of attention/cpu_sparse.py (``score_chunk``), whose bits need only be its own.
 // NH query heads' dot products with the chunk's key rows, a[i][gi][w] = q_i . k (key gi * W + w), summed over the
 // head in one order (each head's own, the same as alone); each key row is read once for the NH heads.
 template <int NH>
