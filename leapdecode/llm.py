@@ -72,9 +72,9 @@ class LLM:
         any others or verifying drafts (float32 SDPA differs in the last bits, which can flip a near-tie). None
         (the default): on a CPU every row (decodes, verifications, prompt chunks of any length, so a prompt's
         first token does not depend on chunking or the prefix cache either) goes through a C++ kernel that
-        computes each row alone in a fixed order (attention/cpu_exact.py; compiled at first use, ~20 s; SDPA where
-        it cannot be built): free for decode rows, prompts prefilled at 0.95-1.17x float32 SDPA's speed;
-        everywhere under ``quantization``. True: everywhere (float64 SDPA for what the kernel does not
+        computes each row alone in a fixed order (attention/cpu_exact.py; compiled at first use, ~70 s once on 2
+        cores; SDPA where it cannot be built): free for decode rows, prompts prefilled at 0.95-1.17x float32
+        SDPA's speed; everywhere under ``quantization``. True: everywhere (float64 SDPA for what the kernel does not
         serve). False: float32 SDPA."""
         cfg = EngineConfig(
             model=resolve_model(model), tokenizer=tokenizer, dtype=dtype, device=device, max_model_len=max_model_len,

@@ -20,15 +20,16 @@ tree; the transposed form, 2026-12-07, decodes at the same speed and reads promp
 1.1-1.35x faster; benchmarks/README.md, "The exact kernel transposed".)
 
 Compiled at first use (leapdecode/native.py: g++ and ninja, ``-march=native``, cached under
-``TORCH_EXTENSIONS_DIR``, ~20 s the first time); :func:`kernel` returns None where that fails, and the backend
-falls back to SDPA (float64 under ``exact="always"``, else float32). It reads float caches (float32, bfloat16,
-float16) and, through :func:`attend_quantized`, fp8, int8 and int4 caches (kv_cache.py), dequantizing each key
-and value row as it reads it, with the same arithmetic as ``kv_quant`` (the full-precision window for blocks still
-open): at 4k / 8k tokens on the real model that made fp8 decoding 3.9x / 5.7x and int8 2.1x / 2.7x faster than
-dequantizing the gathered blocks before SDPA (benchmarks/README.md). Where the CPU has AVX2 and F16C a row is
-decoded eight lanes at a time (bytes, nibbles and float16 grids converted by the CPU's own instructions, fp8
-through a gather from its 256 values; int4's salient tokens keep the scalar path): at 8k keys that took an int8
-layer's attention from 1.7x the float cache's time to 0.8x, since it reads a quarter of the bytes.
+``TORCH_EXTENSIONS_DIR``; one module with the other CPU kernels, ~70 s the first time on a 2-core machine);
+:func:`kernel` returns None where that fails, and the backend falls back to SDPA (float64 under ``exact="always"``,
+else float32). It reads float caches (float32, bfloat16, float16) and, through :func:`attend_quantized`, fp8, int8
+and int4 caches (kv_cache.py), dequantizing each key and value row as it reads it, with the same arithmetic as
+``kv_quant`` (the full-precision window for blocks still open): at 4k / 8k tokens on the real model that made fp8
+decoding 3.9x / 5.7x and int8 2.1x / 2.7x faster than dequantizing the gathered blocks before SDPA
+(benchmarks/README.md). Where the CPU has AVX2 and F16C a row is decoded eight lanes at a time (bytes, nibbles and
+float16 grids converted by the CPU's own instructions, fp8 through a gather from its 256 values; int4's salient
+tokens keep the scalar path): at 8k keys that took an int8 layer's attention from 1.7x the float cache's time to
+0.8x, since it reads a quarter of the bytes.
 
 Prompt chunks of any length are read by it too, so a prompt's keys, values and first token have the bits its rows
 get one at a time: the same whether it ran as one chunk, as many, or mostly from the prefix cache (through SDPA,
