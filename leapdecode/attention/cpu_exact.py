@@ -33,16 +33,16 @@ tokens keep the scalar path): at 8k keys that took an int8 layer's attention fro
 
 Prompt chunks of any length are read by it too, so a prompt's keys, values and first token have the bits its rows
 get one at a time: the same whether it ran as one chunk, as many, or mostly from the prefix cache (through SDPA,
-float32 or float64, a cached prompt's first token had other last bits, and under int8 activations other tokens
-in 4 of 6 document prompts). Above 32 rows a sequence's rows go in slabs (``SLAB_FLOATS``), so the per-chunk
-partial results (a 2,048-token chunk's are ~150 MB) stay in cache and only the chunks a slab sees are visited:
-a 2,048-token chunk from key 0 takes 39 ms a layer (166 ms before the slabs; through the engine's SDPA path 63 ms
-in float32, 162 in float64, this 2-core VM), and after earlier keys it is 1.04-1.25x float32 SDPA's speed (two runs). So
-exactness costs prompts at most ~5% by default (time to the first token of a 7,000-token prompt 1.00x,
-of 300 new tokens after a cached 1,792-token conversation 0.95x, of first chunks up to ~2,000 tokens 1.09-1.17x
-float32 SDPA's; with the kernel's first, per-key form those were 0.80x, 0.84x and 1.03-1.06x), and under
-quantization, whose fallback was float64 SDPA, prompts prefill 1.55-2.2x faster (benchmarks/README.md, "Prompt
-chunks through the exact kernel too" and "The exact kernel transposed").
+float32 or float64, a cached prompt's first token had other last bits, and under int8 activations other tokens in 4
+of 6 document prompts). Above 32 rows a sequence's rows go in slabs (``SLAB_FLOATS``), so the per-chunk partial
+results (a 2,048-token chunk's are ~150 MB) stay in cache and only the chunks a slab sees are visited: a 2,048-token
+chunk from key 0 takes 39 ms a layer (166 ms before the slabs; through the engine's SDPA path 63 ms in float32, 162
+in float64, this 2-core VM), and after earlier keys it is 1.04-1.25x float32 SDPA's speed (two runs). So exactness
+costs prompts at most ~5% by default (time to the first token of a 7,000-token prompt 1.00x, of 300 new tokens after
+a cached 1,792-token conversation 0.95x, of first chunks up to ~2,000 tokens 1.09-1.17x float32 SDPA's; with the
+kernel's first, per-key form those were 0.80x, 0.84x and 1.03-1.06x), and under quantization, whose fallback was
+float64 SDPA, prompts prefill 1.55-2.2x faster (benchmarks/README.md, "Prompt chunks through the exact kernel too"
+and "The exact kernel transposed").
 """
 from __future__ import annotations
 
