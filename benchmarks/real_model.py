@@ -503,7 +503,8 @@ def spec_batches_main(args) -> None:
     for r in rows:
         print(f"| {r['batch']} | {r['task']} | {r['method']} | {r['tok/s']:.1f} | {r['ratio median']:.2f}; "
               f"{r['ratio pooled']:.2f} | {' '.join(f'{x:.2f}' for x in r['ratios'])} | "
-              f"{r['tpot ratio median']:.2f} | {' '.join(f'{x:.2f}' for x in r['tpot ratios'])} | {r['cpu tok/s']:.1f} | "
+              f"{r['tpot ratio median']:.2f} | {' '.join(f'{x:.2f}' for x in r['tpot ratios'])} | "
+              f"{r['cpu tok/s']:.1f} | "
               f"{r['cpu ratio median']:.2f} | {' '.join(f'{x:.2f}' for x in r['cpu ratios'])} | "
               f"{r['tokens/step']:.2f} | {r['verified/out']:.2f} | {r['identical']} |")
     if args.json:

@@ -14,6 +14,12 @@ from leapdecode.engine.step import ScheduledSeq, lay_out
 from leapdecode.spec.tree import EMPTY, DraftTree
 
 
+def cpu_meta(bs, seqs):
+    """The attention metadata of a CPU step scheduling ``seqs`` (block size ``bs``), as the runner builds it."""
+    from leapdecode.engine.input_batch import InputBuffers
+    return InputBuffers(torch.device("cpu")).build(lay_out(0, bs, seqs), None).meta
+
+
 def prompts(n, seed=0, vocab=384):
     rng = random.Random(seed)
     return [[rng.randrange(2, vocab) for _ in range(rng.randint(2, 50))] for _ in range(n)]
@@ -194,7 +200,6 @@ def test_torch_attention_groups_rows_by_context_length(drafted, tree):
     With token trees and contexts of one group, not in the step's order: each tree's mask on its own rows (a
     group holding every sequence was taken to be in the step's order, and the masks went to the wrong rows)."""
     from leapdecode.attention.torch_ref import TorchAttention
-    from leapdecode.engine.input_batch import InputBuffers
     bs, hkv, d, group = 16, 2, 8, 2
     lens = [12, 20, 9, 30, 17, 25, 11, 14] + ([] if tree else [900, 1000, 950, 980, 910, 990, 1000, 930])
     q_len = 1 + drafted
@@ -206,7 +211,7 @@ def test_torch_attention_groups_rows_by_context_length(drafted, tree):
         seqs.append(ScheduledSeq(i, n - q_len, tuple(range(5, 5 + q_len)), tuple(range(block, block + nb)),
                                  draft, samples=True))
         block += nb
-    meta = InputBuffers(torch.device("cpu")).build(lay_out(0, bs, seqs), None).meta
+    meta = cpu_meta(bs, seqs)
     backend = TorchAttention()
     backend.plan(meta)
     assert sorted(g.max_k for g in meta.plan) == ([30] if tree else [30, 1000])
@@ -215,7 +220,7 @@ def test_torch_attention_groups_rows_by_context_length(drafted, tree):
     q = torch.randn(len(lens) * q_len, hkv * group, d, generator=gen)
     out = backend.attend(q, cache, meta, 0.3)
     for i in (0, 3, 6 if tree else 9):       # a sequence attended alone: same result
-        alone = InputBuffers(torch.device("cpu")).build(lay_out(0, bs, [seqs[i]]), None).meta
+        alone = cpu_meta(bs, [seqs[i]])
         rows = slice(i * q_len, (i + 1) * q_len)
         torch.testing.assert_close(backend.attend(q[rows], cache, alone, 0.3), out[rows], rtol=0, atol=1e-6)
 
@@ -283,7 +288,6 @@ def test_exact_torch_attention_gives_a_row_the_same_bits_in_any_step(path, d, mo
         pytest.skip("no C++ toolchain to build attention/cpu_exact.py")
     if path == "float64":
         monkeypatch.setattr(cpu_exact, "kernel", lambda: None)
-    from leapdecode.engine.input_batch import InputBuffers
     bs, hkv, group, n = 16, 3, 3, 600
     nb = -(-(n + 5) // bs)
     own, partner = tuple(range(nb)), tuple(range(nb, nb + 64))
@@ -293,8 +297,7 @@ def test_exact_torch_attention_gives_a_row_the_same_bits_in_any_step(path, d, mo
     backend = TorchAttention(exact="always")
 
     def attend(seqs, rows):
-        meta = InputBuffers(torch.device("cpu")).build(lay_out(0, bs, seqs), None).meta
-        return backend.attend(rows, cache, meta, 0.125)
+        return backend.attend(rows, cache, cpu_meta(bs, seqs), 0.125)
 
     verify = attend([ScheduledSeq(0, n, (5, 6, 7, 8, 9), own, DraftTree.of((6, 7, 8, 9), None), samples=True)], q)
     for i in range(5):
@@ -312,7 +315,6 @@ def test_exact_attention_gives_a_long_prompt_chunk_its_rows_bits_alone(exact, co
     long chunks got other last bits.)"""
     from leapdecode.attention import cpu_exact
     from leapdecode.attention.torch_ref import TorchAttention
-    from leapdecode.engine.input_batch import InputBuffers
     if cpu_exact.kernel() is None:
         pytest.skip("no C++ toolchain to build attention/cpu_exact.py")
     bs, hkv, group, d = 16, 3, 3, 64
@@ -324,8 +326,7 @@ def test_exact_attention_gives_a_long_prompt_chunk_its_rows_bits_alone(exact, co
     backend = TorchAttention(exact=exact)
 
     def attend(seq, rows):
-        meta = InputBuffers(torch.device("cpu")).build(lay_out(0, bs, [seq]), None).meta
-        return backend.attend(rows, cache, meta, 0.125)
+        return backend.attend(rows, cache, cpu_meta(bs, [seq]), 0.125)
 
     chunk = attend(ScheduledSeq(0, context, tuple([5] * length), own, samples=True), q)
     for i in sorted({0, 1, 31, 32, 33, length // 2, length - 2, length - 1}):
@@ -342,7 +343,6 @@ def test_exact_kernel_matches_float64_attention(dtype, d):
     not reach the output."""
     from leapdecode.attention import cpu_exact
     from leapdecode.attention.torch_ref import TorchAttention
-    from leapdecode.engine.input_batch import InputBuffers
     if cpu_exact.kernel() is None:
         pytest.skip("no C++ toolchain to build attention/cpu_exact.py")
     bs, hkv, group = 16, 2, 3
@@ -355,7 +355,7 @@ def test_exact_kernel_matches_float64_attention(dtype, d):
         seqs.append(ScheduledSeq(i, n - q_len, tuple(range(5, 5 + q_len)), tuple(range(block, block + nb)), draft,
                                  samples=True))
         block += nb
-    meta = InputBuffers(torch.device("cpu")).build(lay_out(0, bs, seqs), None).meta
+    meta = cpu_meta(bs, seqs)
     gen = torch.Generator().manual_seed(3)
     cache = torch.randn(2, block, bs, hkv, d, generator=gen).to(dtype)
     q = torch.randn(sum(1 + (3 if i % 2 else 0) for i in range(len(lens))), hkv * group, d, generator=gen)

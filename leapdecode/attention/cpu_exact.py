@@ -409,37 +409,27 @@ inline void chunk_rows(const Src& src, int pass, int64_t s, int64_t m, int64_t j
   }
 }
 
-// The kernel's first, per-key form (eight keys in lanes, each dot product a vector of lane partials reduced in a
-// tree), kept for the scores of attention/cpu_sparse.py (``score_chunk``), whose bits need only be its own.
-// NH query heads' dot products with the chunk's key rows, a[i][gi][w] = q_i . k (key gi * W + w), summed over the
-// head in one order (each head's own, the same as alone); each key row is read once for the NH heads.
-template <int NH>
-inline void dots(const vf* const* qv, int64_t DV, const float* const* rows, const bool* any, vf (*a)[G][W]) {
-  for (int gi = 0; gi < G; ++gi) {
-    if (!any[gi]) continue;
-    for (int w = 0; w < W; ++w) {
-      const float* k = rows[gi * W + w];
-      vf t[NH];
-      const vf k0 = load(k);
-      for (int i = 0; i < NH; ++i) t[i] = qv[i][0] * k0;
-      for (int64_t b = 1; b < DV; ++b) {
-        const vf kb = load(k + b * W);
-        for (int i = 0; i < NH; ++i) t[i] += qv[i][b] * kb;
-      }
-      for (int i = 0; i < NH; ++i) a[i][gi][w] = t[i];
-    }
-  }
-}
-
-// ``score_chunk`` from a head's dot products a[gi][w] (``dots``).
-inline void finish_scores(const vf (*a)[W], const int* vis, const bool* any, float scale, vf* sc, float* e,
-                          float& mx, float& l) {
+// One query head over a chunk of CHUNK keys in the kernel's first, per-key form, kept for the scores of
+// attention/cpu_sparse.py, whose bits need only be its own (``rows``: the key rows, each padded to DV vectors;
+// vis[jj] != 0 where the row sees key jj; any[gi]: lane group gi holds a visible key): sc = scale * q . k, eight keys
+// at a time (key j in lane j % W, its dot product a vector of lane partials over the head, reduced in one tree;
+// -inf where unseen), their maximum ``mx``, e = exp(sc - mx) (0 where unseen) and their sum ``l``, lane by lane in
+// chunk order, then the lanes in one tree.
+inline void score_chunk(const vf* qv, int64_t DV, const float* const* rows, const int* vis, const bool* any,
+                        float scale, vf* sc, float* e, float& mx, float& l) {
   const vf ninf = splat(-std::numeric_limits<float>::infinity());
   vf mxv = ninf;
   for (int gi = 0; gi < G; ++gi) {
     if (!any[gi]) { sc[gi] = ninf; continue; }
+    vf a[W];
+    for (int w = 0; w < W; ++w) {
+      const float* k = rows[gi * W + w];
+      vf t = qv[0] * load(k);
+      for (int64_t b = 1; b < DV; ++b) t += qv[b] * load(k + b * W);
+      a[w] = t;
+    }
     const vi vm = *reinterpret_cast<const vi*>(vis + gi * W);
-    sc[gi] = vm ? lane_sums(a[gi]) * splat(scale) : ninf;
+    sc[gi] = vm ? lane_sums(a) * splat(scale) : ninf;
     mxv = mxv > sc[gi] ? mxv : sc[gi];
   }
   mx = mxv[0];
@@ -456,18 +446,6 @@ inline void finish_scores(const vf (*a)[W], const int* vis, const bool* any, flo
     store(e + gi * W, x);
   }
   l = lane_total(lsum);
-}
-
-// One query head over a chunk of CHUNK keys (``rows``: the key rows, each padded to DV vectors; vis[jj] != 0 where
-// the row sees key jj; any[gi]: lane group gi holds a visible key): sc = scale * q . k, eight keys at a time (key j
-// in lane j % W, its dot product summed over the head in one fixed order; -inf where unseen), their maximum ``mx``,
-// e = exp(sc - mx) (0 where unseen) and their sum ``l``, lane by lane in chunk order, then the lanes in one tree.
-inline void score_chunk(const vf* qv, int64_t DV, const float* const* rows, const int* vis, const bool* any,
-                        float scale, vf* sc, float* e, float& mx, float& l) {
-  const vf* qs[1] = {qv};
-  vf a[1][G][W];
-  dots<1>(qs, DV, rows, any, a);
-  finish_scores(a[0], vis, any, scale, sc, e, mx, l);
 }
 
 // The chunk's keys of one kv head transposed, kt[d * CHUNK + jj] = key jj's element d, so that a query's scores of

@@ -33,7 +33,7 @@ _EMPTY = torch.empty(0, dtype=torch.int64)
 # Sequences with at most this many query tokens (decodes, verification, short prefills) share one padded batch;
 # longer prefill chunks run alone so padding never multiplies their cost.
 BATCH_MAX_QUERY = 32
-# The longest query run of a group the exact kernel reads (None: any). benchmarks/prefill_exact.py sets
+# The longest query run of a group the exact kernel reads (None: any). benchmarks/prefill_exact.py sets it to
 # BATCH_MAX_QUERY to measure long prompt chunks through SDPA, as they ran before the kernel took them.
 KERNEL_MAX_QUERY: int | None = None
 # A padded batch is split where a sequence's context is more than PAD_RATIO times the shortest in its group (and
