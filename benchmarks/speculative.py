@@ -532,7 +532,7 @@ def print_tables(header: dict, rows: list[dict], args) -> None:
                           f"plain prefill {gap}{' ' + d['why'] if d.get('why') else ''}")
 
 
-# == model drafters (issue 13): draft_model and layer_skip ==========================================================
+# == model drafters (issue 13): draft_model, layer_skip, kangaroo, eagle ============================================
 #
 #     python benchmarks/speculative.py models                      # SmolLM2-135M-Instruct (if installed): layer_skip
 #     python benchmarks/speculative.py models --model embedded --configs draft_model,draft_model+ctl
@@ -572,7 +572,7 @@ def _model_config(name: str, k: int, draft: str | None, threshold: float | None)
     cfg = {"method": method, "num_speculative_tokens": k, "adaptive": ctl == "ctl"}
     if method == "draft_model":
         cfg["model"] = draft
-    if threshold is not None and method in ("draft_model", "layer_skip"):
+    if threshold is not None and method in ("draft_model", "layer_skip", "kangaroo"):
         cfg["threshold"] = threshold
     for item in filter(None, opts.rstrip("]").split(",")):
         key, _, value = item.partition("=")

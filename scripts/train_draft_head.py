@@ -35,6 +35,7 @@ import time
 from collections import Counter
 
 import torch
+import torch.nn.functional as F
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
@@ -98,14 +99,21 @@ def magpie_queries(llm, n: int, max_tokens: int = 64) -> list[str]:
 
 
 def record_features(llm, seqs: list[list[int]], max_tokens: int = 4096) -> list[torch.Tensor]:
-    """The target's final-norm hidden state at every position of each sequence in ``seqs``: teacher-forced
-    forwards over packs of at most ``max_tokens`` tokens (no logits beyond one row per sequence)."""
+    """The target's final-norm hidden state at every position of each sequence in ``seqs``."""
+    L = llm.engine.model_cfg.num_layers
+    return [states[L] for states in record_states(llm, seqs, (L,), max_tokens)]
+
+
+def record_states(llm, seqs: list[list[int]], layers: tuple[int, ...],
+                  max_tokens: int = 4096) -> list[dict[int, torch.Tensor]]:
+    """The target's hidden states ``layers`` (``ModelRunner.execute(capture=...)`` numbering: i = after i layers,
+    the last one after the final norm) at every position of each sequence in ``seqs``: teacher-forced forwards over
+    packs of at most ``max_tokens`` tokens (no logits beyond one row per sequence)."""
     from leapdecode.engine.sequence import Sequence
     from leapdecode.engine.step import ScheduledSeq, lay_out
     from leapdecode.sampling_params import SamplingParams
     eng = llm.engine
-    L = eng.model_cfg.num_layers
-    out: list[torch.Tensor] = []
+    out: list[dict[int, torch.Tensor]] = []
     i = 0
     while i < len(seqs):
         pack, n = [], 0
@@ -120,12 +128,21 @@ def record_features(llm, seqs: list[list[int]], max_tokens: int = 4096) -> list[
             i += 1
         try:
             chunks = [ScheduledSeq(s.seq_id, 0, tuple(s.token_ids), tuple(s.block_table)) for s in pack]
-            res = eng.runner.execute(lay_out(0, eng.cfg.block_size, chunks), capture=(L,), all_rows=True)
-            out += list(res.hidden_states[L].float().cpu().split([len(s.token_ids) for s in pack]))
+            res = eng.runner.execute(lay_out(0, eng.cfg.block_size, chunks), capture=layers, all_rows=True)
+            sizes = [len(s.token_ids) for s in pack]
+            per_layer = {j: res.hidden_states[j].float().cpu().split(sizes) for j in layers}
+            out += [{j: per_layer[j][b] for j in layers} for b in range(len(pack))]
         finally:
             for s in pack:
                 eng.block_manager.free_seq(s)
     return out
+
+
+def recorded(llm, seqs: list[list[int]], args) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+    """(final features, the early states a Kangaroo adapter reads or None) of each sequence, as ``--head`` needs."""
+    L, early = llm.engine.model_cfg.num_layers, early_layer(args)
+    layers = (L,) if early is None else (L, early)
+    return [(st[L], st.get(early)) for st in record_states(llm, seqs, layers)]
 
 
 def generate_rounds(llm, queue: list[tuple[str, list[int], dict]], max_tokens: int, batch: int, deadline: float,
@@ -182,14 +199,17 @@ def stage_data(args, log) -> None:
     done = generate_rounds(llm, queue, args.max_tokens, args.batch, deadline, log)
     t_gen = time.time() - t_start
     t1 = time.time()
-    for d, f in zip(done, record_features(llm, [d["ids"] for d in done])):
+    for d, (f, e) in zip(done, recorded(llm, [d["ids"] for d in done], args)):
         d["feats"] = f.to(torch.bfloat16)
+        if e is not None:
+            d["early"] = e.to(torch.bfloat16)
         d["ids"] = torch.tensor(d["ids"], dtype=torch.int32)
     t_rec = time.time() - t1
     stats = {"sequences": len(done), "tokens": sum(len(d["ids"]) for d in done),
              "answer_tokens": sum(len(d["ids"]) - d["prompt_len"] for d in done),
              "per_task": dict(Counter(d["task"] for d in done)), "magpie_questions": len(magpie),
-             "generate_seconds": round(t_gen, 1), "record_seconds": round(t_rec, 1), "model": llm.engine.cfg.model}
+             "generate_seconds": round(t_gen, 1), "record_seconds": round(t_rec, 1), "model": llm.engine.cfg.model,
+             "early_layer": early_layer(args)}
     os.makedirs(args.work, exist_ok=True)
     torch.save({"seqs": done, "stats": stats}, os.path.join(args.work, "data.pt"))
     log(f"data: {json.dumps(stats)}")
@@ -242,9 +262,10 @@ def stage_refdata(args, log) -> None:
         if time.time() - t0 > args.ref_minutes * 60:
             break
         part = order[at:at + 16]
-        for (task, ids, plen), f in zip(part, record_features(llm, [c[1] for c in part])):
+        for (task, ids, plen), (f, e) in zip(part, recorded(llm, [c[1] for c in part], args)):
             done.append({"task": task, "ids": torch.tensor(ids, dtype=torch.int32), "prompt_len": plen,
-                         "source": "reference", "feats": f.to(torch.bfloat16)})
+                         "source": "reference", "feats": f.to(torch.bfloat16),
+                         **({"early": e.to(torch.bfloat16)} if e is not None else {})})
     stats = {"sequences": len(done), "tokens": sum(len(d["ids"]) for d in done),
              "answer_tokens": sum(len(d["ids"]) - d["prompt_len"] for d in done),
              "per_task": dict(Counter(d["task"] for d in done)), "seconds": round(time.time() - t0, 1)}
@@ -295,8 +316,8 @@ def collate(group: list[dict], device: str):
     return feats.to(device), toks.to(device), valid.to(device), cls_from.to(device)
 
 
-def stage_train(args, log) -> None:
-    from leapdecode.spec.eagle import EagleConfig, EagleHead, distill_loss
+def load_data(args) -> tuple[list[dict], dict]:
+    """The recorded sequences (generated, then reference answers if recorded) and their figures."""
     data = torch.load(os.path.join(args.work, "data.pt"), weights_only=False)
     seqs, stats = data["seqs"], {"generated": data["stats"]}
     ref = os.path.join(args.work, "data_ref.pt")
@@ -304,16 +325,33 @@ def stage_train(args, log) -> None:
         extra = torch.load(ref, weights_only=False)
         seqs += extra["seqs"]
         stats["reference_answers"] = extra["stats"]
-    mc, embed, lm, model_name = load_target_parts(args.model or stats["generated"]["model"], args.device)
+    return seqs, stats
+
+
+def draft_vocabulary(seqs: list[dict], vocab_n: int, vocab_size: int) -> tuple[list[int], float]:
+    """The ``vocab_n`` most frequent tokens of the training data (padded with the lowest ids never seen), and the
+    share of training tokens they cover."""
     counts = Counter()
     for d in seqs:
         counts.update(d["ids"][1:].tolist())
-    vocab_n = min(args.draft_vocab, mc.vocab_size) if args.draft_vocab else mc.vocab_size
     top = [t for t, _ in counts.most_common(vocab_n)]
     if len(top) < vocab_n:                  # pad with the lowest ids never seen (any fixed rule would do)
         seen = set(top)
-        top += [t for t in range(mc.vocab_size) if t not in seen][:vocab_n - len(top)]
-    covered = sum(counts[t] for t in top) / max(sum(counts.values()), 1)
+        top += [t for t in range(vocab_size) if t not in seen][:vocab_n - len(top)]
+    return top, sum(counts[t] for t in top) / max(sum(counts.values()), 1)
+
+
+def early_layer(args) -> int | None:
+    """The layer whose residual stream the data records besides the final features (a Kangaroo adapter's)."""
+    return args.exit_layer if args.head == "kangaroo" else None
+
+
+def stage_train(args, log) -> None:
+    from leapdecode.spec.eagle import EagleConfig, EagleHead, distill_loss
+    seqs, stats = load_data(args)
+    mc, embed, lm, model_name = load_target_parts(args.model or stats["generated"]["model"], args.device)
+    vocab_n = min(args.draft_vocab, mc.vocab_size) if args.draft_vocab else mc.vocab_size
+    top, covered = draft_vocabulary(seqs, vocab_n, mc.vocab_size)
     cfg = EagleConfig.for_target(mc, draft_vocab_size=vocab_n if vocab_n < mc.vocab_size else None,
                                  target={"model": os.path.basename(str(model_name)), "num_layers": mc.num_layers})
     torch.manual_seed(args.seed)
@@ -382,6 +420,85 @@ def stage_train(args, log) -> None:
     log(f"saved {args.out} ({size / 1e6:.1f} MB) after {t_train:.0f} s of training, {step} steps")
 
 
+def stage_train_kangaroo(args, log) -> None:
+    """A Kangaroo adapter (spec/kangaroo.py) on the recorded early states: the cross-entropy of its draft-vocabulary
+    distribution against the target's own (the LM head on the recorded final features, restricted to the draft
+    vocabulary) at every answer position, from the plain early exit (its start) on; AdamW, linear decay."""
+    from leapdecode import LLM
+    from leapdecode.spec.kangaroo import AdapterConfig, KangarooAdapter
+    seqs, stats = load_data(args)
+    if any("early" not in d for d in seqs):
+        raise SystemExit(f"{args.work} holds no early states: record the data with --head kangaroo")
+    exit_layer = stats["generated"].get("early_layer")
+    llm = LLM(args.model or stats["generated"]["model"], max_model_len=64, num_kv_blocks=8, device=args.device)
+    model, mc = llm.engine.runner.model, llm.engine.model_cfg
+    vocab_n = min(args.draft_vocab, mc.vocab_size) if args.draft_vocab else mc.vocab_size
+    top, covered = draft_vocabulary(seqs, vocab_n, mc.vocab_size)
+    cfg = AdapterConfig.for_target(mc, exit_layer, draft_vocab_size=vocab_n if vocab_n < mc.vocab_size else None,
+                                   target={"model": os.path.basename(str(llm.engine.cfg.model)),
+                                           "num_layers": mc.num_layers})
+    torch.manual_seed(args.seed)
+    adapter = KangarooAdapter(cfg)
+    adapter.draft_vocab, adapter._vocab_list = torch.tensor(sorted(top)), None
+    adapter = adapter.to(args.device).bind_target(model, init_norm=True)
+    lm = adapter.lm_weight.float()
+    log(f"adapter: {adapter.num_parameters() / 1e6:.2f}M parameters, exit after layer {exit_layer} of "
+        f"{mc.num_layers}, draft vocab {vocab_n} tokens covering {100 * covered:.1f}% of training tokens")
+    params = [p for p in adapter.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    rng = random.Random(args.seed)
+    budget = args.train_minutes * 60
+    t0, step, epoch, hist = time.time(), 0, 0, []
+    while time.time() - t0 < budget:
+        epoch += 1
+        agg, ntok = Counter(), 0
+        for group in batches(seqs, args.batch_tokens, rng):
+            elapsed = time.time() - t0
+            if elapsed >= budget:
+                break
+            lr = args.lr * min(1.0, (step + 1) / args.warmup) * max(0.02, 1 - elapsed / budget)
+            for g in opt.param_groups:
+                g["lr"] = lr
+            T = max(len(d["ids"]) for d in group)
+            early = torch.zeros(len(group), T, mc.hidden_size)
+            final = torch.zeros(len(group), T, mc.hidden_size)
+            weight = torch.zeros(len(group), T)
+            for b, d in enumerate(group):
+                n = len(d["ids"])
+                early[b, :n], final[b, :n] = d["early"].float(), d["feats"].float()
+                weight[b, max(d.get("prompt_len", 1) - 1, 0):n - 1] = 1.0   # answer positions (next token known)
+            early, final, weight = early.to(args.device), final.to(args.device), weight.to(args.device)
+            with torch.no_grad():
+                target = torch.softmax(F.linear(final, lm), -1)
+            positions = torch.arange(T, device=args.device).expand(len(group), T)
+            logp = torch.log_softmax(adapter.logits(adapter(early, positions)), -1)
+            per_pos = -(target * logp).sum(-1)
+            n = float(weight.sum())
+            loss = (per_pos * weight).sum() / max(n, 1.0)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, 0.5)
+            opt.step()
+            step += 1
+            agree = ((logp.argmax(-1) == target.argmax(-1)).float() * weight).sum().item()
+            agg["loss"] += loss.item() * n
+            agg["top1_agree"] += agree
+            ntok += n
+        if ntok:
+            row = {"epoch": epoch, "step": step, "seconds": round(time.time() - t0, 1),
+                   **{k: round(v / ntok, 4) for k, v in agg.items()}}
+            hist.append(row)
+            log(f"  {json.dumps(row)}")
+    adapter.cfg.training = {"data": stats, "train_seconds": round(time.time() - t0, 1), "steps": step,
+                            "epochs": epoch, "lr": args.lr, "batch_tokens": args.batch_tokens,
+                            "draft_vocab_coverage": round(covered, 4), "history": hist, "device": args.device,
+                            "threads": torch.get_num_threads(),
+                            "split_rule": "index < 16 or index % 5 == 0 held out (scripts/train_draft_head.py)"}
+    adapter.save_pretrained(args.out)
+    size = os.path.getsize(os.path.join(args.out, "model.safetensors"))
+    log(f"saved {args.out} ({size / 1e6:.1f} MB) after {step} steps")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="target (default: leapdecode's default model)")
@@ -389,7 +506,10 @@ def main() -> None:
     ap.add_argument("--ref-minutes", type=float, default=0.0,
                     help="also teacher-force the datasets' reference answers (training split) for this long")
     ap.add_argument("--work", default="/tmp/leapdecode-eagle", help="where the recorded data goes")
-    ap.add_argument("--out", default=os.path.join(REPO, "leapdecode", "assets", "eagle-smollm2-135m"))
+    ap.add_argument("--head", choices=("eagle", "kangaroo"), default="eagle",
+                    help="an EAGLE head, or a Kangaroo adapter over the target's first --exit-layer layers")
+    ap.add_argument("--exit-layer", type=int, default=6, help="--head kangaroo: the layers the draft runs")
+    ap.add_argument("--out", default=None, help="default: leapdecode/assets/{eagle,kangaroo}-smollm2-135m")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--gen-minutes", type=float, default=17.0)
@@ -414,6 +534,8 @@ def main() -> None:
     ap.add_argument("--init", default=None, help="start from this trained head's weights")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
+    if args.out is None:
+        args.out = os.path.join(REPO, "leapdecode", "assets", f"{args.head}-smollm2-135m")
     torch.set_num_threads(args.threads)
 
     def log(msg: str) -> None:
@@ -424,7 +546,7 @@ def main() -> None:
     if args.stage == "refdata" or (args.stage == "all" and args.ref_minutes > 0):
         stage_refdata(args, log)
     if args.stage in ("all", "train"):
-        stage_train(args, log)
+        (stage_train_kangaroo if args.head == "kangaroo" else stage_train)(args, log)
 
 
 if __name__ == "__main__":

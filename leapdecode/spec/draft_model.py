@@ -199,14 +199,16 @@ def draft_chains(sampler: DraftSampler, logits: torch.Tensor, ctxs: list[_Ctx], 
                   confidence=paths[b] or None) for b in range(B)]
 
 
-def run_layers(model, input_ids: torch.Tensor, meta, layers: Sequence[int] | None = None) -> torch.Tensor:
-    """The model over a flat batch, through ``layers`` (all when None) in order, then the final norm."""
-    if layers is None:
+def run_layers(model, input_ids: torch.Tensor, meta, layers: Sequence[int] | None = None,
+               final_norm: bool = True) -> torch.Tensor:
+    """The model over a flat batch, through ``layers`` (all when None) in order, then the final norm (unless
+    ``final_norm`` is False: the residual stream after the last of ``layers``)."""
+    if layers is None and final_norm:
         return model(input_ids, meta)
     x = model.embed_tokens(input_ids)
-    for i in layers:
+    for i in range(len(model.layers)) if layers is None else layers:
         x = model.layers[i](x, meta)
-    return model.norm(x)
+    return model.norm(x) if final_norm else x
 
 
 def check_same_tokenizer(target: str, draft: str) -> None:

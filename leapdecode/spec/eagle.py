@@ -97,7 +97,60 @@ class EagleConfig:
         return cls(**{k: v for k, v in raw.items() if k in known})
 
 
-class EagleHead(nn.Module):
+class HeadFiles(nn.Module):
+    """A draft head's HF-style directory (``config.json`` + ``model.safetensors``) and what its users share: the
+    draft vocabulary kept an integer tensor whatever the dtype move. Subclasses set ``config_class`` (a dataclass
+    with ``to_json`` / ``from_json``), ``label`` (for errors), and have ``cfg``, ``draft_vocab`` and an
+    ``input_layernorm``. :class:`EagleHead` and the Kangaroo adapter (spec/kangaroo.py)."""
+
+    config_class: type = type(None)
+    label = "draft head"
+
+    def save_pretrained(self, path: str, dtype: torch.dtype = torch.bfloat16) -> None:
+        from safetensors.torch import save_file
+        os.makedirs(path, exist_ok=True)
+        with open(os.path.join(path, "config.json"), "w") as f:
+            json.dump({**self.cfg.to_json(), "torch_dtype": str(dtype).removeprefix("torch.")}, f, indent=2)
+        tensors = {k: (v.to(dtype) if v.is_floating_point() else v).contiguous().cpu()
+                   for k, v in self.state_dict().items()}
+        save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+
+    @classmethod
+    def from_pretrained(cls, path: str, dtype: torch.dtype = torch.float32,
+                        device: torch.device | str = "cpu") -> "HeadFiles":
+        from safetensors.torch import load_file
+        with open(os.path.join(path, "config.json")) as f:
+            cfg = cls.config_class.from_json(json.load(f))
+        head = cls(cfg)
+        state = load_file(os.path.join(path, "model.safetensors"))
+        head.draft_vocab = torch.empty_like(state["draft_vocab"])
+        head._vocab_list = None
+        missing, unexpected = head.load_state_dict(state, strict=False)
+        if missing or unexpected:
+            raise ValueError(f"{cls.label} at {path}: missing {missing}, unexpected {unexpected}")
+        return head.to(device=device, dtype=dtype)
+
+    def to(self, *args, **kwargs):   # keep draft_vocab an integer tensor whatever the dtype move
+        vocab = self.draft_vocab
+        out = super().to(*args, **kwargs)
+        out.draft_vocab = vocab.to(self.input_layernorm.weight.device)
+        out._vocab_list = None
+        return out
+
+    def vocab_list(self) -> list[int]:
+        """``draft_vocab`` as a Python list (cached): column j of :meth:`logits` is token ``vocab_list()[j]``."""
+        if getattr(self, "_vocab_list", None) is None or len(self._vocab_list) != len(self.draft_vocab):
+            self._vocab_list = self.draft_vocab.tolist()
+        return self._vocab_list
+
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+
+class EagleHead(HeadFiles):
+    config_class = EagleConfig
+    label = "EAGLE head"
+
     def __init__(self, cfg: EagleConfig) -> None:
         super().__init__()
         self.cfg = cfg
@@ -237,48 +290,6 @@ class EagleHead(nn.Module):
         int8_linear.quantize_linears(self, INT8_LAYERS)
         self.lm_int8 = int8_linear.Int8Linear(self.lm_weight)
         return self
-
-    # -- files -------------------------------------------------------------------------------------------------
-    def save_pretrained(self, path: str, dtype: torch.dtype = torch.bfloat16) -> None:
-        from safetensors.torch import save_file
-        os.makedirs(path, exist_ok=True)
-        with open(os.path.join(path, "config.json"), "w") as f:
-            json.dump({**self.cfg.to_json(), "torch_dtype": str(dtype).removeprefix("torch.")}, f, indent=2)
-        tensors = {k: (v.to(dtype) if v.is_floating_point() else v).contiguous().cpu()
-                   for k, v in self.state_dict().items()}
-        save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
-
-    @classmethod
-    def from_pretrained(cls, path: str, dtype: torch.dtype = torch.float32,
-                        device: torch.device | str = "cpu") -> "EagleHead":
-        from safetensors.torch import load_file
-        with open(os.path.join(path, "config.json")) as f:
-            cfg = EagleConfig.from_json(json.load(f))
-        head = cls(cfg)
-        state = load_file(os.path.join(path, "model.safetensors"))
-        head.draft_vocab = torch.empty_like(state["draft_vocab"])
-        head._vocab_list = None
-        missing, unexpected = head.load_state_dict(state, strict=False)
-        if missing or unexpected:
-            raise ValueError(f"EAGLE head at {path}: missing {missing}, unexpected {unexpected}")
-        return head.to(device=device, dtype=dtype)
-
-    def to(self, *args, **kwargs):   # keep draft_vocab an integer tensor whatever the dtype move
-        vocab = self.draft_vocab
-        out = super().to(*args, **kwargs)
-        out.draft_vocab = vocab.to(self.input_layernorm.weight.device)
-        out._vocab_list = None
-        return out
-
-    def vocab_list(self) -> list[int]:
-        """``draft_vocab`` as a Python list (cached): column j of :meth:`logits` is token ``vocab_list()[j]``."""
-        if getattr(self, "_vocab_list", None) is None or len(self._vocab_list) != len(self.draft_vocab):
-            self._vocab_list = self.draft_vocab.tolist()
-        return self._vocab_list
-
-    def num_parameters(self) -> int:
-        return sum(p.numel() for p in self.parameters())
-
 
 # -- training loss (self-distillation, EAGLE) -------------------------------------------------------------------
 
@@ -676,6 +687,28 @@ def _gather(entries: list[tuple[torch.Tensor, int]]) -> torch.Tensor:
     return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
+def committed_rows(plan, result, h: torch.Tensor):
+    """(seq_id, positions, rows of ``h``) for each sequence of a verified forward: ``h`` holds a hidden state for
+    every token row of ``plan`` (the flat batch, sequences in plan order); the positions are every committed token
+    of each chunk (prompt chunks included) and the draft nodes verification accepted, and their rows a new tensor
+    (a slice's copy, or gathered where a tree's accepted nodes skip some), which the caller may keep."""
+    off = 0
+    for c in plan.seqs:
+        n_committed = c.num_committed
+        positions = list(range(c.start, c.start + n_committed))
+        rows = list(range(off, off + n_committed))
+        r = result.seqs.get(c.seq_id)
+        if c.draft and r is not None and r.accepted:
+            depths = c.draft.depths()
+            last = c.start + n_committed - 1
+            positions += [last + depths[j] for j in r.accepted]
+            rows += [off + n_committed + j for j in r.accepted]
+        if c.seq_id not in result.errors and rows:
+            run = rows[-1] - rows[0] + 1 == len(rows)
+            yield c.seq_id, positions, h[rows[0]:rows[-1] + 1].clone() if run else h[rows]
+        off += c.num_new_tokens
+
+
 class EagleDrafter:
     """Drafts from the head over the target's hidden states.
 
@@ -779,26 +812,11 @@ class EagleDrafter:
 
     def observe_hidden(self, plan, result, hidden: dict[int, torch.Tensor]) -> None:
         """After a verified forward: ``hidden[layer]`` holds the target's hidden state for every token row of
-        ``plan`` (the flat batch, sequences in plan order). Keeps the committed positions' features: every
-        committed token of each chunk (prompt chunks included) and the draft nodes verification accepted."""
+        ``plan``; keeps the committed positions' features (:func:`committed_rows`)."""
         if not self.capture_layers:
             return
-        h = hidden[self.capture_layers[0]]
-        off = 0
-        for c in plan.seqs:
-            n_committed = c.num_committed
-            positions = list(range(c.start, c.start + n_committed))
-            rows = list(range(off, off + n_committed))
-            r = result.seqs.get(c.seq_id)
-            if c.draft and r is not None and r.accepted:
-                depths = c.draft.depths()
-                last = c.start + n_committed - 1
-                positions += [last + depths[j] for j in r.accepted]
-                rows += [off + n_committed + j for j in r.accepted]
-            if c.seq_id not in result.errors:        # (rows is a run unless a tree's accepted nodes skip some)
-                run = rows[-1] - rows[0] + 1 == len(rows)
-                self.add_features(c.seq_id, positions, h[rows[0]:rows[-1] + 1].clone() if run else h[rows])
-            off += c.num_new_tokens
+        for seq_id, positions, feats in committed_rows(plan, result, hidden[self.capture_layers[0]]):
+            self.add_features(seq_id, positions, feats)
 
     def add_features(self, seq_id: int, positions: Sequence[int], feats: torch.Tensor) -> None:
         """Target features (post final norm) of committed positions of one sequence (rows of ``feats``, which the
@@ -910,5 +928,5 @@ def load_head_for(model, head_path: str | None, dtype: torch.dtype, device: torc
     return head.bind_target(model).eval()
 
 
-__all__ = ["EagleConfig", "EagleHead", "EagleDrafter", "HeadState", "distill_loss", "unrolled", "extend_state", "draft",
-           "load_head_for", "shipped_head_path"]
+__all__ = ["EagleConfig", "EagleHead", "EagleDrafter", "HeadFiles", "HeadPrefixCache", "HeadState", "committed_rows",
+           "distill_loss", "unrolled", "extend_state", "draft", "load_head_for", "shipped_head_path"]

@@ -203,13 +203,25 @@ class LayerSkipDrafter:
 
     # -- the forward -------------------------------------------------------------------------------------------
     @torch.inference_mode()
-    def forward(self, chunks: list[tuple[int, Sequence[int], Sequence[int]]], layers: list[int]) -> torch.Tensor:
+    def hidden(self, chunks: list[tuple[int, Sequence[int], Sequence[int]]], layers: list[int],
+               final_norm: bool = True) -> torch.Tensor:
+        """The draft's hidden state of each chunk's last token: ``chunks`` (start position, tokens, block table)
+        through ``layers`` of the target (reading its KV, writing the tables' scratch blocks), then the final norm
+        unless ``final_norm`` is False (the residual stream, as ``ModelRunner.execute(capture=...)`` numbers it)."""
         plan = lay_out(0, self.block_size, [ScheduledSeq(i, start, tuple(toks), tuple(blocks), samples=True)
                                             for i, (start, toks, blocks) in enumerate(chunks)])
         batch = self.buffers.build(plan, self.runner.model_cfg.sliding_window)
         self.runner.backend.plan(batch.meta)
-        hidden = run_layers(self.draft_model, batch.input_ids, batch.meta, layers)[batch.logits_indices]
+        hidden = run_layers(self.draft_model, batch.input_ids, batch.meta, layers, final_norm)[batch.logits_indices]
         self.stats["forwards"] += 1
+        return hidden
+
+    @torch.inference_mode()
+    def forward(self, chunks: list[tuple[int, Sequence[int], Sequence[int]]], layers: list[int],
+                seq_ids: Sequence[int] = ()) -> torch.Tensor:
+        """Logits of each chunk's next token (``seq_ids``: whose chunk each is; read by subclasses that keep
+        per-sequence state, spec/kangaroo.py)."""
+        hidden = self.hidden(chunks, layers)
         return self.model.compute_logits(hidden) if self.lm_int8 is None else self.lm_int8(hidden)
 
     # -- the protocol ------------------------------------------------------------------------------------------
@@ -245,10 +257,11 @@ class LayerSkipDrafter:
             self.runner.kv_cache.copy_slots(torch.tensor(src, device=dev), torch.tensor(dst, device=dev))
         def step(active: list[int], depth: int, last: list[int]) -> torch.Tensor:
             return self.forward([(len(requests[idx[b]].token_ids) - 1 + depth, (t,), tables[b])
-                                 for b, t in zip(active, last)], layers)
+                                 for b, t in zip(active, last)], layers, [requests[idx[b]].seq_id for b in active])
 
         limits = [min(requests[i].max_draft, self.k) for i in idx]
-        drafts = draft_chains(self.sampler, self.forward(chunks, layers), ctxs, limits, self.threshold, step,
+        first = self.forward(chunks, layers, [requests[i].seq_id for i in idx])
+        drafts = draft_chains(self.sampler, first, ctxs, limits, self.threshold, step,
                               self.calibration, self.row_cost)
         for i, draft in zip(idx, drafts):
             r = requests[i]

@@ -17,7 +17,7 @@ _FACTORIES: dict[str, Callable[..., Drafter]] = {
 DEFAULT_AUTO_METHODS = ("suffix", "recycling")
 # drafters that run a model inside the step: built with a handle to the target's runner (``runner=``), see
 # spec/draft_model.py (the seam) and docs/architecture.md
-MODEL_METHODS = ("draft_model", "layer_skip", "eagle")
+MODEL_METHODS = ("draft_model", "layer_skip", "kangaroo", "eagle")
 METHODS = (*_FACTORIES, "auto", *MODEL_METHODS)
 
 
@@ -28,6 +28,9 @@ def _model_factory(method: str) -> Callable[..., Drafter]:
     if method == "draft_model":
         from leapdecode.spec.draft_model import DraftModelDrafter
         return DraftModelDrafter
+    if method == "kangaroo":
+        from leapdecode.spec.kangaroo import KangarooDrafter
+        return KangarooDrafter
     from leapdecode.spec.layer_skip import LayerSkipDrafter
     return LayerSkipDrafter
 

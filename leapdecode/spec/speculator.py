@@ -118,7 +118,7 @@ class Speculator:
         self._step_shape = (0, 0)        # this step's (decoding requests, tokens computed anyway), for the gate
         self._token_batch = 1            # ... and the batch that decodes (what an accepted token is worth)
         # the model drafters' chains (alone or in auto) stop drafting by the controller's price of a token
-        self._prices_tokens = self.controller is not None and bool({"draft_model", "layer_skip", "eagle"}
+        self._prices_tokens = self.controller is not None and bool({"draft_model", "layer_skip", "kangaroo", "eagle"}
                                                                    & set(cfg.model_methods))
         # this step's sequences when it holds decodes only (a CUDA graph's shape; the steps the guard compares);
         # None otherwise, and between steps
