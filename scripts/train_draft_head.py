@@ -1,4 +1,5 @@
-"""Train an EAGLE-style draft head (leapdecode/spec/eagle.py) on the target's own generations (self-distillation).
+"""Train an EAGLE-style draft head (leapdecode/spec/eagle.py), or with ``--head kangaroo`` a Kangaroo adapter
+(leapdecode/spec/kangaroo.py), on the target's own generations (self-distillation).
 
 Three stages, each bounded in wall time so the whole run fits a CPU hour for SmolLM2-135M-Instruct:
 
@@ -17,6 +18,12 @@ Three stages, each bounded in wall time so the whole run fits a CPU hour for Smo
    ``--train-minutes``.
 3. **save**: an HF-style directory (config.json + model.safetensors, bf16) with the data and training figures in
    ``config.json["training"]``.
+
+``--head kangaroo --exit-layer N``: the data stage also records the residual stream after the target's first N
+layers (what the adapter reads), and training fits the adapter's draft-vocabulary distribution to the target's
+(cross-entropy at answer positions, the same schedule); the default output is leapdecode/assets/kangaroo-smollm2-135m.
+The shipped adapter: ``--head kangaroo --exit-layer 6 --gen-minutes 7 --ref-minutes 2``, then ``--stage train
+--train-minutes 14 --lr 3e-3`` (benchmarks/README.md, "Kangaroo").
 
     .venv/bin/python scripts/train_draft_head.py --out leapdecode/assets/eagle-smollm2-135m
     .venv/bin/python scripts/train_draft_head.py --stage data --work /tmp/eagle      # data only, then
@@ -346,6 +353,47 @@ def early_layer(args) -> int | None:
     return args.exit_layer if args.head == "kangaroo" else None
 
 
+def train_loop(module: torch.nn.Module, seqs: list[dict], args, log, loss_of) -> tuple[int, int, list, dict, float]:
+    """AdamW (betas 0.9 / 0.95) over ``module``'s trainable parameters, epochs of length-bucketed batches of at most
+    ``--batch-tokens``, ``--warmup`` steps of linear warm-up then linear decay until ``--train-minutes`` run out,
+    gradients clipped at 0.5; ``loss_of(group) -> (loss, figures, tokens)``, whose figures are logged per epoch
+    (token-weighted). Returns (steps, epochs, the epochs' figures, the first step's, seconds)."""
+    params = [p for p in module.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    rng = random.Random(args.seed)
+    budget = args.train_minutes * 60
+    t0, step, epoch, hist = time.time(), 0, 0, []
+    first = None
+    while time.time() - t0 < budget:
+        epoch += 1
+        agg = Counter()
+        ntok = 0
+        for group in batches(seqs, args.batch_tokens, rng):
+            elapsed = time.time() - t0
+            if elapsed >= budget:
+                break
+            lr = args.lr * min(1.0, (step + 1) / args.warmup) * max(0.02, 1 - elapsed / budget)
+            for g in opt.param_groups:
+                g["lr"] = lr
+            loss, parts, n = loss_of(group)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, 0.5)
+            opt.step()
+            step += 1
+            ntok += n
+            for k, v in parts.items():
+                agg[k] += v * n
+            if first is None:
+                first = parts
+        if ntok:
+            row = {"epoch": epoch, "step": step, "seconds": round(time.time() - t0, 1),
+                   **{k: round(v / ntok, 4) for k, v in agg.items()}}
+            hist.append(row)
+            log(f"  {json.dumps(row)}")
+    return step, epoch, hist, first, time.time() - t0
+
+
 def stage_train(args, log) -> None:
     from leapdecode.spec.eagle import EagleConfig, EagleHead, distill_loss
     seqs, stats = load_data(args)
@@ -371,43 +419,13 @@ def stage_train(args, log) -> None:
     noise = args.noise * feat_scale
     log(f"head: {head.num_parameters() / 1e6:.2f}M parameters, draft vocab {vocab_n} tokens covering "
         f"{100 * covered:.1f}% of training tokens; feature mean |x| {feat_scale:.3f}, input noise +-{noise:.3f}")
-    params = [p for p in head.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
-    rng = random.Random(args.seed)
-    budget = args.train_minutes * 60
-    t0, step, epoch, hist = time.time(), 0, 0, []
-    first = None
-    while time.time() - t0 < budget:
-        epoch += 1
-        agg = Counter()
-        ntok = 0
-        for group in batches(seqs, args.batch_tokens, rng):
-            elapsed = time.time() - t0
-            if elapsed >= budget:
-                break
-            lr = args.lr * min(1.0, (step + 1) / args.warmup) * max(0.02, 1 - elapsed / budget)
-            for g in opt.param_groups:
-                g["lr"] = lr
-            feats, toks, valid, cls_from = collate(group, args.device)
-            loss, parts = distill_loss(head, feats, toks, valid, noise=noise, w_cls=args.w_cls,
-                                       cls_from=cls_from if args.answer_ce_only else None, unroll=args.unroll)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(params, 0.5)
-            opt.step()
-            step += 1
-            n = int(valid.sum())
-            ntok += n
-            for k, v in parts.items():
-                agg[k] += v * n
-            if first is None:
-                first = parts
-        if ntok:
-            row = {"epoch": epoch, "step": step, "seconds": round(time.time() - t0, 1),
-                   **{k: round(v / ntok, 4) for k, v in agg.items()}}
-            hist.append(row)
-            log(f"  {json.dumps(row)}")
-    t_train = time.time() - t0
+    def loss_of(group: list[dict]) -> tuple[torch.Tensor, dict, int]:
+        feats, toks, valid, cls_from = collate(group, args.device)
+        loss, parts = distill_loss(head, feats, toks, valid, noise=noise, w_cls=args.w_cls,
+                                   cls_from=cls_from if args.answer_ce_only else None, unroll=args.unroll)
+        return loss, parts, int(valid.sum())
+
+    step, epoch, hist, first, t_train = train_loop(head, seqs, args, log, loss_of)
     head.cfg.training = {"data": stats, "train_seconds": round(t_train, 1), "steps": step, "epochs": epoch,
                          "lr": args.lr, "w_cls": args.w_cls, "unroll": args.unroll,
                          "answer_ce_only": bool(args.answer_ce_only),
@@ -444,52 +462,27 @@ def stage_train_kangaroo(args, log) -> None:
     lm = adapter.lm_weight.float()
     log(f"adapter: {adapter.num_parameters() / 1e6:.2f}M parameters, exit after layer {exit_layer} of "
         f"{mc.num_layers}, draft vocab {vocab_n} tokens covering {100 * covered:.1f}% of training tokens")
-    params = [p for p in adapter.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
-    rng = random.Random(args.seed)
-    budget = args.train_minutes * 60
-    t0, step, epoch, hist = time.time(), 0, 0, []
-    while time.time() - t0 < budget:
-        epoch += 1
-        agg, ntok = Counter(), 0
-        for group in batches(seqs, args.batch_tokens, rng):
-            elapsed = time.time() - t0
-            if elapsed >= budget:
-                break
-            lr = args.lr * min(1.0, (step + 1) / args.warmup) * max(0.02, 1 - elapsed / budget)
-            for g in opt.param_groups:
-                g["lr"] = lr
-            T = max(len(d["ids"]) for d in group)
-            early = torch.zeros(len(group), T, mc.hidden_size)
-            final = torch.zeros(len(group), T, mc.hidden_size)
-            weight = torch.zeros(len(group), T)
-            for b, d in enumerate(group):
-                n = len(d["ids"])
-                early[b, :n], final[b, :n] = d["early"].float(), d["feats"].float()
-                weight[b, max(d.get("prompt_len", 1) - 1, 0):n - 1] = 1.0   # answer positions (next token known)
-            early, final, weight = early.to(args.device), final.to(args.device), weight.to(args.device)
-            with torch.no_grad():
-                target = torch.softmax(F.linear(final, lm), -1)
-            positions = torch.arange(T, device=args.device).expand(len(group), T)
-            logp = torch.log_softmax(adapter.logits(adapter(early, positions)), -1)
-            per_pos = -(target * logp).sum(-1)
-            n = float(weight.sum())
-            loss = (per_pos * weight).sum() / max(n, 1.0)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(params, 0.5)
-            opt.step()
-            step += 1
-            agree = ((logp.argmax(-1) == target.argmax(-1)).float() * weight).sum().item()
-            agg["loss"] += loss.item() * n
-            agg["top1_agree"] += agree
-            ntok += n
-        if ntok:
-            row = {"epoch": epoch, "step": step, "seconds": round(time.time() - t0, 1),
-                   **{k: round(v / ntok, 4) for k, v in agg.items()}}
-            hist.append(row)
-            log(f"  {json.dumps(row)}")
-    adapter.cfg.training = {"data": stats, "train_seconds": round(time.time() - t0, 1), "steps": step,
+    def loss_of(group: list[dict]) -> tuple[torch.Tensor, dict, int]:
+        T = max(len(d["ids"]) for d in group)
+        early = torch.zeros(len(group), T, mc.hidden_size)
+        final = torch.zeros(len(group), T, mc.hidden_size)
+        weight = torch.zeros(len(group), T)
+        for b, d in enumerate(group):
+            n = len(d["ids"])
+            early[b, :n], final[b, :n] = d["early"].float(), d["feats"].float()
+            weight[b, max(d.get("prompt_len", 1) - 1, 0):n - 1] = 1.0     # answer positions (next token known)
+        early, final, weight = early.to(args.device), final.to(args.device), weight.to(args.device)
+        with torch.no_grad():
+            target = torch.softmax(F.linear(final, lm), -1)
+        positions = torch.arange(T, device=args.device).expand(len(group), T)
+        logp = torch.log_softmax(adapter.logits(adapter(early, positions)), -1)
+        n = float(weight.sum())
+        loss = (-(target * logp).sum(-1) * weight).sum() / max(n, 1.0)
+        agree = ((logp.argmax(-1) == target.argmax(-1)).float() * weight).sum().item() / max(n, 1.0)
+        return loss, {"loss": loss.item(), "top1_agree": agree}, int(n)
+
+    step, epoch, hist, _, t_train = train_loop(adapter, seqs, args, log, loss_of)
+    adapter.cfg.training = {"data": stats, "train_seconds": round(t_train, 1), "steps": step,
                             "epochs": epoch, "lr": args.lr, "batch_tokens": args.batch_tokens,
                             "draft_vocab_coverage": round(covered, 4), "history": hist, "device": args.device,
                             "threads": torch.get_num_threads(),

@@ -140,8 +140,8 @@ class ModelRunner:
                              "attention_backend='torch'")
         if self.kv_layout.windowed and self.num_scratch_blocks:
             raise ValueError(f"kv_cache_dtype={fmt!r} with a full-precision window does not work with layer_skip "
-                             "or kangaroo speculation (its draft KV is written past the pool, outside the window): use auto, "
-                             "or fp8 with kv_cache_recent_tokens=0")
+                             "or kangaroo speculation (its draft KV is written past the pool, outside the window): "
+                             "use auto, or fp8 with kv_cache_recent_tokens=0")
 
     def _window_wanted(self) -> tuple[int, int]:
         """Windowed caches: (window blocks for every sequence's open blocks, the fewest one sequence needs): a
