@@ -376,6 +376,21 @@ def test_kangaroo_untrained_adapter_is_the_plain_early_exit(embedded, tmp_path):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+def test_a_trained_adapter_gets_gradients_through_its_norms(embedded, tmp_path):
+    """Training reaches every weight: the fused CPU norm and RoPE kernels have no backward, so where autograd needs
+    them the PyTorch forms run (layers._fused); through the fused ones the input norm got no gradient at all."""
+    from leapdecode.spec.kangaroo import KangarooAdapter
+    target = embedded[0]
+    model = make_llm(target).engine.runner.model
+    adapter = KangarooAdapter.from_pretrained(adapter_dir(target, tmp_path, 2, scale=0.05)).bind_target(model)
+    h = torch.randn(2, 5, model.cfg.hidden_size)
+    adapter.logits(adapter(h, torch.arange(5).expand(2, 5))).logsumexp(-1).sum().backward()
+    for p in (adapter.input_layernorm.weight, adapter.qkv_proj.weight, adapter.o_proj.weight, adapter.norm.weight):
+        assert p.grad is not None and p.grad.abs().sum() > 0
+    with torch.no_grad():                         # inference still takes the fused form where it exists
+        assert adapter(h, torch.arange(5).expand(2, 5)).grad_fn is None
+
+
 @pytest.mark.parametrize("draft_vocab,scale", [(None, 0.0), (2000, 0.05)], ids=["early-exit", "random-cut-vocab"])
 def test_kangaroo_greedy_identical_and_accepted(embedded, tmp_path, caplog, draft_vocab, scale):
     target, _, prompts, _, _ = embedded
