@@ -391,18 +391,27 @@ def test_a_trained_adapter_gets_gradients_through_its_norms(embedded, tmp_path):
         assert adapter(h, torch.arange(5).expand(2, 5)).grad_fn is None
 
 
-@pytest.mark.parametrize("draft_vocab,scale", [(None, 0.0), (2000, 0.05)], ids=["early-exit", "random-cut-vocab"])
-def test_kangaroo_greedy_identical_and_accepted(embedded, tmp_path, caplog, draft_vocab, scale):
+@pytest.mark.parametrize("draft_vocab,scale,int8", [(None, 0.0, False), (2000, 0.05, False), (2000, 0.05, True)],
+                         ids=["early-exit", "random-cut-vocab", "int8-adapter"])
+def test_kangaroo_greedy_identical_and_accepted(embedded, tmp_path, caplog, draft_vocab, scale, int8):
+    if int8 and not __import__("leapdecode.model.int8_linear", fromlist=["x"]).available():
+        pytest.skip("no fbgemm/x86 quantized backend in this torch build")
     target, _, prompts, _, _ = embedded
     params = SamplingParams(temperature=0.0, max_tokens=90, ignore_eos=True)   # past a state's first 64 rows
     ref = [o.outputs[0].token_ids for o in make_llm(target).generate(prompts, params, use_tqdm=False)]
     path = adapter_dir(target, tmp_path, 2, draft_vocab, scale)
-    llm = make_llm(target, speculative_config=spec("kangaroo", k=4, model=path, threshold=0.0))
+    llm = make_llm(target, speculative_config=spec("kangaroo", k=4, model=path, threshold=0.0, int8=int8))
     outs = llm.generate(prompts * 2, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == ref * 2
     assert not [r for r in caplog.records if "drafter failed" in r.getMessage()]   # (the engine logs and goes on)
     assert_drafts_accepted(llm)
     drafter = llm.engine.speculator.drafter
+    if int8:                                  # the adapter's matmuls and its LM head rows are read from int8
+        from leapdecode.model.int8_linear import Int8Linear
+        adapter = drafter.adapter
+        assert isinstance(adapter.qkv_proj, Int8Linear) and isinstance(adapter.lm_int8, Int8Linear)
+        out = torch.randn(3, adapter.cfg.hidden_size)
+        torch.testing.assert_close(adapter.logits(out), adapter.lm_int8(out))
     assert drafter.skip == frozenset(range(2, drafter.L))          # the draft runs the first two layers
     assert drafter.stats["caught_up"] > 0                          # the adapter read the target's early states
     assert llm.engine.runner.num_scratch_blocks > 0

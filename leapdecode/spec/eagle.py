@@ -109,12 +109,16 @@ class EagleConfig(HeadConfig):
 
 class HeadFiles(nn.Module):
     """A draft head's HF-style directory (``config.json`` + ``model.safetensors``) and what its users share: the
-    draft vocabulary kept an integer tensor whatever the dtype move, RoPE tables grown on demand. Subclasses set
-    ``config_class`` (a :class:`HeadConfig`), ``label`` (for errors), and have ``cfg``, ``draft_vocab``, ``rope`` and
-    an ``input_layernorm``. :class:`EagleHead` and the Kangaroo adapter (spec/kangaroo.py)."""
+    draft vocabulary kept an integer tensor whatever the dtype move, the LM head rows' logits (int8 after
+    :meth:`quantize_int8`), RoPE tables grown on demand. Subclasses set ``config_class`` (a :class:`HeadConfig`),
+    ``label`` (for errors), ``INT8_LAYERS``, and have ``cfg``, ``draft_vocab``, ``rope``, ``lm_weight``, ``lm_int8``
+    and an ``input_layernorm``. :class:`EagleHead` and the Kangaroo adapter (spec/kangaroo.py)."""
 
     config_class: type = type(None)
     label = "draft head"
+    INT8_LAYERS: list[str] = []      # the matmuls :meth:`quantize_int8` turns to int8
+    # (``lm_weight`` and ``lm_int8`` are set in each head's __init__: a class-level default would shadow the
+    # submodule nn.Module registers when ``lm_int8`` is assigned, and the int8 rows would never be read)
 
     def save_pretrained(self, path: str, dtype: torch.dtype = torch.bfloat16) -> None:
         from safetensors.torch import save_file
@@ -165,6 +169,24 @@ class HeadFiles(nn.Module):
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())
 
+    def logits(self, out: torch.Tensor) -> torch.Tensor:
+        """Draft-vocabulary logits (float32) of the head's outputs; ``draft_vocab[j]`` is column j's token."""
+        if self.lm_int8 is not None:
+            return self.lm_int8(out)
+        return F.linear(out.to(self.lm_weight.dtype), self.lm_weight).float()
+
+    def quantize_int8(self) -> "HeadFiles":
+        """Int8 weights for every matmul of drafting (``INT8_LAYERS``), the bound LM head rows included
+        (``model/int8_linear.py``: 3-5x faster on a CPU, where drafting is bound by reading the weights). Lossless
+        for the engine's output: verification decides every token, with the q this head really produced. Call after
+        binding; CPU only."""
+        from leapdecode.model import int8_linear
+        if self.lm_weight is None:
+            raise ValueError(f"bind the target's LM head before quantizing the {self.label}")
+        int8_linear.quantize_linears(self, self.INT8_LAYERS)
+        self.lm_int8 = int8_linear.Int8Linear(self.lm_weight)
+        return self
+
     def _rope_tables(self, max_pos: int, device: torch.device) -> None:
         """The head's RoPE tables (``self.rope``) cover ``max_pos`` positions on ``device``."""
         if self.rope.max_positions < max_pos or self.rope.cos.device != device:
@@ -175,6 +197,7 @@ class HeadFiles(nn.Module):
 class EagleHead(HeadFiles):
     config_class = EagleConfig
     label = "EAGLE head"
+    INT8_LAYERS = INT8_LAYERS
 
     def __init__(self, cfg: EagleConfig) -> None:
         super().__init__()
@@ -293,23 +316,6 @@ class EagleHead(HeadFiles):
         step = [torch.arange(pos, pos + T), torch.arange(row, row + T), _EMPTY, _ONE_BLOCK, _EMPTY, mask, _EMPTY,
                 _EMPTY]
         return kernels.decoder_layer(x, weights + [state.kv.view(2, 1, cap, *state.kv.shape[2:])], step, params)
-
-    def logits(self, out: torch.Tensor) -> torch.Tensor:
-        """Draft-vocabulary logits (float32) of predicted features; ``draft_vocab[j]`` is column j's token."""
-        if self.lm_int8 is not None:
-            return self.lm_int8(out)
-        return F.linear(out.to(self.lm_weight.dtype), self.lm_weight).float()
-
-    def quantize_int8(self) -> "EagleHead":
-        """Int8 weights for every matmul of drafting, the bound LM head rows included (``model/int8_linear.py``:
-        3-5x faster on a CPU, where drafting is bound by reading the weights). Lossless for the engine's output:
-        verification decides every token, with the q this head really produced. Call after binding; CPU only."""
-        from leapdecode.model import int8_linear
-        if self.lm_weight is None:
-            raise ValueError("bind the target's embedding and LM head before quantizing the head")
-        int8_linear.quantize_linears(self, INT8_LAYERS)
-        self.lm_int8 = int8_linear.Int8Linear(self.lm_weight)
-        return self
 
 # -- training loss (self-distillation, EAGLE) -------------------------------------------------------------------
 

@@ -83,6 +83,7 @@ class KangarooAdapter(HeadFiles):
 
     config_class = AdapterConfig
     label = "Kangaroo adapter"
+    INT8_LAYERS = ["qkv_proj", "o_proj"]
 
     def __init__(self, cfg: AdapterConfig) -> None:
         super().__init__()
@@ -98,6 +99,7 @@ class KangarooAdapter(HeadFiles):
         n = cfg.draft_vocab_size or cfg.vocab_size
         self.register_buffer("draft_vocab", torch.arange(n), persistent=True)
         self.lm_weight: torch.Tensor | None = None      # the target's LM head rows for ``draft_vocab``
+        self.lm_int8: nn.Module | None = None            # the same rows in int8 (``quantize_int8``)
 
     def bind_target(self, model, init_norm: bool = False) -> "KangarooAdapter":
         """Use ``model``'s LM head (frozen, cut to the draft vocabulary); ``init_norm``: start the last norm from
@@ -133,10 +135,6 @@ class KangarooAdapter(HeadFiles):
         v = v.view(B, T, c.num_kv_heads, c.head_dim).transpose(1, 2)
         o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=c.num_heads != c.num_kv_heads)
         return self.norm(x + self.o_proj(o.transpose(1, 2).reshape(B, T, self.q_size)))
-
-    def logits(self, out: torch.Tensor) -> torch.Tensor:
-        """Draft-vocabulary logits (float32); ``draft_vocab[j]`` is column j's token."""
-        return F.linear(out.to(self.lm_weight.dtype), self.lm_weight).float()
 
     @torch.inference_mode()
     def kv(self, h: torch.Tensor, start: int, state: HeadState) -> None:
@@ -190,15 +188,19 @@ def load_adapter_for(model, path: str | None, dtype: torch.dtype, device: torch.
 
 class KangarooDrafter(LayerSkipDrafter):
     """See the module docstring. ``model``: an adapter directory (default: the shipped one); ``threshold``: the
-    early exit's confidence; ``int8``: passed to layer_skip (off by default: the adapter was trained on the float
-    layers' states)."""
+    early exit's confidence; ``int8``: the adapter's matmuls and LM head rows from int8 weights (default: where
+    ``int8_linear.choose`` measures it faster; lossless, see ``HeadFiles.quantize_int8``). The target's first
+    layers always run from the target's own weights: the adapter was trained on their states."""
 
     def __init__(self, runner, num_speculative_tokens: int = 4, model: str | None = None, threshold: float = 0.3,
-                 int8: bool | None = False) -> None:
+                 int8: bool | None = None) -> None:
+        from leapdecode.model import int8_linear
         adapter = load_adapter_for(runner.model, model, torch.float32, runner.device)
         n = runner.model_cfg.num_layers
         super().__init__(runner, num_speculative_tokens, skip=list(range(adapter.cfg.exit_layer, n)),
-                         threshold=threshold, int8=int8)
+                         threshold=threshold, int8=False)
+        if int8_linear.choose(int8, runner.dtype, runner.device, adapter.lm_weight, "kangaroo") is not None:
+            adapter.quantize_int8()         # its own matmuls and LM head rows (a draft reads them every token)
         self.adapter = adapter
         self.exit_layer = adapter.cfg.exit_layer
         self.capture_layers: tuple[int, ...] = (self.exit_layer,)
