@@ -46,7 +46,7 @@ def assert_calibrated(llm):
 def assert_all_free(llm):
     assert_pool_free(llm)
     drafter = llm.engine.speculator.drafter
-    if hasattr(drafter, "states"):                    # the draft model's own pool
+    if hasattr(drafter, "num_free_blocks"):           # the draft model's own pool
         assert not drafter.states and drafter.num_free_blocks == drafter.num_blocks
 
 
@@ -415,7 +415,7 @@ def test_kangaroo_greedy_identical_and_accepted(embedded, tmp_path, caplog, draf
     assert drafter.skip == frozenset(range(2, drafter.L))          # the draft runs the first two layers
     assert drafter.stats["caught_up"] > 0                          # the adapter read the target's early states
     assert llm.engine.runner.num_scratch_blocks > 0
-    assert not drafter.head_states and not drafter.features
+    assert not drafter.states and not drafter.features
     assert_calibrated(llm)
     assert_all_free(llm)
 

@@ -735,7 +735,78 @@ def committed_rows(plan, result, h: torch.Tensor):
         off += c.num_new_tokens
 
 
-class EagleDrafter:
+class CommittedStates:
+    """A draft head's per-sequence state over the target's hidden states of committed positions (EAGLE's features,
+    Kangaroo's early states): ``observe_hidden`` keeps them (``capture_layers[0]``), ``_catch_up`` feeds the head the
+    positions its state lacks through the subclass's ``_extend``, restarting from the longest run of known states
+    (the prefix cache's chunks first) where some are missing, and ``_forget`` drops a finished sequence's."""
+
+    capture_layers: tuple[int, ...] = ()
+
+    def _init_states(self) -> None:
+        self.states: dict[int, HeadState] = {}
+        # seq_id -> position -> (a block of states [rows, d], the position's row in it): a step's rows stay one
+        # block, read when the head catches up (after a forward every torch call is cold: a row view per position
+        # cost ~30 us a decode step, ~1 us a prompt token)
+        self.features: dict[int, dict[int, tuple[torch.Tensor, int]]] = {}
+        self.prefix = HeadPrefixCache()
+        self._stored: dict[int, tuple[int, int]] = {}   # seq_id -> (chunks put in ``prefix``, the last one's key)
+
+    def observe_hidden(self, plan, result, hidden: dict[int, torch.Tensor]) -> None:
+        """After a verified forward: ``hidden[layer]`` holds the target's hidden state for every token row of
+        ``plan``; keeps the committed positions' states (:func:`committed_rows`)."""
+        if not self.capture_layers:
+            return
+        for seq_id, positions, feats in committed_rows(plan, result, hidden[self.capture_layers[0]]):
+            self.add_features(seq_id, positions, feats)
+
+    def add_features(self, seq_id: int, positions: Sequence[int], feats: torch.Tensor) -> None:
+        """The target's hidden states (``capture_layers[0]``) of committed positions of one sequence (rows of
+        ``feats``, which the drafter keeps: pass a tensor nothing else writes to)."""
+        store = self.features.setdefault(seq_id, {})
+        for j, p in enumerate(positions):
+            store[int(p)] = (feats, j)
+
+    def _extend(self, seq_id: int, state: HeadState | None, feats: torch.Tensor, token_ids: Sequence[int],
+                start: int, n: int) -> HeadState:
+        """Positions start .. n - 1 (their states ``feats``) into ``state`` (None: a new one based at ``start``)."""
+        raise NotImplementedError
+
+    def _catch_up(self, seq_id: int, token_ids: Sequence[int]) -> HeadState | None:
+        n = len(token_ids) - 1                      # pairs 0..n-1 need features f_0..f_{n-1}
+        store = self.features.get(seq_id, {})
+        state = self.states.get(seq_id)
+        if state is not None and state.next_pos > n:  # rolled back (should not happen for committed tokens)
+            state = None
+        start = state.next_pos if state is not None else None
+        if start is None or any(p not in store for p in range(start, n)):
+            # fresh start from the longest run of known features that ends at n - 1
+            if n - 1 not in store:
+                self.states.pop(seq_id, None)
+                return None
+            start = n - 1
+            while start - 1 in store:
+                start -= 1
+            # the engine's prefix cache computed no features for a cached prompt prefix: take the head's keys
+            # and values of that prefix from an earlier sequence (exact: they depend on its tokens only)
+            state = self.prefix.load(as_int_list(token_ids), start) if start > 0 else None
+            self._stored.pop(seq_id, None)
+        if start < n:
+            state = self._extend(seq_id, state, _gather([store[p] for p in range(start, n)]), token_ids, start, n)
+        for p in [p for p in store if p < n]:
+            del store[p]
+        self.states[seq_id] = state
+        if state is not None and state.base == 0:
+            self._stored[seq_id] = self.prefix.store(state, token_ids, *self._stored.get(seq_id, (0, 0)))
+        return state
+
+    def _forget(self, seq_id: int) -> None:
+        self.states.pop(seq_id, None)
+        self.features.pop(seq_id, None)
+        self._stored.pop(seq_id, None)
+
+
+class EagleDrafter(CommittedStates):
     """Drafts from the head over the target's hidden states.
 
     The engine hands over the target's features of committed positions (:meth:`add_features`: prompt rows after a
@@ -772,13 +843,7 @@ class EagleDrafter:
         self.last_train_seconds = 0.0
         # the engine captures this hidden state (HF numbering; the target's num_layers = after the final norm)
         self.capture_layers: tuple[int, ...] = () if feature_layer is None else (feature_layer,)
-        self.states: dict[int, HeadState] = {}
-        # seq_id -> position -> (a block of features [rows, d], the position's row in it): a step's rows stay one
-        # block, read when the head catches up (after a forward every torch call is cold: a row view per position
-        # cost ~30 us a decode step, ~1 us a prompt token)
-        self.features: dict[int, dict[int, tuple[torch.Tensor, int]]] = {}
-        self.prefix = HeadPrefixCache()
-        self._stored: dict[int, tuple[int, int]] = {}   # seq_id -> (chunks put in ``prefix``, the last one's key)
+        self._init_states()
         self.num_drafts = 0
         self.cost = RowCost()            # a chain's draft depth, seconds per row (the stopping rule's price)
 
@@ -836,55 +901,17 @@ class EagleDrafter:
         head.lm_int8 = self._lm_int8
         return head
 
-    def observe_hidden(self, plan, result, hidden: dict[int, torch.Tensor]) -> None:
-        """After a verified forward: ``hidden[layer]`` holds the target's hidden state for every token row of
-        ``plan``; keeps the committed positions' features (:func:`committed_rows`)."""
-        if not self.capture_layers:
-            return
-        for seq_id, positions, feats in committed_rows(plan, result, hidden[self.capture_layers[0]]):
-            self.add_features(seq_id, positions, feats)
-
-    def add_features(self, seq_id: int, positions: Sequence[int], feats: torch.Tensor) -> None:
-        """Target features (post final norm) of committed positions of one sequence (rows of ``feats``, which the
-        drafter keeps: pass a tensor nothing else writes to)."""
-        store = self.features.setdefault(seq_id, {})
-        for j, p in enumerate(positions):
-            store[int(p)] = (feats, j)
-
     def _behind(self, seq_id: int, token_ids: Sequence[int]) -> int:
         """Committed pairs the sequence's head state lacks."""
         state = self.states.get(seq_id)
         return len(token_ids) - 1 - (state.next_pos if state is not None else 0)
 
-    def _catch_up(self, seq_id: int, token_ids: Sequence[int]) -> HeadState | None:
-        n = len(token_ids) - 1                      # pairs 0..n-1 need features f_0..f_{n-1}
-        store = self.features.get(seq_id, {})
-        state = self.states.get(seq_id)
-        if state is not None and state.next_pos > n:  # rolled back (should not happen for committed tokens)
-            state = None
-        start = state.next_pos if state is not None else None
-        if start is None or any(p not in store for p in range(start, n)):
-            # fresh start from the longest run of known features that ends at n - 1
-            if n - 1 not in store:
-                self.states.pop(seq_id, None)
-                return None
-            start = n - 1
-            while start - 1 in store:
-                start -= 1
-            # the engine's prefix cache computed no features for a cached prompt prefix: take the head's keys
-            # and values of that prefix from an earlier sequence (exact: they depend on its tokens only)
-            state = self.prefix.load(as_int_list(token_ids), start) if start > 0 else None
-            self._stored.pop(seq_id, None)
-        if start < n:
-            feats = _gather([store[p] for p in range(start, n)])
-            state = extend_state(self.head, state, feats, token_ids[start + 1:n + 1], start)
-            if self.online is not None:
-                self.online.add(seq_id, start, feats, token_ids[start:n])
-        for p in [p for p in store if p < n]:
-            del store[p]
-        self.states[seq_id] = state
-        if state is not None and state.base == 0:
-            self._stored[seq_id] = self.prefix.store(state, token_ids, *self._stored.get(seq_id, (0, 0)))
+    def _extend(self, seq_id: int, state: HeadState | None, feats: torch.Tensor, token_ids: Sequence[int],
+                start: int, n: int) -> HeadState:
+        """Pairs start .. n - 1 (features ``feats``) into the head (and the online trainer's data)."""
+        state = extend_state(self.head, state, feats, token_ids[start + 1:n + 1], start)
+        if self.online is not None:
+            self.online.add(seq_id, start, feats, token_ids[start:n])
         return state
 
     def propose(self, requests: list[DraftRequest]) -> list[Draft]:
@@ -928,9 +955,7 @@ class EagleDrafter:
         del seq_id, token_ids, num_accepted, topk
 
     def finish(self, seq_id: int, token_ids: Sequence[int], num_prompt_tokens: int) -> None:
-        self.states.pop(seq_id, None)
-        self.features.pop(seq_id, None)
-        self._stored.pop(seq_id, None)
+        self._forget(seq_id)
         if self.online is not None:
             self.online.finish(seq_id)
 
@@ -951,5 +976,5 @@ def load_head_for(model, head_path: str | None, dtype: torch.dtype, device: torc
     return head.bind_target(model).eval()
 
 
-__all__ = ["EagleConfig", "EagleHead", "EagleDrafter", "HeadConfig", "HeadFiles", "HeadPrefixCache", "HeadState", "committed_rows",
+__all__ = ["EagleConfig", "EagleHead", "EagleDrafter", "CommittedStates", "HeadConfig", "HeadFiles", "HeadPrefixCache", "HeadState", "committed_rows",
            "distill_loss", "unrolled", "extend_state", "draft", "load_head_for", "shipped_head_path"]

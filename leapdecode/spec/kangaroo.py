@@ -44,7 +44,7 @@ from torch import nn
 
 from leapdecode.model.layers import RMSNorm, RotaryEmbedding
 from leapdecode.spec.drafter import Draft, DraftRequest
-from leapdecode.spec.eagle import HeadConfig, HeadFiles, HeadPrefixCache, HeadState, committed_rows
+from leapdecode.spec.eagle import CommittedStates, HeadConfig, HeadFiles, HeadState
 from leapdecode.spec.layer_skip import LayerSkipDrafter
 
 ADAPTER_ARCHITECTURE = "LeapdecodeKangarooAdapter"
@@ -186,7 +186,7 @@ def load_adapter_for(model, path: str | None, dtype: torch.dtype, device: torch.
     return adapter.bind_target(model).eval()
 
 
-class KangarooDrafter(LayerSkipDrafter):
+class KangarooDrafter(CommittedStates, LayerSkipDrafter):
     """See the module docstring. ``model``: an adapter directory (default: the shipped one); ``threshold``: the
     early exit's confidence; ``int8``: the adapter's matmuls and LM head rows from int8 weights (default: where
     ``int8_linear.choose`` measures it faster; lossless, see ``HeadFiles.quantize_int8``). The target's first
@@ -206,48 +206,16 @@ class KangarooDrafter(LayerSkipDrafter):
         self.capture_layers: tuple[int, ...] = (self.exit_layer,)
         self.stats["caught_up"] = 0                  # committed positions whose keys the adapter took
         self._full = torch.empty(0)                  # full-vocabulary logits, -inf outside the draft vocabulary
-        self.features: dict[int, dict[int, tuple[torch.Tensor, int]]] = {}   # seq -> position -> (rows, row)
-        self.head_states: dict[int, HeadState] = {}
-        self.prefix = HeadPrefixCache()
-        self._stored: dict[int, tuple[int, int]] = {}
+        self._init_states()                          # the adapter's keys per sequence, fed by the early states
 
-    # -- the target's early states of committed tokens ---------------------------------------------------------
-    def observe_hidden(self, plan, result, hidden: dict[int, torch.Tensor]) -> None:
-        for seq_id, positions, feats in committed_rows(plan, result, hidden[self.exit_layer]):
-            store = self.features.setdefault(seq_id, {})
-            for j, p in enumerate(positions):
-                store[int(p)] = (feats, j)
-
-    def _catch_up(self, seq_id: int, token_ids: Sequence[int]) -> HeadState | None:
-        """The sequence's adapter state holding committed positions 0 (or the first it could have) .. n - 1,
-        n = the last committed token's position (whose early state the draft computes itself)."""
-        n = len(token_ids) - 1
-        store = self.features.get(seq_id, {})
-        state = self.head_states.get(seq_id)
-        if state is not None and state.next_pos > n:
-            state = None
-        start = state.next_pos if state is not None else None
-        if start is None or any(p not in store for p in range(start, n)):
-            if n - 1 not in store:
-                self.head_states.pop(seq_id, None)
-                return None
-            start = n - 1                     # the longest run of known states that ends at n - 1
-            while start - 1 in store:
-                start -= 1
-            state = self.prefix.load(list(token_ids), start) if start > 0 else None
-            if state is None:
-                c = self.adapter.cfg
-                state = HeadState.empty(c.num_kv_heads, c.head_dim, start, 2 * (n - start), self.adapter.norm.weight)
-            self._stored.pop(seq_id, None)
-        if start < n:
-            rows = [store[p] for p in range(start, n)]
-            self.adapter.kv(torch.stack([t[j] for t, j in rows]), start, state)
-            self.stats["caught_up"] += n - start
-        for p in [p for p in store if p < n]:
-            del store[p]
-        self.head_states[seq_id] = state
-        if state.base == 0:
-            self._stored[seq_id] = self.prefix.store(state, token_ids, *self._stored.get(seq_id, (0, 0)))
+    # -- the adapter's keys of committed positions (CommittedStates._catch_up) --------------------------------------
+    def _extend(self, seq_id: int, state: HeadState | None, feats: torch.Tensor, token_ids: Sequence[int],
+                start: int, n: int) -> HeadState:
+        if state is None:
+            c = self.adapter.cfg
+            state = HeadState.empty(c.num_kv_heads, c.head_dim, start, 2 * (n - start), self.adapter.norm.weight)
+        self.adapter.kv(feats, start, state)
+        self.stats["caught_up"] += n - start
         return state
 
     # -- drafting ------------------------------------------------------------------------------------------------
@@ -264,7 +232,7 @@ class KangarooDrafter(LayerSkipDrafter):
     def forward(self, chunks: list[tuple[int, Sequence[int], Sequence[int]]], layers: list[int],
                 seq_ids: Sequence[int] = ()) -> torch.Tensor:
         hidden = self.hidden(chunks, layers, final_norm=False)
-        out = self.adapter.draft_rows(hidden, [c[0] for c in chunks], [self.head_states[s] for s in seq_ids])
+        out = self.adapter.draft_rows(hidden, [c[0] for c in chunks], [self.states[s] for s in seq_ids])
         logits = self.adapter.logits(out)
         if self.adapter.cfg.draft_vocab_size is None:
             return logits
@@ -275,9 +243,7 @@ class KangarooDrafter(LayerSkipDrafter):
         return full
 
     def finish(self, seq_id: int, token_ids: Sequence[int], num_prompt_tokens: int) -> None:
-        self.features.pop(seq_id, None)
-        self.head_states.pop(seq_id, None)
-        self._stored.pop(seq_id, None)
+        self._forget(seq_id)
         super().finish(seq_id, token_ids, num_prompt_tokens)
 
 
