@@ -976,5 +976,6 @@ def load_head_for(model, head_path: str | None, dtype: torch.dtype, device: torc
     return head.bind_target(model).eval()
 
 
-__all__ = ["EagleConfig", "EagleHead", "EagleDrafter", "CommittedStates", "HeadConfig", "HeadFiles", "HeadPrefixCache", "HeadState", "committed_rows",
-           "distill_loss", "unrolled", "extend_state", "draft", "load_head_for", "shipped_head_path"]
+__all__ = ["EagleConfig", "EagleHead", "EagleDrafter", "CommittedStates", "HeadConfig", "HeadFiles", "HeadPrefixCache",
+           "HeadState", "committed_rows", "distill_loss", "unrolled", "extend_state", "draft", "load_head_for",
+           "shipped_head_path"]
