@@ -38,7 +38,7 @@ Columns
                      (the same schemas and the same tokens for each row: the fair comparison of cost)
 
 Usage: python benchmarks/structured_backends.py [--tokenizer DIR] [--sets suite,realistic,dense,schemastore]
-       [--limit N] [--failures FILE]
+       [--limit N] [--failures FILE] [--by-schema N]
 """
 
 from __future__ import annotations
@@ -455,7 +455,7 @@ def measure(cases: list, runners: list, tokenizer: Any, mask_tokens_cap: int,
     stats = {r.name: {"compiled": 0, "valid_c": 0, "valid_i": 0, "invalid": 0, "valid_n": 0, "invalid_n": 0,
                       "compile": [], "mask": []} for r in runners}
     totals = {"schemas": len(cases), "valid": 0, "invalid": 0}
-    for name, schema, instances in cases:
+    for case, schema, instances in cases:
         totals["valid"] += sum(v for _, v in instances)
         totals["invalid"] += sum(not v for _, v in instances)
         encoded = []
@@ -470,7 +470,7 @@ def measure(cases: list, runners: list, tokenizer: Any, mask_tokens_cap: int,
                 compiled = runner.compile(schema)
             except Exception as e:  # noqa: BLE001 - a library crash counts as a refusal
                 if failures is not None and runner is runners[0]:
-                    failures.append({"name": name, "compile_error": str(e)[:300]})
+                    failures.append({"name": case, "compile_error": str(e)[:300]})
                 continue
             st["compile"].append(time.process_time() - start)
             st["compiled"] += 1
@@ -482,7 +482,7 @@ def measure(cases: list, runners: list, tokenizer: Any, mask_tokens_cap: int,
                     walked.setdefault(runner.name, []).append((got_c, times))
                 got_i = runner.walk(compiled, indented, None)
                 if failures is not None and runner is runners[0] and (got_c, got_i) != (valid, valid):
-                    failures.append({"name": name, "valid": valid, "compact": got_c, "indented": got_i,
+                    failures.append({"name": case, "valid": valid, "compact": got_c, "indented": got_i,
                                      "instance": value, "schema": schema})
                 st["valid_n" if valid else "invalid_n"] += 1
                 if valid:
@@ -492,11 +492,15 @@ def measure(cases: list, runners: list, tokenizer: Any, mask_tokens_cap: int,
                     st["invalid"] += not got_c and not got_i
         # paired: the instances every row compiled and accepted whole (so the same tokens were masked by each)
         if len(walked) == len(runners) and len({len(w) for w in walked.values()}) == 1:
+            schema_rows: dict[str, list[float]] = {}    # runner -> this schema's paired mask times
             for i in range(len(next(iter(walked.values())))):
                 if all(w[i][0] for w in walked.values()):
                     totals["paired"] = totals.get("paired", 0) + 1
-                    for name, w in walked.items():
-                        stats[name].setdefault("paired_mask", []).extend(w[i][1])
+                    for runner_name, w in walked.items():
+                        stats[runner_name].setdefault("paired_mask", []).extend(w[i][1])
+                        schema_rows.setdefault(runner_name, []).extend(w[i][1])
+            if schema_rows:
+                totals.setdefault("by_schema", []).append((case, schema_rows))
     return {"totals": totals, **stats}
 
 
@@ -536,6 +540,22 @@ def table(title: str, result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def by_schema_table(result: dict[str, Any], top: int) -> str:
+    """The ``top`` schemas by the ratio of our paired mask p50 to raw llguidance's on the same tokens."""
+    rows = []
+    for case, per_runner in result["totals"].get("by_schema", []):
+        ours, base = per_runner.get("leapdecode"), per_runner.get(RawLLGuidance.name)
+        if ours and base:
+            rows.append((quantile(ours, 0.5) / quantile(base, 0.5), quantile(ours, 0.5), quantile(base, 0.5),
+                         len(ours), case))
+    rows.sort(reverse=True)
+    lines = [f"Per schema ({len(rows)} with paired instances; median ratio "
+             f"{statistics.median(r[0] for r in rows) if rows else float('nan'):.1f}x), the {top} dearest:", "",
+             "| schema | ours p50 us | llguidance p50 us | ratio | rows |", "|---|---:|---:|---:|---:|"]
+    lines += [f"| {r[4][:70]} | {1e6 * r[1]:.0f} | {1e6 * r[2]:.0f} | {r[0]:.1f}x | {r[3]} |" for r in rows[:top]]
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--suite", default=str(ROOT.parent / "shared/bench/json_schema_test_suite"))
@@ -548,6 +568,8 @@ def main() -> None:
     parser.add_argument("--no-fixed", action="store_true", help="skip the compact + schema-order row")
     parser.add_argument("--json", default="", help="also write the raw numbers here")
     parser.add_argument("--failures", default="", help="write leapdecode's refusals and wrong answers here (jsonl)")
+    parser.add_argument("--by-schema", type=int, default=0,
+                        help="also list the N schemas whose paired mask p50 is dearest against raw llguidance's")
     args = parser.parse_args()
     tokenizer = PreTrainedTokenizerFast.from_pretrained(args.tokenizer)
     runners: list[Any] = [Ours("leapdecode", tokenizer, {})]
@@ -576,11 +598,14 @@ def main() -> None:
                  if name == "schemastore"
                  else "Dense instances of every realistic schema and the real-world schemas found on this machine")
         print(table(title, result) + f"\n({time.time() - started:.0f} s)\n", flush=True)
+        if args.by_schema:
+            print(by_schema_table(result, args.by_schema) + "\n", flush=True)
     if args.failures:
         pathlib.Path(args.failures).write_text("".join(json.dumps(f, ensure_ascii=False) + "\n" for f in failures))
     if args.json:
         pathlib.Path(args.json).write_text(json.dumps(
-            {k: {n: ({kk: vv for kk, vv in st.items() if kk not in ("compile", "mask", "paired_mask")} if n != "totals" else st)
+            {k: {n: ({kk: vv for kk, vv in st.items() if kk not in ("compile", "mask", "paired_mask")} if n != "totals"
+                     else {kk: vv for kk, vv in st.items() if kk != "by_schema"})
                  for n, st in v.items()} for k, v in out.items()}, indent=1))
 
 
