@@ -25,6 +25,7 @@ import json
 import math
 import os
 import time
+from abc import ABC, abstractmethod
 from collections import OrderedDict
 from dataclasses import asdict, dataclass, field
 from typing import Sequence
@@ -735,7 +736,7 @@ def committed_rows(plan, result, h: torch.Tensor):
         off += c.num_new_tokens
 
 
-class CommittedStates:
+class CommittedStates(ABC):
     """A draft head's per-sequence state over the target's hidden states of committed positions (EAGLE's features,
     Kangaroo's early states): ``observe_hidden`` keeps them (``capture_layers[0]``), ``_catch_up`` feeds the head the
     positions its state lacks through the subclass's ``_extend``, restarting from the longest run of known states
@@ -767,10 +768,11 @@ class CommittedStates:
         for j, p in enumerate(positions):
             store[int(p)] = (feats, j)
 
+    @abstractmethod
     def _extend(self, seq_id: int, state: HeadState | None, feats: torch.Tensor, token_ids: Sequence[int],
                 start: int, n: int) -> HeadState:
-        """Positions start .. n - 1 (their states ``feats``) into ``state`` (None: a new one based at ``start``)."""
-        raise NotImplementedError
+        """Positions start .. n - 1 (their states ``feats``) into ``state`` (None: a new one based at ``start``):
+        each drafter's own head (EAGLE's pairs, Kangaroo's adapter keys)."""
 
     def _catch_up(self, seq_id: int, token_ids: Sequence[int]) -> HeadState | None:
         n = len(token_ids) - 1                      # pairs 0..n-1 need features f_0..f_{n-1}

@@ -205,7 +205,6 @@ class KangarooDrafter(CommittedStates, LayerSkipDrafter):
         self.exit_layer = adapter.cfg.exit_layer
         self.capture_layers: tuple[int, ...] = (self.exit_layer,)
         self.stats["caught_up"] = 0                  # committed positions whose keys the adapter took
-        self._full = torch.empty(0)                  # full-vocabulary logits, -inf outside the draft vocabulary
         self._init_states()                          # the adapter's keys per sequence, fed by the early states
 
     # -- the adapter's keys of committed positions (CommittedStates._catch_up) --------------------------------------
@@ -236,9 +235,7 @@ class KangarooDrafter(CommittedStates, LayerSkipDrafter):
         logits = self.adapter.logits(out)
         if self.adapter.cfg.draft_vocab_size is None:
             return logits
-        if self._full.shape != (logits.shape[0], self.vocab_size) or self._full.device != logits.device:
-            self._full = torch.full((logits.shape[0], self.vocab_size), -math.inf, device=logits.device)
-        full = self._full.clone()
+        full = logits.new_full((logits.shape[0], self.vocab_size), -math.inf)
         full[:, self.adapter.draft_vocab] = logits
         return full
 
