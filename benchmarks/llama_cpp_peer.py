@@ -22,6 +22,15 @@ table gives each side's median and the ratio ours / llama.cpp. Greedy decoding, 
 reads a 4-bit GGUF's codes exactly: its arithmetic is float32; llama.cpp multiplies 8-bit quantized activations
 with the 4-bit weights, a lossy product this engine offers as ``quantization="int8_activations"``, measured as a
 third row with ``--int8-activations``). Nothing is asserted.
+
+``--lookup LLAMA_LOOKUP`` (the path of llama.cpp's ``llama-lookup``, its n-gram lookup decoding: drafts from the
+prompt's and the output's n-grams, the model-free speculation llama.cpp ships) adds the copying tasks of issue 19
+instead: per task (code edits, summarization, document QA, translation; benchmarks/record_outputs.py's prompts, the
+model's chat template; every repeat takes new prompts, since the suffix drafter keeps finished outputs), greedy, ``--tokens`` new tokens, each engine plain and speculating with at most ``--k`` draft
+tokens (llama.cpp: ``llama-lookup --spec-draft-n-max 0`` and ``k``; ours: no speculation and the suffix drafter
+under the controller, the default speculative configuration), decode tokens per second (llama.cpp's "decoded N
+tokens" line; ours (N - 1) / (finish - first token)), medians over the prompts and repeats, and each engine's
+speculative / plain ratio beside ours / llama.cpp.
 """
 from __future__ import annotations
 
@@ -35,6 +44,7 @@ import subprocess
 import sys
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
@@ -76,9 +86,69 @@ def ours(llm: LLM, pp: int, tg: int, depth: int, rng: random.Random) -> dict[str
     return rates
 
 
+def lookup_tasks(tok, prompts: int) -> dict[str, list[str]]:
+    """Chat-templated prompt texts of issue 19's copying tasks (benchmarks/record_outputs.py's)."""
+    from record_outputs import EDIT_TASKS, doc_prompts, translation_prompts
+    summaries, questions = doc_prompts(prompts)
+    texts = {"Code edits": [f"{i}\n\n{t}" for i, t in EDIT_TASKS[:prompts]], "Summarization": summaries,
+             "Document QA": questions, "Translation": translation_prompts(prompts)}
+    return {task: [tok.apply_chat_template([{"role": "user", "content": t}], tokenize=False, add_generation_prompt=True)
+                   for t in ts] for task, ts in texts.items()}
+
+
+def llama_lookup(binary: str, model: str, threads: int, prompt: str, tokens: int, k: int) -> tuple[float, str]:
+    """One llama-lookup run, greedy: (decode tokens per second, the generated text)."""
+    out = subprocess.run([binary, "-m", model, "-t", str(threads), "--temp", "0", "-n", str(tokens), "-c", "4096",
+                          "--spec-draft-n-max", str(k), "-p", prompt], check=True, capture_output=True, text=True)
+    line = next(x for x in out.stderr.splitlines() + out.stdout.splitlines() if "decoded" in x and "speed" in x)
+    return float(line.rsplit("speed:", 1)[1].split()[0]), out.stdout
+
+
+def lookup_table(args: argparse.Namespace, model: str) -> None:
+    """Issue 19's copying tasks, each engine plain and speculating (see the module docstring)."""
+    spec = {"method": "suffix", "num_speculative_tokens": args.k}
+    llms = {"plain": LLM(model, max_model_len=4096), "spec": LLM(model, max_model_len=4096, speculative_config=spec)}
+    tok = llms["plain"].get_tokenizer()
+    params = SamplingParams(temperature=0.0, max_tokens=args.tokens)
+    rates: dict[tuple[str, str, str], list[float]] = {}
+    # every repeat takes new prompts: the suffix drafter keeps finished outputs (its global cache), so a prompt
+    # seen again would be answered from its own earlier answer
+    for task, texts in lookup_tasks(tok, args.prompts * args.repeats).items():
+        for r in range(args.repeats):
+            for text in texts[r * args.prompts:(r + 1) * args.prompts]:
+                ids = tok.encode(text, add_special_tokens=False)
+                runs = [("llama.cpp", "plain"), ("llama.cpp", "spec"), ("leapdecode", "plain"), ("leapdecode", "spec")]
+                for engine, mode in (runs if r % 2 == 0 else runs[::-1]):
+                    if engine == "llama.cpp":
+                        rate, _ = llama_lookup(args.lookup, model, args.threads, text, args.tokens,
+                                               0 if mode == "plain" else args.k)
+                    else:
+                        m = llms[mode].generate([ids], params, use_tqdm=False)[0]
+                        n = len(m.outputs[0].token_ids)
+                        rate = (n - 1) / (m.metrics.finished_time - m.metrics.first_token_time)
+                    rates.setdefault((task, engine, mode), []).append(rate)
+    print(f"model {os.path.basename(model)}; {args.threads} threads; greedy, {args.tokens} new tokens, at most {args.k} "
+          f"draft tokens; {args.prompts} new prompts x {args.repeats} repeats per task; decode tokens/s, medians")
+    print("| task | llama.cpp plain | llama.cpp lookup | lookup / plain | leapdecode plain | leapdecode suffix+ctl "
+          "| suffix / plain | ours / llama.cpp, plain | ours / llama.cpp, speculating |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for task in lookup_tasks(tok, 1):
+        med = {(e, m): statistics.median(rates[(task, e, m)]) for e in ("llama.cpp", "leapdecode")
+               for m in ("plain", "spec")}
+        print(f"| {task} | {med['llama.cpp', 'plain']:.1f} | {med['llama.cpp', 'spec']:.1f} | "
+              f"{med['llama.cpp', 'spec'] / med['llama.cpp', 'plain']:.2f} | {med['leapdecode', 'plain']:.1f} | "
+              f"{med['leapdecode', 'spec']:.1f} | {med['leapdecode', 'spec'] / med['leapdecode', 'plain']:.2f} | "
+              f"{med['leapdecode', 'plain'] / med['llama.cpp', 'plain']:.2f} | "
+              f"{med['leapdecode', 'spec'] / med['llama.cpp', 'spec']:.2f} |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--llama-bench", required=True, help="path of llama.cpp's llama-bench binary")
+    ap.add_argument("--llama-bench", help="path of llama.cpp's llama-bench binary")
+    ap.add_argument("--lookup", help="path of llama.cpp's llama-lookup binary: the copying tasks instead")
+    ap.add_argument("--tokens", type=int, default=48, help="--lookup: new tokens per request")
+    ap.add_argument("--prompts", type=int, default=2, help="--lookup: prompts per task")
+    ap.add_argument("--k", type=int, default=4, help="--lookup: at most this many draft tokens a step")
     ap.add_argument("--model", default=None, help="a GGUF file (default: the default model's)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--pp", type=int, default=512)
@@ -89,6 +159,11 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     model = resolve_model(args.model)
+    if args.lookup:
+        lookup_table(args, model)
+        return
+    if not args.llama_bench:
+        ap.error("--llama-bench or --lookup is required")
     configs = {"leapdecode": {}}
     if args.int8_activations:
         configs["leapdecode, int8 activations (lossy)"] = {"quantization": "int8_activations"}
