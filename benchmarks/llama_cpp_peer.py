@@ -31,6 +31,14 @@ tokens (llama.cpp: ``llama-lookup --spec-draft-n-max 0`` and ``k``; ours: no spe
 under the controller, the default speculative configuration), decode tokens per second (llama.cpp's "decoded N
 tokens" line; ours (N - 1) / (finish - first token)), medians over the prompts and repeats, and each engine's
 speculative / plain ratio beside ours / llama.cpp.
+
+``--batched LLAMA_BATCHED_BENCH`` (llama.cpp's ``llama-batched-bench``) compares throughput instead: B sequences of
+``--pp`` prompt tokens each generating ``--tg`` tokens (``-npp``, ``-ntg``, ``-npl B`` for each B of ``--batches``):
+llama.cpp's S_PP (prompt tokens per second), S_TG (generated tokens per second) and S (all tokens over the whole
+time) beside ours for B requests submitted at once (random prompt ids, prefix caching off, greedy, EOS ignored):
+prompt rate B * pp / (the last first token - start), generation rate B * (tg - 1) / (the last finish - the last
+first token), and all tokens over the whole time. (Our engine overlaps prompts and decodes in its steps, so the
+first two are approximations; the third is the same measure on both sides.)
 """
 from __future__ import annotations
 
@@ -142,10 +150,55 @@ def lookup_table(args: argparse.Namespace, model: str) -> None:
               f"{med['leapdecode', 'spec'] / med['llama.cpp', 'spec']:.2f} |")
 
 
+def batched_table(args: argparse.Namespace, model: str) -> None:
+    """Throughput at batch B beside llama-batched-bench (see the module docstring)."""
+    batches = [int(b) for b in args.batches.split(",")]
+    llm = LLM(model, enable_prefix_caching=False, max_num_seqs=max(batches), max_model_len=args.pp + args.tg + 16)
+    rng = random.Random(0)
+    vocab = llm.engine.model_cfg.vocab_size
+    special = set(llm.get_tokenizer().all_special_ids)
+    params = SamplingParams(temperature=0.0, max_tokens=args.tg, ignore_eos=True)
+    ours(llm, args.pp, 8, 0, rng)       # warm-up
+    rows: dict[tuple[str, int], list[tuple[float, float, float]]] = {}
+    for r in range(args.repeats):
+        for engine in (("llama.cpp", "leapdecode") if r % 2 == 0 else ("leapdecode", "llama.cpp")):
+            if engine == "llama.cpp":
+                out = subprocess.run([args.batched, "-m", model, "-t", str(args.threads), "-c",
+                                      str(max(batches) * (args.pp + args.tg) + 64), "-npp", str(args.pp), "-ntg",
+                                      str(args.tg), "-npl", args.batches, "--output-format", "jsonl"],
+                                     check=True, capture_output=True, text=True).stdout
+                for line in out.splitlines():
+                    if line.startswith("{"):
+                        t = json.loads(line)
+                        rows.setdefault((engine, t["pl"]), []).append((t["speed_pp"], t["speed_tg"], t["speed"]))
+                continue
+            for b in batches:
+                prompts = [[t for t in (rng.randrange(vocab) for _ in range(2 * args.pp)) if t not in special][:args.pp]
+                           for _ in range(b)]
+                start = time.time()
+                outs = llm.generate(prompts, params, use_tqdm=False)
+                end = time.time()
+                first = max(o.metrics.first_token_time for o in outs)
+                last = max(o.metrics.finished_time for o in outs)
+                rows.setdefault((engine, b), []).append((b * args.pp / (first - start), b * (args.tg - 1) / (last - first),
+                                                         b * (args.pp + args.tg) / (end - start)))
+    print(f"model {os.path.basename(model)}; {args.threads} threads; B sequences of {args.pp} prompt tokens generating "
+          f"{args.tg} each; tokens/s, medians of {args.repeats} alternating repeats")
+    print("| B | engine | prompt t/s | generation t/s | all tokens t/s | all tokens, ratio to llama.cpp |")
+    print("|---:|---|---:|---:|---:|---:|")
+    for b in batches:
+        base = statistics.median(x[2] for x in rows[("llama.cpp", b)])
+        for engine in ("llama.cpp", "leapdecode"):
+            med = [statistics.median(x[i] for x in rows[(engine, b)]) for i in range(3)]
+            print(f"| {b} | {engine} | {med[0]:.1f} | {med[1]:.1f} | {med[2]:.1f} | {med[2] / base:.2f} |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--llama-bench", help="path of llama.cpp's llama-bench binary")
     ap.add_argument("--lookup", help="path of llama.cpp's llama-lookup binary: the copying tasks instead")
+    ap.add_argument("--batched", help="path of llama.cpp's llama-batched-bench binary: throughput instead")
+    ap.add_argument("--batches", default="1,16,64", help="--batched: batch sizes")
     ap.add_argument("--tokens", type=int, default=48, help="--lookup: new tokens per request")
     ap.add_argument("--prompts", type=int, default=2, help="--lookup: prompts per task")
     ap.add_argument("--k", type=int, default=4, help="--lookup: at most this many draft tokens a step")
@@ -162,8 +215,11 @@ def main() -> None:
     if args.lookup:
         lookup_table(args, model)
         return
+    if args.batched:
+        batched_table(args, model)
+        return
     if not args.llama_bench:
-        ap.error("--llama-bench or --lookup is required")
+        ap.error("one of --llama-bench, --lookup or --batched is required")
     configs = {"leapdecode": {}}
     if args.int8_activations:
         configs["leapdecode, int8 activations (lossy)"] = {"quantization": "int8_activations"}
