@@ -22,6 +22,7 @@ from collections import deque
 from typing import Any, Callable, Sequence
 
 from leapdecode.decoding.beam_search import BeamSearchParams
+from leapdecode.native import release_openmp_threads
 from leapdecode.outputs import RequestOutput
 from leapdecode.sampling_params import SamplingParams
 from leapdecode.server.metrics import ServerMetrics
@@ -144,6 +145,9 @@ class AsyncEngine:
     # -- lifecycle --------------------------------------------------------------------------------------------
     def start(self) -> None:
         if self._thread is None:
+            # The engine thread is to be the only one running the model: the thread starting it (the one that
+            # built the model, in `leapdecode serve`) gives back its OpenMP workers first (native.py's why).
+            release_openmp_threads()
             self._thread = threading.Thread(target=self._engine_loop, name="leapdecode-engine", daemon=True)
             self._thread.start()
 

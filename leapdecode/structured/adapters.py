@@ -14,6 +14,7 @@ import json
 import re
 from typing import Any, Protocol
 
+import numpy as np
 import torch
 
 from leapdecode.structured.lowering import SHARED_PREFIX, all_keys, drop_keyword, lower
@@ -204,8 +205,10 @@ class _LLGuidance:
                 dropped.append(msg.strip())
         # Resource limits (lexer size, fuel) only bite when a mask is computed: compute the first one now, so a
         # grammar the library cannot run is a ValueError at submission, never a silent all-zero mask later.
-        probe = torch.zeros((self.vocab_size + 31) // 32, dtype=torch.int32)
-        matcher.unsafe_compute_mask_ptr(probe.data_ptr(), probe.numel() * 4)
+        # (numpy, not torch: compiles run in their own thread, where no PyTorch op may run; native.py's
+        # release_openmp_threads says why)
+        probe = np.zeros((self.vocab_size + 31) // 32, dtype=np.int32)
+        matcher.unsafe_compute_mask_ptr(probe.ctypes.data, probe.nbytes)
         if matcher.is_error():
             raise ValueError(library_error(matcher.get_error()))
         return matcher, tuple(dict.fromkeys(dropped))
