@@ -236,3 +236,46 @@ def test_grammar_cache_is_bounded_by_its_configured_size(llama_dir):
     assert len(cache) == 2 and llm.engine.structured.backend._cache_size == 2
     with pytest.raises(ValueError, match="grammar_cache_size"):
         make_llm(llama_dir, grammar_cache_size=0)
+
+
+def test_mask_fill_thread_runs_no_pytorch_op(llama_dir):
+    """The grammar's rows are filled in a worker thread while the model runs. A PyTorch op there (the rows were
+    indexed there once) gives that thread OpenMP workers of its own, and from then on every step of the process
+    waited at its barriers in the kernel (~2.6x slower decoding on 2 cores; leapdecode/native.py,
+    release_openmp_threads). Every ATen op the worker runs is recorded, views aside (a numpy view of the bitmask is
+    how rows are written): there must be none."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Record(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if not func.is_view:
+                self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    llm = make_llm(llama_dir)
+    pool = llm.engine.structured._pool
+    submit, ops, fills = pool.submit, [], []
+
+    def traced(fn, *args, **kwargs):
+        def run():
+            fills.append(1)
+            with Record() as mode:
+                try:
+                    return fn(*args, **kwargs)
+                finally:
+                    ops.extend(mode.ops)
+        return submit(run)
+
+    pool.submit = traced
+    # compact schema order: the grammar forces keys and punctuation, so steps carry several rows (drafts)
+    p = SamplingParams(temperature=0.0, max_tokens=40,
+                       structured={**rf(PERSON), "whitespace": "compact", "key_order": "schema"})
+    outs = llm.generate(["a", "person:"], p, use_tqdm=False)
+    assert all(o.outputs[0].text.startswith("{") for o in outs)
+    assert len(fills) > 10 and llm.engine.structured.num_forced_tokens > 0
+    assert ops == [], sorted(set(ops))
+    assert_pool_free(llm)

@@ -211,9 +211,9 @@ class Matcher:
         for i in range(len(drafts) + 1):
             if i:
                 text += pieces[drafts[i - 1]]
-            word = int(bitmask[row + i, eos >> 5]) & 0xFFFFFFFF
-            if word >> (eos & 31) & 1 and not self._guard.document_ok(text):
-                self._set_eos(self._words(bitmask, row + i), False)
+            words = self._words(bitmask, row + i)      # (numpy: no PyTorch op in the fill thread)
+            if int(words[eos >> 5]) >> (eos & 31) & 1 and not self._guard.document_ok(text):
+                self._set_eos(words, False)
 
     def forced_tokens(self) -> list[int]:
         """Tokens the grammar allows as the only continuation (jump-forward), to be proposed as drafts."""
