@@ -51,3 +51,36 @@ def test_other_dtypes_and_fusion_off_keep_the_pytorch_forms(monkeypatch):
     assert layers._fused(torch.zeros(2, 4, dtype=torch.bfloat16)) is None
     monkeypatch.setattr(layers, "FUSED_OPS", False)
     assert layers._fused(torch.zeros(2, 4)) is None
+
+
+def test_release_openmp_threads_frees_the_calling_threads_workers():
+    """native.release_openmp_threads gives back the calling thread's OpenMP worker threads (their OS threads end),
+    so that one thread alone holds a pool (why: leapdecode/native.py). Run in a thread of its own so the main
+    thread's pool is left as it is."""
+    import os
+    import threading
+    import time
+
+    from leapdecode import native
+    if torch.get_num_threads() < 2 or not os.path.isdir("/proc/self/task"):
+        pytest.skip("needs two intra-op threads and /proc")
+    result = {}
+
+    def threads() -> int:
+        return len(os.listdir("/proc/self/task"))
+
+    def run() -> None:
+        torch.ones(1 << 22).sum()              # a parallel region: this thread gets workers
+        before = threads()
+        result["released"] = native.release_openmp_threads()
+        deadline = time.monotonic() + 10
+        while threads() > before - (torch.get_num_threads() - 1) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        result["gone"] = before - threads()
+
+    t = threading.Thread(target=run)
+    t.start()
+    t.join()
+    if not result["released"]:
+        pytest.skip("no GNU OpenMP runtime loaded (PyTorch built with another one)")
+    assert result["gone"] >= torch.get_num_threads() - 1
