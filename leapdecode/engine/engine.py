@@ -40,6 +40,7 @@ from leapdecode.engine.sequence import Sequence
 from leapdecode.engine.step import ScheduledSeq, StepPlan, StepResult, lay_out
 from leapdecode.engine.stop import StopChecker
 from leapdecode.engine.structured_output import StructuredOutput
+from leapdecode.native import release_openmp_threads
 from leapdecode.model.loader import load_generation_defaults, load_model_config, load_tokenizer
 from leapdecode.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from leapdecode.sampling.dola import LayerContrast
@@ -138,6 +139,8 @@ class Engine:
         self.verifier = Verifier(self.vocab_size, self.device, eos, cfg.seed, self.structured,
                                  TOPK_FOR_DRAFTERS if self.speculator and self.speculator.wants_topk else 0)
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="leapdecode-step") if cfg.async_scheduling else None
+        if self._worker is not None:    # the worker runs the forward passes: the loading thread's OpenMP workers go
+            release_openmp_threads()    # (two pools throttle every step: leapdecode/native.py)
         self._inflight: _InFlight | None = None
         self._ended_outside_a_step: list[str] = []   # requests a fault ended before their step: output them once
         self._unscheduled: set[str] = set()           # requests not yet in any plan (first_scheduled_time)
