@@ -1700,3 +1700,67 @@ def test_values_every_branch_accepts_cost_no_jsonschema_call(backend: GrammarBac
         for indent in (None, 2):
             text = json.dumps(doc, indent=indent, separators=None if indent else (",", ":"))
             assert _produce(backend, compiled, tokenizer, text) == valid, (text, valid)
+
+
+# ------------------------------------------------------------------------------------------ strict schemas
+def _strict(schema: Any) -> dict[str, Any]:
+    spec = _schema_spec(schema)
+    spec["json_schema"]["strict"] = True
+    return spec
+
+
+def test_strict_closes_the_objects_that_declare_properties(backend: GrammarBackend, tokenizer: Any) -> None:
+    """``strict: true`` (OpenAI's flag) takes an object that declares properties and says nothing of other keys
+    as closed, as OpenAI requires strict schemas to say and xgrammar's strict mode and llama.cpp assume; without
+    it every valid document is accepted. The reference: jsonschema on the schema as given, and on the same schema
+    with ``additionalProperties: false`` written by hand where strict closes it."""
+    import jsonschema
+    schema = {"type": "object", "required": ["a"],
+              "properties": {"a": {"type": "integer"},
+                             "o": {"type": "object", "properties": {"x": {"type": "string"}}},
+                             "free": {"type": "object"},
+                             "items": {"type": "array", "items": {"type": "object", "properties": {"k": {"type": "integer"}}}},
+                             "map": {"type": "object", "additionalProperties": {"type": "integer"}}}}
+    closed = copy.deepcopy(schema)
+    closed["additionalProperties"] = False
+    closed["properties"]["o"]["additionalProperties"] = False
+    closed["properties"]["items"]["items"]["additionalProperties"] = False
+    instances = [{"a": 1}, {"a": 1, "zz": 2}, {"o": {"x": "s"}, "a": 1}, {"a": 1, "o": {"x": "s", "y": 1}},
+                 {"a": 1, "free": {"k": 1, "j": [2]}}, {"a": 1, "items": [{"k": 1}, {"k": 2, "extra": 0}]},
+                 {"a": 1, "items": [{"k": 1}]}, {"a": 1, "map": {"p": 1, "q": 2}}, {"zz": 2}]
+    refused = 0
+    for instance in instances:
+        for indent in (None, 2):
+            text = json.dumps(instance, indent=indent, separators=None if indent else (",", ":"))
+            assert _accepts(backend, tokenizer, _schema_spec(schema), text) == jsonschema.Draft202012Validator(
+                schema).is_valid(instance), text
+            strict = _accepts(backend, tokenizer, _strict(schema), text)
+            assert strict == jsonschema.Draft202012Validator(closed).is_valid(instance), text
+            refused += not strict and jsonschema.Draft202012Validator(schema).is_valid(instance)
+    assert refused == 2 * 3        # the extra keys at the top, in "o" and in an item: valid, refused when strict
+    # strict is part of what is compiled (and cached): the two specs are different grammars
+    assert backend.compile(_strict(schema)) is not backend.compile(_schema_spec(schema))
+
+
+def test_strict_keeps_the_keys_that_joined_subschemas_declare(backend: GrammarBackend, tokenizer: Any) -> None:
+    """An object whose meaning is joined with another's (allOf, a $ref beside properties, if/then) is not closed
+    alone, which would refuse the keys the other declares: those documents stay accepted under strict; a union's
+    branches with nothing declared beside them are closed each."""
+    cases = [
+        ({"allOf": [{"type": "object", "properties": {"a": {"type": "integer"}}},
+                    {"properties": {"b": {"type": "integer"}}, "required": ["b"]}]},
+         [('{"a":1,"b":2}', True), ('{"b":2}', True)]),
+        ({"$defs": {"B": {"type": "object", "properties": {"b": {"type": "integer"}}}},
+          "$ref": "#/$defs/B", "properties": {"a": {"type": "integer"}}},
+         [('{"a":1,"b":2}', True), ('{"b":"x"}', False)]),
+        ({"type": "object", "properties": {"kind": {"enum": ["p", "q"]}},
+          "if": {"properties": {"kind": {"const": "p"}}}, "then": {"properties": {"p": {"type": "integer"}}}},
+         [('{"kind":"p","p":1}', True), ('{"kind":"p","p":"x"}', False)]),
+        ({"anyOf": [{"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]},
+                    {"type": "object", "properties": {"b": {"type": "integer"}}, "required": ["b"]}]},
+         [('{"a":1}', True), ('{"b":2}', True), ('{"a":1,"z":0}', False)]),
+    ]
+    for schema, texts in cases:
+        for text, ok in texts:
+            assert _accepts(backend, tokenizer, _strict(schema), text) == ok, (schema, text)
+    assert _accepts(backend, tokenizer, _schema_spec(cases[3][0]), '{"a":1,"z":0}')    # open: valid, accepted

@@ -30,7 +30,7 @@ import torch
 
 from leapdecode.structured.adapters import LIBRARIES, Library, make_library
 from leapdecode.structured.guard import FreeOrder, SchemaGuard, TokenMarks, free_order_sites
-from leapdecode.structured.lowering import CompileTimeout, deadline, prepared
+from leapdecode.structured.lowering import CompileTimeout, deadline, declared_only, prepared
 from leapdecode.structured.matcher import Matcher
 from leapdecode.structured.spec import StructuredSpec, check_spec, parse_structured
 
@@ -216,6 +216,8 @@ class GrammarBackend:
         schema = spec.schema if spec.kind in ("json_object", "json_schema") else None
         if spec.kind == "json_schema":       # (a fresh parse: edited in place)
             schema = prepared(schema, any_order=spec.key_order == "any")
+            if spec.strict:                  # objects take only the keys they declare (spec.py)
+                schema = declared_only(schema)
         free_order = FreeOrder({}, [])
         if self.guard and spec.kind == "json_schema" and spec.key_order == "any":
             free_order = free_order_sites(schema)  # the guard checks what the relaxed grammar lets through

@@ -17,6 +17,7 @@ from typing import Any, Callable, Iterable, Iterator
 __all__ = [
     "DATA_KEYWORDS", "CompileTimeout", "check_deadline", "deadline", "iter_subschemas", "all_keys",
     "drop_keyword", "lower", "prepared", "keyword_nodes", "LOCATIONS", "SHARED_PREFIX", "POINTED_PREFIX",
+    "declared_only",
 ]
 
 DATA_KEYWORDS = ("enum", "const", "default", "examples")  # values, not subschemas
@@ -118,6 +119,55 @@ def _copy(value: Any, copies: dict[int, Any]) -> Any:
 def all_keys(schema: Any) -> set[str]:
     """Every keyword used anywhere in a schema (property names included; only used for over-reporting)."""
     return {key for node in iter_subschemas(schema) for key in node}
+
+
+_OTHER_KEYS = frozenset({"additionalProperties", "unevaluatedProperties", "patternProperties"})
+"""What an object schema may say about keys it does not declare (`declared_only` leaves such an object alone)."""
+
+
+def declared_only(schema: Any) -> Any:
+    """`schema` (edited in place and returned) with ``additionalProperties: false`` on every object that declares
+    ``properties`` and says nothing of other keys, where that closes the object alone: what a strict request asks
+    (OpenAI's ``strict`` schemas must say it; xgrammar's strict mode and llama.cpp assume it). An object whose
+    meaning is joined with another subschema's keeps taking other keys, since closing it would refuse the keys the
+    other declares: an ``allOf`` member or holder, a ``$ref`` beside other keywords and its target, a node with
+    ``if``/``then``/``else`` or ``dependentSchemas`` and those subschemas, an ``anyOf``/``oneOf`` branch of an
+    object that declares properties itself, and anything under ``not`` or ``if`` (closing there would widen what
+    they refuse). Objects that declare no properties (``{"type": "object"}``) take any key, as before."""
+    if not isinstance(schema, dict):
+        return schema
+    joined: set[int] = set()
+
+    def join(node: Any) -> None:            # the node and the chain of local $refs it goes through
+        while isinstance(node, dict) and id(node) not in joined:
+            joined.add(id(node))
+            ref = node.get("$ref")
+            node = resolve_local_ref(schema, ref) if isinstance(ref, str) else None
+
+    for node in keyword_nodes(schema):
+        declares = isinstance(node.get("properties"), dict) or bool(node.keys() & _OTHER_KEYS)
+        members = [m for m in node.get("allOf", ()) if isinstance(m, dict)] if isinstance(node.get("allOf"), list) \
+            else []
+        branches = [b for key in ("anyOf", "oneOf") if isinstance(node.get(key), list) for b in node[key]]
+        dependent = node.get("dependentSchemas") if isinstance(node.get("dependentSchemas"), dict) else {}
+        legacy = node.get("dependencies") if isinstance(node.get("dependencies"), dict) else {}
+        partners = [*members, *(b for b in branches if declares), *(node.get(k) for k in ("then", "else")),
+                    *dependent.values(), *(v for v in legacy.values() if isinstance(v, dict))]
+        if "$ref" in node and node.keys() - ANNOTATIONS - LOCATIONS - {"$ref"}:
+            partners.append(node)           # (join follows its $ref to the target)
+        partners = [p for p in partners if isinstance(p, dict)]
+        if partners or "if" in node:
+            join(node)
+            for partner in partners:
+                join(partner)
+        for key in ("not", "if"):
+            if isinstance(node.get(key), dict):
+                joined.update(id(n) for n in iter_subschemas(node[key]))
+    for node in keyword_nodes(schema):
+        props = node.get("properties")
+        if id(node) not in joined and isinstance(props, dict) and props and not node.keys() & _OTHER_KEYS:
+            node["additionalProperties"] = False
+    return schema
 
 
 def prepared(schema: Any, any_order: bool = True) -> Any:

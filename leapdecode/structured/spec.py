@@ -17,6 +17,12 @@ The JSON kinds also take two output-form options (defaults: every valid document
 "compact" and "schema" narrow what the model may write beyond what the schema says (models are mostly trained
 on indented JSON in free key order), which can lower answer quality; use them when the consumer needs that form.
 
+``"strict": true`` (OpenAI's flag in the json_schema block) closes the schema's objects: an object that declares
+``properties`` and says nothing of other keys takes only those (``lowering.declared_only``: what OpenAI requires a
+strict schema to say with ``additionalProperties: false``, and what xgrammar's strict mode and llama.cpp assume).
+Without it an object takes other keys wherever JSON Schema allows them (every valid document); small models given
+an open object often invent keys.
+
 Everything that can be checked without a tokenizer is checked here, so bad input fails at submission with a
 ValueError that names the field; what only the grammar library can judge (regex syntax, grammar syntax,
 unsupported schema features) fails in `GrammarBackend.compile`, also as a ValueError.
@@ -84,8 +90,8 @@ class StructuredSpec:
 
     @property
     def cache_key(self) -> tuple[str, ...]:
-        """What determines the compiled grammar (name/strict do not)."""
-        return (self.kind, self.text, self.whitespace, self.key_order)
+        """What determines the compiled grammar (not the name; strict closes the schema's objects)."""
+        return (self.kind, self.text, self.whitespace, self.key_order, self.strict is True)
 
 
 def parse_structured(structured: Any, *, check: bool = True) -> StructuredSpec:
