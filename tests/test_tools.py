@@ -278,3 +278,27 @@ def test_template_with_tools_renders_them(tool_template_dir):
         assert r.status_code == 200, r.text
         call = r.json()["choices"][0]["message"]["tool_calls"][0]
         jsonschema.validate(json.loads(call["function"]["arguments"]), WEATHER)
+
+
+def test_strict_function_arguments_take_only_declared_keys(client):
+    """A function defined with OpenAI's ``strict: true``: its arguments are an instance of its parameters with
+    their objects closed (the random model, free to, writes other keys into an open object, and may run out of
+    tokens there: the open form's keys are read from its text)."""
+    import copy
+    import re
+    params = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}},
+              "required": ["city"]}
+    closed = copy.deepcopy(params) | {"additionalProperties": False}
+    extra = 0
+    for seed in range(4):
+        for strict in (False, True):
+            tool = {"type": "function", "function": {"name": "get_weather", "parameters": params, "strict": strict}}
+            r = client.chat.completions.create(
+                model=MODEL, messages=USER, tools=[tool], max_tokens=96, seed=seed, temperature=1.0,
+                tool_choice={"type": "function", "function": {"name": "get_weather"}})
+            text = r.choices[0].message.tool_calls[0].function.arguments
+            if strict:
+                jsonschema.validate(json.loads(text), closed)
+            else:
+                extra += len(set(re.findall(r'"((?:[^"\\]|\\.)*)"\s*:', text)) - {"city"})
+    assert extra > 0        # the open form did take other keys: strict is what kept them out

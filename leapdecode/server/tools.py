@@ -20,10 +20,13 @@ is complete.
 """
 from __future__ import annotations
 
+import copy
 import json
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
+
+from leapdecode.structured.lowering import declared_only
 
 HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
 MISTRAL_MARK = "[TOOL_CALLS]"
@@ -84,7 +87,10 @@ def fallback_messages(messages: list[dict[str, Any]], functions: list[Any]) -> l
 
 # -- constrained choices ---------------------------------------------------------------------------------------
 def _parameters_schema(f: Any) -> dict[str, Any]:
-    return f.parameters if f.parameters else {"type": "object"}
+    """A function's parameters schema; with OpenAI's ``strict`` its objects take only the keys they declare
+    (``lowering.declared_only``, what a strict json_schema response format does too)."""
+    schema = f.parameters if f.parameters else {"type": "object"}
+    return declared_only(copy.deepcopy(schema)) if getattr(f, "strict", None) else schema
 
 
 def named_structured(f: Any) -> dict[str, Any]:
