@@ -39,6 +39,12 @@ time) beside ours for B requests submitted at once (random prompt ids, prefix ca
 prompt rate B * pp / (the last first token - start), generation rate B * (tg - 1) / (the last finish - the last
 first token), and all tokens over the whole time. (Our engine overlaps prompts and decodes in its steps, so the
 first two are approximations; the third is the same measure on both sides.)
+
+``--structured LLAMA_COMPLETION`` (llama.cpp's ``llama-completion``, which turns a JSON schema into its GBNF
+grammar with ``-j``) measures what structured output costs decoding in each engine: per schema of ``SCHEMAS``, a
+chat-templated request for such an object, greedy, ``--tokens`` new tokens, decoding with the schema and without
+it (ours also with ``"strict": true``, objects closed as llama.cpp's schema converter closes them), decode tokens
+per second (llama.cpp's "eval time" line; ours (N - 1) / (finish - first token)), medians.
 """
 from __future__ import annotations
 
@@ -150,6 +156,69 @@ def lookup_table(args: argparse.Namespace, model: str) -> None:
               f"{med['leapdecode', 'spec'] / med['llama.cpp', 'spec']:.2f} |")
 
 
+SCHEMAS = {
+    "person": {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"},
+                                                "email": {"type": "string"},
+                                                "tags": {"type": "array", "items": {"type": "string"}}},
+               "required": ["name", "age", "email", "tags"]},
+    "tool call": {"type": "object", "properties": {
+        "name": {"type": "string", "enum": ["get_weather", "search", "send_email"]},
+        "arguments": {"type": "object", "properties": {
+            "city": {"type": "string"}, "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+            "days": {"type": "integer", "minimum": 1, "maximum": 14}}, "required": ["city"]}},
+        "required": ["name", "arguments"]},
+    "order": {"type": "object", "properties": {
+        "id": {"type": "string"}, "paid": {"type": "boolean"},
+        "items": {"type": "array", "items": {"type": "object", "properties": {
+            "sku": {"type": "string"}, "quantity": {"type": "integer"}, "price": {"type": "number"}},
+            "required": ["sku", "quantity", "price"]}},
+        "note": {"anyOf": [{"type": "string"}, {"type": "null"}]}}, "required": ["id", "items", "paid"]},
+}
+"""Schemas for ``--structured``: an object, a function call with enums and bounds, nested objects in an array."""
+
+
+def structured_table(args: argparse.Namespace, model: str) -> None:
+    """Decoding with and without a JSON schema in each engine (see the module docstring)."""
+    llm = LLM(model, max_model_len=2048)
+    tok = llm.get_tokenizer()
+    rates: dict[tuple[str, str, str], list[float]] = {}
+    for r in range(args.repeats):
+        for name, schema in SCHEMAS.items():
+            text = tok.apply_chat_template([{"role": "user", "content": f"Write a {name} as a JSON object."}],
+                                           tokenize=False, add_generation_prompt=True)
+            ids = tok.encode(text, add_special_tokens=False)
+            for engine in (("llama.cpp", "leapdecode") if r % 2 == 0 else ("leapdecode", "llama.cpp")):
+                for mode in ("plain", "schema") if engine == "llama.cpp" else ("plain", "schema", "strict"):
+                    if engine == "llama.cpp":
+                        cmd = [args.structured, "-m", model, "-t", str(args.threads), "--temp", "0", "-n",
+                               str(args.tokens), "-no-cnv", "--simple-io", "--no-display-prompt", "-p", text]
+                        if mode == "schema":
+                            cmd += ["-j", json.dumps(schema)]
+                        out = subprocess.run(cmd, check=True, capture_output=True, text=True)
+                        line = next(x for x in out.stderr.splitlines() if "eval time" in x and "prompt" not in x)
+                        rate = float(line.rsplit("ms per token,", 1)[1].split()[0])
+                    else:
+                        structured = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema,
+                                                                             "strict": mode == "strict"}}
+                        params = SamplingParams(temperature=0.0, max_tokens=args.tokens,
+                                                structured=None if mode == "plain" else structured)
+                        m = llm.generate([ids], params, use_tqdm=False)[0]
+                        n = len(m.outputs[0].token_ids)
+                        rate = (n - 1) / (m.metrics.finished_time - m.metrics.first_token_time)
+                    rates.setdefault((name, engine, mode), []).append(rate)
+    print(f"model {os.path.basename(model)}; {args.threads} threads; greedy, {args.tokens} new tokens at most; "
+          f"decode tokens/s, medians of {args.repeats} repeats")
+    print("| schema | llama.cpp plain | llama.cpp with schema | ratio | leapdecode plain | leapdecode with schema "
+          "| ratio | leapdecode strict | ratio | ours strict / llama.cpp with schema |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for name in SCHEMAS:
+        med = {key[1:]: statistics.median(v) for key, v in rates.items() if key[0] == name}
+        lp, ls = med["llama.cpp", "plain"], med["llama.cpp", "schema"]
+        op, os_, ot = med["leapdecode", "plain"], med["leapdecode", "schema"], med["leapdecode", "strict"]
+        print(f"| {name} | {lp:.1f} | {ls:.1f} | {ls / lp:.2f} | {op:.1f} | {os_:.1f} | {os_ / op:.2f} | {ot:.1f} | "
+              f"{ot / op:.2f} | {ot / ls:.2f} |")
+
+
 def batched_table(args: argparse.Namespace, model: str) -> None:
     """Throughput at batch B beside llama-batched-bench (see the module docstring)."""
     batches = [int(b) for b in args.batches.split(",")]
@@ -199,7 +268,8 @@ def main() -> None:
     ap.add_argument("--lookup", help="path of llama.cpp's llama-lookup binary: the copying tasks instead")
     ap.add_argument("--batched", help="path of llama.cpp's llama-batched-bench binary: throughput instead")
     ap.add_argument("--batches", default="1,16,64", help="--batched: batch sizes")
-    ap.add_argument("--tokens", type=int, default=48, help="--lookup: new tokens per request")
+    ap.add_argument("--structured", help="path of llama.cpp's llama-completion binary: JSON-schema decoding instead")
+    ap.add_argument("--tokens", type=int, default=48, help="--lookup, --structured: new tokens per request")
     ap.add_argument("--prompts", type=int, default=2, help="--lookup: prompts per task")
     ap.add_argument("--k", type=int, default=4, help="--lookup: at most this many draft tokens a step")
     ap.add_argument("--model", default=None, help="a GGUF file (default: the default model's)")
@@ -218,8 +288,11 @@ def main() -> None:
     if args.batched:
         batched_table(args, model)
         return
+    if args.structured:
+        structured_table(args, model)
+        return
     if not args.llama_bench:
-        ap.error("one of --llama-bench, --lookup or --batched is required")
+        ap.error("one of --llama-bench, --lookup, --batched or --structured is required")
     configs = {"leapdecode": {}}
     if args.int8_activations:
         configs["leapdecode, int8 activations (lossy)"] = {"quantization": "int8_activations"}
