@@ -78,6 +78,12 @@ def llama_bench(binary: str, model: str, threads: int, pp: int, tg: int, depth: 
     return {(pp_name if t["n_gen"] == 0 else tg_name): float(t["avg_ts"]) for t in tests}
 
 
+def decode_rate(llm: LLM, ids: list[int], params: SamplingParams) -> float:
+    """One request through the engine: its decode steps' tokens per second, (N - 1) / (finish - first token)."""
+    out = llm.generate([ids], params, use_tqdm=False)[0]
+    return (len(out.outputs[0].token_ids) - 1) / (out.metrics.finished_time - out.metrics.first_token_time)
+
+
 def names(pp: int, tg: int, depth: int) -> list[str]:
     return [f"pp{pp}", f"tg{tg}" + (f" @ {depth}" if depth else "")]
 
@@ -93,10 +99,8 @@ def ours(llm: LLM, pp: int, tg: int, depth: int, rng: random.Random) -> dict[str
     llm.generate([tokens(pp)], SamplingParams(temperature=0.0, max_tokens=1), use_tqdm=False)
     pp_name, tg_name = names(pp, tg, depth)
     rates = {pp_name: pp / (time.perf_counter() - start)}
-    out = llm.generate([tokens(max(depth, 1))], SamplingParams(temperature=0.0, max_tokens=tg, ignore_eos=True),
-                       use_tqdm=False)[0]
-    m = out.metrics
-    rates[tg_name] = (tg - 1) / (m.finished_time - m.first_token_time)
+    rates[tg_name] = decode_rate(llm, tokens(max(depth, 1)),
+                                 SamplingParams(temperature=0.0, max_tokens=tg, ignore_eos=True))
     return rates
 
 
@@ -137,9 +141,7 @@ def lookup_table(args: argparse.Namespace, model: str) -> None:
                         rate, _ = llama_lookup(args.lookup, model, args.threads, text, args.tokens,
                                                0 if mode == "plain" else args.k)
                     else:
-                        m = llms[mode].generate([ids], params, use_tqdm=False)[0]
-                        n = len(m.outputs[0].token_ids)
-                        rate = (n - 1) / (m.metrics.finished_time - m.metrics.first_token_time)
+                        rate = decode_rate(llms[mode], ids, params)
                     rates.setdefault((task, engine, mode), []).append(rate)
     print(f"model {os.path.basename(model)}; {args.threads} threads; greedy, {args.tokens} new tokens, at most {args.k} "
           f"draft tokens; {args.prompts} new prompts x {args.repeats} repeats per task; decode tokens/s, medians")
@@ -202,9 +204,7 @@ def structured_table(args: argparse.Namespace, model: str) -> None:
                                                                              "strict": mode == "strict"}}
                         params = SamplingParams(temperature=0.0, max_tokens=args.tokens,
                                                 structured=None if mode == "plain" else structured)
-                        m = llm.generate([ids], params, use_tqdm=False)[0]
-                        n = len(m.outputs[0].token_ids)
-                        rate = (n - 1) / (m.metrics.finished_time - m.metrics.first_token_time)
+                        rate = decode_rate(llm, ids, params)
                     rates.setdefault((name, engine, mode), []).append(rate)
     print(f"model {os.path.basename(model)}; {args.threads} threads; greedy, {args.tokens} new tokens at most; "
           f"decode tokens/s, medians of {args.repeats} repeats")
