@@ -40,8 +40,8 @@ from leapdecode.engine.sequence import Sequence
 from leapdecode.engine.step import ScheduledSeq, StepPlan, StepResult, lay_out
 from leapdecode.engine.stop import StopChecker
 from leapdecode.engine.structured_output import StructuredOutput
-from leapdecode.native import release_openmp_threads
 from leapdecode.model.loader import load_generation_defaults, load_model_config, load_tokenizer
+from leapdecode.native import release_openmp_threads
 from leapdecode.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from leapdecode.sampling.dola import LayerContrast
 from leapdecode.sampling.verifier import Verifier
