@@ -372,3 +372,24 @@ def test_exact_kernel_matches_float64_attention(dtype, d):
         block += nb
     meta.plan = None
     assert torch.equal(TorchAttention(exact="always").attend(q, unseen, meta, 0.2), ours)
+
+
+def test_async_engine_runs_every_forward_on_one_thread(llama_dir):
+    """With async_scheduling the overlapped steps run on the worker, and the synchronous ones (an unsafe request:
+    a penalty) too: one thread runs the model. A second one, with OpenMP workers of its own, made every later step
+    ~2.6x slower on the CPU (leapdecode/native.py, release_openmp_threads)."""
+    import threading
+    llm = make_llm(llama_dir, async_scheduling=True)
+    eng = llm.engine
+    threads, execute = set(), eng.runner.execute
+
+    def traced(*args, **kwargs):
+        threads.add(threading.get_ident())
+        return execute(*args, **kwargs)
+
+    eng.runner.execute = traced
+    llm.generate(["a b c"], SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
+    overlapped = eng.stats["overlapped_steps"]
+    llm.generate(["d e"], SamplingParams(max_tokens=8, ignore_eos=True, presence_penalty=0.5), use_tqdm=False)
+    assert overlapped > 0 and eng.stats["overlapped_steps"] == overlapped      # both kinds of step ran
+    assert len(threads) == 1 and threading.get_ident() not in threads

@@ -329,8 +329,15 @@ class Engine:
 
     # -- the step ----------------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        if self._worker is not None and self._overlap_safe():
+        if self._worker is None:
+            return self._step_sync()
+        if self._overlap_safe():
             return self._step_overlapped()
+        # a synchronous step runs on the worker's thread as well: one thread runs the model (architecture.md,
+        # "Rules of the house"; the step in flight, submitted before, has finished when this one starts)
+        return self._worker.submit(self._step_sync).result()
+
+    def _step_sync(self) -> list[RequestOutput]:
         outputs = self._drain()
         # the step's time, as the speculation controller sees it, starts before drafting and scheduling: what a
         # draft costs the host beyond the drafter's own time (the speculator charges that apart) is part of it
