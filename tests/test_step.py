@@ -393,3 +393,22 @@ def test_async_engine_runs_every_forward_on_one_thread(llama_dir):
     llm.generate(["d e"], SamplingParams(max_tokens=8, ignore_eos=True, presence_penalty=0.5), use_tqdm=False)
     assert overlapped > 0 and eng.stats["overlapped_steps"] == overlapped      # both kinds of step ran
     assert len(threads) == 1 and threading.get_ident() not in threads
+
+
+def test_stepping_from_another_thread_is_said_once(llama_dir, caplog):
+    """An engine stepped from a second thread logs one warning (on a CPU each thread running the model keeps an
+    OpenMP pool of its own: leapdecode/native.py), and only once."""
+    import logging
+    from concurrent.futures import ThreadPoolExecutor
+    if torch.get_num_threads() < 2:
+        pytest.skip("one intra-op thread: nothing to say")
+    llm = make_llm(llama_dir)
+    params = SamplingParams(max_tokens=2, ignore_eos=True)
+    with caplog.at_level(logging.WARNING, logger="leapdecode.engine.engine"):
+        llm.generate(["a b"], params, use_tqdm=False)
+        assert not caplog.records
+        with ThreadPoolExecutor(1) as pool:
+            pool.submit(llm.generate, ["c d"], params, use_tqdm=False).result()
+        llm.generate(["e f"], params, use_tqdm=False)
+    warned = [r for r in caplog.records if "another thread" in r.getMessage()]
+    assert len(warned) == 1

@@ -20,6 +20,7 @@ from __future__ import annotations
 import atexit
 import gc
 import logging
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
@@ -142,6 +143,8 @@ class Engine:
         if self._worker is not None:    # the worker runs the forward passes: the loading thread's OpenMP workers go
             release_openmp_threads()    # (two pools throttle every step: leapdecode/native.py)
         self._inflight: _InFlight | None = None
+        self._stepping_thread: int | None = None     # the thread of the last step (see `_check_thread`)
+        self._warned_threads = False
         self._ended_outside_a_step: list[str] = []   # requests a fault ended before their step: output them once
         self._unscheduled: set[str] = set()           # requests not yet in any plan (first_scheduled_time)
         self.stats = {"steps": 0, "prompt_tokens": 0, "generation_tokens": 0, "draft_tokens": 0,
@@ -329,6 +332,8 @@ class Engine:
 
     # -- the step ----------------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        if self._stepping_thread != threading.get_ident():
+            self._check_thread()
         if self._worker is None:
             return self._step_sync()
         if self._overlap_safe():
@@ -336,6 +341,19 @@ class Engine:
         # a synchronous step runs on the worker's thread as well: one thread runs the model (architecture.md,
         # "Rules of the house"; the step in flight, submitted before, has finished when this one starts)
         return self._worker.submit(self._step_sync).result()
+
+    def _check_thread(self) -> None:
+        """Say once when the engine is stepped from another thread than before: on a CPU each thread that runs
+        PyTorch work keeps an OpenMP pool of its own, and two pools made every step ~2.6x slower
+        (leapdecode/native.py, release_openmp_threads)."""
+        if (self._stepping_thread is not None and not self._warned_threads and self.device.type == "cpu"
+                and torch.get_num_threads() > 1):
+            self._warned_threads = True
+            log.warning("the engine is stepped from another thread than before: on a CPU each thread that runs the "
+                        "model keeps OpenMP workers of its own, and two pools make every step several times "
+                        "slower; step it from one thread (leapdecode.native.release_openmp_threads frees a "
+                        "thread's workers)")
+        self._stepping_thread = threading.get_ident()
 
     def _step_sync(self) -> list[RequestOutput]:
         outputs = self._drain()
