@@ -279,3 +279,37 @@ def test_mask_fill_thread_runs_no_pytorch_op(llama_dir):
     assert len(fills) > 10 and llm.engine.structured.num_forced_tokens > 0
     assert ops == [], sorted(set(ops))
     assert_pool_free(llm)
+
+
+def test_grammar_rows_stay_with_their_request_when_a_fault_splits_the_batch(llama_dir, monkeypatch):
+    """When sampling the batch raises, each request is sampled alone (the fault stays with its request): the
+    structured requests then get their own mask rows, renumbered (verifier._rows_of), and finish exactly as
+    without the faulty request beside them."""
+    from leapdecode.sampling.sampler import SamplingBatch
+    p = SamplingParams(temperature=0.0, max_tokens=80,
+                       structured={**rf(PERSON), "whitespace": "compact", "key_order": "schema"})
+    prompts = ["a", "person:", "{}"]
+    ref = [o.outputs[0].token_ids for o in make_llm(llama_dir).generate(prompts, p, use_tqdm=False)]
+    process = SamplingBatch.process
+
+    def faulty_process(self, logits):
+        if any(r.seq.request_id == "bad" for r in self.rows):
+            raise RuntimeError("sampler exploded")
+        return process(self, logits)
+
+    monkeypatch.setattr(SamplingBatch, "process", faulty_process)
+    llm = make_llm(llama_dir)
+    eng = llm.engine
+    eng.add_request("bad", "x y", SamplingParams(temperature=0.0, max_tokens=8))
+    for i, prompt in enumerate(prompts):
+        eng.add_request(str(i), prompt, p)
+    done = {}
+    while eng.has_unfinished():
+        for out in eng.step():
+            if out.finished:
+                done[out.request_id] = out.outputs[0]
+    assert done["bad"].finish_reason == "error"
+    assert [done[str(i)].token_ids for i in range(len(prompts))] == ref
+    for i in range(len(prompts)):
+        jsonschema.validate(json.loads(done[str(i)].text), PERSON)
+    assert_pool_free(llm)

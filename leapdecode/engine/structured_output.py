@@ -97,25 +97,20 @@ class StructuredOutput:
         rows = [row + i for _, row, draft in jobs for i in range(len(draft) + 1)]
 
         def fill() -> tuple[torch.Tensor, list[int]]:
-            # no PyTorch op in this thread (only numpy views and the grammar library): a parallel op here would
-            # give it OpenMP workers of its own and slow every step of the process (native.release_openmp_threads)
+            # no PyTorch op in this thread (numpy views, numpy indexing and the grammar library): a parallel op here
+            # would give it OpenMP workers of its own and slow every step of the process (native.py,
+            # release_openmp_threads)
             fill_bitmasks(jobs, bitmask)
-            return bitmask, rows
+            return torch.from_numpy(bitmask.numpy()[rows]), rows
 
         return self._pool.submit(fill)
 
     @staticmethod
-    def _rows(pending: Future) -> tuple[torch.Tensor, list[int]]:
-        """The filled rows of the step's bitmask (taken on the engine's thread) and the sample rows they mask."""
-        bitmask, rows = pending.result()
-        return bitmask[rows], rows
-
-    @classmethod
-    def apply(cls, logits: torch.Tensor, pending: Future | None) -> torch.Tensor:
+    def apply(logits: torch.Tensor, pending: Future | None) -> torch.Tensor:
         if pending is None:
             return logits
         from leapdecode.structured import apply_token_bitmask
-        bitmask, rows = cls._rows(pending)
+        bitmask, rows = pending.result()
         return apply_token_bitmask(logits.clone(), bitmask, rows=rows)
 
     def align(self, rows: list, probs: torch.Tensor, unmasked_probs, pending: Future | None) -> torch.Tensor:
@@ -125,7 +120,7 @@ class StructuredOutput:
         if not targets or pending is None:
             return probs
         from leapdecode.structured import bitmask_to_bool
-        bitmask, mask_rows = self._rows(pending)
+        bitmask, mask_rows = pending.result()
         allowed = bitmask_to_bool(bitmask, probs.shape[-1])
         where = {r: i for i, r in enumerate(mask_rows)}
         full = unmasked_probs()
