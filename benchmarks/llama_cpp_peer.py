@@ -78,6 +78,13 @@ def llama_bench(binary: str, model: str, threads: int, pp: int, tg: int, depth: 
     return {(pp_name if t["n_gen"] == 0 else tg_name): float(t["avg_ts"]) for t in tests}
 
 
+def random_prompt(llm: LLM, n: int, rng: random.Random) -> list[int]:
+    """``n`` random token ids of the model's vocabulary, special tokens excluded."""
+    vocab = llm.engine.model_cfg.vocab_size
+    special = set(llm.get_tokenizer().all_special_ids)
+    return [t for t in (rng.randrange(vocab) for _ in range(2 * n + 8)) if t not in special][:n]
+
+
 def decode_rate(llm: LLM, ids: list[int], params: SamplingParams) -> float:
     """One request through the engine: its decode steps' tokens per second, (N - 1) / (finish - first token)."""
     out = llm.generate([ids], params, use_tqdm=False)[0]
@@ -90,16 +97,11 @@ def names(pp: int, tg: int, depth: int) -> list[str]:
 
 def ours(llm: LLM, pp: int, tg: int, depth: int, rng: random.Random) -> dict[str, float]:
     """The same tests through the engine: tokens per second by test name."""
-    vocab = llm.engine.model_cfg.vocab_size
-    special = set(llm.get_tokenizer().all_special_ids)
-
-    def tokens(n: int) -> list[int]:
-        return [t for t in (rng.randrange(vocab) for _ in range(2 * n + 8)) if t not in special][:n]
     start = time.perf_counter()
-    llm.generate([tokens(pp)], SamplingParams(temperature=0.0, max_tokens=1), use_tqdm=False)
+    llm.generate([random_prompt(llm, pp, rng)], SamplingParams(temperature=0.0, max_tokens=1), use_tqdm=False)
     pp_name, tg_name = names(pp, tg, depth)
     rates = {pp_name: pp / (time.perf_counter() - start)}
-    rates[tg_name] = decode_rate(llm, tokens(max(depth, 1)),
+    rates[tg_name] = decode_rate(llm, random_prompt(llm, max(depth, 1), rng),
                                  SamplingParams(temperature=0.0, max_tokens=tg, ignore_eos=True))
     return rates
 
@@ -131,7 +133,8 @@ def lookup_table(args: argparse.Namespace, model: str) -> None:
     rates: dict[tuple[str, str, str], list[float]] = {}
     # every repeat takes new prompts: the suffix drafter keeps finished outputs (its global cache), so a prompt
     # seen again would be answered from its own earlier answer
-    for task, texts in lookup_tasks(tok, args.prompts * args.repeats).items():
+    tasks = lookup_tasks(tok, args.prompts * args.repeats)
+    for task, texts in tasks.items():
         for r in range(args.repeats):
             for text in texts[r * args.prompts:(r + 1) * args.prompts]:
                 ids = tok.encode(text, add_special_tokens=False)
@@ -148,7 +151,7 @@ def lookup_table(args: argparse.Namespace, model: str) -> None:
     print("| task | llama.cpp plain | llama.cpp lookup | lookup / plain | leapdecode plain | leapdecode suffix+ctl "
           "| suffix / plain | ours / llama.cpp, plain | ours / llama.cpp, speculating |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
-    for task in lookup_tasks(tok, 1):
+    for task in tasks:
         med = {(e, m): statistics.median(rates[(task, e, m)]) for e in ("llama.cpp", "leapdecode")
                for m in ("plain", "spec")}
         print(f"| {task} | {med['llama.cpp', 'plain']:.1f} | {med['llama.cpp', 'spec']:.1f} | "
@@ -224,8 +227,6 @@ def batched_table(args: argparse.Namespace, model: str) -> None:
     batches = [int(b) for b in args.batches.split(",")]
     llm = LLM(model, enable_prefix_caching=False, max_num_seqs=max(batches), max_model_len=args.pp + args.tg + 16)
     rng = random.Random(0)
-    vocab = llm.engine.model_cfg.vocab_size
-    special = set(llm.get_tokenizer().all_special_ids)
     params = SamplingParams(temperature=0.0, max_tokens=args.tg, ignore_eos=True)
     ours(llm, args.pp, 8, 0, rng)       # warm-up
     rows: dict[tuple[str, int], list[tuple[float, float, float]]] = {}
@@ -242,8 +243,7 @@ def batched_table(args: argparse.Namespace, model: str) -> None:
                         rows.setdefault((engine, t["pl"]), []).append((t["speed_pp"], t["speed_tg"], t["speed"]))
                 continue
             for b in batches:
-                prompts = [[t for t in (rng.randrange(vocab) for _ in range(2 * args.pp)) if t not in special][:args.pp]
-                           for _ in range(b)]
+                prompts = [random_prompt(llm, args.pp, rng) for _ in range(b)]
                 start = time.time()
                 outs = llm.generate(prompts, params, use_tqdm=False)
                 end = time.time()
