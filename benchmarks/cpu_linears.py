@@ -47,12 +47,12 @@ if REPO not in sys.path:
 def layer_by_layer():
     """Layers run inside this block module by module (the one-call layer of model/cpu_layer.py held off)."""
     from leapdecode.model import cpu_layer
-    kept = cpu_layer.run
-    cpu_layer.run = lambda *args: None
+    kept = cpu_layer.run, cpu_layer.stack_of
+    cpu_layer.run = cpu_layer.stack_of = lambda *args: None
     try:
         yield
     finally:
-        cpu_layer.run = kept
+        cpu_layer.run, cpu_layer.stack_of = kept
 
 
 @contextlib.contextmanager

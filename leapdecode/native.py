@@ -68,7 +68,8 @@ def kernels():
                                          "paged_attention_quantized", "top_k_attention",
                                          "top_k_attention_quantized", "rows_supported", "rows_wide", "rows_linear",
                                          "rows_linear_int8", "rows_linear_grid", "a8_supported", "rows_linear_a8",
-                                         "decoder_layer"],
+                                         "decoder_layer", "layer_stack_new", "layer_stack_free",
+                                         "layer_stack_run"],
                  flags=["-ffp-contract=off"])
 
 

@@ -14,18 +14,40 @@ pytestmark = pytest.mark.skipif(packed_linear.float_rows() is None,
                                        "float models' layers run module by module")
 
 
-def _counting(monkeypatch, taken: dict) -> None:
-    real = cpu_layer.run
+def _observe(monkeypatch, seen) -> None:
+    """Call ``seen(layer_idx, kind, rows, meta)`` for every layer the one-call path runs, one at a time
+    (``cpu_layer.run``) or a model's range of layers at once (``LayerStack``); kind "int8" or "float"."""
+    real_run, real_stack = cpu_layer.run, cpu_layer.LayerStack.__call__
 
     def run(layer, x, meta):
-        out = real(layer, x, meta)
+        out = real_run(layer, x, meta)
         if out is not None:
-            kind = "int8" if isinstance(layer.self_attn.qkv_proj, Int8Linear) else "float"
-            taken[kind, x.shape[0]] = taken.get((kind, x.shape[0]), 0) + 1
-            if len(meta.cpu_step.tensors) > 8:          # several attention groups (e.g. decodes and verifications)
-                taken["groups"] = taken.get("groups", 0) + 1
+            seen(layer.self_attn.layer_idx, "int8" if isinstance(layer.self_attn.qkv_proj, Int8Linear) else "float",
+                 x.shape[0], meta)
+        return out
+
+    def stack(self, x, meta, start, end):
+        out = real_stack(self, x, meta, start, end)
+        if out is not None:
+            for i in range(start, end):
+                seen(i, "float" if self.rows_max is None else "int8", x.shape[0], meta)
         return out
     monkeypatch.setattr(cpu_layer, "run", run)
+    monkeypatch.setattr(cpu_layer.LayerStack, "__call__", stack)
+
+
+def _module_path(monkeypatch) -> None:
+    """Every layer module by module: the one-call layer, alone and in a model's stack, held off."""
+    monkeypatch.setattr(cpu_layer, "run", lambda *a: None)
+    monkeypatch.setattr(cpu_layer, "stack_of", lambda *a: None)
+
+
+def _counting(monkeypatch, taken: dict) -> None:
+    def seen(idx, kind, rows, meta):
+        taken[kind, rows] = taken.get((kind, rows), 0) + 1
+        if len(meta.cpu_step.tensors) > 8:          # several attention groups (e.g. decodes and verifications)
+            taken["groups"] = taken.get("groups", 0) + 1
+    _observe(monkeypatch, seen)
 
 
 def _generate(llm, prompts, params, batch=False):
@@ -55,7 +77,7 @@ def test_one_call_layer_gives_the_module_paths_bits(llama_dir, monkeypatch):
                 "adaptive": False}
         results[tree] = _generate(make_llm(llama_dir, speculative_config=spec), prompts, params)
     assert taken.get(("float", 1), 0) > 0 and sum(n for (_, rows), n in taken.items() if rows > 1) > 0, taken
-    monkeypatch.setattr(cpu_layer, "run", lambda *a: None)          # the layer-by-layer path
+    _module_path(monkeypatch)                                        # the layer-by-layer path
     assert _generate(make_llm(llama_dir), prompts, params) == plain
     for tree in (False, True):
         spec = {"drafter": OracleDrafter(truth, wrong_every=3, tree=tree), "num_speculative_tokens": 4,
@@ -63,6 +85,48 @@ def test_one_call_layer_gives_the_module_paths_bits(llama_dir, monkeypatch):
         module = _generate(make_llm(llama_dir, speculative_config=spec), prompts, params)
         assert [t for t, _ in module] == [t for t, _ in plain]
         assert module == results[tree] == plain, tree
+
+
+def test_a_models_layers_run_in_one_call_with_the_layer_by_layer_bits(llama_dir, monkeypatch):
+    """The model's stack (``LayerStack``: every layer of a forward in one C++ call) gives plain decoding's and chain
+    verification's greedy tokens and logprobs bit for bit as each layer in its own call and as the module path, and
+    it is what runs them: with it, no target layer goes through ``cpu_layer.run``. A forward that captures an
+    intermediate layer (DoLa's early exits) runs layer by layer. Fails if the stack is never taken, or runs a
+    layer differently."""
+    prompts = [[3 + (5 * i + j) % 60 for j in range(18)] for i in range(3)]
+    params = SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True, logprobs=3)
+    counts = {"stack": 0, "run": 0}
+    real_stack, real_run = cpu_layer.LayerStack.__call__, cpu_layer.run
+
+    def stack(self, x, meta, start, end):
+        out = real_stack(self, x, meta, start, end)
+        counts["stack"] += out is not None
+        return out
+
+    def run(layer, x, meta):
+        out = real_run(layer, x, meta)
+        counts["run"] += out is not None
+        return out
+    monkeypatch.setattr(cpu_layer.LayerStack, "__call__", stack)
+    monkeypatch.setattr(cpu_layer, "run", run)
+    plain = _generate(make_llm(llama_dir), prompts, params)
+    truth = {tuple(p): [list(r[0])] for p, r in zip(prompts, plain)}
+
+    def spec():
+        return {"drafter": OracleDrafter(truth, wrong_every=3), "num_speculative_tokens": 4, "adaptive": False}
+    drafted = _generate(make_llm(llama_dir, speculative_config=spec()), prompts, params)
+    assert counts["stack"] > 0 and counts["run"] == 0, counts
+    counts.update(stack=0, run=0)
+    dola = _generate(make_llm(llama_dir), prompts, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True,
+                                                                   dola_layers="high"))
+    assert counts["run"] > 0, counts                 # early exits captured: layer by layer
+    monkeypatch.setattr(cpu_layer, "stack_of", lambda *a: None)     # each layer in its own call
+    assert _generate(make_llm(llama_dir), prompts, params) == plain
+    assert _generate(make_llm(llama_dir, speculative_config=spec()), prompts, params) == drafted
+    _module_path(monkeypatch)
+    assert _generate(make_llm(llama_dir), prompts, params) == plain
+    assert _generate(make_llm(llama_dir, speculative_config=spec()), prompts, params) == drafted
+    assert [t for t, _ in drafted] == [t for t, _ in plain] and dola
 
 
 def test_one_call_layer_with_several_attention_groups(llama_dir, monkeypatch):
@@ -82,7 +146,7 @@ def test_one_call_layer_with_several_attention_groups(llama_dir, monkeypatch):
     fused = _generate(make_llm(llama_dir, speculative_config=spec(), max_num_batched_tokens=64), prompts, params,
                       batch=True)
     assert taken.get("groups", 0) > 0, taken
-    monkeypatch.setattr(cpu_layer, "run", lambda *a: None)
+    _module_path(monkeypatch)
     module = _generate(make_llm(llama_dir, speculative_config=spec(), max_num_batched_tokens=64), prompts, params,
                        batch=True)
     assert fused == module
@@ -107,7 +171,7 @@ def test_int8_draft_layers_take_one_call_and_draft_the_same(monkeypatch):
     _counting(monkeypatch, taken)
     fused = run()
     assert taken.get(("int8", 1), 0) > 0 and fused[1][0] > 0, (taken, fused[1])
-    monkeypatch.setattr(cpu_layer, "run", lambda *a: None)
+    _module_path(monkeypatch)
     assert run() == fused
 
 
@@ -134,17 +198,11 @@ def test_sparse_decode_rows_take_one_call_with_the_module_paths_bits(tiny_dir, m
     sparse = {"budget": 16, "window": 4, "dense_layers": 2}
     prompts = [[3 + (11 * i + 7 * j) % 300 for j in range(n)] for i, n in enumerate((300, 140, 220, 10))]
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=2)
-    real, layers = cpu_layer.run, []
-
-    def run(layer, x, meta):
-        out = real(layer, x, meta)
-        if out is not None and meta.cpu_step.sparse is not None:
-            layers.append(layer.self_attn.layer_idx)
-        return out
-    monkeypatch.setattr(cpu_layer, "run", run)
+    layers = []
+    _observe(monkeypatch, lambda idx, kind, rows, meta: meta.cpu_step.sparse is not None and layers.append(idx))
     fused = _generate(make_llm(deep, max_model_len=512, sparse_attention=sparse), prompts, params, batch=True)
     assert set(layers) == set(range(6)), layers
-    monkeypatch.setattr(cpu_layer, "run", lambda *a: None)          # the layer-by-layer path
+    _module_path(monkeypatch)                                        # the layer-by-layer path
     assert _generate(make_llm(deep, max_model_len=512, sparse_attention=sparse), prompts, params, batch=True) == fused
     full = _generate(make_llm(deep, max_model_len=512), prompts, params, batch=True)
     assert full != fused                                             # (the budget is small enough to matter)
@@ -161,14 +219,8 @@ def test_windowed_quantized_caches_take_one_call_with_the_module_paths_bits(llam
     read the cache differently."""
     prompts = [[3 + (7 * i + 5 * j) % 90 for j in range(n)] for i, n in enumerate((40, 23, 57))]
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=2)
-    real, windowed = cpu_layer.run, []
-
-    def run(layer, x, meta):
-        out = real(layer, x, meta)
-        if out is not None and meta.cpu_step.windowed:
-            windowed.append(x.shape[0])
-        return out
-    monkeypatch.setattr(cpu_layer, "run", run)
+    windowed = []
+    _observe(monkeypatch, lambda idx, kind, rows, meta: meta.cpu_step.windowed and windowed.append(rows))
     plain = _generate(make_llm(llama_dir, **kv), prompts, params, batch=True)
     truth = {tuple(p): [list(r[0])] for p, r in zip(prompts, plain)}
 
@@ -176,7 +228,7 @@ def test_windowed_quantized_caches_take_one_call_with_the_module_paths_bits(llam
         return {"drafter": OracleDrafter(truth, wrong_every=3), "num_speculative_tokens": 3, "adaptive": False}
     drafted = _generate(make_llm(llama_dir, speculative_config=spec(), **kv), prompts, params)
     assert windowed and max(windowed) > 1, windowed                # decodes and verification rows
-    monkeypatch.setattr(cpu_layer, "run", lambda *a: None)          # the layer-by-layer path
+    _module_path(monkeypatch)                                        # the layer-by-layer path
     assert _generate(make_llm(llama_dir, **kv), prompts, params, batch=True) == plain
     assert _generate(make_llm(llama_dir, speculative_config=spec(), **kv), prompts, params) == drafted
 
@@ -191,7 +243,7 @@ def test_decode_steps_that_fill_a_block_seal_after_the_forward_on_the_one_call_l
     from leapdecode.engine import input_batch
     prompts = [[3 + (7 * i + 5 * j) % 90 for j in range(n)] for i, n in enumerate((40, 23, 57))]
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, logprobs=2)
-    real_build, real_run = input_batch.InputBuffers.build, cpu_layer.run
+    real_build = input_batch.InputBuffers.build
     sealing, one_call = {}, {}      # (the metadata kept alive, so no later step reuses its id)
 
     def build(self, plan, *a, **k):
@@ -200,13 +252,11 @@ def test_decode_steps_that_fill_a_block_seal_after_the_forward_on_the_one_call_l
             sealing[id(batch.meta)] = batch.meta
         return batch
 
-    def run(layer, x, meta):
-        out = real_run(layer, x, meta)
-        if out is not None and id(meta) in sealing:
+    def seen(idx, kind, rows, meta):
+        if id(meta) in sealing:
             one_call[id(meta)] = one_call.get(id(meta), 0) + 1
-        return out
     monkeypatch.setattr(input_batch.InputBuffers, "build", build)
-    monkeypatch.setattr(cpu_layer, "run", run)
+    _observe(monkeypatch, seen)
     plain = _generate(make_llm(llama_dir, **kv), prompts, params, batch=True)
     truth = {tuple(p): [list(r[0])] for p, r in zip(prompts, plain)}
 
@@ -217,6 +267,6 @@ def test_decode_steps_that_fill_a_block_seal_after_the_forward_on_the_one_call_l
     layers = len(llm.engine.runner.model.layers)
     assert len(sealing) >= 4 and set(one_call) == set(sealing), (len(sealing), one_call)
     assert all(n == layers for n in one_call.values()), (layers, one_call)
-    monkeypatch.setattr(cpu_layer, "run", lambda *a: None)          # the layer-by-layer path
+    _module_path(monkeypatch)                                        # the layer-by-layer path
     assert _generate(llm, prompts, params, batch=True) == plain
     assert _generate(make_llm(llama_dir, speculative_config=spec(), **kv), prompts, params) == drafted

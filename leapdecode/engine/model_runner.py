@@ -296,6 +296,8 @@ class ModelRunner:
         closed engine's GPU memory would stay taken until the process ends."""
         for layer in getattr(self.model, "layers", ()):
             layer.self_attn.kv_cache = None
+        if self.model is not None:
+            self.model.__dict__.pop("_layer_stack", None)     # (the compiled module's hold on weights and caches)
         self.graphs = self.model = self.kv_cache = self.buffers = None
 
 
