@@ -26,10 +26,10 @@ def _observe(monkeypatch, seen) -> None:
                  x.shape[0], meta)
         return out
 
-    def stack(self, x, meta, start, end):
-        out = real_stack(self, x, meta, start, end)
+    def stack(self, x, meta, layers):
+        out = real_stack(self, x, meta, layers)
         if out is not None:
-            for i in range(start, end):
+            for i in layers:
                 seen(i, "float" if self.rows_max is None else "int8", x.shape[0], meta)
         return out
     monkeypatch.setattr(cpu_layer, "run", run)
@@ -98,8 +98,8 @@ def test_a_models_layers_run_in_one_call_with_the_layer_by_layer_bits(llama_dir,
     counts = {"stack": 0, "run": 0}
     real_stack, real_run = cpu_layer.LayerStack.__call__, cpu_layer.run
 
-    def stack(self, x, meta, start, end):
-        out = real_stack(self, x, meta, start, end)
+    def stack(self, x, meta, layers):
+        out = real_stack(self, x, meta, layers)
         counts["stack"] += out is not None
         return out
 

@@ -27,7 +27,7 @@ steps that seal blocks, fp8 caches without a window, GPUs, oneDNN or F.linear pr
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
@@ -173,9 +173,9 @@ void layer_stack_free(int64_t id) {
   stacks.erase(id);
 }
 
-// Layers [start, end) of stack `id` over x; a layer from `sparse_from` on reads `sparse` as its step where given
-// (AttentionMetadata.cpu_step.for_layer).
-torch::Tensor layer_stack_run(int64_t id, torch::Tensor x, int64_t start, int64_t end,
+// The stack's `layers` (indices, in the order given) over x; a layer from `sparse_from` on reads `sparse` as its
+// step where given (AttentionMetadata.cpu_step.for_layer).
+torch::Tensor layer_stack_run(int64_t id, torch::Tensor x, std::vector<int64_t> layers,
                               std::vector<torch::Tensor> step, std::vector<torch::Tensor> sparse,
                               int64_t sparse_from) {
   std::shared_ptr<Stack> stack;
@@ -185,9 +185,10 @@ torch::Tensor layer_stack_run(int64_t id, torch::Tensor x, int64_t start, int64_
     TORCH_CHECK(found != stacks.end(), "layer_stack_run: no such stack");
     stack = found->second;
   }
-  TORCH_CHECK(0 <= start && start <= end && end <= static_cast<int64_t>(stack->w.size()), "layer_stack_run: range");
-  for (int64_t i = start; i < end; ++i)
+  for (const int64_t i : layers) {
+    TORCH_CHECK(0 <= i && i < static_cast<int64_t>(stack->w.size()), "layer_stack_run: no such layer");
     x = layer_forward(x, stack->w[i], !sparse.empty() && i >= sparse_from ? sparse : step, stack->p[i]);
+  }
   return x;
 }
 """
@@ -277,8 +278,9 @@ def run(layer: Any, x: torch.Tensor, meta: Any) -> torch.Tensor | None:
 
 
 class LayerStack:
-    """A model's decoder layers held by the compiled module (``layer_stack_new``), so that a forward over a range of
-    them is one call (``layer_stack_run``): each layer runs the very ``decoder_layer`` the layer-by-layer path
+    """A model's decoder layers held by the compiled module (``layer_stack_new``), so that a forward over any of them
+    is one call (``layer_stack_run``; all of a target's forward, a range for Kangaroo's early exit, layer_skip's
+    kept layers): each layer runs the very ``decoder_layer`` the layer-by-layer path
     calls, on the same inputs in the same order, so the results are its bits; what goes is Python's layer loop and
     the conversion of every layer's ~20 tensors at each call (~0.4 ms of a ~9 ms batch-1 step of SmolLM2-135M on the
     2-core VM). Built from the layers as they are (each qualifying for the one-call layer: see :class:`FusedLayer`
@@ -294,15 +296,15 @@ class LayerStack:
         except Exception:           # interpreter shutdown: the module may be gone already
             pass
 
-    def __call__(self, x: torch.Tensor, meta: Any, start: int, end: int) -> torch.Tensor | None:
-        """Layers [start, end) over ``x``, or None where the step does not allow the one-call path (as
-        :func:`run` would say for each layer)."""
+    def __call__(self, x: torch.Tensor, meta: Any, layers: Sequence[int]) -> torch.Tensor | None:
+        """The model's ``layers`` (indices, in that order) over ``x``, or None where the step does not allow the
+        one-call path (as :func:`run` would say for each layer)."""
         cpu = meta.cpu_step
         if (cpu is None or cpu.windowed != self.windowed or x.dim() != 2 or x.dtype != torch.float32
                 or x.shape[0] != cpu.tensors[1].shape[0]
                 or (self.rows_max is not None and x.shape[0] > self.rows_max)):
             return None
-        return native.kernels().layer_stack_run(self.handle, x if x.is_contiguous() else x.contiguous(), start, end,
+        return native.kernels().layer_stack_run(self.handle, x if x.is_contiguous() else x.contiguous(), layers,
                                                 cpu.tensors, cpu.sparse or [], cpu.sparse_from)
 
 

@@ -101,7 +101,7 @@ class LlamaForCausalLM(nn.Module):
         if meta.cpu_step is not None and start_layer < end and not any(start_layer <= i < end for i in capture):
             # the CPU's small steps: every layer of the range in one C++ call where each qualifies (cpu_layer.py)
             stack = cpu_layer.stack_of(self, layers)
-            out = stack(x, meta, start_layer, end) if stack is not None else None
+            out = stack(x, meta, range(start_layer, end)) if stack is not None else None
             if out is not None:
                 x, start_layer = out, end
         for i in range(start_layer, end):

@@ -55,6 +55,7 @@ import torch
 
 from leapdecode.engine.input_batch import InputBuffers
 from leapdecode.engine.step import ScheduledSeq, lay_out
+from leapdecode.model import cpu_layer
 from leapdecode.sampling.rejection import DRAFT_SALT
 from leapdecode.sampling.sampler import (Row, SamplingBatch, argmax_rows, inverse_cdf_sample, keyed_uniforms,
                                          seeded_uniform)
@@ -206,8 +207,16 @@ def run_layers(model, input_ids: torch.Tensor, meta, layers: Sequence[int] | Non
     if layers is None and final_norm:
         return model(input_ids, meta)
     x = model.embed_tokens(input_ids)
-    for i in range(len(model.layers)) if layers is None else layers:
-        x = model.layers[i](x, meta)
+    order = range(len(model.layers)) if layers is None else layers
+    # the CPU's small steps: the layers in one C++ call where each qualifies (model/cpu_layer.py); ``model.layers``,
+    # not the forward's own list: an int8 copy of the target (layer_skip) holds its copies there
+    stack = cpu_layer.stack_of(model, list(model.layers)) if meta.cpu_step is not None else None
+    out = stack(x, meta, order) if stack is not None else None
+    if out is not None:
+        x = out
+    else:
+        for i in order:
+            x = model.layers[i](x, meta)
     return model.norm(x) if final_norm else x
 
 
