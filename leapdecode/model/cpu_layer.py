@@ -279,12 +279,12 @@ def run(layer: Any, x: torch.Tensor, meta: Any) -> torch.Tensor | None:
 
 class LayerStack:
     """A model's decoder layers held by the compiled module (``layer_stack_new``), so that a forward over any of them
-    is one call (``layer_stack_run``; all of a target's forward, a range for Kangaroo's early exit, layer_skip's
-    kept layers): each layer runs the very ``decoder_layer`` the layer-by-layer path
-    calls, on the same inputs in the same order, so the results are its bits; what goes is Python's layer loop and
-    the conversion of every layer's ~20 tensors at each call (~0.4 ms of a ~9 ms batch-1 step of SmolLM2-135M on the
-    2-core VM). Built from the layers as they are (each qualifying for the one-call layer: see :class:`FusedLayer`
-    and :func:`_cache_tensors`); :func:`stack_of` builds a new one when a layer's products or cache were swapped."""
+    is one call (``layer_stack_run``: all of a target's forward, Kangaroo's early layers, layer_skip's kept ones).
+    Each layer runs the very ``decoder_layer`` the layer-by-layer path calls, on the same inputs in the same order,
+    so the results are its bits; what goes is Python's layer loop and the conversion of every layer's ~20 tensors
+    at each call (~0.4 ms of a ~9 ms batch-1 step of SmolLM2-135M on the 2-core VM). Built from the layers as they
+    are (each qualifying for the one-call layer: :class:`FusedLayer`, :func:`_cache_tensors`); :func:`stack_of`
+    builds a new one when a layer's products or cache were swapped."""
 
     def __init__(self, handle: int, rows_max: int | None, windowed: bool) -> None:
         self.handle, self.rows_max, self.windowed = handle, rows_max, windowed
