@@ -114,26 +114,26 @@ class KVCache:
         L, bs, h, d = num_layers, block_size, num_kv_heads, head_dim
         fmt = self.layout.kv_cache_dtype
         if fmt == "auto":
-            self.data = _zeros((L, 2, num_blocks, bs, h, d), dtype, device)
+            self.data = _zeros((L, 2, num_blocks, bs, h, d), dtype, device, 2)
             self.scales: torch.Tensor | None = None
         elif fmt == "fp8":
-            self.data = _zeros((L, 2, num_blocks, bs, h, d), torch.uint8, device)
-            self.scales = _zeros((L, 2, num_blocks, bs, h), torch.float16, device)
+            self.data = _zeros((L, 2, num_blocks, bs, h, d), torch.uint8, device, 2)
+            self.scales = _zeros((L, 2, num_blocks, bs, h), torch.float16, device, 2)
         else:
             if d % 2:
                 raise ValueError(f"kv_cache_dtype={fmt!r} needs an even head_dim, got {d}")
             n = self.layout.num_salient
-            self.data = _zeros((L, 2, num_blocks, bs, h, d * self.layout.bits // 8), torch.uint8, device)
+            self.data = _zeros((L, 2, num_blocks, bs, h, d * self.layout.bits // 8), torch.uint8, device, 2)
             self.scales = None
-            self.key_grid = _zeros((L, num_blocks, 2, h, d), torch.float16, device)
-            self.value_grid = _zeros((L, num_blocks, 2, bs, h), torch.float16, device)
-            self.salient = _zeros((L, num_blocks, n, h), torch.uint8, device)
-            self.residual = _zeros((L, 2, num_blocks, n, h, d // 2), torch.uint8, device)
+            self.key_grid = _zeros((L, num_blocks, 2, h, d), torch.float16, device, 1)
+            self.value_grid = _zeros((L, num_blocks, 2, bs, h), torch.float16, device, 1)
+            self.salient = _zeros((L, num_blocks, n, h), torch.uint8, device, 1)
+            self.residual = _zeros((L, 2, num_blocks, n, h, d // 2), torch.uint8, device, 2)
         if self.layout.windowed:
             if self.window_blocks < 1:
                 raise ValueError(f"kv_cache_dtype={fmt!r} needs at least one full-precision window block")
             # one spare block past the window: the write's dump for tokens that go elsewhere (never read)
-            self.window = _zeros((L, 2, self.window_blocks + 1, bs, h, d), dtype, device)
+            self.window = _zeros((L, 2, self.window_blocks + 1, bs, h, d), dtype, device, 2)
             self._stage = _Stage()
 
     @staticmethod
@@ -381,9 +381,21 @@ def quantize_tiles(layout: KVLayout, k: torch.Tensor, v: torch.Tensor, salient: 
     return planes
 
 
-def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, block_axis: int) -> torch.Tensor:
+    """Zeros of ``shape`` whose axis ``block_axis`` numbers the pool's blocks. On the CPU: calloc'd memory, so the
+    pool's pages are mapped as blocks are first written, except the first page of every plane (the dimensions
+    before ``block_axis``: a layer's keys, its values, ...), written now. Why: numpy asks for transparent huge pages
+    for large arrays, and the first write into each 2 MiB page maps and zeroes it: ~4-6 ms on the 2-core VM (a fresh
+    1 GiB array: 2.2 s for a byte in each of its 512 huge pages, 8 ms for all its other pages after). The first
+    request of the default model wrote its first keys and values into 60 planes and spent ~0.4 s of its ~0.47 s
+    there (the first answer of ``make demo``); with each plane's first page written at start-up, ~0.11 s (start-up
+    ~0.3 s longer: the same time before a one-shot generate's answer, none of it in a chat's or a server's first
+    request). Later blocks map their pages as they come (a page beyond a plane's first huge page the first time)."""
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
     nbytes = int(np.prod(shape)) * dtype.itemsize
-    raw = torch.from_numpy(np.zeros(max(nbytes, 1), dtype=np.uint8))     # calloc: untouched pages stay unmapped
-    return raw[:nbytes].view(dtype).view(shape)
+    buf = np.zeros(max(nbytes, 1), dtype=np.uint8)                     # calloc: untouched pages stay unmapped
+    planes = int(np.prod(shape[:block_axis]))
+    if nbytes and planes:
+        buf[:nbytes].reshape(planes, nbytes // planes)[:, 0] = 0       # each plane's first page (see above)
+    return torch.from_numpy(buf)[:nbytes].view(dtype).view(shape)
