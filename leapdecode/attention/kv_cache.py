@@ -26,8 +26,9 @@ Quantized formats (lossy, opt-in; the arithmetic is in ``kv_quant.py``):
 ``read_blocks``/``write_blocks`` copy whole pool blocks, every plane of the format (``planes``), to and from CPU
 tensors: the KV transfer between engines (``engine/kv_transfer.py``), bit-exact in every format.
 
-On CPU every tensor is taken from the allocator as zero pages that the kernel maps on first write (``calloc``), so
-a large pool costs nothing at start-up and only the blocks actually used ever become resident.
+On CPU every tensor is an anonymous private mapping of zero pages that the kernel maps on first write (as
+transparent huge pages where offered), so a large pool costs no memory at start-up and only the blocks actually used
+ever become resident; the first page of every plane is written at start-up (see ``_zeros``).
 """
 from __future__ import annotations
 
