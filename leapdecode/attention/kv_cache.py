@@ -387,8 +387,8 @@ def _fresh_pages(nbytes: int) -> np.ndarray:
     """``nbytes`` zero bytes in an anonymous private mapping of their own: its pages are mapped as they are first
     written (a large pool costs no memory until used), as transparent huge pages where the system offers them
     (decode attention read its keys 17-27% faster from huge pages than from 4 KiB ones, session 37). Not calloc: in
-    a long-lived process glibc can return an earlier, larger chunk zeroed by a memset, every page mapped (seen in
-    the test suite's process). Elsewhere (no ``MAP_PRIVATE``, e.g. Windows), numpy's zeros."""
+    the test suite's long-lived process a calloc'd 48 MB pool came back with every page mapped (calloc may hand
+    back memory it zeroed itself). Elsewhere (no ``MAP_PRIVATE``, e.g. Windows), numpy's zeros."""
     try:
         mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     except (AttributeError, OSError, ValueError):
@@ -406,11 +406,11 @@ def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, blo
     (:func:`_fresh_pages`), mapped as blocks are first written, except the first page of every plane (the dimensions
     before ``block_axis``: a layer's keys, its values, ...), written now. Why: the first write into each 2 MiB huge
     page maps and zeroes it, ~4-6 ms on the 2-core VM (a fresh 1 GiB array: 2.2 s for a byte in each of its 512
-    huge pages, 8 ms for all its other pages after). The first
-    request of the default model wrote its first keys and values into 60 planes and spent ~0.4 s of its ~0.47 s
-    there (the first answer of ``make demo``); with each plane's first page written at start-up, ~0.11 s (start-up
-    ~0.3 s longer: the same time before a one-shot generate's answer, none of it in a chat's or a server's first
-    request). Later blocks map their pages as they come (a page beyond a plane's first huge page the first time)."""
+    huge pages, 8 ms for all its other pages after). The default model's first request wrote its first keys and
+    values into 60 planes and spent ~0.4 s of its ~0.47 s there (the first answer of ``make demo``); with each
+    plane's first page written at start-up, ~0.11 s (start-up ~0.3 s longer: the same time before a one-shot
+    generate's answer, none of it in a chat's or a server's first request). Later blocks map their pages as they
+    come (a page beyond a plane's first huge page the first time)."""
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
     nbytes = int(np.prod(shape)) * dtype.itemsize
