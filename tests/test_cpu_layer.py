@@ -189,6 +189,19 @@ def test_rows_beyond_an_int8_layers_tile_take_the_module_path(llama_dir):
     assert cpu_layer.FusedLayer.of(layer) is not fused          # the copy is not confused with its original
 
 
+def test_an_int8_copy_of_the_model_walks_its_own_layers(llama_dir):
+    """``int8_copy`` of a whole model: the list of layers its forward walks (``_layer_list``, kept beside the child
+    table) holds the copy's int8 layers, the original's still its own float ones; a shallow copy alone left the
+    copy's forward running the original's layers."""
+    model = make_llm(llama_dir).engine.runner.model
+    names = [f"layers.{n}" for n in int8_linear.linear_names(model.layers)]
+    copy = int8_linear.int8_copy(model, names)
+    assert all(a is b for a, b in zip(copy._layer_list, copy.layers)) and len(copy._layer_list) == len(copy.layers)
+    assert all(a is b for a, b in zip(model._layer_list, model.layers))
+    assert isinstance(copy._layer_list[0].self_attn.qkv_proj, Int8Linear)
+    assert not isinstance(model._layer_list[0].self_attn.qkv_proj, Int8Linear)
+
+
 def test_sparse_decode_rows_take_one_call_with_the_module_paths_bits(tiny_dir, monkeypatch):
     """Sparse decoding (per_layer): steps with sparse decode rows beside ordinary ones run through the one-call layer
     (full attention below the first selection layer, the top-k kernel from it on) and give the layer-by-layer

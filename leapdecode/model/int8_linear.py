@@ -143,11 +143,13 @@ def int8_copy(module: nn.Module, names: list[str]) -> nn.Module:
     (parameters, buffers, norms, the attention backend and its KV binding) is shared with the original, which is
     left untouched: a drafter can run the target's own layers from int8 weights beside the float target."""
     made: set[int] = set()                         # ids of the copies (each original is copied once)
+    copies: dict[int, nn.Module] = {}               # id of an original -> its copy
 
     def clone(m: nn.Module) -> nn.Module:
         c = copy.copy(m)
         c._modules = dict(m._modules)               # the copy's own child table; children stay shared until copied
         made.add(id(c))
+        copies[id(m)] = c
         return c
 
     root = clone(module)
@@ -161,6 +163,13 @@ def int8_copy(module: nn.Module, names: list[str]) -> nn.Module:
             parent = child
         layer = parent._modules[leaf]
         parent._modules[leaf] = Int8Linear(layer.weight, getattr(layer, "bias", None))
+        copies[id(layer)] = parent._modules[leaf]
+    # plain lists of submodules kept beside the child table (the model's ``_layer_list``, which its forward walks)
+    # follow the copy, or the copy's forward would run the original's layers
+    for c in [m for m in root.modules() if id(m) in made]:
+        for name, value in list(vars(c).items()):
+            if isinstance(value, list) and value and all(isinstance(v, nn.Module) for v in value):
+                setattr(c, name, [copies.get(id(v), v) for v in value])
     return root
 
 
