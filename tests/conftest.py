@@ -112,6 +112,19 @@ def assert_pool_free(llm):
     assert not engine.seqs and not engine.requests
 
 
+def fail_sampling_of(monkeypatch, request_id: str) -> None:
+    """Make sampling raise "sampler exploded" for any batch that holds ``request_id`` (the engine then samples
+    each request of that step alone, and only that request fails)."""
+    from leapdecode.sampling.sampler import SamplingBatch
+    process = SamplingBatch.process
+
+    def faulty_process(self, logits):
+        if any(r.seq.request_id == request_id for r in self.rows):
+            raise RuntimeError("sampler exploded")
+        return process(self, logits)
+    monkeypatch.setattr(SamplingBatch, "process", faulty_process)
+
+
 class OracleDrafter:
     """Drafts the continuation of whichever reference output (from a plain run: ``truth`` maps a prompt to its
     references, one per sample) extends the request's committed tokens, corrupted on purpose: every

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import OracleDrafter, assert_pool_free, make_llm
+from conftest import OracleDrafter, assert_pool_free, fail_sampling_of, make_llm
 from leapdecode import SamplingParams
 from leapdecode.errors import InvalidParameter
 from leapdecode.sampling.dola import Premature, candidate_layers, contrast
@@ -194,19 +194,11 @@ def test_mixed_batch_leaves_other_rows_alone_and_captures_only_for_dola(llms, mo
 
 def test_a_fault_in_another_request_leaves_dola_rows_intact(llms, monkeypatch):
     """When sampling the batch raises, each sequence is sampled alone with its own rows of the contrast."""
-    from leapdecode.sampling.sampler import SamplingBatch
     llm = llms["llama"]
     ps = prompts(seed=4, n=3)
     params = [greedy(dola_layers="high"), greedy(dola_layers="low", repetition_penalty=1.2), greedy()]
     alone = tokens(llm.generate(ps, params, use_tqdm=False))
-    process = SamplingBatch.process
-
-    def faulty(self, logits):
-        if any(r.seq.request_id == "bad" for r in self.rows):
-            raise RuntimeError("sampler exploded")
-        return process(self, logits)
-
-    monkeypatch.setattr(SamplingBatch, "process", faulty)
+    fail_sampling_of(monkeypatch, "bad")
     eng = llm.engine
     for i, (p, sp) in enumerate(zip(ps, params)):
         eng.add_request(str(i), p, sp)

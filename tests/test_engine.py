@@ -4,7 +4,7 @@ import random
 import pytest
 import torch
 
-from conftest import assert_pool_free, make_llm
+from conftest import assert_pool_free, fail_sampling_of, make_llm
 from leapdecode import LLM, SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
@@ -310,22 +310,16 @@ def test_a_fault_in_one_request_ends_only_that_request(llama_dir, monkeypatch):
     """A request whose sampling or detokenization raises ends with finish_reason "error" and the message; every
     other request in the same steps gets exactly the tokens it gets without the faulty one; no block leaks."""
     from leapdecode.engine.detokenizer import Detokenizer
-    from leapdecode.sampling.sampler import SamplingBatch
     ps = random_prompts(6, seed=5)
     ref = tokens(make_llm(llama_dir).generate(ps, GREEDY, use_tqdm=False))
-    process, add = SamplingBatch.process, Detokenizer.add
-
-    def faulty_process(self, logits):
-        if any(r.seq.request_id == "bad-sampling" for r in self.rows):
-            raise RuntimeError("sampler exploded")
-        return process(self, logits)
+    add = Detokenizer.add
 
     def faulty_add(self, token):
         if getattr(self, "faulty", False):
             raise UnicodeError("detokenizer exploded")
         return add(self, token)
 
-    monkeypatch.setattr(SamplingBatch, "process", faulty_process)
+    fail_sampling_of(monkeypatch, "bad-sampling")
     monkeypatch.setattr(Detokenizer, "add", faulty_add)
     llm = make_llm(llama_dir)
     eng = llm.engine

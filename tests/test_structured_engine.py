@@ -7,7 +7,7 @@ import os
 import jsonschema
 import pytest
 
-from conftest import assert_pool_free, make_llm
+from conftest import assert_pool_free, fail_sampling_of, make_llm
 from leapdecode import LLM, SamplingParams
 from leapdecode.spec.drafter import Draft
 
@@ -285,19 +285,11 @@ def test_grammar_rows_stay_with_their_request_when_a_fault_splits_the_batch(llam
     """When sampling the batch raises, each request is sampled alone (the fault stays with its request): the
     structured requests then get their own mask rows, renumbered (verifier._rows_of), and finish exactly as
     without the faulty request beside them."""
-    from leapdecode.sampling.sampler import SamplingBatch
     p = SamplingParams(temperature=0.0, max_tokens=80,
                        structured={**rf(PERSON), "whitespace": "compact", "key_order": "schema"})
     prompts = ["a", "person:", "{}"]
     ref = [o.outputs[0].token_ids for o in make_llm(llama_dir).generate(prompts, p, use_tqdm=False)]
-    process = SamplingBatch.process
-
-    def faulty_process(self, logits):
-        if any(r.seq.request_id == "bad" for r in self.rows):
-            raise RuntimeError("sampler exploded")
-        return process(self, logits)
-
-    monkeypatch.setattr(SamplingBatch, "process", faulty_process)
+    fail_sampling_of(monkeypatch, "bad")
     llm = make_llm(llama_dir)
     eng = llm.engine
     eng.add_request("bad", "x y", SamplingParams(temperature=0.0, max_tokens=8))
