@@ -22,6 +22,7 @@ from leapdecode.distributed.parallel_state import SINGLE, ParallelState
 from leapdecode.engine.cuda_graphs import CudaGraphs
 from leapdecode.engine.input_batch import ForwardBatch, InputBuffers
 from leapdecode.engine.step import StepPlan
+from leapdecode.model import cpu_layer
 from leapdecode.model.config import ModelConfig
 from leapdecode.model.loader import load_model
 from leapdecode.model.int4_linear import quantize_model
@@ -297,7 +298,7 @@ class ModelRunner:
         for layer in getattr(self.model, "layers", ()):
             layer.self_attn.kv_cache = None
         if self.model is not None:
-            self.model.__dict__.pop("_layer_stack", None)     # (the compiled module's hold on weights and caches)
+            cpu_layer.drop_stack(self.model)
         self.graphs = self.model = self.kv_cache = self.buffers = None
 
 

@@ -201,6 +201,12 @@ def linear_parts(m: Any) -> list[torch.Tensor] | None:
     return m.row_parts() if isinstance(m, (PackedLinear, Int8Linear)) else None
 
 
+def _products(layer: Any) -> tuple[Any, Any, Any, Any]:
+    """A decoder layer's four products (q/k/v, output, gate/up, down), read without Module.__getattr__."""
+    attn, mlp = layer._modules["self_attn"]._modules, layer._modules["mlp"]._modules
+    return attn["qkv_proj"], attn["o_proj"], mlp["gate_up_proj"], mlp["down_proj"]
+
+
 class FusedLayer:
     """One decoder layer's weights laid out for ``decoder_layer``; ``None`` from :meth:`of` where the layer does
     not qualify (see the module docstring). ``rows_max``: the most rows its products take (int8: ``ROWS_MAX``)."""
@@ -210,9 +216,7 @@ class FusedLayer:
 
     @staticmethod
     def of(layer: Any) -> FusedLayer | None:
-        attn, mlp = layer._modules["self_attn"], layer._modules["mlp"]
-        key = (id(attn._modules["qkv_proj"]), id(attn._modules["o_proj"]), id(mlp._modules["gate_up_proj"]),
-               id(mlp._modules["down_proj"]))
+        key = tuple(map(id, _products(layer)))
         cached = layer.__dict__.get("_fused_layer")
         if cached is None or cached.key != key:      # (a draft's int8 copy of a layer copies this attribute)
             cached = layer.__dict__["_fused_layer"] = FusedLayer._build(layer, key)
@@ -260,20 +264,23 @@ def _cache_tensors(attn: Any) -> tuple[bool, list[torch.Tensor]] | None:
     return cached[1]
 
 
+def _takes(x: torch.Tensor, cpu: Any, rows_max: int | None, windowed: bool) -> bool:
+    """Does the step (``meta.cpu_step``) let layers whose products take at most ``rows_max`` rows and whose cache
+    is (or is not) windowed run over ``x`` in one call?"""
+    return (cpu is not None and cpu.windowed == windowed and x.dim() == 2 and x.dtype == torch.float32
+            and x.shape[0] == cpu.tensors[1].shape[0] and (rows_max is None or x.shape[0] <= rows_max))
+
+
 def run(layer: Any, x: torch.Tensor, meta: Any) -> torch.Tensor | None:
     """The layer's output through the one-call path, or None where the step or the layer does not allow it."""
     if meta.cpu_step is None:
         return None
     attn = layer._modules["self_attn"]
-    step = meta.cpu_step.for_layer(attn.layer_idx)
-    if x.dim() != 2 or x.dtype != torch.float32 or x.shape[0] != step[1].shape[0]:
-        return None
     fused = FusedLayer.of(layer)
-    if fused is None or (fused.rows_max is not None and x.shape[0] > fused.rows_max):
-        return None
     cache = _cache_tensors(attn)
-    if cache is None or cache[0] != meta.cpu_step.windowed:
+    if fused is None or cache is None or not _takes(x, meta.cpu_step, fused.rows_max, cache[0]):
         return None
+    step = meta.cpu_step.for_layer(attn.layer_idx)
     return fused(x if x.is_contiguous() else x.contiguous(), cache[1], step)
 
 
@@ -300,9 +307,7 @@ class LayerStack:
         """The model's ``layers`` (indices, in that order) over ``x``, or None where the step does not allow the
         one-call path (as :func:`run` would say for each layer)."""
         cpu = meta.cpu_step
-        if (cpu is None or cpu.windowed != self.windowed or x.dim() != 2 or x.dtype != torch.float32
-                or x.shape[0] != cpu.tensors[1].shape[0]
-                or (self.rows_max is not None and x.shape[0] > self.rows_max)):
+        if not _takes(x, cpu, self.rows_max, self.windowed):
             return None
         return native.kernels().layer_stack_run(self.handle, x if x.is_contiguous() else x.contiguous(), layers,
                                                 cpu.tensors, cpu.sparse or [], cpu.sparse_from)
@@ -312,9 +317,7 @@ def _stack_parts(layers: list[Any]) -> list[Any]:
     """What a model's stack is built from: each layer's four products and its cache (compared by identity)."""
     out = []
     for layer in layers:
-        attn, mlp = layer._modules["self_attn"], layer._modules["mlp"]._modules
-        out += (attn._modules["qkv_proj"], attn._modules["o_proj"], mlp["gate_up_proj"], mlp["down_proj"],
-                attn.kv_cache)
+        out += (*_products(layer), layer._modules["self_attn"].kv_cache)
     return out
 
 
@@ -348,4 +351,9 @@ def stack_of(model: Any, layers: list[Any]) -> LayerStack | None:
     return stack
 
 
-__all__ = ["FusedLayer", "LayerStack", "linear_parts", "run", "stack_of"]
+def drop_stack(model: Any) -> None:
+    """Let go of ``model``'s stack (the compiled module's hold on its weights and caches)."""
+    model.__dict__.pop("_layer_stack", None)
+
+
+__all__ = ["FusedLayer", "LayerStack", "drop_stack", "linear_parts", "run", "stack_of"]
